@@ -1,0 +1,103 @@
+"""A read-only view of B sequences' keys and values stored in a block pool.
+
+The pool layout is (N_blocks, H_kv, P, d): block n holds P consecutive positions of every KV head.
+Sequence b's logical block j lives in physical block ``block_table[b, j]``, so position i of
+sequence b, KV head g, is row ``(block_table[b, i // P] * H_kv + g) * P + i % P`` of the pool
+viewed as (N_blocks * H_kv * P, d). A padded batch (B, H_kv, L_cap, d) is the special case
+P = L_cap with one block per sequence (``PagedKV.contiguous``), and costs no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedKV:
+    k_pool: torch.Tensor  # (N_blocks, H_kv, P, d), contiguous
+    v_pool: torch.Tensor  # (N_blocks, H_kv, P, d_v), contiguous
+    block_table: torch.Tensor  # (B, max_blocks) int64 physical block ids (unused entries arbitrary)
+    lengths: torch.Tensor  # (B,) int64 valid positions per sequence (the current token included)
+
+    def __post_init__(self) -> None:
+        if self.k_pool.dim() != 4 or self.v_pool.dim() != 4:
+            raise ValueError("k_pool and v_pool must be (N_blocks, H_kv, P, d)")
+        if self.k_pool.shape[:3] != self.v_pool.shape[:3]:
+            raise ValueError(f"k_pool {tuple(self.k_pool.shape)} and v_pool {tuple(self.v_pool.shape)} disagree")
+        if not (self.k_pool.is_contiguous() and self.v_pool.is_contiguous()):
+            raise ValueError("k_pool and v_pool must be contiguous")
+        if self.block_table.dim() != 2 or self.lengths.shape != (self.block_table.shape[0],):
+            raise ValueError("block_table must be (B, max_blocks) and lengths (B,)")
+
+    @classmethod
+    def contiguous(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None) -> "PagedKV":
+        """View a padded batch k, v: (B, H_kv, L_cap, d) as one block per sequence (no copy)."""
+        B, _, L_cap, _ = k.shape
+        if lengths is None:
+            lengths = torch.full((B,), L_cap, dtype=torch.long, device=k.device)
+        table = torch.arange(B, device=k.device, dtype=torch.long).unsqueeze(1)  # (B, 1)
+        return cls(k.contiguous(), v.contiguous(), table, lengths.to(device=k.device, dtype=torch.long))
+
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pool.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_pool.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pool.shape[3]
+
+    def flat_rows(self, b: torch.Tensor, g: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Pool rows of (sequence b, KV head g, position pos); all broadcast together. pos >= 0."""
+        P, H_kv = self.block_size, self.num_kv_heads
+        block = self.block_table[b, pos // P]  # same shape as the broadcast
+        return (block * H_kv + g) * P + pos % P
+
+    def gather_k(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keys at pool rows (any shape S) -> (*S, d)."""
+        flat = self.k_pool.view(-1, self.k_pool.shape[-1])
+        return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+
+    def gather_v(self, rows: torch.Tensor) -> torch.Tensor:
+        """Values at pool rows (any shape S) -> (*S, d_v)."""
+        flat = self.v_pool.view(-1, self.v_pool.shape[-1])
+        return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+
+    def keys(self, b: int, g: int, length: int | None = None) -> torch.Tensor:
+        """All keys of sequence b, KV head g: (L_b, d). A view when the sequence has one block."""
+        return self._history(self.k_pool, b, g, length)
+
+    def values(self, b: int, g: int, length: int | None = None) -> torch.Tensor:
+        """All values of sequence b, KV head g: (L_b, d_v)."""
+        return self._history(self.v_pool, b, g, length)
+
+    def _history(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
+        L = int(self.lengths[b]) if length is None else length
+        P = self.block_size
+        n_blocks = -(-L // P)
+        if n_blocks <= 1:
+            return pool[int(self.block_table[b, 0]), g, :L]
+        blocks = self.block_table[b, :n_blocks]
+        return pool[blocks, g].reshape(n_blocks * P, -1)[:L]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded copies (B, H_kv, L_max, d) of keys and values; zeros past each length."""
+        L_max = int(self.lengths.max()) if self.batch else 0
+        pos = torch.arange(L_max, device=self.k_pool.device)
+        B, H_kv = self.batch, self.num_kv_heads
+        b = torch.arange(B, device=pos.device).view(B, 1, 1)
+        g = torch.arange(H_kv, device=pos.device).view(1, H_kv, 1)
+        valid = pos.view(1, 1, -1) < self.lengths.view(B, 1, 1)  # (B, 1, L_max)
+        rows = self.flat_rows(b, g, torch.where(valid, pos.view(1, 1, -1), 0))  # (B, H_kv, L_max)
+        k = self.gather_k(rows) * valid.unsqueeze(-1)
+        v = self.gather_v(rows) * valid.unsqueeze(-1)
+        return k, v

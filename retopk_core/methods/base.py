@@ -1,0 +1,133 @@
+"""The contract every attention method of the core follows (full, exact Top-K, ReTopK, baselines).
+
+A method is a small object built from its own config. Per model layer the caller creates one state
+with ``init_state`` (a pool of per-sequence slots that grows on demand), gives each sequence a slot,
+tells the method about each prompt with ``prefill`` (after the prompt's keys and values are in the
+KV cache) and then calls ``decode`` once per generated token for a whole batch of sequences. The
+current token's key and value are already in the cache when ``decode`` runs, so ``kv.lengths[b]``
+counts it. GQA: query head h reads KV head h // (H // H_kv).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from retopk_core.kv import PagedKV
+
+
+class Path(IntEnum):
+    """What a head did on one decode step (stored as int8 in ``StepOutput.path``)."""
+
+    REUSE = 0  # ReTopK: recalled supports + window, reranked
+    FALLBACK = 1  # ReTopK: max cached-query similarity < tau -> Exact Top-K
+    REFRESH = 2  # ReTopK: scheduled Exact Top-K every T_r steps
+    EXACT = 3  # Exact Top-K method: full-history scores, global Top-K
+    DENSE = 4  # Full attention: every position
+    APPROX = 5  # a baseline's own selector (StreamingLLM, Quest, SparQ, Loki, TokenSelect)
+    CACHED = 6  # TokenSelect: previous step's selection reused
+
+
+PATH_NAMES = {p.value: p.name.lower() for p in Path}
+
+
+@dataclass
+class StepOutput:
+    """Result of one decode step for B sequences and H query heads.
+
+    out           (B, H, d_v)  attention output, in the query dtype
+    path          (B, H) int8  ``Path`` value per head
+    max_sim       (B, H) float32  max cached-query cosine (ReTopK), NaN where not defined
+    n_scored      (B, H) int32  keys scored with the exact current query (the candidate count M_t
+                               on ReTopK's reuse path, L on exact paths)
+    selected      (B, H, K) int64  attended positions, -1 padded (None for dense attention)
+    n_approx      (B, H) int32  keys scored approximately by a baseline's selector (0 otherwise)
+    """
+
+    out: torch.Tensor
+    path: torch.Tensor
+    max_sim: torch.Tensor
+    n_scored: torch.Tensor
+    selected: torch.Tensor | None
+    n_approx: torch.Tensor | None = None
+
+
+class SlotPool:
+    """Per-sequence state tensors that share a leading slot dimension, grown by doubling.
+
+    Subclasses list their tensors in ``_fields``; ``alloc`` hands out a free slot, ``free`` returns
+    it (its contents are reset by ``reset_slot`` on the next ``alloc``).
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = max(1, capacity)
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+    def _grow(self) -> None:
+        old = self.capacity
+        for name in self._fields:
+            t = getattr(self, name)
+            new = t.new_zeros((old * 2, *t.shape[1:]))
+            new[:old] = t
+            setattr(self, name, new)
+        self.capacity = old * 2
+        self._free = list(range(self.capacity - 1, old - 1, -1)) + self._free
+
+    def alloc(self) -> int:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.reset_slot(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.capacity:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    def reset_slot(self, slot: int) -> None:
+        for name in self._fields:
+            getattr(self, name)[slot].zero_()
+
+    def nbytes_per_slot(self) -> int:
+        return sum(getattr(self, n)[0].numel() * getattr(self, n).element_size() for n in self._fields)
+
+
+class NoState(SlotPool):
+    """State of a method that keeps nothing between steps (full, exact Top-K, StreamingLLM, SparQ)."""
+
+
+class AttentionMethod:
+    """Base class: subclasses set ``name`` and implement ``decode`` (and ``prefill`` if stateful)."""
+
+    name: str = ""
+    # How many of the prompt's last queries ``prefill`` wants (ReTopK: C); 0 = none.
+    prefill_queries: int = 0
+
+    def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                   capacity: int = 1) -> SlotPool:
+        return NoState(capacity)
+
+    def prefill(self, state: SlotPool, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
+                kv: PagedKV, scale: float | None = None) -> None:
+        """Observe a prompt (or a later turn's new tokens) of one sequence.
+
+        q          (H, T, d) the last T <= prefill_queries queries after RoPE (None when 0 wanted)
+        positions  (T,) their absolute positions; query at position p saw keys 0..p
+        kv         the sequence alone (B = 1), its keys and values already appended
+        scale      score scale (default 1/sqrt(d))
+        """
+
+    def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
+               scale: float | None = None) -> StepOutput:
+        """One decode step. q: (B, H, d) current queries after RoPE; slots: (B,) int64 state slots;
+        scale: score scale (default 1/sqrt(d))."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Name and hyperparameters, for logs, model info and result tables."""
+        return {"method": self.name}

@@ -1,0 +1,43 @@
+"""Exact Top-K attention: score every cached key, keep the K best, softmax-attend over them.
+
+S_t = TopK_i(q_t . k_i / sqrt(d), K) over all L_t positions (equation 1), then equation 12 over S_t.
+ReTopK's fallback and refresh paths call the same ``exact_select`` + ``sparse_attend``, so the
+two methods differ only in how the support is discovered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.sparse import exact_select, resolve_scale, sparse_attend
+
+
+class ExactTopK(AttentionMethod):
+    name = "exact_topk"
+
+    def __init__(self, top_k: int = 512, backend: str = "torch") -> None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+        self.top_k = top_k
+        self.backend = backend
+
+    def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
+               scale: float | None = None) -> StepOutput:
+        B, H, d = q.shape
+        scale = resolve_scale(scale, d)
+        if self.backend == "triton":
+            from retopk_core.kernels.launch import exact_topk_decode
+            out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
+        else:
+            sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale)  # (B, H, K)
+            out = sparse_attend(kv, sel_pos, sel_scores, q.dtype)  # (B, H, d_v)
+        n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
+        return StepOutput(out=out, path=torch.full((B, H), Path.EXACT, dtype=torch.int8),
+                          max_sim=torch.full((B, H), float("nan")), n_scored=n.clone(), selected=sel_pos)
+
+    def describe(self) -> dict:
+        return {"method": self.name, "top_k": self.top_k, "backend": self.backend}

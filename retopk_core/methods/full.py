@@ -1,0 +1,34 @@
+"""Full attention: every cached position, softmax(q K^T * scale) V. The quality reference."""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.sparse import dense_attend, resolve_scale
+
+
+class FullAttention(AttentionMethod):
+    name = "full"
+
+    def __init__(self, backend: str = "torch") -> None:
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
+
+    def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
+               scale: float | None = None) -> StepOutput:
+        B, H, d = q.shape
+        scale = resolve_scale(scale, d)
+        if self.backend == "triton":
+            from retopk_core.kernels.launch import dense_decode
+            out = dense_decode(q, kv, scale)
+        else:
+            out = dense_attend(q, kv, scale)  # (B, H, d_v)
+        n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
+        return StepOutput(out=out, path=torch.full((B, H), Path.DENSE, dtype=torch.int8),
+                          max_sim=torch.full((B, H), float("nan")), n_scored=n.clone(), selected=None)
+
+    def describe(self) -> dict:
+        return {"method": self.name, "backend": self.backend}

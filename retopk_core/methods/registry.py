@@ -1,0 +1,37 @@
+"""Methods by name, so the server, the evaluation and the benchmarks switch methods with a string."""
+
+from __future__ import annotations
+
+import importlib
+
+from retopk_core.methods.base import AttentionMethod
+
+# name -> "module:factory"; the factory takes the method's keyword hyperparameters.
+_METHODS: dict[str, str] = {
+    "full": "retopk_core.methods.full:FullAttention",
+    "exact_topk": "retopk_core.methods.exact:ExactTopK",
+    "retopk": "retopk_core.methods.retopk:ReTopK",
+}
+
+
+def register(name: str, target: str) -> None:
+    """Add a method: ``target`` is "module:callable" taking keyword hyperparameters."""
+    _METHODS[name] = target
+
+
+def method_names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def make_method(name: str, **params) -> AttentionMethod:
+    """Build a method by name; unknown names and bad hyperparameters raise ValueError."""
+    try:
+        target = _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
+    module, attr = target.split(":")
+    factory = getattr(importlib.import_module(module), attr)
+    try:
+        return factory(**params)
+    except TypeError as e:  # an unexpected keyword: name it for the caller
+        raise ValueError(f"bad parameters for method {name!r}: {e}") from None

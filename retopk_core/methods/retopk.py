@@ -1,0 +1,208 @@
+"""ReTopK: recall similar past queries, rerank the union of their Top-K supports (the paper's Method).
+
+Per query head, a FIFO of capacity C holds (unit-norm query q̄_c, support Ŝ_c) pairs (eq. 5). A decode
+step with current query q_t over L_t cached keys:
+
+    ρ_c   = q̄_t · q̄_c                                  similarity to each cached query   (eq. 6)
+    R_t   = TopR_c ρ_c,   ρ_max = max_c ρ_c              recall                           (eq. 7)
+    A_t   = Unique(∪_{c∈R_t} Ŝ_c ∪ {L_t-W, ..., L_t-1})  candidates, M_t = |A_t| <= RK + W (eq. 8, 9)
+    ê_i   = q_t · k_i / sqrt(d),  i ∈ A_t                exact scores of candidates only  (eq. 10)
+    Ŝ_t   = TopK_{i∈A_t} ê_i                             rerank                           (eq. 11)
+    o_t   = Σ_{i∈Ŝ_t} softmax(ê)_i v_i                    sparse attention                 (eq. 12)
+
+Path (eq. 13): REFRESH when T_r > 0 and t_dec ∈ {T_r, 2T_r, ...} (t_dec = 0 on the first decode
+step after the first prefill); else FALLBACK to Exact Top-K when ρ_max < tau (an empty cache has
+ρ_max = -inf); else REUSE. After either path (q̄_t, Ŝ_t) enters the FIFO. Only indices are reused:
+scores, weights and outputs always come from the current query and the real KV cache.
+
+The FIFO is initialised at prefill from the final C prompt queries, each with its exact causal
+Top-K support over the prompt; a later turn's prefill pushes its final queries the same way.
+Positions are 0-based here (the paper's window {L-W+1..L} in 1-based positions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_core.config import ReTopKConfig
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.sparse import (
+    NEG_INF, exact_select, indexed_scores, kv_heads, resolve_scale, sparse_attend, topk_select,
+)
+
+_PAD = torch.iinfo(torch.long).max  # sorts after every real position
+
+
+class QuerySupportCache(SlotPool):
+    """One layer's query-support FIFOs, for every slot (sequence) and query head.
+
+    queries (S, H, C, d) float32   unit-norm cached queries q̄_c
+    support (S, H, C, K) int64     their supports Ŝ_c, -1 padded (prompts shorter than K)
+    fill    (S,) int64             valid entries (every head of a sequence inserts on every step,
+    ptr     (S,) int64             so the fill count and write pointer are shared by its heads)
+    step    (S,) int64             decode steps taken since the first prefill (t_dec)
+    """
+
+    _fields = ("queries", "support", "fill", "ptr", "step")
+
+    def __init__(self, num_heads: int, head_dim: int, config: ReTopKConfig, device: torch.device | str = "cpu",
+                 capacity: int = 1) -> None:
+        C, K = config.cache_size, config.top_k
+        super().__init__(capacity)
+        self.queries = torch.zeros(self.capacity, num_heads, C, head_dim, dtype=torch.float32, device=device)
+        self.support = torch.full((self.capacity, num_heads, C, K), -1, dtype=torch.long, device=device)
+        self.fill = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.ptr = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.step = torch.zeros(self.capacity, dtype=torch.long, device=device)
+
+    def reset_slot(self, slot: int) -> None:
+        super().reset_slot(slot)
+        self.support[slot] = -1
+
+    def push(self, slots: torch.Tensor, qn: torch.Tensor, support: torch.Tensor) -> None:
+        """Insert one entry per (slot, head): slots (B,), qn (B, H, d), support (B, H, K)."""
+        B, H, _ = qn.shape
+        heads = torch.arange(H, device=qn.device).view(1, H)
+        at = self.ptr[slots].view(B, 1)  # (B, 1)
+        self.queries[slots.view(B, 1), heads, at] = qn
+        self.support[slots.view(B, 1), heads, at] = support
+        C = self.queries.shape[2]
+        self.ptr[slots] = (self.ptr[slots] + 1) % C
+        self.fill[slots] = (self.fill[slots] + 1).clamp(max=C)
+
+
+class ReTopK(AttentionMethod):
+    name = "retopk"
+
+    def __init__(self, top_k: int = 512, cache_size: int = 32, window: int = 32, recall: int = 4,
+                 tau: float = 0.85, refresh_every: int = 128, retrieval: str = "similarity",
+                 backend: str = "torch", config: ReTopKConfig | None = None) -> None:
+        self.config = config or ReTopKConfig(top_k=top_k, cache_size=cache_size, window=window, recall=recall,
+                                             tau=tau, refresh_every=refresh_every, retrieval=retrieval)
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+        self.backend = backend
+        self.prefill_queries = self.config.cache_size
+
+    def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                   capacity: int = 1) -> QuerySupportCache:
+        return QuerySupportCache(num_heads, head_dim, self.config, device, capacity)
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def prefill(self, state: QuerySupportCache, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
+                kv: PagedKV, scale: float | None = None) -> None:
+        """Push the prompt's final queries with their exact causal Top-K supports (equation 5)."""
+        if q is None or q.shape[1] == 0:
+            return
+        q, positions = q[:, -self.config.cache_size:], positions[-self.config.cache_size:]
+        H, T, d = q.shape
+        scale = resolve_scale(scale, d)
+        K, G = self.config.top_k, H // kv.num_kv_heads
+        L = int(kv.lengths[0])
+        support = torch.empty(H, T, K, dtype=torch.long, device=q.device)
+        pos = torch.arange(L, device=q.device)
+        causal = pos.view(1, L) <= positions.view(T, 1)  # (T, L): query at p sees keys 0..p
+        for g in range(kv.num_kv_heads):
+            keys = kv.keys(0, g, L).float()  # (L, d)
+            scores = (q[g * G:(g + 1) * G].float() @ keys.T) * scale  # (G, T, L)
+            scores = scores.masked_fill(~causal, NEG_INF)
+            sel, _ = topk_select(scores.view(G * T, L), pos.expand(G * T, L), K)  # (G*T, K)
+            support[g * G:(g + 1) * G] = sel.view(G, T, K)
+        qn = _unit(q)  # (H, T, d)
+        slots = torch.tensor([slot], device=q.device)
+        for t in range(T):  # T <= C pushes, once per prompt
+            state.push(slots, qn[:, t].unsqueeze(0), support[:, t].unsqueeze(0))
+
+    # -- decode ----------------------------------------------------------------------------------
+    def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
+               scale: float | None = None) -> StepOutput:
+        if self.backend == "triton":
+            from retopk_core.kernels.launch import retopk_decode
+            return retopk_decode(self, q, kv, state, slots, resolve_scale(scale, q.shape[-1]))
+        cfg = self.config
+        B, H, d = q.shape
+        scale = resolve_scale(scale, d)
+        qn = _unit(q)  # (B, H, d) float32
+
+        sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
+        path = self._choose_path(max_sim, state.step[slots])  # (B, H) int8
+
+        sel_pos = torch.full((B, H, cfg.top_k), -1, dtype=torch.long, device=q.device)
+        sel_scores = torch.full((B, H, cfg.top_k), NEG_INF, dtype=torch.float32, device=q.device)
+        n_scored = kv.lengths.to(torch.int32).view(B, 1).expand(B, H).clone()  # exact paths score L
+
+        reuse = path == Path.REUSE
+        if bool(reuse.any()):
+            b, h = reuse.nonzero(as_tuple=True)  # (P,), (P,)
+            cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M)
+            g = kv_heads(H, kv.num_kv_heads, q.device)[h]
+            scores = indexed_scores(q[b, h], kv, b, g, cand, scale)  # (P, M)
+            sp, ss = topk_select(scores, cand, cfg.top_k)  # (P, K)
+            sel_pos[b, h], sel_scores[b, h] = sp, ss
+            n_scored[b, h] = (cand >= 0).sum(-1).to(torch.int32)
+        if not bool(reuse.all()):
+            exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores)
+
+        out = sparse_attend(kv, sel_pos, sel_scores, q.dtype)  # (B, H, d_v)
+        state.push(slots, qn, sel_pos)
+        state.step[slots] += 1
+        return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel_pos)
+
+    def _similarity(self, qn: torch.Tensor, state: QuerySupportCache, slots: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ρ (B, H, C) with -inf at empty entries, and ρ_max (B, H) (eq. 6, 7)."""
+        cached = state.queries.index_select(0, slots)  # (B, H, C, d)
+        sim = torch.matmul(cached, qn.unsqueeze(-1)).squeeze(-1)  # (B, H, C)
+        C = sim.shape[-1]
+        empty = torch.arange(C, device=qn.device).view(1, 1, C) >= state.fill[slots].view(-1, 1, 1)  # (B, 1, C)
+        sim = sim.masked_fill(empty, NEG_INF)
+        return sim, sim.max(dim=-1).values
+
+    def _choose_path(self, max_sim: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Equation 13, per (sequence, head): refresh, else fallback below tau, else reuse."""
+        T_r = self.config.refresh_every
+        refresh = (step > 0) & (step % T_r == 0) if T_r > 0 else torch.zeros_like(step, dtype=torch.bool)  # (B,)
+        path = torch.where(max_sim < self.config.tau, Path.FALLBACK, Path.REUSE).to(torch.int8)  # (B, H)
+        return torch.where(refresh.view(-1, 1), torch.tensor(Path.REFRESH, dtype=torch.int8), path)
+
+    def _candidates(self, sim: torch.Tensor, state: QuerySupportCache, slot: torch.Tensor, head: torch.Tensor,
+                    length: torch.Tensor) -> torch.Tensor:
+        """Sorted unique candidate positions per reuse head, -1 padded (eq. 8, 9).
+
+        sim (P, C) similarities of each reuse head, slot/head/length (P,)  ->  (P, M), M = max M_t
+        """
+        cfg = self.config
+        P, C = sim.shape
+        if cfg.retrieval == "similarity":
+            r_sim, r_idx = sim.topk(cfg.recall, dim=-1)  # (P, R)
+            r_ok = r_sim > NEG_INF
+        else:  # ablation: the R most recently inserted entries
+            age = torch.arange(1, cfg.recall + 1, device=sim.device).view(1, -1)  # (1, R)
+            r_idx = (state.ptr[slot].view(P, 1) - age) % C  # (P, R)
+            r_ok = age <= state.fill[slot].view(P, 1)
+        H = state.support.shape[1]
+        rows = (slot.view(P, 1) * H + head.view(P, 1)) * C + r_idx  # (P, R) rows of support viewed (S*H*C, K)
+        supports = state.support.view(-1, cfg.top_k).index_select(0, rows.view(-1)).view(P, -1)  # (P, R*K)
+        supports = supports.masked_fill(~r_ok.repeat_interleave(cfg.top_k, dim=1), -1)
+        window = length.view(P, 1) - cfg.window + torch.arange(cfg.window, device=sim.device).view(1, -1)  # (P, W)
+        cand = torch.cat([supports, window], dim=1)  # (P, R*K + W)
+        cand = torch.where(cand >= 0, cand, _PAD).sort(dim=-1).values
+        dup = torch.zeros_like(cand, dtype=torch.bool)
+        dup[:, 1:] = cand[:, 1:] == cand[:, :-1]
+        cand = cand.masked_fill(dup, _PAD).sort(dim=-1).values  # unique positions first, padding last
+        M = int((cand != _PAD).sum(-1).max())
+        cand = cand[:, :max(M, 1)]
+        return torch.where(cand == _PAD, -1, cand)
+
+    def describe(self) -> dict:
+        c = self.config
+        return {"method": self.name, "top_k": c.top_k, "cache_size": c.cache_size, "window": c.window,
+                "recall": c.recall, "tau": c.tau, "refresh_every": c.refresh_every, "retrieval": c.retrieval,
+                "backend": self.backend}
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    """x / ||x||_2 along the last dim, in float32 (zero vectors stay zero)."""
+    x = x.float()
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)

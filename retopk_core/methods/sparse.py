@@ -1,0 +1,122 @@
+"""Building blocks shared by every sparse method: indexed scores, Top-K, exact selection, sparse attend.
+
+All scores are e_i = q . k_i * scale (scale = 1/sqrt(d) by default), accumulated in float32.
+Positions are int64 with -1 as padding; a padded position is never scored, selected or attended.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from retopk_core.kv import PagedKV
+
+NEG_INF = float("-inf")
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def kv_heads(num_heads: int, num_kv_heads: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """KV head read by each query head (GQA): h // (H // H_kv). -> (H,) int64."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+
+
+def indexed_scores(q: torch.Tensor, kv: PagedKV, b: torch.Tensor, g: torch.Tensor, pos: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Exact scores of query rows against keys at given positions.
+
+    q    (N, d)     one query per row
+    b, g (N,)       sequence and KV head of each row
+    pos  (N, M)     positions to score, -1 = padding
+    ->   (N, M)     float32 scores, -inf at padding
+    """
+    valid = pos >= 0  # (N, M)
+    rows = kv.flat_rows(b.unsqueeze(1), g.unsqueeze(1), pos.clamp(min=0))  # (N, M)
+    keys = kv.gather_k(rows)  # (N, M, d)
+    scores = torch.bmm(keys.float(), q.float().unsqueeze(-1)).squeeze(-1) * scale  # (N, M)
+    return scores.masked_fill(~valid, NEG_INF)
+
+
+def topk_select(scores: torch.Tensor, pos: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of each row's scores, padded to k when a row has fewer valid entries.
+
+    scores (N, M) float32 (-inf = padding), pos (N, M) int64  ->  (sel_pos (N, k) -1 padded,
+    sel_scores (N, k) -inf padded)
+    """
+    N, M = scores.shape
+    kk = min(k, M)
+    top, idx = scores.topk(kk, dim=-1)  # (N, kk)
+    sel = pos.gather(-1, idx).masked_fill(top == NEG_INF, -1)  # (N, kk)
+    if kk < k:
+        sel = torch.cat([sel, sel.new_full((N, k - kk), -1)], dim=-1)
+        top = torch.cat([top, top.new_full((N, k - kk), NEG_INF)], dim=-1)
+    return sel, top
+
+
+def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch.Tensor | None = None,
+                 sel_pos: torch.Tensor | None = None, sel_scores: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact Top-K over the full history (equation 1) for the heads in ``need``.
+
+    q (B, H, d); need (B, H) bool (None = every head). The keys of one (sequence, KV head) are read
+    once for all of its query heads that need them: the exact path is memory-bound, so the
+    granularity of the work is the KV group. Results are written into sel_pos (B, H, k) int64 and
+    sel_scores (B, H, k) float32 (created -1 / -inf when not given) and returned.
+    """
+    B, H, _ = q.shape
+    H_kv = kv.num_kv_heads
+    G = H // H_kv
+    if sel_pos is None:
+        sel_pos = torch.full((B, H, k), -1, dtype=torch.long, device=q.device)
+        sel_scores = torch.full((B, H, k), NEG_INF, dtype=torch.float32, device=q.device)
+    need_g = (torch.ones(B, H, dtype=torch.bool, device=q.device) if need is None else need).view(B, H_kv, G)
+    for b, g in need_g.any(-1).nonzero().tolist():  # Python loop over (sequence, KV group), not over tokens
+        L = int(kv.lengths[b])
+        heads = torch.arange(g * G, (g + 1) * G, device=q.device)[need_g[b, g]]  # (n,)
+        keys = kv.keys(b, g, L)  # (L, d), a view for single-block sequences
+        scores = (q[b, heads].float() @ keys.float().T) * scale  # (n, L)
+        pos = torch.arange(L, device=q.device).expand(len(heads), L)  # (n, L)
+        sp, ss = topk_select(scores, pos, k)  # (n, k)
+        sel_pos[b, heads] = sp
+        sel_scores[b, heads] = ss
+    return sel_pos, sel_scores
+
+
+def sparse_attend(kv: PagedKV, sel_pos: torch.Tensor, sel_scores: torch.Tensor, out_dtype: torch.dtype,
+                  ) -> torch.Tensor:
+    """Softmax over the selected exact scores and the weighted sum of their values (equation 12).
+
+    sel_pos (B, H, K) int64 (-1 padded), sel_scores (B, H, K) float32 (-inf at padding; every row
+    has at least one valid entry)  ->  out (B, H, d_v) in out_dtype
+    """
+    B, H, K = sel_pos.shape
+    kvh = kv_heads(H, kv.num_kv_heads, sel_pos.device)
+    b = torch.arange(B, device=sel_pos.device).view(B, 1, 1)
+    rows = kv.flat_rows(b, kvh.view(1, H, 1), sel_pos.clamp(min=0))  # (B, H, K)
+    weights = torch.softmax(sel_scores, dim=-1)  # (B, H, K) float32, 0 at padding
+    values = kv.gather_v(rows)  # (B, H, K, d_v)
+    out = torch.matmul(weights.unsqueeze(-2), values.float()).squeeze(-2)  # (B, H, d_v)
+    return out.to(out_dtype)
+
+
+def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
+    """Full softmax attention of each sequence's current query over its whole history.
+
+    q (B, H, d) -> out (B, H, d_v). Per (sequence, KV group) one matmul over the keys.
+    """
+    B, H, _ = q.shape
+    H_kv = kv.num_kv_heads
+    G = H // H_kv
+    out = torch.empty(B, H, kv.v_pool.shape[-1], dtype=torch.float32, device=q.device)
+    for b in range(B):
+        L = int(kv.lengths[b])
+        for g in range(H_kv):
+            keys, values = kv.keys(b, g, L), kv.values(b, g, L)  # (L, d), (L, d_v)
+            w = torch.softmax((q[b, g * G:(g + 1) * G].float() @ keys.float().T) * scale, dim=-1)  # (G, L)
+            out[b, g * G:(g + 1) * G] = w @ values.float()  # (G, d_v)
+    return out.to(q.dtype)
