@@ -1,0 +1,48 @@
+"""Build hook of the client-only distribution: generate the gRPC stubs before packaging.
+
+All metadata lives in client/pyproject.toml. The stubs are generated from ../proto by
+../scripts/gen_proto.py (the same script as the root build). Building from an unpacked client sdist,
+where ../proto is absent, packages the stubs the sdist already carries.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+GEN_SCRIPT = HERE.parent / "scripts" / "gen_proto.py"
+PROTO_DIR = HERE.parent / "proto"
+OUT_DIR = HERE / "retopk_client" / "_proto"
+
+
+def _gen_proto():
+    spec = importlib.util.spec_from_file_location("_retopk_gen_proto", GEN_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithProto(build_py):
+    """build_py that first (re)generates retopk_client._proto and adds its packages."""
+
+    def run(self):
+        if GEN_SCRIPT.is_file() and PROTO_DIR.is_dir():
+            gen = _gen_proto()
+            gen.generate(PROTO_DIR, OUT_DIR)
+            packages = gen.generated_packages(OUT_DIR, "retopk_client._proto")
+        elif (OUT_DIR / "__init__.py").is_file():
+            packages = sorted(
+                "retopk_client._proto" + "".join("." + part for part in p.parent.relative_to(OUT_DIR).parts)
+                for p in OUT_DIR.rglob("__init__.py")
+            )
+        else:
+            raise RuntimeError(f"cannot generate the gRPC stubs: neither {PROTO_DIR} nor {OUT_DIR} exists")
+        for name in packages:
+            if name not in self.packages:
+                self.packages.append(name)
+        super().run()
+
+
+setup(cmdclass={"build_py": BuildPyWithProto})

@@ -1,0 +1,31 @@
+"""Root pytest setup shared by every test folder: the `gpu` marker's skip and the embedded model.
+
+The `gpu` and `slow` markers are declared in pyproject.toml. Loading the embedded SmolLM2-135M costs
+~18 s, so it is loaded at most once per pytest process through the session fixture `embedded_model`;
+tests must not modify the returned model (its weights, config or attention implementation).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, float32 on the CPU, shared read-only."""
+    from retopk_core.models import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL)
