@@ -1,0 +1,179 @@
+"""ReTopK (batched torch core) against the per-head reference loop written from the paper."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from retopk_core.config import ReTopKConfig
+from retopk_core.kv import PagedKV
+from retopk_core.methods import Path, make_method
+from tests.core._reference import RefHead
+from tests.core._scenario import make_trace, paged
+
+
+def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False):
+    """Drive core and reference through the same trace; yield per step (core output, reference rows)."""
+    B = len(trace.prompt_lens)
+    d = trace.keys.shape[-1]
+    scale = 1 / math.sqrt(d)
+    method = make_method("retopk", **cfg)
+    state = method.init_state(H, H_kv, d, capacity=1)  # grows while allocating B slots
+    slots = torch.tensor([state.alloc() for _ in range(B)])
+    G = H // H_kv
+    refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
+                     cfg["refresh_every"], cfg.get("retrieval", "similarity")) for _ in range(H)] for _ in range(B)]
+    keys, values = trace.keys.to(dtype), trace.values.to(dtype)
+    for b, P in enumerate(trace.prompt_lens):
+        if no_prefill:
+            continue
+        T = trace.prompt_queries.shape[2]
+        pos = torch.arange(P - T, P).clamp(min=0)
+        kv_b = PagedKV.contiguous(keys[b:b + 1], values[b:b + 1], torch.tensor([P]))
+        method.prefill(state, int(slots[b]), trace.prompt_queries[b].to(dtype), pos, kv_b)
+        for h in range(H):
+            refs[b][h].prefill(trace.prompt_queries[b, h].to(dtype).double(), pos.tolist(),
+                               keys[b, h // G].double(), scale)
+    for t in range(trace.queries.shape[0]):
+        lengths = trace.lengths_at(t)
+        kv = paged(keys, values, lengths, block=8, seed=t) if use_paged else PagedKV.contiguous(keys, values, lengths)
+        q = trace.queries[t].to(dtype)
+        out = method.decode(q, kv, state, slots)
+        rows = [[refs[b][h].step(q[b, h], keys[b, h // G, :int(lengths[b])], values[b, h // G, :int(lengths[b])],
+                                 scale) for h in range(H)] for b in range(B)]
+        yield out, rows
+
+
+CASES = [
+    # (H, H_kv, d, K, C, W, R, T_r, prompt_lens)
+    (4, 4, 16, 8, 4, 4, 2, 5, (40, 23, 9)),  # MHA, FIFO wrap-around, refresh, L < K for one row
+    (6, 2, 16, 16, 4, 4, 2, 0, (50, 30, 12)),  # GQA 3, no refresh
+    (7, 1, 32, 4, 3, 2, 3, 4, (20, 6, 33)),  # GQA 7, R = C
+    (6, 3, 16, 64, 5, 8, 4, 6, (70, 40, 10)),  # K > L everywhere: supports hold every position
+    (4, 2, 16, 8, 4, 0, 2, 7, (30, 25, 18)),  # no recent window (ablation)
+    (4, 2, 16, 8, 4, 50, 2, 3, (30, 25, 18)),  # W > L
+]
+
+
+@pytest.mark.parametrize("use_paged", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_loop(case, use_paged):
+    H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
+    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r)
+    trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
+    seen = set()
+    for out, rows in run_both(cfg, trace, H, H_kv, use_paged):
+        for b, row in enumerate(rows):
+            for h, (path, max_sim, cand, support, ref_out) in enumerate(row):
+                seen.add(path)
+                assert int(out.path[b, h]) == path, (b, h)
+                assert float(out.max_sim[b, h]) == pytest.approx(max_sim, abs=1e-5) or max_sim == -math.inf
+                sel = out.selected[b, h]
+                assert sorted(sel[sel >= 0].tolist()) == sorted(support)
+                if path == Path.REUSE:
+                    assert int(out.n_scored[b, h]) == len(cand)
+                torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
+    assert {Path.REUSE, Path.FALLBACK} <= seen  # the trace exercised both decisions
+    if T_r:
+        assert Path.REFRESH in seen
+
+
+def test_recent_retrieval_ablation_matches_reference():
+    cfg = dict(top_k=8, cache_size=5, window=4, recall=2, tau=0.85, refresh_every=0, retrieval="recent")
+    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(30, 17), steps=10, T=7)
+    for out, rows in run_both(cfg, trace, 4, 2):
+        for b, row in enumerate(rows):
+            for h, (path, _, _, support, ref_out) in enumerate(row):
+                assert int(out.path[b, h]) == path
+                sel = out.selected[b, h]
+                assert sorted(sel[sel >= 0].tolist()) == sorted(support)
+                torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
+
+
+def test_empty_cache_falls_back_then_reuses():
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0)
+    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(30, 17), steps=6, outlier_p=0.0)
+    paths = []
+    for out, rows in run_both(cfg, trace, 4, 2, no_prefill=True):
+        assert out.path.tolist() == [[r[0] for r in row] for row in rows]
+        paths.append(out.path)
+    assert (paths[0] == Path.FALLBACK).all()  # nothing cached yet: max_sim = -inf
+    assert (torch.stack(paths[1:]) == Path.REUSE).any()
+
+
+def test_tau_one_equals_exact_topk_every_step():
+    trace = make_trace(B=3, H=6, H_kv=2, prompt_lens=(60, 41, 25), steps=10, noise=0.05, outlier_p=0.0)
+    method = make_method("retopk", top_k=8, cache_size=4, window=4, recall=2, tau=1.0, refresh_every=0)
+    exact = make_method("exact_topk", top_k=8)
+    state = method.init_state(6, 2, 16, capacity=3)
+    slots = torch.tensor([state.alloc() for _ in range(3)])
+    for b, P in enumerate(trace.prompt_lens):
+        kv_b = PagedKV.contiguous(trace.keys[b:b + 1], trace.values[b:b + 1], torch.tensor([P]))
+        method.prefill(state, int(slots[b]), trace.prompt_queries[b], torch.arange(P - 6, P), kv_b)
+    for t in range(10):
+        kv = PagedKV.contiguous(trace.keys, trace.values, trace.lengths_at(t))
+        got = method.decode(trace.queries[t], kv, state, slots)
+        want = exact.decode(trace.queries[t], kv, None, None)
+        assert (got.path == Path.FALLBACK).all()
+        assert torch.equal(got.selected.sort(-1).values, want.selected.sort(-1).values)
+        torch.testing.assert_close(got.out, want.out)
+
+
+@pytest.mark.parametrize("H,H_kv", [(4, 4), (6, 2), (7, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_topk_with_k_ge_length_equals_sdpa(H, H_kv, dtype):
+    torch.manual_seed(0)
+    B, d, L_cap = 3, 32, 50
+    k, v = torch.randn(B, H_kv, L_cap, d, dtype=dtype), torch.randn(B, H_kv, L_cap, d, dtype=dtype)
+    lengths = torch.tensor([50, 31, 1])
+    q = torch.randn(B, H, d, dtype=dtype)
+    kv = PagedKV.contiguous(k, v, lengths)
+    for name, params in [("exact_topk", {"top_k": 64}), ("full", {})]:
+        out = make_method(name, **params).decode(q, kv, None, None).out
+        for b in range(B):
+            L = int(lengths[b])
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[b].float().unsqueeze(1), k[b, :, :L].float(), v[b, :, :L].float(), enable_gqa=True).squeeze(1)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[b].float(), ref, atol=tol, rtol=tol)
+
+
+def test_bfloat16_tracks_float32_reference():
+    cfg = dict(top_k=16, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0)
+    trace = make_trace(B=2, H=4, H_kv=2, d=32, prompt_lens=(40, 20), steps=5)
+    for out, rows in run_both(cfg, trace, 4, 2, dtype=torch.bfloat16):
+        assert out.out.dtype == torch.bfloat16
+        for b, row in enumerate(rows):
+            for h, r in enumerate(row):
+                torch.testing.assert_close(out.out[b, h].double(), r[4], atol=3e-2, rtol=3e-2)
+
+
+def test_state_pool_grows_and_keeps_contents():
+    method = make_method("retopk", top_k=4, cache_size=2, window=2, recall=1)
+    state = method.init_state(2, 1, 8, capacity=1)
+    a = state.alloc()
+    state.queries[a] = 1.0
+    b, c = state.alloc(), state.alloc()  # forces two doublings
+    assert state.capacity >= 3 and len({a, b, c}) == 3
+    assert (state.queries[a] == 1.0).all() and (state.support[b] == -1).all()
+    state.free(b)
+    with pytest.raises(ValueError):
+        state.free(b)
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 0), ("cache_size", -1), ("recall", 40), ("tau", 1.5),
+                                         ("window", -1), ("refresh_every", -2), ("retrieval", "random")])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field if field != "recall" else "recall"):
+        ReTopKConfig(**{field: value})
+
+
+def test_unknown_method_and_bad_parameter():
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("nope")
+    with pytest.raises(ValueError, match="top_k"):
+        make_method("retopk", top_k=0)
+    with pytest.raises(ValueError, match="bad parameters"):
+        make_method("exact_topk", tau=0.5)
