@@ -11,7 +11,7 @@ from retopk_core.kv import PagedKV
 def test_support_recall_counts_shared_positions_and_ignores_padding():
     exact = torch.tensor([[3, 1, 7, -1]])
     selected = torch.tensor([[1, 9, 3, -1]])
-    assert support_recall(selected, exact).tolist() == [2 / 3]
+    assert abs(support_recall(selected, exact).item() - 2 / 3) < 1e-6
 
 
 def test_full_probabilities_and_retained_mass():
@@ -20,7 +20,7 @@ def test_full_probabilities_and_retained_mass():
     kv = PagedKV.contiguous(k, torch.zeros_like(k), torch.tensor([3]))
     probs = full_probabilities(torch.ones(1, 1, 1), kv, scale=1.0)
     z = 1 + math.e + math.e ** 2
-    torch.testing.assert_close(probs[0, 0], torch.tensor([1 / z, math.e / z, math.e ** 2 / z, 0.0]))
+    torch.testing.assert_close(probs[0, 0], torch.tensor([1 / z, math.e / z, math.e ** 2 / z]))  # up to the length
     mass = retained_mass(probs, torch.tensor([[[2, 1, -1]]]))
     assert abs(mass.item() - (math.e + math.e ** 2) / z) < 1e-6
 
