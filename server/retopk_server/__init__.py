@@ -1,0 +1,1 @@
+"""retopk_server: the gRPC decoding server (engine, sessions, sampling, metrics) around the ReTopK core."""

@@ -1,0 +1,185 @@
+"""The attention function the runner registers with transformers, and the per-step context it reads.
+
+transformers' attention modules compute q, k, v and RoPE themselves, hand k, v to ``cache.update``
+(our ``RuntimeCache`` writes them into the session blocks) and then call the function registered
+under ``ATTN_NAME`` with the forward's extra keyword arguments; the runner passes a ``StepContext``
+as ``retopk_ctx`` there. The matching mask function returns None: each row's length is in the context.
+
+Prefill (one session, a chunk of T tokens at positions s..s+T-1): dense softmax attention, causal
+within the chunk and full to the session's earlier positions, via SDPA with GQA. After the last
+chunk the method sees the prompt's last ``prefill_queries`` queries (``method.prefill``).
+Decode (B sessions, one token each): rows are grouped by method, each group calls ``method.decode``
+on a PagedKV view of its rows, outputs are scattered back into the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from retopk_core.methods.base import AttentionMethod, SlotPool
+from retopk_server.runtime.kv_pool import KVPool
+
+ATTN_NAME = "retopk"
+CTX_KWARG = "retopk_ctx"
+
+
+class MethodGroup:
+    """One method instance and its per-layer state pools, shared by every session with the same MethodSpec."""
+
+    def __init__(self, method: AttentionMethod, num_layers: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, device: torch.device | str) -> None:
+        self.method = method
+        self.states: list[SlotPool] = [method.init_state(num_heads, num_kv_heads, head_dim, device=device)
+                                       for _ in range(num_layers)]
+        self.takes_scale = "scale" in inspect.signature(method.decode).parameters
+
+    def alloc(self) -> list[int]:
+        return [state.alloc() for state in self.states]
+
+    def free(self, slots: list[int]) -> None:
+        for state, slot in zip(self.states, slots, strict=True):
+            state.free(slot)
+
+    def slot_nbytes(self) -> int:
+        return sum(state.nbytes_per_slot() for state in self.states)
+
+    def decode(self, layer: int, q: torch.Tensor, kv, slots: torch.Tensor, scale: float):
+        """q (n, H, d) -> StepOutput; the model's softmax scale is passed or folded into q."""
+        if self.takes_scale:
+            return self.method.decode(q, kv, self.states[layer], slots, scale=scale)
+        default = 1.0 / math.sqrt(q.shape[-1])
+        if scale != default:
+            q = q * (scale / default)
+        return self.method.decode(q, kv, self.states[layer], slots)
+
+
+@dataclass
+class DecodeGroup:
+    group: MethodGroup
+    rows: torch.Tensor | None  # (n,) batch rows of this group on the device; None = every row
+    slots: torch.Tensor  # (layers, n) int64 state slots on the device
+
+
+@dataclass
+class StepContext:
+    """Everything one forward needs beyond the model's own inputs.
+
+    mode          "prefill" (one session, a chunk) or "decode" (one token per row)
+    table         (B, max_blocks) int64 block table of the rows
+    start         (B,) int64 position of each row's first new token
+    lengths       (B,) int64 positions valid after this step's tokens are written
+    """
+
+    mode: str
+    pool: KVPool
+    table: torch.Tensor
+    start: torch.Tensor
+    lengths: torch.Tensor
+    # decode
+    groups: list[DecodeGroup] = field(default_factory=list)
+    with_stats: bool = False
+    stats: list[list[tuple]] = field(default_factory=list)  # per group: per layer (path, max_sim, n_scored)
+    attention_s: list[float] = field(default_factory=list)  # per group
+    # prefill
+    prefill_group: MethodGroup | None = None
+    prefill_slots: list[int] | None = None
+    prefill_start: int = 0  # python int copy of start[0]
+    prefill_last: bool = False  # this chunk ends the new tokens: hand the tail queries to the method
+    tail_start: int = 0  # first position whose query the method wants
+    tails: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, t, d) queries kept so far
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def retopk_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers attention interface: query (B, H, T, d) after RoPE -> ((B, T, H, d), None)."""
+    ctx: StepContext | None = kwargs.get(CTX_KWARG)
+    if ctx is None:
+        raise RuntimeError(f"the {ATTN_NAME!r} attention needs the runner's step context (kwarg {CTX_KWARG!r})")
+    layer = module.layer_idx
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    if ctx.mode == "prefill":
+        out = _prefill(ctx, layer, query, scale)
+    else:
+        out = _decode(ctx, layer, query[:, :, 0], scale).unsqueeze(2)  # (B, H, 1, d)
+    return out.transpose(1, 2), None
+
+
+def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One session's chunk: query (1, H, T, d) -> (1, H, T, d) dense causal attention."""
+    _, H, T, _ = query.shape
+    s = ctx.prefill_start
+    L = s + T
+    k, v = ctx.pool.history(layer, ctx.table[0], L)  # (H_kv, L, d)
+    k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)
+    gqa = H != k.shape[1]
+    if s == 0:
+        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        qpos = torch.arange(s, L, device=query.device).view(T, 1)
+        mask = torch.arange(L, device=query.device).view(1, L) <= qpos  # (T, L): key j visible to query s+i
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    group = ctx.prefill_group
+    want = group.method.prefill_queries
+    if want > 0:
+        first = max(ctx.tail_start, s)
+        if first < L:
+            kept = query[0, :, first - s:]  # (H, t, d)
+            prev = ctx.tails.get(layer)
+            ctx.tails[layer] = kept if prev is None else torch.cat([prev, kept], dim=1)
+    if ctx.prefill_last:
+        q_tail = ctx.tails.pop(layer, None) if want > 0 else None
+        positions = None
+        if q_tail is not None:
+            positions = torch.arange(L - q_tail.shape[1], L, device=query.device)
+        kv = ctx.pool.paged(layer, ctx.table[:1], ctx.lengths[:1])
+        group.method.prefill(group.states[layer], ctx.prefill_slots[layer], q_tail, positions, kv)
+    return out
+
+
+def _decode(ctx: StepContext, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token per row: q (B, H, d) -> (B, H, d), each method group on its own rows."""
+    out = None
+    for gi, dg in enumerate(ctx.groups):
+        if ctx.with_stats:
+            _sync(q.device)
+            t0 = time.perf_counter()
+        if dg.rows is None:
+            kv = ctx.pool.paged(layer, ctx.table, ctx.lengths)
+            res = dg.group.decode(layer, q, kv, dg.slots[layer], scale)
+            out = res.out
+        else:
+            kv = ctx.pool.paged(layer, ctx.table.index_select(0, dg.rows), ctx.lengths.index_select(0, dg.rows))
+            res = dg.group.decode(layer, q.index_select(0, dg.rows), kv, dg.slots[layer], scale)
+            if out is None:
+                out = q.new_empty(q.shape[0], q.shape[1], res.out.shape[-1])
+            out.index_copy_(0, dg.rows, res.out.to(out.dtype))
+        if ctx.with_stats:
+            _sync(q.device)
+            ctx.attention_s[gi] += time.perf_counter() - t0
+            ctx.stats[gi].append((res.path, res.max_sim, res.n_scored))
+    return out
+
+
+def no_mask(*args, **kwargs):
+    """Mask interface for ``ATTN_NAME``: no mask tensor; the attention function knows each row's length."""
+    return None
+
+
+def register_attention() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, retopk_attention)
+    AttentionMaskInterface.register(ATTN_NAME, no_mask)

@@ -1,0 +1,94 @@
+"""One block pool per model layer holding every session's keys and values (the layout of retopk_core.kv.PagedKV).
+
+Layer l keeps k[l], v[l]: (N_blocks, H_kv, P, d). A session owns a list of block ids, the same ids in
+every layer; position i of the session lives in block ``blocks[i // P]`` at offset ``i % P``. When the
+free list runs dry the pools double their block count (one copy, amortised over the blocks gained), so
+no decode step reallocates a session's history.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_core.kv import PagedKV
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str, initial_blocks: int = 8) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = block_size
+        shape = (max(1, initial_blocks), num_kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free = list(range(shape[0] - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block id across all layers, keys and values."""
+        return 2 * self.num_layers * self.k[0][0].numel() * self.k[0].element_size()
+
+    def nbytes(self) -> int:
+        return self.capacity * self.block_nbytes
+
+    def _grow(self, need: int) -> None:
+        old = self.capacity
+        new = old
+        while new - old + len(self._free) < need:
+            new *= 2
+        for pools in (self.k, self.v):
+            for layer, t in enumerate(pools):
+                grown = t.new_zeros((new, *t.shape[1:]))
+                grown[:old] = t
+                pools[layer] = grown
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def alloc(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        if len(self._free) < n:
+            self._grow(n)
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def block_table(self, block_lists: list[list[int]], device: torch.device | str) -> torch.Tensor:
+        """(B, max_blocks) int64 table of the given sessions' blocks, padded with block 0."""
+        width = max(1, max((len(b) for b in block_lists), default=1))
+        table = torch.zeros((len(block_lists), width), dtype=torch.long)
+        for row, blocks in enumerate(block_lists):
+            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        return table.to(device)
+
+    def write(self, layer: int, table: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values k, v: (B, H_kv, T, d) of rows whose first new position is start (B,)."""
+        B, _, T, _ = k.shape
+        pos = start.view(B, 1) + torch.arange(T, device=start.device).view(1, T)  # (B, T)
+        blocks = table.gather(1, pos // self.block_size)  # (B, T)
+        off = pos % self.block_size  # (B, T)
+        # advanced indices on dims 0 and 2 around a slice: the indexed view is (B, T, H_kv, d)
+        self.k[layer][blocks, :, off] = k.transpose(1, 2).to(self.k[layer].dtype)
+        self.v[layer][blocks, :, off] = v.transpose(1, 2).to(self.v[layer].dtype)
+
+    def paged(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedKV:
+        return PagedKV(self.k[layer], self.v[layer], table, lengths)
+
+    def history(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one session's first ``length`` positions: (H_kv, length, d) each (a copy)."""
+        n = self.blocks_for(length)
+        idx = blocks[:n]
+        k = self.k[layer][idx].transpose(0, 1).reshape(self.num_kv_heads, n * self.block_size, -1)[:, :length]
+        v = self.v[layer][idx].transpose(0, 1).reshape(self.num_kv_heads, n * self.block_size, -1)[:, :length]
+        return k, v

@@ -1,0 +1,57 @@
+"""A hashable description of an attention method (name + hyperparameters), so sessions can be grouped by it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from retopk_core.methods.base import AttentionMethod
+from retopk_core.methods.registry import make_method, method_names
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Method name from ``retopk_core.methods.registry`` and its keyword hyperparameters.
+
+    ``params`` is a sorted tuple of (name, value) pairs so that equal specs hash equally and the runner
+    can share one method instance (and its per-layer state pools) between sessions with the same spec.
+    """
+
+    name: str = "retopk"
+    params: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        try:
+            params = tuple(sorted((str(k), v) for k, v in self.params))
+        except (TypeError, ValueError):
+            raise ValueError(f"params must be (name, value) pairs, got {self.params!r}") from None
+        if len({k for k, _ in params}) != len(params):
+            raise ValueError(f"params repeats a name: {params!r}")
+        object.__setattr__(self, "params", params)
+
+    @classmethod
+    def of(cls, name: str, **params) -> MethodSpec:
+        return cls(name, tuple(params.items()))
+
+    def build(self, **defaults) -> AttentionMethod:
+        """The method object; ``defaults`` (e.g. backend) apply where the spec does not set them.
+
+        A default the method does not accept is dropped; unknown names and bad hyperparameters of the
+        spec itself raise ValueError.
+        """
+        if self.name not in method_names():
+            raise ValueError(f"unknown method {self.name!r}; choose one of {', '.join(method_names())}")
+        params = dict(self.params)
+        extra = {k: v for k, v in defaults.items() if k not in params}
+        while True:
+            try:
+                return make_method(self.name, **params, **extra)
+            except ValueError as e:
+                dropped = next((k for k in extra if repr(k) in str(e) or f"'{k}'" in str(e)), None)
+                if dropped is None:
+                    raise
+                del extra[dropped]
+
+    def describe(self) -> dict:
+        return {"method": self.name, **dict(self.params)}

@@ -1,0 +1,255 @@
+"""ModelRunner: a transformers causal LM whose attention runs through the ReTopK core, with sessions.
+
+Prefill is dense and chunked (one session at a time); decoding advances any set of open sessions by one
+token in a single forward, each row with its own length and its session's method. See attention.py for
+how the steps plug into transformers (attention interface + cache class, no model code copied).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from retopk_server.runtime.attention import (
+    ATTN_NAME,
+    CTX_KWARG,
+    DecodeGroup,
+    MethodGroup,
+    StepContext,
+    register_attention,
+)
+from retopk_server.runtime.cache import RuntimeCache
+from retopk_server.runtime.config import RuntimeConfig
+from retopk_server.runtime.kv_pool import KVPool
+from retopk_server.runtime.loading import apply_rope_scaling, load
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.session import Session
+from retopk_server.runtime.stats import StepStats
+
+
+class ContextTooLong(ValueError):
+    """The session would exceed the runner's max_context (the model's trained positions unless RoPE-scaled)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    backend: str
+    default_method: MethodSpec
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class ModelRunner:
+    """Owns the model, the KV block pool, the method states and the open sessions. One thread only."""
+
+    def __init__(self, config: RuntimeConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if model is None:
+            model, tokenizer = load(config.model, config.device, config.torch_dtype)
+        else:
+            model = model.to(device=self.device, dtype=config.torch_dtype).eval()
+        self.model, self.tokenizer = model, tokenizer
+        cfg = model.config
+        trained = int(cfg.max_position_embeddings)
+        if config.rope_scaling is not None:
+            apply_rope_scaling(model, config.rope_scaling)
+            trained = int(trained * float(config.rope_scaling["factor"]))
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None:
+            # sliding-window attention is not implemented by the core: stay within the window, where it is exact
+            trained = min(trained, int(window))
+        if config.max_context is not None and config.max_context > trained:
+            raise ValueError(f"max_context {config.max_context} exceeds the model's {trained} positions; "
+                             "set rope_scaling to extend the context")
+        self.max_context = config.max_context or trained
+        register_attention()
+        cfg._attn_implementation = ATTN_NAME  # every attention module dispatches on this name at call time
+
+        num_layers, num_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
+        num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+        self._shape = (num_layers, num_heads, num_kv_heads, head_dim)
+        eos = _ids(getattr(model.generation_config, "eos_token_id", None)) if hasattr(model, "generation_config") \
+            else []
+        eos += _ids(getattr(cfg, "eos_token_id", None))
+        if tokenizer is not None:
+            eos += _ids(tokenizer.eos_token_id)
+        self.info = ModelInfo(
+            name=config.model, architecture=type(model).__name__, num_layers=num_layers, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, max_context=self.max_context,
+            vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(dict.fromkeys(eos)), dtype=config.dtype,
+            device=str(self.device), backend=config.backend, default_method=config.default_method)
+        self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, config.torch_dtype, self.device)
+        self._groups: dict[MethodSpec, MethodGroup] = {}
+        self.sessions: dict[str, Session] = {}
+        self._group(config.default_method)  # a bad default method fails here, not on the first request
+
+    # ---- text --------------------------------------------------------------------------------------
+    def _tok(self):
+        if self.tokenizer is None:
+            raise RuntimeError("this runner has no tokenizer")
+        return self.tokenizer
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the conversation in the model's chat template, ending with the assistant prompt."""
+        out = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(t) for t in self._tok().encode(text, add_special_tokens=add_special_tokens)]
+
+    def decode_tokens(self, ids) -> str:
+        return self._tok().decode(list(ids), skip_special_tokens=True)
+
+    # ---- sessions ----------------------------------------------------------------------------------
+    def _group(self, spec: MethodSpec) -> MethodGroup:
+        group = self._groups.get(spec)
+        if group is None:
+            method = spec.build(backend=self.config.backend)
+            num_layers, num_heads, num_kv_heads, head_dim = self._shape
+            group = MethodGroup(method, num_layers, num_heads, num_kv_heads, head_dim, self.device)
+            self._groups[spec] = group
+        return group
+
+    def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
+        spec = method or self.config.default_method
+        if not isinstance(spec, MethodSpec):
+            raise ValueError(f"method must be a MethodSpec, got {spec!r}")
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self.sessions:
+            raise ValueError(f"session id {session_id!r} is already open")
+        group = self._group(spec)
+        session = Session(session_id, spec, group.alloc(), self.pool.block_nbytes, group.slot_nbytes())
+        self.sessions[session_id] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Free the session's KV blocks and method-state slots (idempotent)."""
+        if session.closed:
+            return
+        self.pool.release(session.blocks)
+        self._groups[session.method].free(session.slots)
+        session.blocks, session.closed = [], True
+        self.sessions.pop(session.id, None)
+
+    def _check_open(self, session: Session) -> None:
+        if session.closed or self.sessions.get(session.id) is not session:
+            raise ValueError(f"session {session.id!r} is not open on this runner")
+
+    def _reserve(self, session: Session, length: int) -> None:
+        if length > self.max_context:
+            raise ContextTooLong(f"session {session.id!r}: {length} tokens exceed max_context {self.max_context}")
+        need = self.pool.blocks_for(length) - len(session.blocks)
+        session.blocks.extend(self.pool.alloc(need))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes reserved by the runner: the KV pool (all blocks) and every method-state pool."""
+        states = sum(s.capacity * s.nbytes_per_slot() for g in self._groups.values() for s in g.states)
+        return {"kv_pool": self.pool.nbytes(), "method_state": states}
+
+    # ---- steps -------------------------------------------------------------------------------------
+    def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=RuntimeCache(ctx), use_cache=True,
+                         logits_to_keep=1, **{CTX_KWARG: ctx})
+        return out.logits[:, -1].float()  # (B, V)
+
+    @torch.inference_mode()
+    def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
+        """Append token_ids to the session (dense, chunked) -> (vocab,) float32 logits after the last one.
+
+        Works for a first prompt and for a later turn's new tokens alike. Raises ContextTooLong (nothing
+        is done) if the session would exceed max_context.
+        """
+        self._check_open(session)
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        begin, end = session.length, session.length + len(token_ids)
+        self._reserve(session, end)
+        group = self._groups[session.method]
+        table = self.pool.block_table([session.blocks], self.device)
+        chunk = self.config.prefill_chunk
+        tails: dict[int, torch.Tensor] = {}
+        logits = None
+        for s in range(begin, end, chunk):
+            ids = token_ids[s - begin:s - begin + chunk]
+            e = s + len(ids)
+            ctx = StepContext(mode="prefill", pool=self.pool, table=table,
+                              start=torch.tensor([s], device=self.device),
+                              lengths=torch.tensor([e], device=self.device), prefill_group=group,
+                              prefill_slots=session.slots, prefill_start=s, prefill_last=e == end,
+                              tail_start=max(begin, end - group.method.prefill_queries), tails=tails)
+            positions = torch.arange(s, e, device=self.device).unsqueeze(0)  # (1, T)
+            logits = self._forward(ctx, torch.tensor([ids], device=self.device), positions)
+            session.token_ids.extend(ids)
+        return logits[0]
+
+    @torch.inference_mode()
+    def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
+               ) -> tuple[torch.Tensor, list[StepStats] | None]:
+        """Feed one token to each session in one forward -> (logits (B, vocab) float32, stats or None)."""
+        if len(sessions) != len(token_ids) or not sessions:
+            raise ValueError("sessions and token_ids must be non-empty and of equal length")
+        if len({s.id for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one decode step")
+        for s in sessions:
+            self._check_open(s)
+        for s in sessions:
+            if s.length + 1 > self.max_context:
+                raise ContextTooLong(f"session {s.id!r}: {s.length + 1} tokens exceed max_context {self.max_context}")
+        for s in sessions:
+            self._reserve(s, s.length + 1)
+        dev = self.device
+        start = torch.tensor([s.length for s in sessions], dtype=torch.long, device=dev)  # (B,)
+        by_spec: dict[MethodSpec, list[int]] = {}
+        for row, s in enumerate(sessions):
+            by_spec.setdefault(s.method, []).append(row)
+        groups = []
+        for spec, rows in by_spec.items():
+            slots = torch.tensor([[sessions[r].slots[layer] for r in rows] for layer in range(self.info.num_layers)],
+                                 dtype=torch.long, device=dev)  # (layers, n)
+            row_t = None if len(by_spec) == 1 else torch.tensor(rows, dtype=torch.long, device=dev)
+            groups.append(DecodeGroup(self._groups[spec], row_t, slots))
+        ctx = StepContext(mode="decode", pool=self.pool, table=self.pool.block_table([s.blocks for s in sessions], dev),
+                          start=start, lengths=start + 1, groups=groups, with_stats=with_stats,
+                          stats=[[] for _ in groups], attention_s=[0.0 for _ in groups])
+        ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
+        logits = self._forward(ctx, ids, start.view(-1, 1))
+        for s, t in zip(sessions, token_ids, strict=True):
+            s.token_ids.append(int(t))
+        return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)
+
+    @staticmethod
+    def _collect_stats(ctx: StepContext, by_spec: dict, batch: int) -> list[StepStats]:
+        out: list[StepStats | None] = [None] * batch
+        for gi, rows in enumerate(by_spec.values()):
+            per_layer = ctx.stats[gi]
+            path = torch.stack([p for p, _, _ in per_layer]).to(torch.int8).cpu()  # (layers, n, H)
+            max_sim = torch.stack([m for _, m, _ in per_layer]).float().cpu()
+            n_scored = torch.stack([n for _, _, n in per_layer]).to(torch.int32).cpu()
+            for j, row in enumerate(rows):
+                out[row] = StepStats(path[:, j], max_sim[:, j], n_scored[:, j], ctx.attention_s[gi])
+        return out

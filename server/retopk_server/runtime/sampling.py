@@ -1,0 +1,174 @@
+"""Turning logits into tokens (one Sampler per request) and tokens into streamed text (StopChecker).
+
+Order of the logit transforms, each applied to what the previous one left:
+  1. repetition penalty p over prompt and generated tokens: l -> l / p if l > 0 else l * p (CTRL, as in HF)
+  2. presence / frequency penalties over generated tokens: l -> l - presence * [c > 0] - frequency * c,
+     c = how often the token was generated so far (OpenAI's definition)
+  3. temperature 0 -> argmax (greedy); otherwise l / T, then
+  4. top-k: keep the k largest logits (ties at the k-th value kept)
+  5. top-p: keep the smallest prefix of the descending distribution whose mass reaches p
+  6. min-p: keep tokens whose probability is >= min_p * the largest probability
+  7. draw one token from the renormalised distribution with the request's own generator
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            return float(value)
+
+        if number("temperature") < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p!r}")
+        if number("repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a non-negative 64-bit integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, generated_ids: list[int],
+                    prompt_ids: list[int]) -> torch.Tensor:
+    """Steps 1-2 of the module docstring on a float32 copy. logits (V,) -> (V,)."""
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1.0 and (generated_ids or prompt_ids):
+        ids = torch.tensor(sorted(set(prompt_ids) | set(generated_ids)), dtype=torch.long, device=logits.device)
+        seen = logits[ids]  # (n,)
+        p = params.repetition_penalty
+        logits[ids] = torch.where(seen > 0, seen / p, seen * p)
+    if (params.presence_penalty or params.frequency_penalty) and generated_ids:
+        counts = Counter(generated_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)
+        c = torch.tensor(list(counts.values()), dtype=torch.float32, device=logits.device)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * c
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Steps 3-6 for temperature > 0: tempered logits (V,) with removed tokens at -inf."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)  # (V,)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+        drop_sorted = mass_before >= params.top_p  # the first token always has mass_before 0 < top_p
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one request's tokens; its generator is seeded from ``params.seed`` (random when None)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator(device="cpu")
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def sample(self, logits: torch.Tensor, generated_ids: list[int], prompt_ids: list[int]) -> int:
+        """logits (V,) float32 on any device -> the next token id."""
+        logits = apply_penalties(logits.detach().float().cpu(), self.params, generated_ids, prompt_ids)
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)  # (V,)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class StopChecker:
+    """Incremental detokenizer with stop token ids and stop strings.
+
+    ``push`` returns the text that became final with this token. Text that could still be the start of
+    a stop string is held back until it cannot; when a stop string appears, the text before it is
+    emitted and generation stops (the stop string itself is not emitted). A stop token id stops
+    without emitting its text. ``flush`` returns what is held back when generation ends otherwise.
+    """
+
+    def __init__(self, tokenizer, stop_token_ids: list[int], stop_strings: list[str]) -> None:
+        if any(not isinstance(s, str) or not s for s in stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
+        self.tokenizer = tokenizer
+        self.stop_token_ids = set(int(t) for t in stop_token_ids)
+        self.stop_strings = list(stop_strings)
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] decode to context already turned into text
+        self._read_offset = 0
+        self._pending = ""  # decoded but not yet emitted (may be the start of a stop string)
+        self.stopped = False
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that stopped generation
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _new_text(self, token_id: int) -> str:
+        """Text added by token_id, '' while it ends in an incomplete UTF-8 sequence."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        if self.stopped:
+            raise RuntimeError("push after the generation stopped")
+        if token_id in self.stop_token_ids:
+            self.stopped, self.stop_reason = True, token_id
+            return self.flush(), True
+        self._pending += self._new_text(token_id)
+        hits = [(i, s) for s in self.stop_strings if (i := self._pending.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            out, self._pending = self._pending[:i], ""
+            self.stopped, self.stop_reason = True, s
+            return out, True
+        hold = max((n for s in self.stop_strings for n in range(min(len(s) - 1, len(self._pending)), 0, -1)
+                    if self._pending.endswith(s[:n])), default=0)
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """Text held back as a possible stop-string start (call when generation ends without a stop)."""
+        out, self._pending = self._pending, ""
+        return out
