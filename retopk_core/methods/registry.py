@@ -11,6 +11,11 @@ _METHODS: dict[str, str] = {
     "full": "retopk_core.methods.full:FullAttention",
     "exact_topk": "retopk_core.methods.exact:ExactTopK",
     "retopk": "retopk_core.methods.retopk:ReTopK",
+    "streaming_llm": "retopk_core.methods.baselines.streaming_llm:StreamingLLM",
+    "quest": "retopk_core.methods.baselines.quest:Quest",
+    "sparq": "retopk_core.methods.baselines.sparq:SparQ",
+    "loki": "retopk_core.methods.baselines.loki:Loki",
+    "tokenselect": "retopk_core.methods.baselines.tokenselect:TokenSelect",
 }
 
 

@@ -1,0 +1,63 @@
+"""Small helpers shared by the baseline methods (on top of ``retopk_core.methods.sparse``).
+
+Every baseline ends the same way: a set of positions per (sequence, query head), -1 padded, whose
+exact scores q . k_i * scale are computed and softmax-attended (``attend_positions``). What differs
+is how the positions are chosen; each method file states its selector.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import Path, StepOutput
+from retopk_core.methods.sparse import indexed_scores, kv_heads, sparse_attend
+
+
+def check_positive_int(name: str, value, allow_zero: bool = False) -> None:
+    """ValueError naming ``name`` unless value is a (non-negative when allow_zero) integer."""
+    low = 0 if allow_zero else 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
+
+
+def check_backend(backend: str) -> None:
+    if backend != "torch":
+        raise ValueError(f"backend must be 'torch' (the baselines have no Triton kernels yet), got {backend!r}")
+
+
+def attend_positions(q: torch.Tensor, kv: PagedKV, sel_pos: torch.Tensor, scale: float,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact sparse attention of each head over its selected positions.
+
+    q (B, H, d), sel_pos (B, H, K) int64, -1 padded, every row with >= 1 valid position
+    -> out (B, H, d_v) in q's dtype, n_valid (B, H) int32 (positions scored exactly and attended)
+    """
+    B, H, K = sel_pos.shape
+    b = torch.arange(B, device=q.device).view(B, 1).expand(B, H).reshape(-1)  # (B*H,)
+    g = kv_heads(H, kv.num_kv_heads, q.device).view(1, H).expand(B, H).reshape(-1)  # (B*H,)
+    scores = indexed_scores(q.reshape(B * H, -1), kv, b, g, sel_pos.reshape(B * H, K), scale)  # (B*H, K)
+    out = sparse_attend(kv, sel_pos, scores.view(B, H, K), q.dtype)  # (B, H, d_v)
+    return out, (sel_pos >= 0).sum(-1).to(torch.int32)
+
+
+def step_output(out: torch.Tensor, path: torch.Tensor, n_scored: torch.Tensor, selected: torch.Tensor,
+                n_approx: torch.Tensor | None = None) -> StepOutput:
+    """A ``StepOutput`` with max_sim NaN (not defined for baselines) and n_approx 0 when not given."""
+    B, H = path.shape
+    if n_approx is None:
+        n_approx = torch.zeros(B, H, dtype=torch.int32, device=out.device)
+    return StepOutput(out=out, path=path.to(torch.int8), max_sim=torch.full((B, H), float("nan"), device=out.device),
+                      n_scored=n_scored.to(torch.int32), selected=selected, n_approx=n_approx.to(torch.int32))
+
+
+def full_path(B: int, H: int, path: Path, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(B, H) int8 filled with one path code."""
+    return torch.full((B, H), int(path), dtype=torch.int8, device=device)
+
+
+def lengths_bh(kv: PagedKV, H: int) -> torch.Tensor:
+    """(B, H) int32: each sequence's length repeated over its heads."""
+    return kv.lengths.to(torch.int32).view(-1, 1).expand(-1, H).clone()
+

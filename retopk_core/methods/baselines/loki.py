@@ -1,0 +1,163 @@
+"""Loki (Singhania et al., 2024): approximate scores in a low-rank PCA space of the keys.
+
+At a sequence's first prefill, per KV head, the prompt's keys k_1..k_L give the mean μ and the
+covariance Σ = (1/L) Σ_j (k_j - μ)(k_j - μ)^T; the basis P_r (d, r) holds its r leading
+eigenvectors. Every key is projected once, k̃_j = P_r^T k_j (kept in the state as tokens are
+appended), and a decode step for query q does
+
+    ŝ_j = (P_r^T q) . k̃_j         for every position j         approximate scores (r of d dims)
+    S   = TopK_j ŝ_j                                              positions kept
+    y   = sum_{j in S} softmax_S(q . k_j * scale)_j v_j           exact attention over S
+
+Kept from the paper: PCA of the keys per layer and KV head, scores in the rank-r space, Top-K,
+exact attention over the Top-K with the full keys. Deviations: (1) Loki computes the basis offline
+on a calibration set; here (as the ReTopK comparison specifies) it comes from the prompt's own keys
+at the first prefill and stays fixed afterwards (later turns and decode tokens are projected on
+it); (2) the PCA is of the keys the cache holds, i.e. after RoPE (Loki studies both pre- and
+post-rotary keys); (3) the original rotates the stored keys in place; here the rank-r projections
+are kept beside the cache in float32 (r * 4 bytes per token and KV head). A rank r >= d is the
+identity basis (exact scores). If ``decode`` meets a slot that never saw ``prefill`` it builds the
+basis from the keys present at that step.
+
+Accounting: path APPROX; n_approx = L keys scored approximately (each at r/d of an exact score's
+cost); n_scored = tokens attended (scored exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import (
+    attend_positions,
+    check_backend,
+    check_positive_int,
+    full_path,
+    lengths_bh,
+    step_output,
+)
+from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale, topk_select
+
+
+@dataclass(frozen=True)
+class LokiConfig:
+    """top_k: tokens attended; rank: PCA components r (clamped to head_dim)."""
+
+    top_k: int = 512
+    rank: int = 64
+
+    def __post_init__(self) -> None:
+        check_positive_int("top_k", self.top_k)
+        check_positive_int("rank", self.rank)
+
+
+def pca_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """The ``rank`` leading principal directions of keys (L, d) -> (d, rank) float32, orthonormal."""
+    d = keys.shape[-1]
+    if rank >= d:
+        return torch.eye(d, device=keys.device)
+    x = keys.float() - keys.float().mean(0, keepdim=True)  # (L, d) centred
+    cov = x.T @ x / max(1, x.shape[0])  # (d, d)
+    _, vecs = torch.linalg.eigh(cov)  # ascending eigenvalues
+    return vecs[:, -rank:].flip(-1).contiguous()  # (d, rank) largest first
+
+
+class LokiState(SlotPool):
+    """Per-sequence PCA basis and projected keys of one layer.
+
+    basis     (S, H_kv, d, r) float32    P_r per KV head, fixed at the first prefill
+    has_basis (S,) bool
+    proj      (S, H_kv, T, r) float32    k̃_j = P_r^T k_j for positions j < n_tokens (T grows by doubling)
+    n_tokens  (S,) int64                 positions already projected
+    """
+
+    _fields = ("basis", "has_basis", "proj", "n_tokens")
+
+    def __init__(self, num_kv_heads: int, head_dim: int, rank: int, device: torch.device | str = "cpu",
+                 capacity: int = 1, tokens: int = 64) -> None:
+        super().__init__(capacity)
+        r = min(rank, head_dim)
+        self.rank = r
+        self.basis = torch.zeros(self.capacity, num_kv_heads, head_dim, r, device=device)
+        self.has_basis = torch.zeros(self.capacity, dtype=torch.bool, device=device)
+        self.proj = torch.zeros(self.capacity, num_kv_heads, tokens, r, device=device)
+        self.n_tokens = torch.zeros(self.capacity, dtype=torch.long, device=device)
+
+    def _ensure_tokens(self, n: int) -> None:
+        old = self.proj.shape[2]
+        if n <= old:
+            return
+        S, H_kv, _, r = self.proj.shape
+        proj = self.proj.new_zeros((S, H_kv, max(n, 2 * old), r))
+        proj[:, :, :old] = self.proj
+        self.proj = proj
+
+    def update(self, slots: torch.Tensor, kv: PagedKV) -> None:
+        """Build missing bases from each sequence's current keys, then project positions
+        n_tokens[slot] .. L_b - 1. slots (B,) int64; kv holds the same B sequences."""
+        L = kv.lengths.to(slots.device)  # (B,)
+        for b in (~self.has_basis[slots]).nonzero().flatten().tolist():  # once per sequence
+            for g in range(kv.num_kv_heads):
+                self.basis[slots[b], g] = pca_basis(kv.keys(b, g, int(L[b])), self.rank)
+            self.has_basis[slots[b]] = True
+        n0 = self.n_tokens[slots]  # (B,)
+        M = int((L - n0).max()) if len(slots) else 0
+        if M <= 0:
+            return
+        self._ensure_tokens(int(L.max()))
+        B, H_kv, dev = len(slots), kv.num_kv_heads, slots.device
+        pos = n0.view(B, 1) + torch.arange(M, device=dev).view(1, M)  # (B, M)
+        valid = pos < L.view(B, 1)
+        pos = torch.where(valid, pos, L.view(B, 1) - 1)  # re-project the last token: same value
+        g = torch.arange(H_kv, device=dev).view(1, H_kv, 1)
+        keys = kv.gather_k(kv.flat_rows(torch.arange(B, device=dev).view(B, 1, 1), g, pos.view(B, 1, M)))
+        proj = keys.float() @ self.basis[slots]  # (B, H_kv, M, d) @ (B, H_kv, d, r) -> (B, H_kv, M, r)
+        self.proj[slots.view(B, 1, 1), g, pos.view(B, 1, M)] = proj
+        self.n_tokens[slots] = L
+
+
+class Loki(AttentionMethod):
+    name = "loki"
+
+    def __init__(self, top_k: int = 512, rank: int = 64, backend: str = "torch",
+                 config: LokiConfig | None = None) -> None:
+        self.config = config or LokiConfig(top_k=top_k, rank=rank)
+        check_backend(backend)
+        self.backend = backend
+
+    def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                   capacity: int = 1) -> LokiState:
+        return LokiState(num_kv_heads, head_dim, self.config.rank, device, capacity)
+
+    def prefill(self, state: LokiState, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
+                kv: PagedKV, scale: float | None = None) -> None:
+        """First prefill: the basis from the prompt's keys; every prefill: project the new keys."""
+        state.update(torch.tensor([slot], device=state.n_tokens.device), kv)
+
+    def decode(self, q: torch.Tensor, kv: PagedKV, state: LokiState, slots: torch.Tensor,
+               scale: float | None = None) -> StepOutput:
+        B, H, d = q.shape
+        scale = resolve_scale(scale, d)
+        state.update(slots, kv)  # project the current token's key
+        H_kv = kv.num_kv_heads
+        kv_heads(H, H_kv)  # raises unless H is a multiple of H_kv
+        G = H // H_kv  # query heads g*G .. (g+1)*G - 1 read KV head g
+        L = kv.lengths.to(q.device)  # (B,)
+        L_max = int(L.max())
+        basis = state.basis[slots]  # (B, H_kv, d, r)
+        q_r = q.float().view(B, H_kv, G, d) @ basis  # (B, H_kv, G, r)
+        proj = state.proj[slots, :, :L_max]  # (B, H_kv, L_max, r)
+        approx = (q_r @ proj.transpose(-1, -2)).view(B, H, L_max)  # (B, H, L_max) ŝ
+        pos = torch.arange(L_max, device=q.device)
+        approx = approx.masked_fill((pos.view(1, 1, -1) >= L.view(B, 1, 1)), NEG_INF)
+        sel, _ = topk_select(approx.view(B * H, L_max), pos.expand(B * H, L_max), self.config.top_k)
+        sel = sel.view(B, H, -1)  # (B, H, K)
+        out, n_valid = attend_positions(q, kv, sel, scale)  # (B, H, d_v), (B, H)
+        return step_output(out, full_path(B, H, Path.APPROX, q.device), n_valid, sel, lengths_bh(kv, H))
+
+    def describe(self) -> dict:
+        c = self.config
+        return {"method": self.name, "top_k": c.top_k, "rank": c.rank, "backend": self.backend}

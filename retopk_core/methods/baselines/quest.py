@@ -1,0 +1,171 @@
+"""Quest (Tang et al., 2024): query-aware page selection from per-page key bounds.
+
+The KV history of each sequence is cut into logical pages of P tokens (positions pP .. pP+P-1,
+independent of the PagedKV block size). Per page and KV head the state keeps the element-wise
+minimum m_p and maximum M_p of its keys, updated as tokens are appended (prefill and every decode
+step). For query q (of a head reading that KV head) the page's upper bound on q . k is
+
+    U_p = sum_i max(q_i * m_p,i, q_i * M_p,i)  =  relu(q) . M_p - relu(-q) . m_p
+
+Pages are ranked by U_p and the longest ranked prefix whose token count (P per page, fewer for the
+last, partial page) fits the token budget top_k is attended with exact softmax attention.
+
+Kept from the paper: page size 16, min/max metadata maintained on append, the bound U_p, Top pages
+within a token budget, exact attention over the chosen pages' tokens.
+Deviations: (1) the budget is counted in valid tokens, so a partial last page costs only its
+tokens and a budget >= L selects every page (the paper budgets whole pages); (2) Quest leaves the
+first two layers dense; choosing a method per layer is the integration's business, not this
+class's; (3) GQA: the original targets MHA models; here page bounds are kept once per KV head and
+every query head ranks them with its own query (no sharing of the selection across the group).
+
+Accounting: path APPROX; n_approx = pages whose bound was computed (ceil(L / P); one bound costs
+2d multiply-adds, i.e. about two keys' worth of work); n_scored = tokens attended (scored exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import (
+    attend_positions,
+    check_backend,
+    check_positive_int,
+    full_path,
+    step_output,
+)
+from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class QuestConfig:
+    """top_k: token budget per head and step; page_size: tokens per page (P, <= top_k)."""
+
+    top_k: int = 512
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        check_positive_int("top_k", self.top_k)
+        check_positive_int("page_size", self.page_size)
+        if self.page_size > self.top_k:
+            raise ValueError(f"page_size must be <= top_k ({self.top_k}) so one full page fits, got {self.page_size}")
+
+
+class QuestPageState(SlotPool):
+    """Per-sequence page bounds of one layer.
+
+    kmin     (S, H_kv, N_p, d) float32  element-wise key minimum per page, +inf on empty pages
+    kmax     (S, H_kv, N_p, d) float32  element-wise key maximum per page, -inf on empty pages
+    n_tokens (S,) int64                 positions already folded into the bounds
+    N_p (pages per slot) grows by doubling as sequences grow, like the slot dimension.
+    """
+
+    _fields = ("kmin", "kmax", "n_tokens")
+
+    def __init__(self, num_kv_heads: int, head_dim: int, page_size: int, device: torch.device | str = "cpu",
+                 capacity: int = 1, pages: int = 4) -> None:
+        super().__init__(capacity)
+        self.page_size = page_size
+        self.kmin = torch.full((self.capacity, num_kv_heads, pages, head_dim), _INF, device=device)
+        self.kmax = torch.full((self.capacity, num_kv_heads, pages, head_dim), -_INF, device=device)
+        self.n_tokens = torch.zeros(self.capacity, dtype=torch.long, device=device)
+
+    def reset_slot(self, slot: int) -> None:
+        self.kmin[slot] = _INF
+        self.kmax[slot] = -_INF
+        self.n_tokens[slot] = 0
+
+    def _ensure_pages(self, n: int) -> None:
+        old = self.kmin.shape[2]
+        if n <= old:
+            return
+        new = max(n, 2 * old)
+        S, H_kv, _, d = self.kmin.shape
+        kmin = self.kmin.new_full((S, H_kv, new, d), _INF)
+        kmax = self.kmax.new_full((S, H_kv, new, d), -_INF)
+        kmin[:, :, :old], kmax[:, :, :old] = self.kmin, self.kmax
+        self.kmin, self.kmax = kmin, kmax
+
+    def update(self, slots: torch.Tensor, kv: PagedKV) -> None:
+        """Fold positions n_tokens[slot] .. L_b - 1 of each sequence b into its page bounds.
+
+        slots (B,) int64; kv holds the same B sequences. On a decode step this is the one new token.
+        """
+        L = kv.lengths.to(slots.device)  # (B,)
+        n0 = self.n_tokens[slots]  # (B,)
+        M = int((L - n0).max()) if len(slots) else 0
+        if M <= 0:
+            return
+        P, H_kv, d = self.page_size, kv.num_kv_heads, kv.head_dim
+        self._ensure_pages(-(-int(L.max()) // P))
+        B, dev = len(slots), slots.device
+        pos = n0.view(B, 1) + torch.arange(M, device=dev).view(1, M)  # (B, M)
+        valid = pos < L.view(B, 1)  # (B, M)
+        pos = torch.where(valid, pos, L.view(B, 1) - 1)  # repeat the last token: min/max unchanged
+        g = torch.arange(H_kv, device=dev).view(1, H_kv, 1)
+        keys = kv.gather_k(kv.flat_rows(torch.arange(B, device=dev).view(B, 1, 1), g, pos.view(B, 1, M)))
+        keys = keys.float().reshape(-1, d)  # (B*H_kv*M, d)
+        N_p = self.kmin.shape[2]
+        rows = (slots.view(B, 1, 1) * H_kv + g) * N_p + (pos // P).view(B, 1, M)  # (B, H_kv, M) page rows
+        idx = rows.reshape(-1, 1).expand(-1, d)
+        self.kmin.view(-1, d).scatter_reduce_(0, idx, keys, reduce="amin", include_self=True)
+        self.kmax.view(-1, d).scatter_reduce_(0, idx, keys, reduce="amax", include_self=True)
+        self.n_tokens[slots] = L
+
+
+class Quest(AttentionMethod):
+    name = "quest"
+
+    def __init__(self, top_k: int = 512, page_size: int = 16, backend: str = "torch",
+                 config: QuestConfig | None = None) -> None:
+        self.config = config or QuestConfig(top_k=top_k, page_size=page_size)
+        check_backend(backend)
+        self.backend = backend
+
+    def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                   capacity: int = 1) -> QuestPageState:
+        return QuestPageState(num_kv_heads, head_dim, self.config.page_size, device, capacity)
+
+    def prefill(self, state: QuestPageState, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
+                kv: PagedKV, scale: float | None = None) -> None:
+        """Fold the prompt's (or a later turn's) new keys into the page bounds."""
+        state.update(torch.tensor([slot], device=state.n_tokens.device), kv)
+
+    def decode(self, q: torch.Tensor, kv: PagedKV, state: QuestPageState, slots: torch.Tensor,
+               scale: float | None = None) -> StepOutput:
+        B, H, d = q.shape
+        scale = resolve_scale(scale, d)
+        P, K = self.config.page_size, self.config.top_k
+        state.update(slots, kv)  # the current token's key joins its page first
+        L = kv.lengths.to(q.device)  # (B,)
+        n_pages = (L + P - 1) // P  # (B,)
+        N_p = int(n_pages.max())
+        g = kv_heads(H, kv.num_kv_heads, q.device)  # (H,)
+        kmin = state.kmin[slots.view(B, 1), g.view(1, H), :N_p]  # (B, H, N_p, d)
+        kmax = state.kmax[slots.view(B, 1), g.view(1, H), :N_p]  # (B, H, N_p, d)
+        qf = q.float().unsqueeze(-1)  # (B, H, d, 1)
+        bound = (kmax @ qf.clamp(min=0) + kmin @ qf.clamp(max=0)).squeeze(-1)  # (B, H, N_p) = U_p
+        page = torch.arange(N_p, device=q.device)
+        live = page.view(1, N_p) < n_pages.view(B, 1)  # (B, N_p)
+        bound = bound.masked_fill(~live.unsqueeze(1), NEG_INF)  # also clears inf * 0 on empty pages
+
+        kp = min(N_p, K // P + 1)  # at most one partial page, so no more pages can fit
+        top, ranked = bound.topk(kp, dim=-1)  # (B, H, kp) pages by descending bound
+        size = (L.view(B, 1, 1) - ranked * P).clamp(max=P)  # (B, H, kp) tokens in each ranked page
+        size = size.masked_fill(top == NEG_INF, 0)
+        take = size.cumsum(-1) <= K  # (B, H, kp) the longest ranked prefix within the budget
+        pos = ranked.unsqueeze(-1) * P + torch.arange(P, device=q.device)  # (B, H, kp, P)
+        ok = take.unsqueeze(-1) & (top > NEG_INF).unsqueeze(-1) & (pos < L.view(B, 1, 1, 1))
+        sel = pos.masked_fill(~ok, -1).view(B, H, kp * P)  # (B, H, kp*P) -1 padded
+        out, n_valid = attend_positions(q, kv, sel, scale)  # (B, H, d_v), (B, H)
+        n_approx = n_pages.to(torch.int32).view(B, 1).expand(B, H)
+        return step_output(out, full_path(B, H, Path.APPROX, q.device), n_valid, sel, n_approx)
+
+    def describe(self) -> dict:
+        c = self.config
+        return {"method": self.name, "top_k": c.top_k, "page_size": c.page_size, "backend": self.backend}
