@@ -1,0 +1,142 @@
+"""What a Generate call asks the engine for and what the engine hands back, free of gRPC."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.sampling import SamplingParams
+
+
+class ErrorCode(enum.Enum):
+    """Why a request failed; the service maps each onto the gRPC status code of the same name."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+
+
+class EngineError(Exception):
+    """A failure the caller can act on: a code and a message that names the offending field."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"EngineError({self.code.value}, {self.message!r})"
+
+
+class FinishReason(enum.Enum):
+    """Why generation stopped (values match the proto's FinishReason numbers)."""
+
+    LENGTH = 1
+    EOS_TOKEN = 2
+    STOP_TOKEN = 3
+    STOP_SEQUENCE = 4
+    CONTEXT_LENGTH = 5
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The scheduler's limits.
+
+    max_queue               requests waiting for admission; one more is RESOURCE_EXHAUSTED
+    max_running             requests decoded together in one batch
+    max_sessions            open named sessions; one more is RESOURCE_EXHAUSTED
+    max_prompt_tokens       tokens one request may feed (None: the model's context length)
+    max_new_tokens          largest max_new_tokens a request may ask for
+    default_max_new_tokens  max_new_tokens of a request that does not set it
+    idle_wait_s             how long the idle loop sleeps between checks (it is woken on new work)
+    """
+
+    max_queue: int = 64
+    max_running: int = 16
+    max_sessions: int = 64
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int = 2048
+    default_max_new_tokens: int = 256
+    idle_wait_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_running", "max_sessions", "max_new_tokens", "default_max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int)
+                                                   or self.max_prompt_tokens <= 0):
+            raise ValueError(f"max_prompt_tokens must be a positive integer or None, got {self.max_prompt_tokens!r}")
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"default_max_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.default_max_new_tokens}")
+        if not self.idle_wait_s > 0:
+            raise ValueError(f"idle_wait_s must be positive, got {self.idle_wait_s!r}")
+
+
+@dataclass
+class GenerationRequest:
+    """One Generate call, already checked for well-formedness by the service.
+
+    Exactly one of ``text``, ``token_ids``, ``chat`` is set. ``max_new_tokens`` None means the
+    engine's default. ``deadline`` is a ``time.monotonic()`` instant or None.
+    """
+
+    request_id: str
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[dict] | None = None
+    session_id: str | None = None
+    method: MethodSpec | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    return_step_stats: bool = False
+    deadline: float | None = None
+
+    @property
+    def input_field(self) -> str:
+        """Name of the input field that is set (for error messages)."""
+        return "text" if self.text is not None else "token_ids" if self.token_ids is not None else "chat"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    session_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    """One stream message: a generated token (or none) and, on the last one, the end.
+
+    step_stats is the runtime's StepStats of the step that produced the token (only when asked).
+    """
+
+    token_ids: list[int]
+    text: str
+    token_index: int = 0
+    step_stats: object | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    session_id: str = ""
