@@ -1,0 +1,184 @@
+"""Attention latency per decode step: Full, Exact Top-K, ReTopK (and the baselines), one layer, same run.
+
+Shapes default to one Qwen2.5-7B layer (28 query heads, 4 KV heads, head dim 128) with K = 512.
+Keys/values are random; queries come from a few clusters per head so that ReTopK's cache holds
+real exact supports of similar queries (its candidate sets then overlap as in the paper). ReTopK is
+timed on two traces: its reuse path alone (every step reuses), and a path mix where a chosen share of
+steps brings an unrelated query (the whole step falls back), plus scheduled refresh. Every method is
+timed in this process on the same KV, and the ratio to Exact Top-K is printed.
+
+    python bench/attention_cpu.py --lengths 16384 32768 65536 131072 262144
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path as FsPath
+
+import torch
+
+from retopk_core.kv import PagedKV
+from retopk_core.methods import Path, make_method, method_names
+
+BASELINE_PARAMS = {  # the paper's shared budget K = 512
+    "streaming_llm": {"sinks": 64, "recent": 448},
+    "quest": {"top_k": 512},
+    "sparq": {"top_k": 512},
+    "loki": {"top_k": 512},
+    "tokenselect": {"top_k": 512},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072, 262144])
+    p.add_argument("--heads", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per method and length")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--exact-share", type=float, default=0.12,
+                   help="share of steps with an unrelated query in the path-mix trace (paper: about 12%%)")
+    p.add_argument("--baselines", action="store_true", help="also time the baselines that are registered")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--out", type=FsPath, default=None, help="write <out>.json and <out>.png")
+    return p.parse_args(argv)
+
+
+class Workload:
+    """Random KV of B sequences at length L and clustered queries, built once per length."""
+
+    def __init__(self, args, L: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        dt = getattr(torch, args.dtype)
+        B, H, H_kv, d = args.batch, args.heads, args.kv_heads, args.head_dim
+        self.k = torch.randn(B, H_kv, L, d, generator=g).to(dt)
+        self.v = torch.randn(B, H_kv, L, d, generator=g).to(dt)
+        self.kv = PagedKV.contiguous(self.k, self.v, torch.full((B,), L))
+        self.centers = torch.randn(B, H, d, generator=g)
+        self.g, self.dt, self.shape = g, dt, (B, H, d)
+
+    def similar(self, n: int) -> torch.Tensor:  # (n, B, H, d) queries close to the cluster centers
+        return (self.centers + 0.2 * torch.randn(n, *self.shape, generator=self.g)).to(self.dt)
+
+    def unrelated(self) -> torch.Tensor:  # (B, H, d)
+        return torch.randn(*self.shape, generator=self.g).to(self.dt)
+
+
+def time_method(method, work: Workload, queries: list[torch.Tensor], warmup: int):
+    """Mean seconds per decode step over `queries` (after `warmup` steps), and the path counts."""
+    B, H, d = work.shape
+    state = method.init_state(H, work.kv.num_kv_heads, d, capacity=B)
+    slots = torch.tensor([state.alloc() for _ in range(B)])
+    n = method.prefill_queries
+    L = int(work.kv.lengths[0])
+    for b in range(B):
+        q_tail = work.similar(max(n, 1))[:, b].permute(1, 0, 2) if n else None  # (H, n, d)
+        pos = torch.arange(L - max(n, 1), L) if n else None
+        method.prefill(state, int(slots[b]), q_tail, pos,
+                       PagedKV.contiguous(work.k[b:b + 1], work.v[b:b + 1], work.kv.lengths[b:b + 1]))
+    paths: dict[str, int] = {}
+    scored, times = [], []
+    for i, q in enumerate(queries):
+        t0 = time.perf_counter()
+        out = method.decode(q, work.kv, state, slots)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+            for p in out.path.flatten().tolist():
+                paths[Path(p).name.lower()] = paths.get(Path(p).name.lower(), 0) + 1
+            scored.append(out.n_scored.float().mean().item())
+    # the mean is what a path mix costs; the median is printed too, as it shrugs off a busy neighbour
+    return sum(times) / len(times), sorted(times)[len(times) // 2], paths, sum(scored) / len(scored)
+
+
+def run(args) -> list[dict]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    total = args.warmup + args.steps
+    for L in args.lengths:
+        work = Workload(args, L)
+        K = args.top_k
+        methods = {"full": make_method("full"), "exact_topk": make_method("exact_topk", top_k=K),
+                   "retopk_reuse": make_method("retopk", top_k=K, tau=0.0, refresh_every=0),
+                   "retopk_mix": make_method("retopk", top_k=K)}
+        if args.baselines:
+            for name, params in BASELINE_PARAMS.items():
+                if name in method_names():
+                    methods[name] = make_method(name, **params)
+        similar = list(work.similar(total))
+        n_unrelated = round(args.exact_share * args.steps)
+        mix = list(similar)
+        for j in range(n_unrelated):  # spread unrelated queries evenly over the timed steps
+            mix[args.warmup + int(j * args.steps / max(n_unrelated, 1))] = work.unrelated()
+        for name, method in methods.items():
+            secs, med, paths, scored = time_method(method, work, mix if name == "retopk_mix" else similar, args.warmup)
+            rows.append({"L": L, "method": name, "ms": secs * 1e3, "median_ms": med * 1e3, "paths": paths,
+                         "mean_scored": scored})
+        exact_ms = next(r["ms"] for r in rows if r["L"] == L and r["method"] == "exact_topk")
+        for r in rows:
+            if r["L"] == L:
+                r["speedup_vs_exact"] = exact_ms / r["ms"]
+        del work
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| L | method | ms/step (mean) | median | vs Exact Top-K (mean) | keys scored (mean/head) | paths |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        total = sum(r["paths"].values()) or 1
+        mix = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(r["paths"].items()))
+        lines.append(f"| {r['L']} | {r['method']} | {r['ms']:.2f} | {r['median_ms']:.2f} | {r['speedup_vs_exact']:.2f}x | "
+                     f"{r['mean_scored']:.0f} | {mix} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: FsPath) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["L"], r["ms"]) for r in rows if r["method"] == name]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length L")
+    ax.set_ylabel("ms per decode step (one layer)")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    print(f"# attention_cpu: H={args.heads} H_kv={args.kv_heads} d={args.head_dim} K={args.top_k} B={args.batch} "
+          f"{args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}", flush=True)
+    rows = run(args)
+    print(table(rows))
+    for L in args.lengths:
+        by = {r["method"]: r for r in rows if r["L"] == L}
+        print(f"L={L}: Exact/ReTopK-reuse = {by['retopk_reuse']['speedup_vs_exact']:.2f}x, "
+              f"Exact/ReTopK-mix = {by['retopk_mix']['speedup_vs_exact']:.2f}x")
+    reuse = [r["ms"] for r in rows if r["method"] == "retopk_reuse"]
+    if len(reuse) > 1:
+        print(f"reuse path max/min over lengths: {max(reuse) / min(reuse):.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "rows": rows}, indent=1))
+        plot(rows, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
