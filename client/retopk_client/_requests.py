@@ -1,0 +1,90 @@
+"""Building request messages from the SDK's keyword arguments (shared by the sync and asyncio clients)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client.types import SAMPLING_FIELDS, ChatMessage, Method, Sampling, as_chat_message
+
+MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
+
+
+def sampling_from(sampling: Sampling | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> Sampling | None:
+    """A Sampling from an object or mapping, with plain keyword overrides (temperature=..., seed=...)."""
+    unknown = set(overrides) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    base = dict(sampling) if isinstance(sampling, Mapping) else (asdict(sampling) if sampling else {})
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return Sampling(**base) if base else None
+
+
+def chat_proto(messages: Iterable[MessageLike]) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[as_chat_message(m).to_proto() for m in messages])
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    messages: Iterable[MessageLike] | None = None,
+    token_ids: Sequence[int] | None = None,
+    session_id: str | None = None,
+    max_new_tokens: int | None = None,
+    sampling: Sampling | Mapping[str, Any] | None = None,
+    method: Method | str | Mapping[str, Any] | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    return_step_stats: bool = False,
+    request_id: str | None = None,
+    **sampling_kwargs: Any,
+) -> pb.GenerateRequest:
+    """The GenerateRequest for one call; exactly one of prompt, messages, token_ids must be given."""
+    inputs = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+    given = [name for name, value in inputs if value is not None]
+    if len(given) != 1:
+        raise TypeError(f"give exactly one of prompt, messages, token_ids (got {', '.join(given) or 'none'})")
+    if isinstance(stop, str):
+        stop = [stop]
+    req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                             return_step_stats=return_step_stats)
+    if prompt is not None:
+        req.text = prompt
+    elif messages is not None:
+        req.chat.CopyFrom(chat_proto(messages))
+    else:
+        req.token_ids.CopyFrom(pb.TokenIds(ids=list(token_ids)))
+    if request_id is not None:
+        req.request_id = request_id
+    if session_id is not None:
+        req.session_id = session_id
+    if max_new_tokens is not None:
+        req.max_new_tokens = max_new_tokens
+    samp = sampling_from(sampling, sampling_kwargs)
+    if samp is not None:
+        req.sampling.CopyFrom(samp.to_proto())
+    meth = Method.coerce(method)
+    if meth is not None:
+        req.method.CopyFrom(meth.to_proto())
+    return req
+
+
+def create_session_request(method: Method | str | Mapping[str, Any] | None, session_id: str | None):
+    req = pb.CreateSessionRequest()
+    if session_id is not None:
+        req.session_id = session_id
+    meth = Method.coerce(method)
+    if meth is not None:
+        req.method.CopyFrom(meth.to_proto())
+    return req
+
+
+def tokenize_request(text: str | None, messages: Iterable[MessageLike] | None) -> pb.TokenizeRequest:
+    if (text is None) == (messages is None):
+        raise TypeError("give exactly one of text, messages")
+    if text is not None:
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(chat=chat_proto(messages))

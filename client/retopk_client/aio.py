@@ -1,0 +1,246 @@
+"""The asyncio client: the same calls as ``Client``, awaited; ``generate`` is an async iterator.
+
+    async with AsyncClient("localhost:50051") as client:
+        async for chunk in client.generate("What is the capital of France?"):
+            print(chunk.text, end="")
+        async with client.session(method="retopk") as s:
+            await s.complete("Hello")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from retopk_client import _requests
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_client.channel import DEFAULT, ClientConfig
+from retopk_client.errors import NotFound, RetopkError, from_rpc_error
+from retopk_client.health import METHOD as HEALTH_METHOD
+from retopk_client.health import HealthCheckRequest, HealthCheckResponse, status_name
+from retopk_client.retry import RetryPolicy, acall_with_retry, remaining
+from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
+
+
+class AsyncGenerateStream:
+    """The chunks of one Generate call as an async iterator; retried only before its first chunk."""
+
+    def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=asyncio.sleep) -> None:
+        self._start = start  # start(timeout_left) -> grpc.aio.UnaryStreamCall
+        self._policy = policy
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._sleep = sleep
+        self._attempt = 0
+        self._received = 0
+        self._done = False
+        self._call = start(timeout)
+
+    def __aiter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        while True:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                msg = await self._call.read()
+            except grpc.RpcError as rpc_err:
+                err = from_rpc_error(rpc_err)
+                if self._received == 0 and await self._retry(err):
+                    continue
+                self._done = True
+                raise err from None
+            if msg is grpc.aio.EOF:
+                self._done = True
+                raise StopAsyncIteration
+            self._received += 1
+            chunk = Chunk.from_proto(msg)
+            if chunk.is_final:
+                self._done = True
+            return chunk
+
+    async def _retry(self, err: RetopkError) -> bool:
+        delay = self._policy.backoff(self._attempt)
+        left = remaining(self._deadline)
+        if not self._policy.should_retry(err, self._attempt) or (left is not None and left <= delay):
+            return False
+        await self._sleep(delay)
+        self._attempt += 1
+        self._call = self._start(remaining(self._deadline))
+        return True
+
+    def cancel(self) -> None:
+        """Stop the stream; the server frees the request's batch slot at its next step."""
+        if not self._done:
+            self._done = True
+            self._call.cancel()
+
+    async def complete(self) -> Completion:
+        builder = CompletionBuilder()
+        async for chunk in self:
+            builder.add(chunk)
+        return builder.build()
+
+    async def __aenter__(self) -> AsyncGenerateStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+
+class AsyncSession:
+    """A session as an async context manager: created on entry (or by ``open()``), closed on exit."""
+
+    def __init__(self, client: AsyncClient, method=None, session_id: str | None = None) -> None:
+        self._client = client
+        self._method = method
+        self._requested_id = session_id
+        self.info: SessionInfo | None = None
+        self.closed = False
+
+    @property
+    def id(self) -> str:
+        if self.info is None:
+            raise RuntimeError("the session is not open yet: use 'async with' or 'await session.open()'")
+        return self.info.session_id
+
+    async def open(self) -> AsyncSession:
+        if self.info is None:
+            self.info = await self._client.create_session(self._method, session_id=self._requested_id)
+        return self
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGenerateStream:
+        return self._client.generate(prompt, session_id=self.id, **kwargs)
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return await self._client.complete(prompt, session_id=self.id, **kwargs)
+
+    async def refresh(self) -> SessionInfo:
+        self.info = await self._client.get_session(self.id)
+        return self.info
+
+    async def close(self) -> SessionInfo | None:
+        if self.closed or self.info is None:
+            return None
+        self.closed = True
+        try:
+            return await self._client.close_session(self.id)
+        except NotFound:
+            return None
+
+    async def __aenter__(self) -> AsyncSession:
+        return await self.open()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class AsyncClient:
+    """asyncio retopk client over one ``grpc.aio`` channel; create and use it inside one event loop."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        config: ClientConfig | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
+        if channel is None:
+            creds = config.channel_credentials()
+            options = config.channel_options()
+            channel = (
+                grpc.aio.secure_channel(config.address, creds, options)
+                if creds
+                else grpc.aio.insecure_channel(config.address, options)
+            )
+            self._owns_channel = True
+        else:
+            self._owns_channel = False
+        self._channel = channel
+        self._stub = pb_grpc.ReTopKServiceStub(channel)
+        self._health = channel.unary_unary(
+            HEALTH_METHOD,
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString,
+        )
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _unary(self, method, request, timeout, idempotent: bool = True):
+        timeout = self.config.call_timeout(timeout)
+        policy = self.config.retry if idempotent else RetryPolicy(max_attempts=1)
+        metadata = self.config.metadata()
+        return await acall_with_retry(lambda left: method(request, timeout=left, metadata=metadata), policy, timeout)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None | object = DEFAULT,
+                 **kwargs: Any) -> AsyncGenerateStream:
+        """Stream a completion (same arguments as ``Client.generate``); iterate with ``async for``."""
+        request = _requests.generate_request(prompt, **kwargs)
+        metadata = self.config.metadata()
+        return AsyncGenerateStream(
+            lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
+            self.config.retry,
+            self.config.call_timeout(timeout),
+        )
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        async with self.generate(prompt, **kwargs) as stream:
+            return await stream.complete()
+
+    async def create_session(self, method=None, *, session_id: str | None = None,
+                             timeout: float | None | object = DEFAULT) -> SessionInfo:
+        req = _requests.create_session_request(method, session_id)
+        return SessionInfo.from_proto(await self._unary(self._stub.CreateSession, req, timeout, idempotent=False))
+
+    def session(self, method=None, *, session_id: str | None = None) -> AsyncSession:
+        """A session opened on ``async with`` entry and closed on exit."""
+        return AsyncSession(self, method, session_id)
+
+    async def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
+        req = pb.GetSessionRequest(session_id=session_id)
+        return SessionInfo.from_proto(await self._unary(self._stub.GetSession, req, timeout))
+
+    async def list_sessions(self, *, timeout: float | None | object = DEFAULT) -> list[SessionInfo]:
+        resp = await self._unary(self._stub.ListSessions, pb.ListSessionsRequest(), timeout)
+        return [SessionInfo.from_proto(s) for s in resp.sessions]
+
+    async def close_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
+        req = pb.CloseSessionRequest(session_id=session_id)
+        return SessionInfo.from_proto((await self._unary(self._stub.CloseSession, req, timeout)).session)
+
+    async def tokenize(self, text: str | None = None, *, messages=None,
+                       timeout: float | None | object = DEFAULT) -> Tokenized:
+        req = _requests.tokenize_request(text, messages)
+        return Tokenized.from_proto(await self._unary(self._stub.Tokenize, req, timeout))
+
+    async def detokenize(self, token_ids, *, skip_special_tokens: bool = False,
+                         timeout: float | None | object = DEFAULT) -> str:
+        req = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return (await self._unary(self._stub.Detokenize, req, timeout)).text
+
+    async def model_info(self, *, timeout: float | None | object = DEFAULT) -> ModelInfo:
+        return ModelInfo.from_proto(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+    async def server_status(self, *, timeout: float | None | object = DEFAULT) -> ServerStatus:
+        msg = await self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest(), timeout)
+        return ServerStatus.from_proto(msg)
+
+    async def health(self, service: str = "", *, timeout: float | None | object = DEFAULT) -> str:
+        return status_name(await self._unary(self._health, HealthCheckRequest(service=service), timeout))

@@ -1,0 +1,71 @@
+"""Channel settings shared by the sync and asyncio clients: target, credentials, metadata, options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from retopk_client.addresses import DEFAULT_ADDRESS
+from retopk_client.retry import RetryPolicy
+
+# Step statistics of long generations can be large; the gRPC default receive limit is 4 MiB.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a client reaches the server.
+
+    address      gRPC target ("host:port", "unix:/path", ...)
+    api_key      sent as ``authorization: Bearer <key>`` on every call when set
+    timeout      default deadline of each call in seconds (None = no deadline); each call can override it
+    retry        retries of UNAVAILABLE for idempotent calls
+    secure       use TLS with the system roots (``credentials`` overrides it)
+    credentials  explicit ``grpc.ChannelCredentials``
+    options      extra channel options as (name, value) pairs
+    """
+
+    address: str = DEFAULT_ADDRESS
+    api_key: str | None = None
+    timeout: float | None = None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    secure: bool = False
+    credentials: grpc.ChannelCredentials | None = None
+    options: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ValueError("address must not be empty")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {self.timeout!r}")
+
+    @classmethod
+    def of(cls, address: str | None = None, *, api_key: str | None = None, timeout: float | None = None,
+           retry: RetryPolicy | None = None) -> ClientConfig:
+        """A config from the clients' keyword arguments (None: the default)."""
+        return cls(
+            address=address or DEFAULT_ADDRESS, api_key=api_key, timeout=timeout, retry=retry or RetryPolicy()
+        )
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+    def channel_options(self) -> list[tuple[str, object]]:
+        return [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            *self.options,
+        ]
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if self.credentials is not None:
+            return self.credentials
+        return grpc.ssl_channel_credentials() if self.secure else None
+
+    def call_timeout(self, timeout: float | None | object) -> float | None:
+        """The per-call override when given, else the client's default."""
+        return self.timeout if timeout is DEFAULT else timeout  # type: ignore[return-value]
+
+
+DEFAULT = object()  # sentinel of a call's timeout: "the client's default" (None means no deadline)

@@ -1,0 +1,270 @@
+"""The synchronous client.
+
+    with Client("localhost:50051") as client:
+        for chunk in client.generate("What is the capital of France?", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+        with client.session(method=Method.retopk(top_k=64)) as s:
+            s.complete(messages=[{"role": "user", "content": "Hi"}])
+
+Every failure raises a ``RetopkError`` subclass (retopk_client.errors). Idempotent calls retry
+UNAVAILABLE with exponential backoff (``RetryPolicy``); ``generate`` retries only until its first
+chunk has arrived, never once a stream has started.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from retopk_client import _requests
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_client.channel import DEFAULT, ClientConfig
+from retopk_client.errors import NotFound, RetopkError, from_rpc_error
+from retopk_client.health import METHOD as HEALTH_METHOD
+from retopk_client.health import HealthCheckRequest, HealthCheckResponse, status_name
+from retopk_client.retry import RetryPolicy, call_with_retry, remaining
+from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
+
+
+class GenerateStream:
+    """The chunks of one Generate call, as an iterator; ``cancel()`` (or leaving a ``with``) stops it.
+
+    A retryable error before the first chunk re-sends the request after a backoff; any error after
+    it is raised as it is, since the server may already have generated (and appended to a session).
+    """
+
+    def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=time.sleep) -> None:
+        self._start = start  # start(timeout_left) -> grpc response iterator (also a grpc.Call)
+        self._policy = policy
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._sleep = sleep
+        self._attempt = 0
+        self._received = 0
+        self._done = False
+        self._call = start(timeout)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        while True:
+            if self._done:
+                raise StopIteration
+            try:
+                msg = next(self._call)
+            except StopIteration:
+                self._done = True
+                raise
+            except grpc.RpcError as rpc_err:
+                err = from_rpc_error(rpc_err)
+                if self._received == 0 and self._retry(err):
+                    continue
+                self._done = True
+                raise err from None
+            self._received += 1
+            chunk = Chunk.from_proto(msg)
+            if chunk.is_final:
+                self._done = True
+            return chunk
+
+    def _retry(self, err: RetopkError) -> bool:
+        delay = self._policy.backoff(self._attempt)
+        left = remaining(self._deadline)
+        if not self._policy.should_retry(err, self._attempt) or (left is not None and left <= delay):
+            return False
+        self._sleep(delay)
+        self._attempt += 1
+        self._call = self._start(remaining(self._deadline))
+        return True
+
+    def cancel(self) -> None:
+        """Stop the stream; the server frees the request's batch slot at its next step."""
+        if not self._done:
+            self._done = True
+            self._call.cancel()
+
+    def complete(self) -> Completion:
+        """Read the rest of the stream into one Completion."""
+        builder = CompletionBuilder()
+        for chunk in self:
+            builder.add(chunk)
+        return builder.build()
+
+    def __enter__(self) -> GenerateStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Session:
+    """A server-side conversation: its KV and method caches persist between calls.
+
+    Closed on leaving a ``with`` block (or by ``close()``); calls take the same arguments as the
+    client's, without ``session_id`` and ``method`` (fixed at creation).
+    """
+
+    def __init__(self, client: Client, info: SessionInfo) -> None:
+        self._client = client
+        self.info = info
+        self.closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.session_id
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateStream:
+        return self._client.generate(prompt, session_id=self.id, **kwargs)
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        return self._client.complete(prompt, session_id=self.id, **kwargs)
+
+    def refresh(self) -> SessionInfo:
+        self.info = self._client.get_session(self.id)
+        return self.info
+
+    def close(self) -> SessionInfo | None:
+        """Close on the server; a session that is already gone is not an error here."""
+        if self.closed:
+            return None
+        self.closed = True
+        try:
+            return self._client.close_session(self.id)
+        except NotFound:
+            return None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Client:
+    """Synchronous retopk client over one gRPC channel (thread-safe, like the channel)."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy | None = None,
+        config: ClientConfig | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
+        if channel is None:
+            creds = config.channel_credentials()
+            options = config.channel_options()
+            channel = (
+                grpc.secure_channel(config.address, creds, options)
+                if creds
+                else grpc.insecure_channel(config.address, options)
+            )
+            self._owns_channel = True
+        else:
+            self._owns_channel = False
+        self._channel = channel
+        self._stub = pb_grpc.ReTopKServiceStub(channel)
+        self._health = channel.unary_unary(
+            HEALTH_METHOD,
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString,
+        )
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _unary(self, method, request, timeout, idempotent: bool = True):
+        """Call a unary rpc with the key's metadata, the deadline and (when idempotent) retries."""
+        timeout = self.config.call_timeout(timeout)
+        policy = self.config.retry if idempotent else RetryPolicy(max_attempts=1)
+        metadata = self.config.metadata()
+        return call_with_retry(lambda left: method(request, timeout=left, metadata=metadata), policy, timeout)
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None | object = DEFAULT,
+                 **kwargs: Any) -> GenerateStream:
+        """Stream a completion; yields ``Chunk``s, the last one with finish reason, usage and timings.
+
+        Input: ``prompt`` (text), or ``messages=[{"role", "content"}, ...]`` (chat template), or
+        ``token_ids=[...]``. Options: ``session_id``, ``max_new_tokens``, ``sampling`` (a Sampling)
+        or plain ``temperature=``, ``top_p=``, ``top_k=``, ``min_p=``, ``repetition_penalty=``,
+        ``presence_penalty=``, ``frequency_penalty=``, ``seed=``; ``method`` (a Method, a name, or a
+        mapping); ``stop``, ``stop_token_ids``, ``ignore_eos``, ``return_step_stats``, ``request_id``.
+        ``timeout`` bounds the whole stream.
+        """
+        request = _requests.generate_request(prompt, **kwargs)
+        metadata = self.config.metadata()
+        return GenerateStream(
+            lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
+            self.config.retry,
+            self.config.call_timeout(timeout),
+        )
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """Run ``generate`` to the end and return the whole text, token ids, usage and timings."""
+        with self.generate(prompt, **kwargs) as stream:
+            return stream.complete()
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    def create_session(self, method=None, *, session_id: str | None = None,
+                       timeout: float | None | object = DEFAULT) -> SessionInfo:
+        """Open a session (not retried: a lost reply could otherwise open two)."""
+        req = _requests.create_session_request(method, session_id)
+        return SessionInfo.from_proto(self._unary(self._stub.CreateSession, req, timeout, idempotent=False))
+
+    def session(self, method=None, *, session_id: str | None = None,
+                timeout: float | None | object = DEFAULT) -> Session:
+        """Open a session now and return it; use it in a ``with`` block so that it is closed."""
+        return Session(self, self.create_session(method, session_id=session_id, timeout=timeout))
+
+    def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
+        req = pb.GetSessionRequest(session_id=session_id)
+        return SessionInfo.from_proto(self._unary(self._stub.GetSession, req, timeout))
+
+    def list_sessions(self, *, timeout: float | None | object = DEFAULT) -> list[SessionInfo]:
+        resp = self._unary(self._stub.ListSessions, pb.ListSessionsRequest(), timeout)
+        return [SessionInfo.from_proto(s) for s in resp.sessions]
+
+    def close_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
+        req = pb.CloseSessionRequest(session_id=session_id)
+        return SessionInfo.from_proto(self._unary(self._stub.CloseSession, req, timeout).session)
+
+    # ---- tokenizer, model, server ---------------------------------------------------------
+
+    def tokenize(self, text: str | None = None, *, messages=None,
+                 timeout: float | None | object = DEFAULT) -> Tokenized:
+        req = _requests.tokenize_request(text, messages)
+        return Tokenized.from_proto(self._unary(self._stub.Tokenize, req, timeout))
+
+    def detokenize(self, token_ids, *, skip_special_tokens: bool = False,
+                   timeout: float | None | object = DEFAULT) -> str:
+        req = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._unary(self._stub.Detokenize, req, timeout).text
+
+    def model_info(self, *, timeout: float | None | object = DEFAULT) -> ModelInfo:
+        return ModelInfo.from_proto(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+    def server_status(self, *, timeout: float | None | object = DEFAULT) -> ServerStatus:
+        return ServerStatus.from_proto(self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest(), timeout))
+
+    def health(self, service: str = "", *, timeout: float | None | object = DEFAULT) -> str:
+        """The standard health check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
+        return status_name(self._unary(self._health, HealthCheckRequest(service=service), timeout))

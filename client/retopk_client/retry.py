@@ -1,0 +1,108 @@
+"""Retries of idempotent calls with exponential backoff.
+
+Attempt ``n`` (0-based) that fails with a retryable code waits
+``min(max_backoff, initial_backoff * multiplier**n) * (1 + jitter * u)``, ``u`` uniform in [-1, 1],
+then tries again, up to ``max_attempts`` attempts in all and never past the call's deadline.
+Only idempotent calls go through here (info, health, tokenize, get/list/close session), and
+``Generate`` only until its first chunk arrives: a stream that has started is never replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+
+from retopk_client.errors import RetopkError, from_rpc_error
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently to retry; ``RetryPolicy(max_attempts=1)`` disables retries."""
+
+    max_attempts: int = 4
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+    retry_codes: frozenset[grpc.StatusCode] = field(default_factory=lambda: frozenset({grpc.StatusCode.UNAVAILABLE}))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if self.initial_backoff < 0:
+            raise ValueError(f"initial_backoff must be >= 0, got {self.initial_backoff!r}")
+        if self.max_backoff < self.initial_backoff:
+            raise ValueError(f"max_backoff must be >= initial_backoff, got {self.max_backoff!r}")
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier must be >= 1, got {self.multiplier!r}")
+        if not 0 <= self.jitter < 1:
+            raise ValueError(f"jitter must lie in [0, 1), got {self.jitter!r}")
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (0-based)."""
+        base = min(self.max_backoff, self.initial_backoff * self.multiplier**attempt)
+        u = (rng or random).uniform(-1.0, 1.0)
+        return max(0.0, base * (1.0 + self.jitter * u))
+
+    def should_retry(self, err: RetopkError, attempt: int) -> bool:
+        return err.code in self.retry_codes and attempt + 1 < self.max_attempts
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (a ``time.monotonic()`` value), or None for no deadline."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def call_with_retry(
+    fn: Callable[[float | None], T],
+    policy: RetryPolicy,
+    timeout: float | None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run ``fn(timeout_left)``; on a retryable ``grpc.RpcError`` back off and retry.
+
+    Every failure leaves as a typed ``RetopkError``; the last attempt's error is the one raised.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        try:
+            return fn(remaining(deadline))
+        except grpc.RpcError as rpc_err:
+            err = from_rpc_error(rpc_err)
+        delay = policy.backoff(attempt)
+        left = remaining(deadline)
+        if not policy.should_retry(err, attempt) or (left is not None and left <= delay):
+            raise err
+        sleep(delay)
+        attempt += 1
+
+
+async def acall_with_retry(
+    fn: Callable[[float | None], Awaitable[T]],
+    policy: RetryPolicy,
+    timeout: float | None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> T:
+    """The asyncio twin of ``call_with_retry``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        try:
+            return await fn(remaining(deadline))
+        except grpc.RpcError as rpc_err:
+            err = from_rpc_error(rpc_err)
+        delay = policy.backoff(attempt)
+        left = remaining(deadline)
+        if not policy.should_retry(err, attempt) or (left is not None and left <= delay):
+            raise err
+        await sleep(delay)
+        attempt += 1

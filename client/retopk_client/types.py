@@ -1,0 +1,447 @@
+"""Typed, immutable views of the wire messages, so SDK users never touch protobuf classes.
+
+Each dataclass mirrors one message of proto/retopk/v1/retopk.proto and converts with
+``from_proto`` (and ``to_proto`` for inputs). Fields the server leaves unset stay ``None`` where
+the proto marks them optional. ``to_dict`` gives JSON-ready data for the CLI's ``--json``.
+Inputs are not range-checked here: the server validates every field and answers INVALID_ARGUMENT
+naming it, so there is one source of truth for the limits.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+
+# The named ReTopK fields of AttentionMethod, in proto order (K, C, W, R, tau, T_r).
+RETOPK_FIELDS = ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+)
+
+
+def _jsonable(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class _Dictable:
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self))  # type: ignore[call-overload]
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatMessage(_Dictable):
+    """One chat message: role is "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+    def to_proto(self) -> pb.ChatMessage:
+        return pb.ChatMessage(role=self.role, content=self.content)
+
+
+def as_chat_message(message: ChatMessage | Mapping[str, str] | tuple[str, str]) -> ChatMessage:
+    """Accept a ChatMessage, a {"role", "content"} mapping or a (role, content) pair."""
+    if isinstance(message, ChatMessage):
+        return message
+    if isinstance(message, Mapping):
+        return ChatMessage(role=message["role"], content=message["content"])
+    role, content = message
+    return ChatMessage(role=role, content=content)
+
+
+@dataclass(frozen=True)
+class Sampling(_Dictable):
+    """Sampling parameters; ``None`` means the server default (greedy when every field is None)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+    def to_proto(self) -> pb.SamplingParameters:
+        return pb.SamplingParameters(**{f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None})
+
+
+ParamValue = int | float | str | bool
+
+
+@dataclass(frozen=True)
+class Method(_Dictable):
+    """An attention method and its hyperparameters (``name=""``: the server's default method).
+
+    The named fields are ReTopK's K, C, W, R, tau, T_r (Exact Top-K reads ``top_k``); other
+    hyperparameters of any method go in ``params`` by the core's keyword names, e.g.
+    ``Method("streaming_llm", params={"sink": 4})``. ``None`` fields take the server's defaults.
+    """
+
+    name: str = ""
+    top_k: int | None = None
+    cache_size: int | None = None
+    window: int | None = None
+    recall: int | None = None
+    tau: float | None = None
+    refresh_every: int | None = None
+    params: Mapping[str, ParamValue] = field(default_factory=dict)
+
+    @classmethod
+    def full(cls) -> Method:
+        return cls("full")
+
+    @classmethod
+    def exact_topk(cls, top_k: int | None = None) -> Method:
+        return cls("exact_topk", top_k=top_k)
+
+    @classmethod
+    def retopk(
+        cls,
+        top_k: int | None = None,
+        cache_size: int | None = None,
+        window: int | None = None,
+        recall: int | None = None,
+        tau: float | None = None,
+        refresh_every: int | None = None,
+        **params: ParamValue,
+    ) -> Method:
+        return cls("retopk", top_k, cache_size, window, recall, tau, refresh_every, dict(params))
+
+    @classmethod
+    def coerce(cls, value: Method | str | Mapping | None) -> Method | None:
+        """Accept a Method, a method name, or a mapping of Method's fields (unknown keys go to params)."""
+        if value is None or isinstance(value, Method):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        known = {f.name for f in fields(cls)} - {"params"}
+        kwargs = {k: v for k, v in value.items() if k in known}
+        params = dict(value.get("params", {}))
+        params.update({k: v for k, v in value.items() if k not in known and k != "params"})
+        return cls(**kwargs, params=params)
+
+    def to_proto(self) -> pb.AttentionMethod:
+        msg = pb.AttentionMethod(name=self.name)
+        for f in RETOPK_FIELDS:
+            if getattr(self, f) is not None:
+                setattr(msg, f, getattr(self, f))
+        for key, value in self.params.items():
+            msg.params[key].CopyFrom(_param_to_proto(key, value))
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: pb.AttentionMethod) -> Method:
+        named = {f: getattr(msg, f) if msg.HasField(f) else None for f in RETOPK_FIELDS}
+        params = {key: _param_from_proto(value) for key, value in sorted(msg.params.items())}
+        return cls(name=msg.name, **named, params=params)
+
+    def describe(self) -> str:
+        """One line, e.g. ``retopk(top_k=512, cache_size=32, ...)``."""
+        parts = [f"{f}={getattr(self, f)}" for f in RETOPK_FIELDS if getattr(self, f) is not None]
+        parts += [f"{k}={v}" for k, v in self.params.items()]
+        return f"{self.name or '<default>'}({', '.join(parts)})"
+
+
+def _param_to_proto(key: str, value: ParamValue) -> pb.ParamValue:
+    if isinstance(value, bool):  # before int: bool is an int subclass
+        return pb.ParamValue(bool_value=value)
+    if isinstance(value, int):
+        return pb.ParamValue(int_value=value)
+    if isinstance(value, float):
+        return pb.ParamValue(float_value=value)
+    if isinstance(value, str):
+        return pb.ParamValue(string_value=value)
+    raise TypeError(f"method parameter {key!r} must be int, float, str or bool, got {type(value).__name__}")
+
+
+def _param_from_proto(value: pb.ParamValue) -> ParamValue | None:
+    kind = value.WhichOneof("kind")
+    return None if kind is None else getattr(value, kind)
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation stopped (the proto enum without its prefix, lower case)."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_TOKEN = "stop_token"
+    STOP_SEQUENCE = "stop_sequence"
+    CONTEXT_LENGTH = "context_length"
+
+    @classmethod
+    def from_proto(cls, value: int) -> FinishReason | None:
+        if value == pb.FINISH_REASON_UNSPECIFIED:
+            return None
+        name = pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+        return cls(name)
+
+
+# StepStats.path codes (proto comment): what each head did in one decode step.
+PATH_NAMES = {0: "reuse", 1: "fallback", 2: "refresh", 3: "exact", 4: "dense", 5: "approx", 6: "cached"}
+
+
+@dataclass(frozen=True)
+class StepStats(_Dictable):
+    """One decode step of one sequence: per (layer, head) arrays, row-major ``[l * num_heads + h]``."""
+
+    token_index: int
+    num_layers: int
+    num_heads: int
+    path: tuple[int, ...]
+    max_sim: tuple[float, ...]
+    n_scored: tuple[int, ...]
+    attention_seconds: float
+
+    @classmethod
+    def from_proto(cls, msg: pb.StepStats) -> StepStats:
+        return cls(
+            token_index=msg.token_index,
+            num_layers=msg.num_layers,
+            num_heads=msg.num_heads,
+            path=tuple(msg.path),
+            max_sim=tuple(msg.max_sim),
+            n_scored=tuple(msg.n_scored),
+            attention_seconds=msg.attention_seconds,
+        )
+
+    def path_counts(self) -> dict[str, int]:
+        """How many (layer, head) pairs took each path, by path name."""
+        counts: dict[str, int] = {}
+        for code in self.path:
+            name = PATH_NAMES.get(code, str(code))
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+
+@dataclass(frozen=True)
+class Usage(_Dictable):
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    session_tokens: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.Usage) -> Usage:
+        return cls(msg.prompt_tokens, msg.generated_tokens, msg.session_tokens)
+
+
+@dataclass(frozen=True)
+class Timings(_Dictable):
+    """Where one request's time went, in seconds (as measured by the server)."""
+
+    queue_seconds: float
+    prefill_seconds: float
+    time_to_first_token_seconds: float
+    decode_seconds: float
+    total_seconds: float
+
+    @classmethod
+    def from_proto(cls, msg: pb.Timings) -> Timings:
+        return cls(
+            msg.queue_seconds, msg.prefill_seconds, msg.time_to_first_token_seconds, msg.decode_seconds,
+            msg.total_seconds,
+        )
+
+
+@dataclass(frozen=True)
+class Chunk(_Dictable):
+    """One message of a Generate stream. The last has ``finish_reason``, ``usage`` and ``timings``."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    step_stats: tuple[StepStats, ...] = ()
+    session_id: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
+        return cls(
+            request_id=msg.request_id,
+            token_ids=tuple(msg.token_ids),
+            text=msg.text,
+            finish_reason=FinishReason.from_proto(msg.finish_reason),
+            usage=Usage.from_proto(msg.usage) if msg.HasField("usage") else None,
+            timings=Timings.from_proto(msg.timings) if msg.HasField("timings") else None,
+            step_stats=tuple(StepStats.from_proto(s) for s in msg.step_stats),
+            session_id=msg.session_id or None,
+        )
+
+
+@dataclass(frozen=True)
+class Completion(_Dictable):
+    """A whole Generate call gathered: the text, every token id and the final chunk's report."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    timings: Timings | None
+    request_id: str
+    session_id: str | None = None
+    step_stats: tuple[StepStats, ...] = ()
+
+
+class CompletionBuilder:
+    """Accumulates chunks into a ``Completion`` (shared by the sync and asyncio clients)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.step_stats: list[StepStats] = []
+        self.last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.step_stats.extend(chunk.step_stats)
+        self.last = chunk
+
+    def build(self) -> Completion:
+        last = self.last
+        return Completion(
+            text="".join(self.text),
+            token_ids=tuple(self.token_ids),
+            finish_reason=last.finish_reason if last else None,
+            usage=last.usage if last else None,
+            timings=last.timings if last else None,
+            request_id=last.request_id if last else "",
+            session_id=last.session_id if last else None,
+            step_stats=tuple(self.step_stats),
+        )
+
+
+@dataclass(frozen=True)
+class SessionInfo(_Dictable):
+    """A session's state on the server."""
+
+    session_id: str
+    method: Method
+    num_tokens: int
+    kv_bytes: int
+    method_state_bytes: int
+    busy: bool
+    turns: int
+    created_unix: float
+    last_used_unix: float
+
+    @classmethod
+    def from_proto(cls, msg: pb.SessionInfo) -> SessionInfo:
+        return cls(
+            session_id=msg.session_id,
+            method=Method.from_proto(msg.method),
+            num_tokens=msg.num_tokens,
+            kv_bytes=msg.kv_bytes,
+            method_state_bytes=msg.method_state_bytes,
+            busy=msg.busy,
+            turns=msg.turns,
+            created_unix=msg.created_unix,
+            last_used_unix=msg.last_used_unix,
+        )
+
+
+@dataclass(frozen=True)
+class Tokenized(_Dictable):
+    """Token ids of an input, with each token's text piece."""
+
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...]
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenizeResponse) -> Tokenized:
+        return cls(tuple(msg.token_ids), tuple(msg.tokens))
+
+
+@dataclass(frozen=True)
+class Limits(_Dictable):
+    """The server's limits on requests and sessions."""
+
+    max_prompt_tokens: int
+    max_new_tokens: int
+    default_max_new_tokens: int
+    max_sessions: int
+    max_running: int
+    max_queue: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.Limits) -> Limits:
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ModelInfo(_Dictable):
+    """The served model, its default attention method, the available methods and the limits."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    backend: str
+    default_method: Method
+    methods: tuple[str, ...]
+    limits: Limits
+    server_version: str
+
+    @classmethod
+    def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
+        scalars = {
+            f.name: getattr(msg, f.name)
+            for f in fields(cls)
+            if f.name not in ("eos_token_ids", "default_method", "methods", "limits")
+        }
+        return cls(
+            **scalars,
+            eos_token_ids=tuple(msg.eos_token_ids),
+            default_method=Method.from_proto(msg.default_method),
+            methods=tuple(msg.methods),
+            limits=Limits.from_proto(msg.limits),
+        )
+
+
+@dataclass(frozen=True)
+class ServerStatus(_Dictable):
+    """The server's load right now."""
+
+    running: int
+    queued: int
+    sessions: int
+    ephemeral_sessions: int
+    draining: bool
+    kv_bytes: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.ServerStatus) -> ServerStatus:
+        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
