@@ -32,7 +32,7 @@ class PagedKV:
             raise ValueError("block_table must be (B, max_blocks) and lengths (B,)")
 
     @classmethod
-    def contiguous(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None) -> "PagedKV":
+    def contiguous(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None = None) -> PagedKV:
         """View a padded batch k, v: (B, H_kv, L_cap, d) as one block per sequence (no copy)."""
         B, _, L_cap, _ = k.shape
         if lengths is None:

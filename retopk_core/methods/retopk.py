@@ -28,7 +28,13 @@ from retopk_core.config import ReTopKConfig
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import (
-    NEG_INF, exact_select, indexed_scores, kv_heads, resolve_scale, sparse_attend, topk_select,
+    NEG_INF,
+    exact_select,
+    indexed_scores,
+    kv_heads,
+    resolve_scale,
+    sparse_attend,
+    topk_select,
 )
 
 _PAD = torch.iinfo(torch.long).max  # sorts after every real position

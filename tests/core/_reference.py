@@ -33,7 +33,7 @@ class RefHead:
 
     def prefill(self, queries: torch.Tensor, positions: list[int], keys: torch.Tensor, scale: float) -> None:
         """queries (T, d) at absolute positions; each gets its exact causal Top-K support."""
-        for q, p in list(zip(queries, positions))[-self.C:]:
+        for q, p in list(zip(queries, positions, strict=True))[-self.C:]:
             scores = {i: float(q.double() @ keys[i].double()) * scale for i in range(p + 1)}
             self._push(q.double(), topk_positions(scores, self.K))
 
