@@ -83,7 +83,7 @@ class FakeRunner:
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self._touch()
         return self.tokenizer.encode(text)
 

@@ -363,8 +363,8 @@ class Engine:
     def _input_ids(self, r: ActiveRequest) -> list[int]:
         """This request's new tokens (the session's pending token excluded)."""
         runner, spec, record = self.runner, r.spec, r.record
-        if spec.text is not None:
-            return list(runner.encode(spec.text))
+        if spec.text is not None:  # special tokens (a BOS) only at the start of a conversation
+            return list(runner.encode(spec.text, add_special_tokens=record.num_tokens == 0))
         if spec.token_ids is not None:
             vocab = runner.info.vocab_size
             bad = [t for t in spec.token_ids if not 0 <= t < vocab]

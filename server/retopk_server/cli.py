@@ -1,0 +1,154 @@
+"""`retopk-server`: start the gRPC decoding server.
+
+Every ServerConfig field has one command-line flag and one RETOPK_* environment variable, listed
+once in OPTIONS below. Flags override the environment; the environment overrides the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+from retopk_server.config import ServerConfig
+
+
+def parse_optional_int(text: str) -> int | None:
+    """An integer, or None for "" / "none" / "auto"."""
+    return None if text.strip().lower() in ("", "none", "auto") else int(text)
+
+
+def parse_optional_str(text: str) -> str | None:
+    return text or None
+
+
+def parse_value(text: str):
+    """A hyperparameter value: int, float, bool (true/false) or else the string itself."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_params(text: str) -> dict:
+    """"top_k=64,tau=0.9" -> {"top_k": 64, "tau": 0.9} ("" -> {})."""
+    params = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected name=value, got {item!r}")
+        params[key.strip()] = parse_value(value.strip())
+    return params
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str
+    parse: Callable[[str], object]
+    help: str
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "RETOPK_" + self.field.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "address to listen on"),
+    Option("port", int, "gRPC port (0 = any free port; the chosen one is printed)"),
+    Option("metrics_port", int, "Prometheus metrics port (0 = no exporter)"),
+    Option("model", str, "embedded model name (smollm2-135m) or a local transformers checkpoint directory"),
+    Option("device", str, "torch device: cpu, cuda, cuda:1, ..."),
+    Option("dtype", str, "float32, bfloat16 or float16"),
+    Option("backend", str, "attention backend: torch (reference, CPU) or triton (GPU)"),
+    Option("method", str, "default attention method: full, exact_topk, retopk or a baseline "
+                          "(changing it without --method-params starts from that method's own defaults)"),
+    Option("method_params", parse_params, "default method's hyperparameters, e.g. top_k=64,tau=0.85,window=32",
+           "K=V,..."),
+    Option("max_context", parse_optional_int, "longest session context in tokens (none = the model's)", "N"),
+    Option("prefill_chunk", int, "prompt tokens per prefill forward"),
+    Option("max_queue", int, "requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED"),
+    Option("max_running", int, "requests decoded together in one batch"),
+    Option("max_sessions", int, "open sessions; beyond it CreateSession is RESOURCE_EXHAUSTED"),
+    Option("max_prompt_tokens", parse_optional_int, "tokens one request may feed (none = the model's context)", "N"),
+    Option("max_new_tokens", int, "largest max_new_tokens a request may ask for"),
+    Option("default_max_new_tokens", int, "max_new_tokens of a request that sets none"),
+    Option("drain_grace_s", float, "seconds running requests get to finish after SIGTERM"),
+    Option("api_key", parse_optional_str, "require metadata 'authorization: Bearer <key>' on every call "
+                                          "(prefer the environment variable: flags show up in ps)", "KEY"),
+    Option("log_level", str, "debug, info, warning or error"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ServerConfig.__dataclass_fields__
+    parser = argparse.ArgumentParser(
+        prog="retopk-server",
+        description="gRPC LLM decoding server with ReTopK sparse attention. Every flag can also be set "
+                    "with the environment variable shown; flags win over the environment.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    for opt in OPTIONS:
+        f = defaults[opt.field]
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if isinstance(default, dict):
+            default = ",".join(f"{k}={v}" for k, v in default.items())
+        parser.add_argument(opt.flag, dest=opt.field, default=argparse.SUPPRESS, metavar=opt.metavar,
+                            help=f"{opt.help} [env {opt.env}; default {default}]")
+    return parser
+
+
+def config_from(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The ServerConfig of this command line and environment (flags > environment > defaults)."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    values: dict[str, object] = {}
+    for opt in OPTIONS:
+        source, text = None, None
+        if opt.field in args:
+            source, text = opt.flag, args[opt.field]
+        elif opt.env in environ:
+            source, text = opt.env, environ[opt.env]
+        if source is None:
+            continue
+        try:
+            values[opt.field] = opt.parse(text)
+        except ValueError as e:
+            parser.error(f"{source}: {e}")
+    # A different default method starts from its own defaults, not from ReTopK's K = 64.
+    if "method" in values and "method_params" not in values:
+        values["method_params"] = {}
+    known = {f.name for f in fields(ServerConfig)}
+    try:
+        return ServerConfig(**{k: v for k, v in values.items() if k in known})
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import asyncio
+
+    from retopk_server.service.server import serve
+
+    try:
+        return asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""ServerConfig: everything the server is configured with, in one validated dataclass.
+
+The command line and the RETOPK_* environment variables map onto it in ``retopk_server.cli`` (flags
+override the environment, the environment overrides these defaults). The runtime and the engine get
+their own configs from it (``runtime_config``, ``engine_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from retopk_server.engine.requests import EngineConfig
+from retopk_server.runtime.config import RuntimeConfig
+from retopk_server.runtime.method_spec import MethodSpec
+
+
+def _default_method_params() -> dict:
+    # K = 64 for the embedded 8K-position model (see retopk_server.runtime.config); other methods
+    # start from their own defaults.
+    return {"top_k": 64}
+
+
+@dataclass
+class ServerConfig:
+    """The server's configuration.
+
+    host, port            where gRPC listens (port 0: any free port, printed when ready)
+    metrics_port          Prometheus exporter port (0 disables it); used by retopk_server.metrics
+    model                 embedded model name (e.g. "smollm2-135m") or a local checkpoint directory
+    device, dtype         where and in which precision the model, KV cache and method state live
+    backend               attention backend: "torch" (reference, CPU) or "triton" (GPU)
+    method, method_params default attention method of requests and sessions that name none
+    max_context           longest session context (None: the model's trained positions)
+    prefill_chunk         prompt tokens per prefill forward
+    max_queue             requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED
+    max_running           requests decoded together in one batch
+    max_sessions          open named sessions; beyond it CreateSession is RESOURCE_EXHAUSTED
+    max_prompt_tokens     tokens one request may feed (None: the model's context)
+    max_new_tokens        largest max_new_tokens a request may ask for
+    default_max_new_tokens  max_new_tokens of a request that sets none
+    drain_grace_s         after SIGTERM, how long running requests may take to finish before they are cut
+    api_key               when set, every retopk.v1 rpc needs metadata "authorization: Bearer <api_key>"
+    log_level             Python logging level name
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9464
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "float32"
+    backend: str = "torch"
+    method: str = "retopk"
+    method_params: dict = field(default_factory=_default_method_params)
+    max_context: int | None = None
+    prefill_chunk: int = 512
+    max_queue: int = 64
+    max_running: int = 16
+    max_sessions: int = 64
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int = 2048
+    default_max_new_tokens: int = 256
+    drain_grace_s: float = 30.0
+    api_key: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+        if not isinstance(self.method_params, dict):
+            raise ValueError(f"method_params must be a dict, got {self.method_params!r}")
+        if not isinstance(self.drain_grace_s, (int, float)) or not self.drain_grace_s >= 0:
+            raise ValueError(f"drain_grace_s must be a non-negative number, got {self.drain_grace_s!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
+        try:
+            self.method_spec().build()
+        except ValueError as e:
+            raise ValueError(f"method: {e}") from None
+        self.runtime_config()  # validates model, dtype, backend, max_context, prefill_chunk
+        self.engine_config()  # validates the limits
+
+    def method_spec(self) -> MethodSpec:
+        return MethodSpec(self.method, tuple(self.method_params.items()))
+
+    def runtime_config(self) -> RuntimeConfig:
+        return RuntimeConfig(model=self.model, device=self.device, dtype=self.dtype, backend=self.backend,
+                             default_method=self.method_spec(), max_context=self.max_context,
+                             prefill_chunk=self.prefill_chunk)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,
+                            max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
+                            default_max_new_tokens=self.default_max_new_tokens)

@@ -1,0 +1,1 @@
+"""The gRPC front end: servicer (validation, auth, error mapping), conversions, startup and drain."""

@@ -1,0 +1,219 @@
+"""Wire messages <-> engine objects, with the input checks that need no model.
+
+Every check raises ``InvalidArgument(field, message)``; the servicer answers INVALID_ARGUMENT with
+"<field>: <message>". Checks that need the tokenizer (prompt length) run in the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.engine.requests import FinishReason, GenerationRequest, TokenEvent
+from retopk_server.engine.scheduler import EngineStatus, SessionSnapshot
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.sampling import SamplingParams
+
+ROLES = ("system", "user", "assistant")
+MAX_ID_CHARS = 128
+MAX_STOP = 16
+# AttentionMethod's named fields, in proto order (ReTopK's K, C, W, R, tau, T_r).
+NAMED_PARAMS = ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+
+
+class InvalidArgument(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _float32(value: float) -> float:
+    """A proto float as the decimal the caller most likely wrote (0.85f -> 0.85, not 0.8500000238)."""
+    return value if math.isnan(value) or math.isinf(value) else float(f"{value:.7g}")
+
+
+def _identifier(field: str, value: str) -> str:
+    if not value:
+        raise InvalidArgument(field, "must not be empty when set")
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidArgument(field, f"must be at most {MAX_ID_CHARS} printable characters")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- method
+def _param_value(key: str, value: pb.ParamValue):
+    kind = value.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(f"method.params[{key!r}]", "no value set")
+    return getattr(value, kind)
+
+
+def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
+    """The MethodSpec a request or session asks for, checked by building it.
+
+    Empty name or the default's name: absent fields take the default's values; any other method
+    starts from its own defaults.
+    """
+    name = message.name or default.name
+    params = dict(default.params) if name == default.name else {}
+    given = {}
+    for key in NAMED_PARAMS:
+        if message.HasField(key):
+            value = getattr(message, key)
+            given[key] = _float32(value) if isinstance(value, float) else value
+    for key, value in message.params.items():
+        if key in given:
+            raise InvalidArgument(f"method.params[{key!r}]", "also set as a named field of method")
+        if not key.isidentifier():
+            raise InvalidArgument(f"method.params[{key!r}]", "not a hyperparameter name")
+        given[key] = _param_value(key, value)
+    params.update(given)
+    try:
+        spec = MethodSpec(name, tuple(params.items()))
+        spec.build()
+    except ValueError as e:
+        field = "method.name" if "unknown method" in str(e) else "method"
+        raise InvalidArgument(field, str(e)) from None
+    return spec
+
+
+def method_message(name: str, params: dict) -> pb.AttentionMethod:
+    """An AttentionMethod message from a method name and its (resolved) hyperparameters."""
+    message = pb.AttentionMethod(name=name)
+    for key, value in params.items():
+        if key in NAMED_PARAMS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            setattr(message, key, value)
+        elif isinstance(value, bool):
+            message.params[key].bool_value = value
+        elif isinstance(value, int):
+            message.params[key].int_value = value
+        elif isinstance(value, float):
+            message.params[key].float_value = value
+        elif value is not None:
+            message.params[key].string_value = str(value)
+    return message
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+    values = {}
+    for key in SAMPLING_FIELDS:
+        if message.HasField(key):
+            value = getattr(message, key)
+            values[key] = _float32(value) if isinstance(value, float) else value
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:  # SamplingParams names the field first: "top_p must lie in (0, 1], got 0.0"
+        name, _, rest = str(e).partition(" ")
+        if name in SAMPLING_FIELDS:
+            raise InvalidArgument(f"sampling.{name}", rest) from None
+        raise InvalidArgument("sampling", str(e)) from None
+
+
+def chat_messages(message: pb.ChatMessages, field: str = "chat") -> list[dict]:
+    if not message.messages:
+        raise InvalidArgument(field, "must hold at least one message")
+    out = []
+    for i, m in enumerate(message.messages):
+        if m.role not in ROLES:
+            raise InvalidArgument(f"{field}.messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
+        out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise InvalidArgument(f"{field}[{i}]", f"{t} is not a token id (vocab_size {vocab_size})")
+    return list(ids)
+
+
+def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, vocab_size: int,
+                       max_new_tokens_limit: int, deadline: float | None) -> GenerationRequest:
+    """Check a GenerateRequest and turn it into the engine's GenerationRequest."""
+    request_id = (_identifier("request_id", message.request_id) if message.HasField("request_id")
+                  else uuid.uuid4().hex)
+    spec = GenerationRequest(request_id=request_id, deadline=deadline)
+    which = message.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("input", "set one of text, token_ids, chat")
+    if which == "text":
+        if not message.text:
+            raise InvalidArgument("text", "must not be empty")
+        spec.text = message.text
+    elif which == "token_ids":
+        if not message.token_ids.ids:
+            raise InvalidArgument("token_ids", "must not be empty")
+        spec.token_ids = check_token_ids("token_ids", message.token_ids.ids, vocab_size)
+    else:
+        spec.chat = chat_messages(message.chat)
+    if message.HasField("session_id"):
+        spec.session_id = _identifier("session_id", message.session_id)
+        if message.HasField("method"):
+            raise InvalidArgument("method", "must be absent when session_id is set (a session keeps its own method)")
+    elif message.HasField("method"):
+        spec.method = method_spec(message.method, default_method)
+    spec.sampling = sampling_params(message.sampling)
+    if message.HasField("max_new_tokens"):
+        if not 0 < message.max_new_tokens <= max_new_tokens_limit:
+            raise InvalidArgument("max_new_tokens",
+                                  f"must lie in [1, {max_new_tokens_limit}], got {message.max_new_tokens}")
+        spec.max_new_tokens = message.max_new_tokens
+    if len(message.stop) > MAX_STOP:
+        raise InvalidArgument("stop", f"at most {MAX_STOP} stop strings, got {len(message.stop)}")
+    for i, s in enumerate(message.stop):
+        if not s:
+            raise InvalidArgument(f"stop[{i}]", "must not be empty")
+    spec.stop = list(message.stop)
+    spec.stop_token_ids = check_token_ids("stop_token_ids", message.stop_token_ids, vocab_size)
+    spec.ignore_eos = message.ignore_eos
+    spec.return_step_stats = message.return_step_stats
+    return spec
+
+
+def step_stats_message(stats, token_index: int) -> pb.StepStats:
+    layers, heads = stats.path.shape
+    return pb.StepStats(token_index=token_index, num_layers=layers, num_heads=heads,
+                        path=stats.path.reshape(-1).to(dtype=stats.n_scored.dtype).tolist(),
+                        max_sim=stats.max_sim.reshape(-1).tolist(), n_scored=stats.n_scored.reshape(-1).tolist(),
+                        attention_seconds=float(stats.attention_s))
+
+
+def generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(request_id=request_id, token_ids=event.token_ids, text=event.text,
+                              session_id=event.session_id)
+    if event.step_stats is not None:
+        out.step_stats.append(step_stats_message(event.step_stats, event.token_index))
+    if event.finish_reason is not None:
+        out.finish_reason = _FINISH[event.finish_reason]
+        u, t = event.usage, event.timings
+        out.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, generated_tokens=u.generated_tokens,
+                                    session_tokens=u.session_tokens))
+        out.timings.CopyFrom(pb.Timings(queue_seconds=t.queue_s, prefill_seconds=t.prefill_s,
+                                        time_to_first_token_seconds=t.time_to_first_token_s,
+                                        decode_seconds=t.decode_s, total_seconds=t.total_s))
+    return out
+
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+}
+
+
+# ---------------------------------------------------------------------------------------------- others
+def session_info(s: SessionSnapshot) -> pb.SessionInfo:
+    return pb.SessionInfo(session_id=s.session_id, method=method_message(s.method.name, s.method_params),
+                          num_tokens=s.num_tokens, kv_bytes=s.kv_bytes, method_state_bytes=s.method_state_bytes,
+                          busy=s.busy, turns=s.turns, created_unix=s.created_unix, last_used_unix=s.last_used_unix)
+
+
+def server_status(s: EngineStatus) -> pb.ServerStatus:
+    return pb.ServerStatus(running=s.running, queued=s.queued, sessions=s.sessions,
+                           ephemeral_sessions=s.ephemeral_sessions, draining=s.draining, kv_bytes=s.kv_bytes)

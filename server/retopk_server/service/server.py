@@ -1,0 +1,136 @@
+"""Server startup and shutdown: engine, gRPC services (ours, health, reflection), signals, drain.
+
+Lifecycle of ``serve``:
+  1. load the model on the engine thread (SIGTERM during the load exits 0 right after it)
+  2. start grpc.aio with ReTopKService, grpc.health.v1.Health (SERVING) and server reflection;
+     print "retopk-server listening on HOST:PORT"
+  3. on SIGTERM / SIGINT drain: health NOT_SERVING, new Generate / CreateSession calls UNAVAILABLE,
+     queued and running requests get ``drain_grace_s`` to finish, then what is left is cut with
+     UNAVAILABLE, the server stops and ``serve`` returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_server.config import ServerConfig
+from retopk_server.engine import Engine, EngineObserver
+from retopk_server.service.servicer import ReTopKServicer
+
+log = logging.getLogger("retopk_server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # "retopk.v1.ReTopKService"
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # long prompts as text or token ids
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+def server_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("retopk")
+    except Exception:
+        return "0.0.0+unknown"
+
+
+def make_observer(config: ServerConfig) -> EngineObserver:
+    """The metrics observer when ``retopk_server.metrics`` provides ``create_observer(config)``, else no-op hooks."""
+    try:
+        from retopk_server import metrics
+    except ModuleNotFoundError as e:
+        if e.name != "retopk_server.metrics":
+            raise
+        return EngineObserver()
+    factory = getattr(metrics, "create_observer", None)
+    return factory(config) if factory is not None else EngineObserver()
+
+
+def default_runner_factory(config: ServerConfig) -> Callable[[], object]:
+    def build():
+        from retopk_server.runtime.runner import ModelRunner
+
+        return ModelRunner(config.runtime_config())
+
+    return build
+
+
+class RunningServer:
+    """A started server: ``port``, ``engine``, ``health``; ``drain()`` shuts it down gracefully."""
+
+    def __init__(self, config: ServerConfig, server: grpc.aio.Server, engine: Engine,
+                 health_servicer, port: int) -> None:
+        self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        grace_s = self.config.drain_grace_s if grace_s is None else grace_s
+        log.info("draining: not serving, waiting up to %.1f s for %d requests", grace_s, self.engine.in_flight())
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
+        self.engine.start_drain()
+        deadline = time.monotonic() + grace_s
+        while self.engine.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.engine.in_flight():
+            log.warning("drain grace over; cutting %d requests", self.engine.in_flight())
+            await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
+        # Let the handlers write the last messages (and the statuses of cut requests) out.
+        await self.server.stop(grace=2.0)
+        await asyncio.to_thread(self.engine.stop)
+        log.info("stopped")
+
+
+async def start(config: ServerConfig, engine: Engine) -> RunningServer:
+    """Start gRPC for an engine that is already running; returns once it accepts calls."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_ReTopKServiceServicer_to_server(ReTopKServicer(engine, config, version=server_version()), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(config, server, engine, health_servicer, port)
+
+
+async def serve(config: ServerConfig, runner_factory: Callable[[], object] | None = None,
+                observer: EngineObserver | None = None) -> int:
+    """Run the server until SIGTERM / SIGINT, then drain; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = Engine(runner_factory or default_runner_factory(config), config.engine_config(),
+                    observer or make_observer(config))
+    log.info("loading model %s on %s (%s, backend %s)", config.model, config.device, config.dtype, config.backend)
+    t0 = time.monotonic()
+    try:
+        await asyncio.to_thread(engine.start)
+    except Exception as e:
+        log.error("could not load the model: %s: %s", type(e).__name__, e)
+        return 1
+    log.info("model ready in %.1f s", time.monotonic() - t0)
+    if stop.is_set():
+        engine.stop()
+        return 0
+    try:
+        running = await start(config, engine)
+    except RuntimeError as e:  # the port is taken or the host is not an address
+        log.error("could not listen on %s:%d: %s", config.host, config.port, e)
+        engine.stop()
+        return 1
+    print(f"retopk-server listening on {config.host}:{running.port}", flush=True)
+    await stop.wait()
+    await running.drain()
+    return 0

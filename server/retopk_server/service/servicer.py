@@ -1,0 +1,203 @@
+"""The asyncio servicer of retopk.v1.ReTopKService: checks the caller, validates, hands work to the engine.
+
+Status codes: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND (unknown session),
+ALREADY_EXISTS (session id in use), FAILED_PRECONDITION (session busy), RESOURCE_EXHAUSTED (queue
+full, too many sessions), UNAVAILABLE (draining), DEADLINE_EXCEEDED, UNAUTHENTICATED (API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import time
+
+import grpc
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_core.methods.registry import method_names
+from retopk_server.config import ServerConfig
+from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream
+from retopk_server.service import convert
+from retopk_server.service.convert import InvalidArgument
+
+log = logging.getLogger("retopk_server.service")
+
+
+class Fail(Exception):
+    """End the rpc with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _fail_from(exc: Exception) -> Fail:
+    if isinstance(exc, Fail):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        return Fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, EngineError):
+        return Fail(grpc.StatusCode[exc.code.value], exc.message)
+    log.exception("internal error", exc_info=exc)
+    return Fail(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _unary(method):
+    """Auth, error mapping and the observer's on_rpc / on_error around a unary rpc."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: ReTopKServicer, request, context: grpc.aio.ServicerContext):
+        t0, code = time.monotonic(), "OK"
+        try:
+            self._authenticate(context)
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            fail = _fail_from(exc)
+            code = fail.code.name
+            self._hook("on_error", None, code)
+            await context.abort(fail.code, fail.message)
+        finally:
+            self._hook("on_rpc", name, code, time.monotonic() - t0)
+
+    return wrapper
+
+
+class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
+    def __init__(self, engine: Engine, config: ServerConfig, observer: EngineObserver | None = None,
+                 version: str = "") -> None:
+        self.engine = engine
+        self.config = config
+        self.observer = observer or engine.observer
+        self.version = version
+        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    def _hook(self, name: str, *args) -> None:
+        try:
+            getattr(self.observer, name)(*args)
+        except Exception:
+            log.exception("observer hook %s failed", name)
+
+    def _authenticate(self, context) -> None:
+        if self._expected_auth is None:
+            return
+        got = dict(context.invocation_metadata() or ()).get("authorization", "")
+        got = got.encode() if isinstance(got, str) else got
+        if not hmac.compare_digest(got, self._expected_auth):
+            raise Fail(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata "
+                                                        "'authorization: Bearer <key>'")
+
+    async def _engine(self, future):
+        return await asyncio.wrap_future(future)
+
+    # ------------------------------------------------------------------------------------ Generate
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        t0, code = time.monotonic(), "OK"
+        stream = None
+        try:
+            self._authenticate(context)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            info = self.engine.info
+            spec = convert.generation_request(request, info.default_method, info.vocab_size,
+                                              self.config.max_new_tokens, deadline)
+            stream = RequestStream()
+            self.engine.submit(spec, stream)
+        except Exception as exc:  # noqa: BLE001 - refused before the engine took it
+            fail = _fail_from(exc)
+            code = fail.code.name
+            self._hook("on_error", None, code)
+            self._hook("on_rpc", "Generate", code, time.monotonic() - t0)
+            await context.abort(fail.code, fail.message)
+        try:
+            async for event in stream:
+                yield convert.generate_response(event, spec.request_id)
+        except EngineError as exc:  # the engine already reported it to the observer
+            code = exc.code.value
+            await context.abort(grpc.StatusCode[exc.code.value], exc.message)
+        except asyncio.CancelledError:  # the client went away or the deadline passed
+            code = "CANCELLED"
+            raise
+        finally:
+            stream.cancel()  # no-op when finished; otherwise the engine drops it at the next step
+            self._hook("on_rpc", "Generate", code, time.monotonic() - t0)
+
+    # ------------------------------------------------------------------------------------ sessions
+    @_unary
+    async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.SessionInfo:
+        session_id = convert._identifier("session_id", request.session_id) if request.HasField("session_id") else None
+        method = (convert.method_spec(request.method, self.engine.info.default_method)
+                  if request.HasField("method") else None)
+        return convert.session_info(await self._engine(self.engine.create_session(session_id, method)))
+
+    @_unary
+    async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.SessionInfo:
+        session_id = convert._identifier("session_id", request.session_id)
+        return convert.session_info(await self._engine(self.engine.get_session(session_id)))
+
+    @_unary
+    async def ListSessions(self, request: pb.ListSessionsRequest, context) -> pb.ListSessionsResponse:
+        sessions = await self._engine(self.engine.list_sessions())
+        return pb.ListSessionsResponse(sessions=[convert.session_info(s) for s in sessions])
+
+    @_unary
+    async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
+        session_id = convert._identifier("session_id", request.session_id)
+        snapshot = await self._engine(self.engine.close_session(session_id))
+        return pb.CloseSessionResponse(session=convert.session_info(snapshot))
+
+    # ------------------------------------------------------------------------------------ tokenizer
+    @_unary
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        which = request.WhichOneof("input")
+        if which is None:
+            raise InvalidArgument("input", "set one of text, chat")
+        runner = self.engine.runner
+        if which == "text":
+            text = request.text
+            ids = await self._engine(self.engine.call(lambda: runner.encode(text)))
+        else:
+            messages = convert.chat_messages(request.chat)
+
+            def encode_chat():
+                try:
+                    return runner.encode_chat(messages)
+                except Exception as e:
+                    raise InvalidArgument("chat", f"the chat template rejected the messages: {e}") from None
+
+            ids = await self._engine(self.engine.call(encode_chat))
+        pieces = await self._engine(self.engine.call(lambda: runner.tokenizer.convert_ids_to_tokens(ids)))
+        return pb.TokenizeResponse(token_ids=ids, tokens=[str(p) for p in pieces])
+
+    @_unary
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        ids = convert.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
+        skip, tokenizer = request.skip_special_tokens, self.engine.runner.tokenizer
+        text = await self._engine(self.engine.call(lambda: tokenizer.decode(ids, skip_special_tokens=skip)))
+        return pb.DetokenizeResponse(text=text)
+
+    # ------------------------------------------------------------------------------------ model, status
+    @_unary
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        info, cfg = self.engine.info, self.config
+        default = info.default_method
+        limits = pb.Limits(max_prompt_tokens=cfg.max_prompt_tokens or info.max_context,
+                           max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=cfg.default_max_new_tokens,
+                           max_sessions=cfg.max_sessions, max_running=cfg.max_running, max_queue=cfg.max_queue)
+        return pb.ModelInfo(name=info.name, architecture=info.architecture, num_layers=info.num_layers,
+                            num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                            max_context=info.max_context, vocab_size=info.vocab_size,
+                            eos_token_ids=list(info.eos_token_ids), dtype=info.dtype, device=info.device,
+                            backend=info.backend,
+                            default_method=convert.method_message(default.name, self.engine.describe_method(default)),
+                            methods=method_names(), limits=limits, server_version=self.version)
+
+    @_unary
+    async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
+        return convert.server_status(await self._engine(self.engine.status()))

@@ -1,0 +1,123 @@
+"""Launch a real `retopk-server` process for tests (any conftest may import this module).
+
+    server = launch_server("--max-running", "4")      # waits for "listening on" and health SERVING
+    channel = grpc.insecure_channel(server.address)   # "127.0.0.1:PORT"
+    ...
+    server.stop()                                     # SIGTERM, wait, return code
+
+The server binds port 0 (the kernel picks a free one, no race) and its printed "listening on" line
+tells the port. The child imports this working tree (server/, client/ and the root on PYTHONPATH)
+and starts from a clean RETOPK_* environment so a developer's settings cannot change test results.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for a second listener, e.g. --metrics-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETOPK_")}
+    paths = [str(REPO), str(REPO / "server"), str(REPO / "client")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class LiveServer:
+    """A server process: ``address`` "127.0.0.1:PORT", ``port``, ``process``, ``output()`` (its log so far)."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.address = ""
+        self.port = 0
+        self._lines: list[str] = []
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="live-server-log", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._lines.append(line)
+            match = LISTENING.search(line)
+            if match and not self._ready.is_set():
+                self.port = int(match.group(2))
+                self.address = f"127.0.0.1:{self.port}"
+                self._ready.set()
+        self._ready.set()  # the process ended (maybe before it was ready)
+
+    def output(self) -> str:
+        return "".join(self._lines)
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._ready.wait(timeout) or not self.address:
+            self.kill()
+            raise RuntimeError(f"retopk-server did not start within {timeout} s; its output:\n{self.output()}")
+        wait_serving(self.address, timeout)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful drain) and wait; returns the exit code (kills it after ``timeout``)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def wait_serving(address: str, timeout: float) -> None:
+    """Poll grpc.health.v1 until the server says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{address} is not SERVING after {timeout} s")
+            time.sleep(0.1)
+
+
+def launch_server(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0) -> LiveServer:
+    """Start `python -m retopk_server.cli --host 127.0.0.1 --port 0 --metrics-port 0 *args` and wait
+    until it serves. Later flags win, so ``args`` may override the port options."""
+    command = [sys.executable, "-m", "retopk_server.cli", "--host", "127.0.0.1", "--port", "0",
+               "--metrics-port", "0", *args]
+    process = subprocess.Popen(command, cwd=REPO, env=_child_env(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1)
+    server = LiveServer(process)
+    server.wait_ready(timeout)
+    return server
