@@ -153,7 +153,7 @@ class AsyncClient:
         config: ClientConfig | None = None,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
-        self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
+        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
         if channel is None:
             creds = config.channel_credentials()
             options = config.channel_options()
