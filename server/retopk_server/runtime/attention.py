@@ -38,6 +38,7 @@ class MethodGroup:
         self.states: list[SlotPool] = [method.init_state(num_heads, num_kv_heads, head_dim, device=device)
                                        for _ in range(num_layers)]
         self.takes_scale = "scale" in inspect.signature(method.decode).parameters
+        self.prefill_takes_scale = "scale" in inspect.signature(method.prefill).parameters
 
     def alloc(self) -> list[int]:
         return [state.alloc() for state in self.states]
@@ -48,6 +49,17 @@ class MethodGroup:
 
     def slot_nbytes(self) -> int:
         return sum(state.nbytes_per_slot() for state in self.states)
+
+    def prefill(self, layer: int, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None, kv,
+                scale: float) -> None:
+        """q (H, T, d) the last queries of the new tokens (or None) -> the method's state updated."""
+        if self.prefill_takes_scale:
+            self.method.prefill(self.states[layer], slot, q, positions, kv, scale=scale)
+            return
+        default = 1.0 / math.sqrt(kv.head_dim)
+        if q is not None and scale != default:
+            q = q * (scale / default)
+        self.method.prefill(self.states[layer], slot, q, positions, kv)
 
     def decode(self, layer: int, q: torch.Tensor, kv, slots: torch.Tensor, scale: float):
         """q (n, H, d) -> StepOutput; the model's softmax scale is passed or folded into q."""
@@ -143,7 +155,7 @@ def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) ->
         if q_tail is not None:
             positions = torch.arange(L - q_tail.shape[1], L, device=query.device)
         kv = ctx.pool.paged(layer, ctx.table[:1], ctx.lengths[:1])
-        group.method.prefill(group.states[layer], ctx.prefill_slots[layer], q_tail, positions, kv)
+        group.prefill(layer, ctx.prefill_slots[layer], q_tail, positions, kv, scale)
     return out
 
 

@@ -84,7 +84,6 @@ class ModelRunner:
                              "set rope_scaling to extend the context")
         self.max_context = config.max_context or trained
         register_attention()
-        cfg._attn_implementation = ATTN_NAME  # every attention module dispatches on this name at call time
 
         num_layers, num_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
         num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
@@ -172,8 +171,15 @@ class ModelRunner:
 
     # ---- steps -------------------------------------------------------------------------------------
     def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=RuntimeCache(ctx), use_cache=True,
-                         logits_to_keep=1, **{CTX_KWARG: ctx})
+        # Every attention module dispatches on config._attn_implementation at call time. Switching it only
+        # for our own forwards leaves the model usable as before (e.g. for transformers' generate).
+        cfg = self.model.config
+        previous, cfg._attn_implementation = cfg._attn_implementation, ATTN_NAME
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, cache=RuntimeCache(ctx),
+                             use_cache=True, logits_to_keep=1, **{CTX_KWARG: ctx})
+        finally:
+            cfg._attn_implementation = previous
         return out.logits[:, -1].float()  # (B, V)
 
     @torch.inference_mode()

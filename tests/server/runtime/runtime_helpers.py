@@ -1,0 +1,64 @@
+"""Tiny randomly initialised Llama / Qwen2 / Mistral models, references from transformers' generate,
+and a greedy driver for the runner written from the definition (feed the argmax back, one token a step)."""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+def tiny_model(arch: str, seed: int = 0, layers: int = 2, max_positions: int = 512):
+    """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 16, vocab 256), float32, eval mode.
+
+    initializer_range 0.2 (not 0.02) spreads the logits so that greedy argmax has no near-ties that
+    float rounding differences between attention implementations could flip.
+    """
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                             "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**common)).eval()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy generate (its default attention), n new tokens, no EOS stop."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def runner_for(model, method: MethodSpec | None = None, **kw) -> ModelRunner:
+    config = RuntimeConfig(model="tiny", default_method=method or MethodSpec("full"), **kw)
+    return ModelRunner(config, model=model)
+
+
+def greedy(runner: ModelRunner, session, prompt: list[int], n: int) -> list[int]:
+    """Prefill, then feed back the argmax n - 1 times: the n greedy tokens (the last is not fed)."""
+    tok = int(runner.prefill(session, prompt).argmax())
+    out = [tok]
+    while len(out) < n:
+        logits, _ = runner.decode([session], [tok])
+        tok = int(logits[0].argmax())
+        out.append(tok)
+    return out
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (length,), generator=g).tolist()
