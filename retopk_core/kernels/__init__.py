@@ -1,0 +1,17 @@
+"""Triton kernels of the core (the GPU path, ``backend="triton"``).
+
+Nothing here imports triton at package import time: the method modules import
+``retopk_core.kernels.launch`` lazily inside ``decode``, and ``launch`` imports the kernel modules,
+so ``TRITON_INTERPRET=1`` can still be set before the first kernel is defined (CPU tests).
+
+Kernel files (each holds ``@triton.jit`` code and a thin launcher that checks its inputs):
+    bitonic.py        in-register bitonic sort / Top-K and the (score, position) -> int64 sort key
+    paged.py          pool-row address of (sequence, KV head, position) in the PagedKV block pool
+    dense.py          Full attention: split-K decode over the sequence + log-sum-exp merge
+    exact.py          full-history QK scores, per-chunk Top-K, Top-K merge tree (exact/fallback/refresh)
+    selector.py       ReTopK stage 1: cosine recall, path decision, sorted unique candidate list
+    indexed_qk.py     ReTopK stage 2: exact scores of the packed candidates, keys read by index
+    select_attend.py  stage 3: Top-K of the path's scores, softmax, indexed value sum, FIFO write
+    workspace.py      grow-only scratch buffers per state / device (no allocation in the decode loop)
+    launch.py         the three entry points the methods call (dense, exact Top-K, ReTopK)
+"""

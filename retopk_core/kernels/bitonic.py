@@ -1,0 +1,89 @@
+"""In-register bitonic sort and Top-K of a 1-D power-of-two block, plus the (score, position) sort key.
+
+The network is triton's own (``triton.language.standard.sort_impl``: bitonic stages on the block
+viewed as a {2}^n hypercube, then the bitonic Top-K reduction of Shanbhag et al.); only the
+compare-and-swap differs: it takes min / max over the size-2 axis instead of an XOR reduction. The
+result is identical, compiles to the same data movement, and runs ~30x faster under TRITON_INTERPRET
+(where an XOR reduction is evaluated element by element).
+
+Sort key of a scored position (to sort scores together with their positions in one int64):
+    key(s, i) = ord(s) * 2^32 + (2^31 - 1 - i)
+where ord(s) is the float32 bit pattern made monotone as a signed int32 (negative floats have their
+magnitude bits flipped). key is increasing in s, and among equal scores the smaller position ranks
+higher. EMPTY = INT64_MIN ranks below every real key and marks padding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.standard import _elementwise_max, _elementwise_min, _log2
+
+EMPTY = -(2**63)  # sort key of a padding slot (below every real key)
+POS_PAD = 2**31 - 1  # int32 padding position (sorts after every real position)
+
+
+@triton.jit
+def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr):
+    """The K largest (DESCENDING) or smallest entries of a 1-D block x, sorted; K and len(x) powers of 2,
+    2 <= K <= len(x).
+
+    Written as one function calling only builtins (tl.reduce with triton's own min/max combiners, as
+    tl.min / tl.max do): the interpreter re-patches triton.language on every nested jit call, which
+    would dominate its run time. Stage i merges bitonic runs of 2^i; step j compares
+    partners along hypercube axis ``n_dims - 1 - j``; ``flip`` alternates the direction of the runs.
+    """
+    log_n: tl.constexpr = _log2(x.shape[0])
+    log_k: tl.constexpr = _log2(K)
+    h = tl.reshape(x, [2] * log_n)
+    for i in tl.static_range(1, log_n + 1):
+        if i > log_k:  # bitonic Top-K: keep the better half of each pair of 2^log_k runs
+            if DESCENDING:
+                h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_max)
+            else:
+                h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_min)
+        stage: tl.constexpr = i if i <= log_k else log_k
+        n_dims: tl.constexpr = _log2(h.numel)
+        if i < log_n:
+            flip = tl.reshape(tl.arange(0, 2), [1] * (n_dims - stage - 1) + [2] + [1] * stage)
+        else:
+            flip = DESCENDING
+        for jj in tl.static_range(stage):
+            j: tl.constexpr = stage - 1 - jj
+            lo = tl.reduce(h, n_dims - 1 - j, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, n_dims - 1 - j, _elementwise_max, keep_dims=True)
+            is_right = tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+            h = tl.where((flip ^ is_right).to(tl.int1), hi, lo)
+    return tl.reshape(h, [K])
+
+
+@triton.jit
+def bitonic_sort(x):
+    """x (1-D, power-of-two length >= 2) sorted ascending."""
+    return bitonic_topk(x, x.shape[0], False)
+
+
+@triton.jit
+def pack_key(score, pos):
+    """int64 sort key of float32 scores and int positions (0 <= pos < 2^31), see the module docstring."""
+    s = score.to(tl.int32, bitcast=True)
+    s = tl.where(s < 0, s ^ 0x7FFFFFFF, s)
+    return (s.to(tl.int64) << 32) | (0x7FFFFFFF - pos.to(tl.int32)).to(tl.int64)
+
+
+@triton.jit
+def unpack_pos(key):
+    """Position of a sort key (int64); meaningless for EMPTY."""
+    return 0x7FFFFFFF - (key - ((key >> 32) << 32))
+
+
+@triton.jit
+def unpack_score(key):
+    """float32 score of a sort key; meaningless for EMPTY."""
+    s = (key >> 32).to(tl.int32)
+    s = tl.where(s < 0, s ^ 0x7FFFFFFF, s)
+    return s.to(tl.float32, bitcast=True)
+
+
+def next_pow2(n: int, minimum: int = 2) -> int:
+    return max(minimum, triton.next_power_of_2(int(n)))

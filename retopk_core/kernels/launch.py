@@ -1,0 +1,142 @@
+"""The three entry points the torch methods call with ``backend="triton"``.
+
+    dense_decode(q, kv, scale)                       -> out (B, H, d_v)          FullAttention
+    exact_topk_decode(q, kv, top_k, scale)           -> (out, sel_pos (B, H, K)) ExactTopK
+    retopk_decode(method, q, kv, state, slots, scale) -> StepOutput               ReTopK
+
+Same semantics as the torch path. ReTopK runs a fixed sequence of launches whatever the paths of
+its heads (no host synchronisation): selector -> indexed QK (reuse heads) -> exact QK / chunk Top-K /
+merge (non-reuse heads) -> select + attend + FIFO write (each head reads its path's scores), then the
+FIFO pointer, fill and step counters advance with three tensor ops on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from retopk_core.kernels.bitonic import next_pow2
+from retopk_core.kernels.dense import dense_attention
+from retopk_core.kernels.exact import exact_topk_keys
+from retopk_core.kernels.indexed_qk import _indexed_qk_kernel
+from retopk_core.kernels.select_attend import _select_attend_kernel
+from retopk_core.kernels.selector import _selector_kernel
+from retopk_core.kernels.workspace import WORKSPACES, Workspace
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import StepOutput
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_inputs(q: torch.Tensor, kv: PagedKV) -> None:
+    """Shapes, strides, dtypes and devices every kernel relies on; ValueError naming the culprit."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, d), got shape {tuple(q.shape)}")
+    B, H, D = q.shape
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a unit stride along d")
+    if q.dtype not in _DTYPES or kv.k_pool.dtype not in _DTYPES or kv.v_pool.dtype not in _DTYPES:
+        raise ValueError(f"q / k_pool / v_pool dtypes must be fp16, bf16 or fp32, got "
+                         f"{q.dtype} / {kv.k_pool.dtype} / {kv.v_pool.dtype}")
+    if kv.head_dim != D:
+        raise ValueError(f"q head dim {D} != k_pool head dim {kv.head_dim}")
+    if kv.batch != B:
+        raise ValueError(f"q batch {B} != kv batch {kv.batch}")
+    if H % kv.num_kv_heads:
+        raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({kv.num_kv_heads})")
+    if kv.block_table.dtype != torch.long or kv.lengths.dtype != torch.long:
+        raise ValueError("kv.block_table and kv.lengths must be int64")
+    if kv.block_table.stride(-1) != 1:
+        raise ValueError("kv.block_table must have a unit stride along blocks")
+    for name, t in (("k_pool", kv.k_pool), ("v_pool", kv.v_pool), ("block_table", kv.block_table),
+                    ("lengths", kv.lengths)):
+        if t.device != q.device:
+            raise ValueError(f"kv.{name} is on {t.device}, q on {q.device}")
+
+
+def dense_decode(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace | None = None) -> torch.Tensor:
+    """Full attention of the current queries q (B, H, d) -> (B, H, d_v) in q.dtype."""
+    check_inputs(q, kv)
+    return dense_attention(q, kv, scale, ws or WORKSPACES.shared(q.device))
+
+
+def exact_topk_decode(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: Workspace | None = None,
+                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact Top-K attention: (out (B, H, d_v) in q.dtype, sel_pos (B, H, top_k) int64 -1 padded)."""
+    check_inputs(q, kv)
+    ws = ws or WORKSPACES.shared(q.device)
+    B, H, D = q.shape
+    keys = exact_topk_keys(q, kv, top_k, scale, ws, chunk=chunk)  # (B, H, K_pad)
+    out, sel = _attend(q, kv, top_k, ws, keys, retopk=None)
+    return out, sel
+
+
+def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tensor, scale: float,
+                  ws: Workspace | None = None, chunk: int | None = None) -> StepOutput:
+    """One ReTopK decode step for every head (eq. 6-13), updating ``state`` like the torch path."""
+    check_inputs(q, kv)
+    cfg = method.config
+    B, H, D = q.shape
+    S, H_state, C, D_state = state.queries.shape
+    K, W, R = cfg.top_k, cfg.window, cfg.recall
+    if (H_state, D_state) != (H, D) or state.support.shape != (S, H, C, K):
+        raise ValueError(f"state is for H={H_state}, d={D_state}, K={state.support.shape[-1]}; "
+                         f"q has H={H}, d={D}, top_k={K}")
+    if state.queries.dtype != torch.float32 or state.support.dtype != torch.long:
+        raise ValueError("state.queries must be float32 and state.support int64")
+    if slots.shape != (B,) or slots.dtype != torch.long or slots.device != q.device:
+        raise ValueError(f"slots must be (B,) int64 on {q.device}")
+    if state.queries.device != q.device:
+        raise ValueError(f"state is on {state.queries.device}, q on {q.device}")
+    ws = ws or WORKSPACES.for_state(state, q.device)
+    dev = q.device
+    N_pad = next_pow2(R * K + W, 16)
+    path = torch.empty(B, H, dtype=torch.int8, device=dev)
+    max_sim = torch.empty(B, H, dtype=torch.float32, device=dev)
+    n_scored = torch.empty(B, H, dtype=torch.int32, device=dev)
+    cand = ws.get("cand", (B, H, N_pad), torch.int32)
+    count = ws.get("cand_count", (B, H), torch.int32)
+    cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
+    big = N_pad >= 1024
+    _selector_kernel[(B, H)](
+        q, q.stride(0), q.stride(1), slots, kv.lengths,
+        state.queries, state.support, state.fill, state.ptr, state.step,
+        path, max_sim, n_scored, cand, count,
+        float(cfg.tau), cfg.refresh_every, H, C, K, W,
+        R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
+        N_PAD=N_pad, num_warps=8 if big else 4)
+    block_m = 64
+    _indexed_qk_kernel[(B, H, N_pad // block_m if N_pad >= block_m else 1)](
+        q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,
+        float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
+        D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
+    keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
+    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, state))
+    C = state.queries.shape[2]
+    state.ptr[slots] = (state.ptr[slots] + 1) % C
+    state.fill[slots] = (state.fill[slots] + 1).clamp(max=C)
+    state.step[slots] += 1
+    return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel)
+
+
+def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: torch.Tensor, retopk):
+    B, H, D = q.shape
+    DV = kv.v_pool.shape[-1]
+    K_pad = exact_keys.shape[-1]
+    out = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
+    sel = torch.empty(B, H, K, dtype=torch.long, device=q.device)
+    weights = ws.get("weights", (B, H, K_pad), torch.float32)
+    if retopk is None:
+        path = cand = cand_scores = count = slots = exact_keys  # unused (RETOPK=False)
+        N_pad, queries, support, ptr, C = 16, q, exact_keys, exact_keys, 1
+    else:
+        path, cand, cand_scores, count, N_pad, slots, state = retopk
+        queries, support, ptr, C = state.queries, state.support, state.ptr, state.queries.shape[2]
+    _select_attend_kernel[(B, H)](
+        q, q.stride(0), q.stride(1), kv.v_pool, kv.block_table, kv.block_table.stride(0),
+        path, cand, cand_scores, count, exact_keys,
+        sel, weights, out, out.stride(0), out.stride(1),
+        slots, queries, support, ptr,
+        K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
+        K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
+        BLOCK_KV=64, RETOPK=retopk is not None, num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)
+    return out, sel

@@ -1,0 +1,73 @@
+"""Stage 3, fused select + attend + FIFO update: one program per (sequence b, query head h).
+
+Selection (eq. 11 on reuse, eq. 1 on exact paths):
+    reuse head   Ŝ = TopK_{j < M} ê_j over the packed candidates (stage 2 scores)
+    exact head   Ŝ = the merged exact Top-K list of exact.py (already sorted)
+Attention over Ŝ (eq. 12), keys' scores recomputed by nothing: the selection carries them,
+    o = Σ_{i∈Ŝ} exp(e_i - m) v_i / Σ_{i∈Ŝ} exp(e_i - m),   m = max_{i∈Ŝ} e_i,
+with values read from the PagedKV pool by position in blocks of BLOCK_KV. Outputs: o (q's dtype), the
+selected positions (B, H, K) int64 sorted by score, -1 padded. With FIFO (ReTopK), the unit query
+q̄ and Ŝ are also written into entry ``ptr[slot]`` of this head's FIFO; the caller advances ptr/fill.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from retopk_core.kernels.bitonic import EMPTY, bitonic_topk, pack_key, unpack_pos, unpack_score
+from retopk_core.kernels.paged import pool_rows
+
+
+@triton.jit
+def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_tb,
+                          path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
+                          sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
+                          slots_ptr, cq_ptr, sup_ptr, wptr_ptr,
+                          K, H, H_KV, P, G, C,
+                          K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
+                          RETOPK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * H + h
+    r = tl.arange(0, K_PAD)
+    if RETOPK:
+        if tl.load(path_ptr + row) == 0:
+            n = tl.load(count_ptr + row)
+            j = tl.arange(0, N_PAD)
+            m = j < n
+            pos = tl.load(cand_ptr + row * N_PAD + j, mask=m, other=0)
+            e = tl.load(cscore_ptr + row * N_PAD + j, mask=m, other=0.0)
+            top = bitonic_topk(tl.where(m, pack_key(e, pos), EMPTY), K_PAD, True)
+        else:
+            top = tl.load(exact_ptr + row * K_PAD + r)
+    else:
+        top = tl.load(exact_ptr + row * K_PAD + r)
+    valid = (top != EMPTY) & (r < K)
+    e = tl.where(valid, unpack_score(top), float("-inf"))
+    sel = tl.where(valid, unpack_pos(top), -1)  # (K_PAD,) int64
+    p = tl.where(valid, tl.exp(e - tl.max(e, 0)), 0.0)
+    p = p / tl.sum(p, 0)
+    tl.store(sel_ptr + row * K + r, sel, mask=r < K)
+    tl.store(w_ptr + row * K_PAD + r, p)
+    tl.debug_barrier()  # the value loop below re-reads sel / p in blocks from other threads' writes
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros((BLOCK_DV,), tl.float32)
+    for k0 in range(0, K, BLOCK_KV):
+        i = k0 + tl.arange(0, BLOCK_KV)
+        pi = tl.load(sel_ptr + row * K + i, mask=i < K, other=-1)
+        wi = tl.load(w_ptr + row * K_PAD + i, mask=i < K, other=0.0)
+        ok = pi >= 0
+        rows = pool_rows(table_ptr, stride_tb, b, h // G, pi, ok, H_KV, P)
+        v = tl.load(v_ptr + rows[:, None] * DV + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :], other=0.0)
+        acc += tl.sum(wi[:, None] * v.to(tl.float32), 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dv, acc.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    if RETOPK:
+        slot = tl.load(slots_ptr + b)
+        entry = (slot * H + h) * C + tl.load(wptr_ptr + slot)
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+        qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-12)
+        tl.store(cq_ptr + entry * D + d, qn, mask=d < D)
+        tl.store(sup_ptr + entry * K + r, sel, mask=r < K)

@@ -1,0 +1,69 @@
+"""Grow-only scratch buffers for the kernels, so that the decode loop allocates no scratch.
+
+A ``Workspace`` hands out named views of flat buffers. A buffer is reallocated only when a request
+is larger than it (the batch B or the length capacity L_cap grew), and then to at least twice its
+old size, so a sequence that grows token by token reallocates O(log L) times. ``allocations``
+counts reallocations (tests check it stays flat across decode steps).
+
+Ownership: ReTopK's workspace lives as long as its per-layer state object (``for_state``); the
+stateless methods (full, exact Top-K) share one workspace per device (``shared``). Buffers are
+consumed within one launcher call on one stream, so sharing across layers is safe; results handed
+back to the caller are always fresh tensors, never views of a workspace.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+
+class Workspace:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._bufs: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous (uninitialised) view of ``shape`` on buffer ``name``."""
+        numel = max(1, math.prod(shape))
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            size = numel if buf is None or buf.dtype != dtype else max(numel, 2 * buf.numel())
+            buf = torch.empty(size, dtype=dtype, device=self.device)
+            self._bufs[name] = buf
+            self.allocations += 1
+        return buf[:math.prod(shape)].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+class WorkspaceCache:
+    """Workspaces keyed by a state object (weakly: dropped with the state) or shared per device."""
+
+    def __init__(self) -> None:
+        self._by_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._by_device: dict[str, Workspace] = {}
+
+    def for_state(self, state: object, device: torch.device) -> Workspace:
+        ws = self._by_state.get(state)
+        if ws is None or ws.device != torch.device(device):
+            ws = Workspace(device)
+            self._by_state[state] = ws
+        return ws
+
+    def shared(self, device: torch.device) -> Workspace:
+        key = str(torch.device(device))
+        if key not in self._by_device:
+            self._by_device[key] = Workspace(device)
+        return self._by_device[key]
+
+    def clear(self) -> None:
+        self._by_state.clear()
+        self._by_device.clear()
+
+
+# The process's scratch cache used by launch.py (explicit, inspectable, clear()-able).
+WORKSPACES = WorkspaceCache()
