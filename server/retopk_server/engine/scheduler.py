@@ -243,6 +243,7 @@ class Engine:
             self._start_error = e
             self._ready.set()
             return
+        self._hook("on_start", self.runner)
         self._ready.set()
         try:
             self._loop()

@@ -1,0 +1,424 @@
+"""Prometheus metrics: every metric of the server is declared in this module, recorded by MetricsObserver
+through the engine's observer hooks, and served on an HTTP port of its own (default 9464, ``--metrics-port``).
+
+All names start with ``retopk_``; every series carries a ``model`` label. No request or session ids
+are labels: the per-head counter has at most layers x heads x paths series per model.
+
+Per-head ReTopK behaviour (one observation per head per decode step of each running request)
+  retopk_attention_decisions_total{layer,head,path}  decode decisions; path is ``retopk_core.methods.base.Path``
+        by name: reuse / fallback / refresh for ReTopK (exact, dense, approx, cached for the other methods).
+        reuse rate of each head:  sum by (layer, head) (rate(retopk_attention_decisions_total{path="reuse"}[5m]))
+                                / sum by (layer, head) (rate(retopk_attention_decisions_total[5m]))
+  retopk_exact_path_share            share of head decisions on an exact path (fallback, refresh, exact,
+                                     dense) in the latest decode step; the per-head share is a PromQL ratio
+  retopk_candidate_set_size          histogram of M_t, the keys scored with the exact query on the reuse path
+  retopk_max_query_similarity        histogram of each head's max cosine to its cached queries (ReTopK)
+Latency (seconds; buckets span 100 us .. 10 min so both CPU and GPU speeds resolve)
+  retopk_time_to_first_token_seconds, retopk_time_per_output_token_seconds (interval between a request's
+  tokens), retopk_e2e_request_seconds, retopk_queue_wait_seconds, retopk_prefill_seconds,
+  retopk_decode_step_seconds (one batched step), retopk_attention_step_seconds{path} (attention core time of
+  one decode step of one method group, summed over layers; path = refresh if any head refreshed, else
+  fallback if any head fell back, else the most frequent path, e.g. reuse)
+Traffic and load
+  retopk_prompt_tokens_total, retopk_generation_tokens_total, retopk_requests_finished_total{finish_reason},
+  retopk_request_errors_total{code}, retopk_rpcs_total{rpc,code}, retopk_decode_batch_size,
+  retopk_requests_running, retopk_requests_waiting, retopk_sessions_open{kind=named|ephemeral},
+  retopk_kv_cache_bytes{kind=used|reserved}, retopk_query_cache_bytes{kind=used|reserved} (ReTopK's per-head
+  query-support FIFOs and the other methods' state), retopk_model_info{architecture,layers,heads,...} = 1
+
+Cost on the engine thread: a step's (batch, layers, heads) path tensor becomes per-(layer, head, path)
+counts with one ``torch.bincount`` added to a numpy array; the two distributions are bucketed the same way.
+Those arrays are exposed by custom collectors at scrape time, so no per-head Python loop runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+from retopk_core.methods.base import PATH_NAMES, Path
+from retopk_server.engine.observer import EngineObserver
+from retopk_server.engine.requests import ErrorCode, FinishReason
+
+log = logging.getLogger("retopk_server.metrics")
+
+DEFAULT_METRICS_PORT = 9464
+PREFIX = "retopk_"
+
+# Request-level latencies: 1 ms (a GPU prefill of a short prompt) .. 10 min (a long CPU generation).
+REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0,
+                   120.0, 300.0, 600.0)
+# Per-token and per-step latencies: 100 us (GPU attention of one step) .. 10 s (a long CPU step).
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0)
+CANDIDATE_BUCKETS = tuple(float(2 ** i) for i in range(18))  # 1 .. 131072 keys
+# A cosine <= 0 lands in the first bucket (a negative bound would drop _sum and _count from the exposition).
+SIMILARITY_BUCKETS = (0.0, 0.25, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+NUM_PATHS = max(p.value for p in Path) + 1
+RETOPK_PATHS = (Path.REUSE, Path.FALLBACK, Path.REFRESH)
+EXACT_PATHS = (Path.FALLBACK, Path.REFRESH, Path.EXACT, Path.DENSE)
+
+
+def model_label(name: str) -> str:
+    """The ``model`` label of a model name or checkpoint path (a path's last component)."""
+    trimmed = name.rstrip("/" + os.sep)
+    return os.path.basename(trimmed) if ("/" in trimmed or os.sep in trimmed) else trimmed
+
+
+class HeadPathCounts:
+    """Collector of retopk_attention_decisions_total: per model a (layers, heads, paths) int64 array.
+
+    Exposes, for every (layer, head), each path seen anywhere in the model, and all three ReTopK paths
+    once any of them was seen, so a head that never reused reads 0 rather than missing.
+    """
+
+    name = PREFIX + "attention_decisions"
+    doc = "Attention decode decisions per layer, head and path (retopk_core Path names)."
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, np.ndarray] = {}
+
+    def add(self, model: str, counts: np.ndarray) -> None:
+        """counts (layers, heads, NUM_PATHS) int64 added to the model's totals (a new shape restarts them)."""
+        with self._lock:
+            current = self._counts.get(model)
+            if current is None or current.shape != counts.shape:
+                self._counts[model] = counts.astype(np.int64, copy=True)
+            else:
+                current += counts
+
+    def totals(self, model: str) -> np.ndarray | None:
+        with self._lock:
+            c = self._counts.get(model)
+            return None if c is None else c.copy()
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.doc, labels=["model", "layer", "head", "path"])
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=["model", "layer", "head", "path"])
+        with self._lock:
+            snapshot = {m: c.copy() for m, c in self._counts.items()}
+        for model, c in snapshot.items():
+            layers, heads, _ = c.shape
+            seen = c.sum(axis=(0, 1)) > 0  # (paths,)
+            if seen[list(RETOPK_PATHS)].any():
+                seen[list(RETOPK_PATHS)] = True
+            for p in np.flatnonzero(seen):
+                name = PATH_NAMES.get(int(p), str(int(p)))
+                for layer in range(layers):
+                    for head in range(heads):
+                        family.add_metric([model, str(layer), str(head), name], float(c[layer, head, p]))
+        yield family
+
+
+class BulkHistogram:
+    """Collector of one histogram (labelled by model) that takes a whole tensor of values per call.
+
+    ``observe_many`` buckets with ``np.searchsorted`` (bucket i holds values in (bounds[i-1], bounds[i]],
+    Prometheus' ``le``) and one ``bincount``; NaN values are skipped.
+    """
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float]) -> None:
+        self.name, self.doc = name, doc
+        self.bounds = tuple(float(b) for b in bounds)
+        self._bounds = np.asarray(self.bounds, dtype=np.float64)
+        self._lock = threading.Lock()
+        self._data: dict[str, list] = {}  # model -> [counts (len(bounds) + 1,) int64, sum float]
+
+    def observe_many(self, model: str, values) -> None:
+        """values: a tensor or array of any shape."""
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().numpy()
+        v = np.asarray(values, dtype=np.float64).reshape(-1)
+        v = v[~np.isnan(v)]
+        if v.size == 0:
+            return
+        counts = np.bincount(np.searchsorted(self._bounds, v, side="left"), minlength=len(self.bounds) + 1)
+        total = float(v.sum())
+        with self._lock:
+            entry = self._data.setdefault(model, [np.zeros(len(self.bounds) + 1, dtype=np.int64), 0.0])
+            entry[0] += counts
+            entry[1] += total
+
+    def describe(self) -> Iterable[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.doc, labels=["model"])
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model"])
+        with self._lock:
+            snapshot = {m: (c.copy(), s) for m, (c, s) in self._data.items()}
+        for model, (counts, total) in snapshot.items():
+            cumulative = np.cumsum(counts)
+            buckets = [(_le(b), float(n)) for b, n in zip(self.bounds, cumulative[:-1], strict=True)]
+            buckets.append(("+Inf", float(cumulative[-1])))
+            family.add_metric([model], buckets, total)
+        yield family
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class Metrics:
+    """Every metric of the server, on its own CollectorRegistry (no global state)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model"]
+
+        def hist(name, doc, buckets, labels=()):
+            return Histogram(PREFIX + name, doc, [*m, *labels], buckets=buckets, registry=r)
+
+        # per-head ReTopK behaviour
+        self.decisions = HeadPathCounts()
+        self.candidate_size = BulkHistogram(PREFIX + "candidate_set_size",
+                                            "Keys scored with the exact query on ReTopK's reuse path (M_t), per head "
+                                            "and step.", CANDIDATE_BUCKETS)
+        self.max_similarity = BulkHistogram(PREFIX + "max_query_similarity",
+                                            "Max cosine of a head's query to its cached queries, per head and step.",
+                                            SIMILARITY_BUCKETS)
+        for collector in (self.decisions, self.candidate_size, self.max_similarity):
+            r.register(collector)
+        self.exact_share = Gauge(PREFIX + "exact_path_share", "Share of head decisions on an exact path "
+                                 "(fallback, refresh, exact, dense) in the latest decode step.", m, registry=r)
+        # latency
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", REQUEST_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Interval between consecutive tokens of a request.",
+                         STEP_BUCKETS)
+        self.e2e = hist("e2e_request_seconds", "Arrival to the last token of a request that finished.",
+                        REQUEST_BUCKETS)
+        self.queue_wait = hist("queue_wait_seconds", "Time a request waited in the admission queue.",
+                               REQUEST_BUCKETS)
+        self.prefill = hist("prefill_seconds", "Time to feed a request's new tokens through the model.",
+                            REQUEST_BUCKETS)
+        self.step = hist("decode_step_seconds", "One batched decode step (all running requests).", STEP_BUCKETS)
+        self.attention = hist("attention_step_seconds", "Attention-core time of one decode step of one method "
+                              "group, summed over layers, by the step's path.", STEP_BUCKETS, ["path"])
+        self.batch = hist("decode_batch_size", "Requests in one batched decode step.", BATCH_BUCKETS)
+        # traffic
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Input tokens fed through prefill.", m, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=r)
+        self.finished = Counter(PREFIX + "requests_finished", "Requests that ended normally, by finish reason.",
+                                [*m, "finish_reason"], registry=r)
+        self.errors = Counter(PREFIX + "request_errors", "Requests and rpcs that failed, by status code.",
+                              [*m, "code"], registry=r)
+        self.rpcs = Counter(PREFIX + "rpcs", "Unary and streaming rpcs that ended, by rpc and status code.",
+                            [*m, "rpc", "code"], registry=r)
+        # load and memory
+        self.running = Gauge(PREFIX + "requests_running", "Requests being decoded.", m, registry=r)
+        self.waiting = Gauge(PREFIX + "requests_waiting", "Requests in the admission queue.", m, registry=r)
+        self.sessions = Gauge(PREFIX + "sessions_open", "Open sessions (named, or a request's ephemeral one).",
+                              [*m, "kind"], registry=r)
+        self.kv_bytes = Gauge(PREFIX + "kv_cache_bytes", "KV cache bytes: held by sessions (used) or by the "
+                              "block pool (reserved).", [*m, "kind"], registry=r)
+        self.query_bytes = Gauge(PREFIX + "query_cache_bytes", "Method-state bytes (ReTopK's query-support "
+                                 "caches): held by sessions (used) or allocated (reserved).", [*m, "kind"],
+                                 registry=r)
+        self.model_info = Gauge(PREFIX + "model_info", "The served model (value 1).",
+                                [*m, "architecture", "layers", "heads", "kv_heads", "head_dim", "device",
+                                 "backend", "default_method"], registry=r)
+
+
+_MODEL_ONLY = ("exact_share", "running", "waiting", "prompt_tokens", "generation_tokens", "ttft", "tpot", "e2e",
+               "queue_wait", "prefill", "step", "batch")
+
+
+class MetricsObserver(EngineObserver):
+    """Records the engine's and the service's events into ``Metrics`` for one model.
+
+    memory_interval_s  how often (at most) ``on_load`` re-reads the runner's cache sizes
+    """
+
+    wants_step_stats = True
+
+    def __init__(self, model: str, metrics: Metrics | None = None, memory_interval_s: float = 0.5) -> None:
+        self.model = model_label(model)
+        self.metrics = metrics or Metrics()
+        self.memory_interval_s = memory_interval_s
+        self._runner = None
+        self._last_memory = -float("inf")
+        self._offsets: dict[tuple[int, int], np.ndarray] = {}
+        self._last_token: dict[int, float] = {}  # id(request) -> monotonic time of its latest token
+        self._open = {"named": 0, "ephemeral": 0}
+        self.exporter: MetricsServer | None = None  # set by create_observer
+        m, model = self.metrics, self.model
+        # Children that exist before their first event, so rates and ratios read 0 instead of nothing.
+        for reason in FinishReason:
+            m.finished.labels(model, reason.name)
+        for code in ErrorCode:
+            m.errors.labels(model, code.value)
+        for kind in ("named", "ephemeral"):
+            m.sessions.labels(model, kind)
+        for gauge in (m.kv_bytes, m.query_bytes):
+            for kind in ("used", "reserved"):
+                gauge.labels(model, kind)
+        # The model-only children, looked up once (labels() costs a lock and a dict lookup per call).
+        self._one = {name: getattr(m, name).labels(model) for name in _MODEL_ONLY}
+
+    # ---- engine thread --------------------------------------------------------------------------------
+    def on_start(self, runner) -> None:
+        self._runner = runner
+        info = getattr(runner, "info", None)
+        if info is not None:
+            method = info.default_method
+            self.metrics.model_info.labels(
+                self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),
+                str(info.head_dim), str(info.device), str(info.backend), getattr(method, "name", str(method))).set(1)
+
+    def on_queue_wait(self, request, seconds: float) -> None:
+        self._one["queue_wait"].observe(seconds)
+
+    def on_prefill(self, request, num_tokens: int, seconds: float) -> None:
+        self._one["prompt_tokens"].inc(num_tokens)
+        self._one["prefill"].observe(seconds)
+
+    def on_first_token(self, request, seconds: float) -> None:
+        self._one["ttft"].observe(seconds)
+
+    def on_token(self, request) -> None:
+        now = time.monotonic()
+        previous = self._last_token.get(id(request))
+        if previous is not None:
+            self._one["tpot"].observe(now - previous)
+        self._last_token[id(request)] = now
+        self._one["generation_tokens"].inc()
+
+    def on_step(self, requests: list, seconds: float, stats: list | None) -> None:
+        m, model = self.metrics, self.model
+        self._one["step"].observe(seconds)
+        self._one["batch"].observe(len(requests))
+        if not stats:
+            return
+        path = np.stack([_np(s.path) for s in stats]).astype(np.int64)  # (B, layers, heads)
+        _, layers, heads = path.shape
+        np.clip(path, 0, NUM_PATHS - 1, out=path)
+        offsets = self._offsets.get((layers, heads))
+        if offsets is None:
+            offsets = self._offsets[layers, heads] = np.arange(layers * heads).reshape(1, layers, heads) * NUM_PATHS
+        flat = offsets + path  # (B, layers, heads): index of (layer, head, path)
+        counts = np.bincount(flat.reshape(-1), minlength=layers * heads * NUM_PATHS).reshape(layers, heads, NUM_PATHS)
+        m.decisions.add(model, counts)
+        per_path = counts.sum(axis=(0, 1))  # (paths,)
+        total = int(per_path.sum())
+        if total:
+            self._one["exact_share"].set(float(per_path[list(EXACT_PATHS)].sum()) / total)
+        if per_path[Path.REUSE]:
+            n_scored = np.stack([_np(s.n_scored) for s in stats])  # (B, layers, heads)
+            m.candidate_size.observe_many(model, n_scored[path == Path.REUSE])
+        m.max_similarity.observe_many(model, np.stack([_np(s.max_sim) for s in stats]))
+        # One attention time per method group: rows of a group share it (their requests share a MethodSpec).
+        groups: dict[object, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(getattr(r, "method", None), []).append(i)
+        for rows in groups.values():
+            mix = per_path if len(groups) == 1 else np.bincount(path[rows].reshape(-1), minlength=NUM_PATHS)
+            m.attention.labels(model, step_path_label(mix)).observe(stats[rows[0]].attention_s)
+
+    def on_finish(self, request, reason: str, usage, timings) -> None:
+        self._last_token.pop(id(request), None)
+        self.metrics.finished.labels(self.model, reason).inc()
+        if timings is not None:
+            self._one["e2e"].observe(timings.total_s)
+
+    def on_load(self, queued: int, running: int, sessions: int) -> None:
+        m, model = self.metrics, self.model
+        self._one["waiting"].set(queued)
+        self._one["running"].set(running)
+        self._open["named"] = sessions
+        m.sessions.labels(model, "named").set(sessions)
+        now = time.monotonic()
+        if self._runner is not None and now - self._last_memory >= self.memory_interval_s:
+            self._last_memory = now
+            self._record_memory(self._runner)
+
+    def _record_memory(self, runner) -> None:
+        m, model = self.metrics, self.model
+        used = [s.nbytes() for s in list(getattr(runner, "sessions", {}).values())]
+        m.kv_bytes.labels(model, "used").set(sum(int(u.get("kv", 0)) for u in used))
+        m.query_bytes.labels(model, "used").set(sum(int(u.get("method_state", 0)) for u in used))
+        memory = getattr(runner, "memory", None)
+        if memory is not None:
+            reserved = memory()
+            m.kv_bytes.labels(model, "reserved").set(int(reserved.get("kv_pool", 0)))
+            m.query_bytes.labels(model, "reserved").set(int(reserved.get("method_state", 0)))
+
+    def on_session_opened(self, session_id: str, ephemeral: bool) -> None:
+        self._count_session(ephemeral, +1)
+
+    def on_session_closed(self, session_id: str, ephemeral: bool) -> None:
+        self._count_session(ephemeral, -1)
+
+    def _count_session(self, ephemeral: bool, delta: int) -> None:
+        # The engine reports load only while it has work; a session opened or closed by a command
+        # while idle updates the gauges here.
+        kind = "ephemeral" if ephemeral else "named"
+        self._open[kind] = max(0, self._open[kind] + delta)
+        self.metrics.sessions.labels(self.model, kind).set(self._open[kind])
+        if self._runner is not None:
+            self._record_memory(self._runner)
+
+    # ---- engine or asyncio thread -------------------------------------------------------------------
+    def on_error(self, request, code: str) -> None:
+        if request is not None:
+            self._last_token.pop(id(request), None)
+        self.metrics.errors.labels(self.model, code).inc()
+
+    def on_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.metrics.rpcs.labels(self.model, method, code).inc()
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+def step_path_label(per_path: np.ndarray) -> str:
+    """One label for a step's mix of head paths (counts per Path code): refresh > fallback > the most frequent."""
+    if per_path[Path.REFRESH]:
+        return "refresh"
+    if per_path[Path.FALLBACK]:
+        return "fallback"
+    top = int(np.argmax(per_path))
+    return PATH_NAMES.get(top, str(top))
+
+
+class MetricsServer:
+    """The HTTP exporter serving ``/metrics`` of one registry; ``close()`` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, port: int = DEFAULT_METRICS_PORT, host: str = "0.0.0.0") -> None:
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host, self.port = host, int(self._server.server_port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def create_observer(config) -> MetricsObserver:
+    """The server's observer (called by ``retopk_server.service.server.make_observer``).
+
+    Starts the exporter on ``config.host:config.metrics_port`` unless metrics_port is 0; it lives as long
+    as the process (a daemon thread), like the gRPC server it accompanies.
+    """
+    observer = MetricsObserver(config.model)
+    if config.metrics_port:
+        exporter = MetricsServer(observer.metrics.registry, config.metrics_port, config.host)
+        log.info("metrics on http://%s:%d/metrics", config.host, exporter.port)
+        observer.exporter = exporter
+    return observer
+
+
+__all__ = ["DEFAULT_METRICS_PORT", "Metrics", "MetricsObserver", "MetricsServer", "create_observer",
+           "model_label"]

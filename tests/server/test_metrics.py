@@ -1,0 +1,222 @@
+"""retopk_server.metrics without a model: the observer's records, read back through Prometheus' own text
+parser, against counts written from the definitions here (plain loops over the inputs).
+
+The engine tests drive the real scheduler over tests/server/fake_runner.py (every head takes the
+"exact" path there); the per-step tests feed hand-made StepStats with a mix of ReTopK paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from retopk_core.methods.base import PATH_NAMES, Path
+from retopk_server.engine import Engine, EngineConfig, EngineError, GenerationRequest, RequestStream
+from retopk_server.metrics import (
+    CANDIDATE_BUCKETS,
+    SIMILARITY_BUCKETS,
+    Metrics,
+    MetricsObserver,
+    MetricsServer,
+    model_label,
+)
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.stats import StepStats
+from tests.server.fake_runner import HEADS, LAYERS, FakeRunner
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def scrape(metrics: Metrics) -> dict[str, list]:
+    """sample name -> [(labels, value)] of the registry's text exposition."""
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    hits = [v for lab, v in samples.get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items())]
+    assert len(hits) == 1, (name, labels, hits)
+    return hits[0]
+
+
+def bucket_counts(samples: dict, name: str) -> dict[float, float]:
+    return {float(lab["le"]): v for lab, v in samples[name + "_bucket"]}
+
+
+def random_stats(gen: torch.Generator, layers: int, heads: int, attention_s: float = 0.002) -> StepStats:
+    path = torch.randint(0, 3, (layers, heads), generator=gen).to(torch.int8)  # reuse / fallback / refresh
+    max_sim = torch.rand(layers, heads, generator=gen) * 2 - 1
+    max_sim[0, 0] = float("nan")
+    n_scored = torch.randint(1, 5000, (layers, heads), generator=gen).to(torch.int32)
+    return StepStats(path, max_sim, n_scored, attention_s)
+
+
+def test_step_counts_per_head_and_distributions_match_plain_loops():
+    gen = torch.Generator().manual_seed(0)
+    layers, heads = 4, 5
+    observer = MetricsObserver("/models/My-Model/")
+    assert observer.model == "My-Model" == model_label("My-Model")
+    requests = [SimpleNamespace(method=MethodSpec("retopk")) for _ in range(3)]
+    steps = [[random_stats(gen, layers, heads) for _ in requests] for _ in range(6)]
+    for stats in steps:
+        observer.on_step(requests, 0.01, stats)
+
+    expected: dict[tuple[int, int, str], int] = {}
+    reuse_sizes, sims = [], []
+    for stats in steps:
+        for s in stats:
+            for layer in range(layers):
+                for head in range(heads):
+                    name = PATH_NAMES[int(s.path[layer, head])]
+                    expected[layer, head, name] = expected.get((layer, head, name), 0) + 1
+                    if int(s.path[layer, head]) == Path.REUSE:
+                        reuse_sizes.append(int(s.n_scored[layer, head]))
+                    sim = float(s.max_sim[layer, head])
+                    if not math.isnan(sim):
+                        sims.append(sim)
+    samples = scrape(observer.metrics)
+    got = {(int(lab["layer"]), int(lab["head"]), lab["path"]): v
+           for lab, v in samples["retopk_attention_decisions_total"]}
+    assert {lab["model"] for lab, _ in samples["retopk_attention_decisions_total"]} == {"My-Model"}
+    assert len(got) == layers * heads * 3  # bounded: layers x heads x 3 paths
+    for key in got:
+        assert got[key] == expected.get(key, 0), key
+    assert sum(got.values()) == layers * heads * len(requests) * len(steps)
+
+    for name, values, bounds in (("retopk_candidate_set_size", reuse_sizes, CANDIDATE_BUCKETS),
+                                 ("retopk_max_query_similarity", sims, SIMILARITY_BUCKETS)):
+        buckets = bucket_counts(samples, name)
+        for b in bounds:
+            assert buckets[b] == sum(1 for x in values if x <= b), (name, b)
+        assert buckets[math.inf] == len(values) == value(samples, name + "_count", model="My-Model")
+        assert value(samples, name + "_sum", model="My-Model") == pytest.approx(sum(values), rel=1e-9)
+
+    last = [int(p) for s in steps[-1] for p in s.path.reshape(-1)]
+    share = sum(p in (Path.FALLBACK, Path.REFRESH) for p in last) / len(last)
+    assert value(samples, "retopk_exact_path_share", model="My-Model") == pytest.approx(share)
+    # one attention-time observation per step (one method group), labelled by the step's path mix
+    assert value(samples, "retopk_attention_step_seconds_count", model="My-Model", path="refresh") == len(steps)
+
+
+def test_attention_time_is_one_observation_per_method_group_and_labelled_by_its_paths():
+    observer = MetricsObserver("m")
+    reuse = StepStats(torch.zeros(2, 3, dtype=torch.int8), torch.ones(2, 3), torch.full((2, 3), 40, dtype=torch.int32),
+                      0.004)
+    fallback_path = torch.zeros(2, 3, dtype=torch.int8)
+    fallback_path[1, 2] = Path.FALLBACK
+    mixed = StepStats(fallback_path, torch.ones(2, 3), torch.full((2, 3), 40, dtype=torch.int32), 0.004)
+    exact = StepStats(torch.full((2, 3), Path.EXACT, dtype=torch.int8), torch.full((2, 3), float("nan")),
+                      torch.full((2, 3), 100, dtype=torch.int32), 0.001)
+    a, b = MethodSpec("retopk"), MethodSpec("exact_topk")
+    requests = [SimpleNamespace(method=a), SimpleNamespace(method=a), SimpleNamespace(method=b)]
+    observer.on_step(requests, 0.01, [reuse, reuse, exact])
+    observer.on_step(requests, 0.01, [reuse, mixed, exact])
+    samples = scrape(observer.metrics)
+    for path, n, total in (("reuse", 1, 0.004), ("fallback", 1, 0.004), ("exact", 2, 0.002)):
+        assert value(samples, "retopk_attention_step_seconds_count", model="m", path=path) == n
+        assert value(samples, "retopk_attention_step_seconds_sum", model="m", path=path) == pytest.approx(total)
+    # candidate sizes only from reuse heads: step 1 two rows x 6 heads, step 2 six + five
+    assert value(samples, "retopk_candidate_set_size_count", model="m") == 2 * 6 + 6 + 5
+    assert value(samples, "retopk_max_query_similarity_count", model="m") == 4 * 6  # NaN rows skipped
+
+
+async def _drain(stream: RequestStream):
+    events = []
+    try:
+        async for event in stream:
+            events.append(event)
+    except EngineError as e:
+        return events, e
+    return events, None
+
+
+async def _run_requests(engine: Engine, specs: list[dict]):
+    streams = []
+    for i, fields in enumerate(specs):
+        stream = RequestStream()
+        try:
+            engine.submit(GenerationRequest(request_id=f"r{i}", **fields), stream)
+        except EngineError as e:
+            streams.append(e)
+            continue
+        streams.append(stream)
+    return await asyncio.gather(*(_drain(s) for s in streams if isinstance(s, RequestStream)))
+
+
+def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
+    runner = FakeRunner()
+    observer = MetricsObserver("fake")
+    engine = Engine(lambda: runner, EngineConfig(max_running=4), observer)
+    engine.start()
+    try:
+        specs = [{"text": "hello there", "max_new_tokens": 5, "ignore_eos": True},
+                 {"text": "abc", "max_new_tokens": 7, "ignore_eos": True},
+                 {"text": "xyz.", "max_new_tokens": 3}]
+        results = asyncio.run(_run_requests(engine, specs))
+        bad = asyncio.run(_run_requests(engine, [{"token_ids": [999], "max_new_tokens": 2}]))
+        session = engine.create_session("named-1", None).result(5)
+        assert session.session_id == "named-1"
+        samples = scrape(observer.metrics)
+    finally:
+        engine.stop()
+    generated = [sum(len(e.token_ids) for e in events) for events, error in results]
+    assert all(error is None for _, error in results)
+    assert bad[0][1] is not None and bad[0][1].code.value == "INVALID_ARGUMENT"
+    decode_steps = sum(n - 1 for n in generated)  # the first token of each request comes from its prefill
+    paths = samples["retopk_attention_decisions_total"]
+    assert {lab["path"] for lab, _ in paths} == {"exact"}
+    assert sum(v for _, v in paths) == LAYERS * HEADS * decode_steps
+    assert len(paths) == LAYERS * HEADS
+    assert value(samples, "retopk_generation_tokens_total", model="fake") == sum(generated)
+    assert value(samples, "retopk_prompt_tokens_total", model="fake") == sum(len(s["text"]) for s in specs)
+    assert value(samples, "retopk_time_to_first_token_seconds_count", model="fake") == len(specs)
+    assert value(samples, "retopk_time_per_output_token_seconds_count", model="fake") == decode_steps
+    assert value(samples, "retopk_e2e_request_seconds_count", model="fake") == len(specs)
+    assert value(samples, "retopk_queue_wait_seconds_count", model="fake") == len(specs) + 1
+    reasons = {lab["finish_reason"]: v for lab, v in samples["retopk_requests_finished_total"]}
+    assert reasons["LENGTH"] == 2 and reasons["EOS_TOKEN"] == 1 and reasons["STOP_SEQUENCE"] == 0
+    assert value(samples, "retopk_request_errors_total", model="fake", code="INVALID_ARGUMENT") == 1
+    assert value(samples, "retopk_decode_step_seconds_count", model="fake") >= max(generated) - 1
+    assert value(samples, "retopk_sessions_open", model="fake", kind="named") == 1
+    assert value(samples, "retopk_sessions_open", model="fake", kind="ephemeral") == 0
+    assert value(samples, "retopk_requests_running", model="fake") == 0
+    assert value(samples, "retopk_model_info", model="fake", layers=LAYERS, heads=HEADS) == 1
+    # the named session holds its method state (FakeRunner: 32 bytes) and no KV yet
+    assert value(samples, "retopk_query_cache_bytes", model="fake", kind="used") == 32
+    assert value(samples, "retopk_kv_cache_bytes", model="fake", kind="used") == 0
+
+
+def test_every_metric_has_the_prefix_and_a_model_label():
+    observer = MetricsObserver("m")
+    observer.on_step([SimpleNamespace(method=None)], 0.001,
+                     [StepStats(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1, 1),
+                                torch.ones(1, 1, dtype=torch.int32))])
+    observer.on_rpc("Generate", "OK", 0.1)
+    families = list(text_string_to_metric_families(generate_latest(observer.metrics.registry).decode()))
+    assert len(families) >= 20
+    for family in families:
+        assert family.name.startswith("retopk_"), family.name
+        for s in family.samples:
+            assert s.labels.get("model") == "m", (s.name, s.labels)
+
+
+def test_exporter_serves_the_registry_over_http():
+    observer = MetricsObserver("m")
+    observer.on_rpc("Tokenize", "OK", 0.01)
+    server = MetricsServer(observer.metrics.registry, port=0, host="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        server.close()
+    assert 'retopk_rpcs_total{code="OK",model="m",rpc="Tokenize"} 1.0' in text
