@@ -148,6 +148,8 @@ class Method(_Dictable):
     @classmethod
     def from_proto(cls, msg: pb.AttentionMethod) -> Method:
         named = {f: getattr(msg, f) if msg.HasField(f) else None for f in RETOPK_FIELDS}
+        if named["tau"] is not None:  # a proto float: 0.85 arrives as 0.8500000238...; keep float32's 7 digits
+            named["tau"] = float(f"{named['tau']:.7g}")
         params = {key: _param_from_proto(value) for key, value in sorted(msg.params.items())}
         return cls(name=msg.name, **named, params=params)
 
