@@ -31,9 +31,10 @@ class Run:
         return torch.tensor([p + step + 1 for p in self.prompt_lens])
 
 
-def make_run(B=3, H=6, H_kv=2, d=16, prompt_lens=(37, 20, 9), steps=4, T=4, seed=0, dtype=torch.float32,
+def make_run(H=6, H_kv=2, d=16, prompt_lens=(37, 20, 9), steps=4, T=4, seed=0, dtype=torch.float32,
              keys: torch.Tensor | None = None, queries: torch.Tensor | None = None) -> Run:
     g = torch.Generator().manual_seed(seed)
+    B = len(prompt_lens)
     L_cap = max(prompt_lens) + steps
     if keys is None:
         keys = torch.randn(B, H_kv, L_cap, d, generator=g)

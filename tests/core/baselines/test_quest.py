@@ -1,0 +1,73 @@
+"""Quest against a per-head loop written from its definition: page min/max bounds, Top pages in budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retopk_core.methods import Path, make_method
+from tests.core.baselines._harness import attend, drive, make_run, selected_set
+
+
+def reference_pages(q: torch.Tensor, keys: torch.Tensor, P: int, K: int) -> tuple[list[int], list[float]]:
+    """Positions attended by one head, and every page's bound, from keys (L, d) directly."""
+    L = keys.shape[0]
+    q = q.double()
+    bounds = []
+    for p in range(-(-L // P)):
+        page = keys[p * P:min(L, p * P + P)].double()
+        lo, hi = page.min(0).values, page.max(0).values
+        bounds.append(float(torch.maximum(q * lo, q * hi).sum()))  # sum_i max(q_i m_i, q_i M_i)
+    positions, used = [], 0
+    for p in sorted(range(len(bounds)), key=lambda p: bounds[p], reverse=True):
+        size = min(P, L - p * P)
+        if used + size > K:  # the ranked prefix within the token budget
+            break
+        used += size
+        positions += list(range(p * P, p * P + size))
+    return sorted(positions), bounds
+
+
+@pytest.mark.parametrize("P, K, H, H_kv, block", [
+    (4, 12, 4, 4, None),  # budget = 3 full pages
+    (4, 14, 6, 2, 3),  # budget not a page multiple; GQA 3; pool blocks unaligned with pages
+    (5, 5, 6, 2, None),  # budget = one page
+    (3, 10, 4, 4, 4),
+])
+def test_matches_reference_loop(P, K, H, H_kv, block):
+    # prompts end mid-page and on a page boundary; 5 decode steps cross page boundaries
+    run = make_run(H=H, H_kv=H_kv, prompt_lens=(29, 16, 3), steps=5, seed=4)
+    method = make_method("quest", top_k=K, page_size=P)
+    G = H // H_kv
+    for _, lengths, q, out, _, _ in drive(method, run, block=block):
+        ref = torch.empty(out.out.shape, dtype=torch.float64)
+        for b, L in enumerate(lengths.tolist()):
+            for h in range(H):
+                keys = run.keys[b, h // G, :L]
+                want, bounds = reference_pages(q[b, h], keys, P, K)
+                assert selected_set(out.selected[b, h]) == want, (b, h, L)
+                ref[b, h] = attend(q[b, h], keys, run.values[b, h // G, :L], want, run.scale)
+                assert int(out.n_scored[b, h]) == len(want)
+                assert int(out.n_approx[b, h]) == len(bounds)  # one bound per page
+        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert (out.path == Path.APPROX).all()
+
+
+def test_page_bounds_track_appended_tokens():
+    """After prefill and each decode step the state's min/max equal those of the pages' actual keys."""
+    P = 4
+    run = make_run(H=4, H_kv=2, prompt_lens=(10, 7), steps=5, seed=5)
+    method = make_method("quest", top_k=8, page_size=P)
+    for _, lengths, _q, _out, state, slots in drive(method, run, block=4):
+        for b, L in enumerate(lengths.tolist()):
+            assert int(state.n_tokens[slots[b]]) == L
+            for g in range(2):
+                for p in range(-(-L // P)):
+                    page = run.keys[b, g, p * P:min(L, p * P + P)]
+                    torch.testing.assert_close(state.kmin[slots[b], g, p], page.min(0).values)
+                    torch.testing.assert_close(state.kmax[slots[b], g, p], page.max(0).values)
+
+
+def test_page_size_must_fit_the_budget():
+    with pytest.raises(ValueError, match="page_size"):
+        make_method("quest", top_k=8, page_size=16)

@@ -1,0 +1,47 @@
+"""StreamingLLM against a per-head loop written from its definition: S sinks + the W most recent tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retopk_core.methods import Path, make_method
+from tests.core.baselines._harness import attend, drive, make_run, selected_set
+
+
+def reference_positions(L: int, sinks: int, recent: int) -> list[int]:
+    return sorted({i for i in range(L) if i < sinks or i >= L - recent})
+
+
+@pytest.mark.parametrize("sinks, top_k, H, H_kv, block", [
+    (3, 10, 4, 4, None),
+    (0, 5, 6, 2, 4),  # no sinks: a pure recent window
+    (4, 30, 6, 2, None),  # budget above some lengths: everything attended there
+    (2, 7, 4, 4, 3),
+])
+def test_matches_reference_loop(sinks, top_k, H, H_kv, block):
+    # lengths cover L < S + W (everything), L just above, and L far above the budget
+    run = make_run(H=H, H_kv=H_kv, prompt_lens=(40, 11, 2), steps=3, seed=3)
+    method = make_method("streaming_llm", top_k=top_k, sinks=sinks)
+    G = H // H_kv
+    for _, lengths, q, out, _, _ in drive(method, run, block=block):
+        ref = torch.empty(out.out.shape, dtype=torch.float64)
+        for b, L in enumerate(lengths.tolist()):
+            want = reference_positions(L, sinks, top_k - sinks)
+            for h in range(H):
+                assert selected_set(out.selected[b, h]) == want
+                ref[b, h] = attend(q[b, h], run.keys[b, h // G, :L], run.values[b, h // G, :L], want, run.scale)
+            assert (out.n_scored[b] == len(want)).all()
+        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert (out.path == Path.APPROX).all()
+        assert (out.n_approx == 0).all()
+
+
+def test_paper_setting_is_64_sinks_and_448_recent():
+    d = make_method("streaming_llm").describe()
+    assert (d["top_k"], d["sinks"], d["recent"]) == (512, 64, 448)
+
+
+def test_sinks_must_leave_room_for_the_current_token():
+    with pytest.raises(ValueError, match="sinks"):
+        make_method("streaming_llm", top_k=8, sinks=8)
