@@ -8,7 +8,8 @@ from retopk_server.runtime.method_spec import MethodSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("torch", "triton")
-ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+# "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
+ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 
 
 def _default_method() -> MethodSpec:
@@ -29,8 +30,9 @@ class RuntimeConfig:
                     (times the RoPE scaling factor when ``rope_scaling`` is set). Larger than the trained
                     positions without ``rope_scaling`` is refused.
     rope_scaling    transformers' RoPE parameters to extend the context, e.g. {"rope_type": "linear",
-                    "factor": 4.0}; rope_theta is kept from the model. The long-context benchmarks on the
-                    small model use this; quality beyond the trained positions is whatever the scaling gives.
+                    "factor": 4.0}; rope_theta is kept from the model, other keys the type needs (yarn, llama3)
+                    are the caller's. Applied to the model in place. The long-context benchmarks on the small
+                    model use this; quality beyond the trained positions is whatever the scaling gives.
     prefill_chunk   prompt tokens per dense prefill forward (bounds the T x L score matrix of one chunk)
     kv_block_size   positions per KV block (the pool grows by doubling its block count)
     """

@@ -20,9 +20,9 @@ def apply_rope_scaling(model, rope_scaling: dict) -> None:
     config = model.config
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(rope_scaling)
-    params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    if params.get("rope_type") in ("yarn", "longrope", "llama3"):
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     config.rope_parameters = params
     base = model.base_model
     old = base.rotary_emb
-    device = old.inv_freq.device if hasattr(old, "inv_freq") else None
-    base.rotary_emb = type(old)(config=config, device=device)
+    base.rotary_emb = type(old)(config=config).to(old.inv_freq.device)

@@ -1,0 +1,97 @@
+"""KV block pool: content survives growth, growth is by doubling, sessions report and free their memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import prompt_ids, runner_for, tiny_model
+
+from retopk_server.runtime import MethodSpec
+from retopk_server.runtime.kv_pool import KVPool
+
+
+def test_pool_write_and_history_round_trip_across_growth():
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=3, block_size=4, dtype=torch.float32, device="cpu",
+                  initial_blocks=2)
+    g = torch.Generator().manual_seed(0)
+    blocks, written_k, written_v = [], [], []
+    capacities = []
+    for chunk in (3, 6, 1, 9, 5):  # 24 positions = 6 blocks: the pool grows 2 -> 4 -> 8
+        start = sum(k.shape[1] for k in written_k)
+        need = pool.blocks_for(start + chunk) - len(blocks)
+        blocks += pool.alloc(need)
+        capacities.append(pool.capacity)
+        k, v = torch.randn(1, 2, chunk, 3, generator=g), torch.randn(1, 2, chunk, 3, generator=g)
+        table = pool.block_table([blocks], "cpu")
+        pool.write(1, table, torch.tensor([start]), k, v)
+        written_k.append(k[0])
+        written_v.append(v[0])
+    got_k, got_v = pool.history(1, torch.tensor(blocks), 24)  # (H_kv, 24, d)
+    torch.testing.assert_close(got_k, torch.cat(written_k, dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(got_v, torch.cat(written_v, dim=1), rtol=0, atol=0)
+    assert capacities == [2, 4, 4, 8, 8]
+    dense_k, _ = pool.paged(1, pool.block_table([blocks], "cpu"), torch.tensor([24])).dense()
+    torch.testing.assert_close(dense_k[0], got_k, rtol=0, atol=0)
+
+
+def test_pool_reuses_released_blocks():
+    pool = KVPool(1, 1, 2, 4, torch.float32, "cpu", initial_blocks=4)
+    a = pool.alloc(3)
+    pool.release(a)
+    assert pool.free_blocks == 4
+    assert sorted(pool.alloc(4)) == [0, 1, 2, 3] and pool.capacity == 4
+
+
+def test_long_decode_grows_the_pool_a_logarithmic_number_of_times():
+    runner = runner_for(tiny_model("llama"), kv_block_size=2)
+    s = runner.open_session()
+    runner.prefill(s, prompt_ids(3, seed=0))
+    capacities = {runner.pool.capacity}
+    for t in range(200):
+        runner.decode([s], [t % 256])
+        capacities.add(runner.pool.capacity)
+    assert s.length == 203 and len(s.blocks) == 102
+    assert sorted(capacities) == [8 * 2**i for i in range(len(capacities))]  # doubling only
+    assert max(capacities) < 2 * 102 * 2
+
+
+def test_session_memory_is_reported_and_freed_on_close():
+    model = tiny_model("qwen2")
+    runner = runner_for(model, kv_block_size=8)
+    spec = MethodSpec.of("retopk", top_k=16, cache_size=4, window=4, recall=2)
+    s = runner.open_session(spec)
+    runner.prefill(s, prompt_ids(20, seed=3))
+    layers, heads, kv_heads, d = 2, 4, 2, 16
+    mem = s.nbytes()
+    assert mem["kv"] == 3 * layers * 2 * kv_heads * 8 * d * 4  # 3 blocks of 8 positions, keys and values, fp32
+    # per layer: unit queries (H, C, d) fp32 + supports (H, C, K) int64 + fill, ptr, step int64
+    assert mem["method_state"] == layers * (heads * 4 * d * 4 + heads * 4 * 16 * 8 + 3 * 8)
+    full = runner.open_session(MethodSpec("full"))
+    assert full.nbytes() == {"kv": 0, "method_state": 0}
+
+    free_before = runner.pool.free_blocks
+    runner.close_session(s)
+    assert runner.pool.free_blocks == free_before + 3 and s.closed and s.id not in runner.sessions
+    runner.close_session(s)  # idempotent
+    with pytest.raises(ValueError, match="not open"):
+        runner.prefill(s, [1])
+    again = runner.open_session(spec)
+    assert again.slots == s.slots  # the freed state slots are handed out again
+
+
+def test_bad_sessions_and_batches_are_refused():
+    runner = runner_for(tiny_model("llama"))
+    with pytest.raises(ValueError, match="unknown method"):
+        runner.open_session(MethodSpec("nope"))
+    with pytest.raises(ValueError, match="top_k"):
+        runner.open_session(MethodSpec.of("exact_topk", top_k=0))
+    s = runner.open_session(session_id="a")
+    with pytest.raises(ValueError, match="already open"):
+        runner.open_session(session_id="a")
+    runner.prefill(s, [1, 2])
+    with pytest.raises(ValueError, match="twice"):
+        runner.decode([s, s], [1, 2])
+    with pytest.raises(ValueError, match="equal length"):
+        runner.decode([s], [1, 2])
+    with pytest.raises(ValueError, match="empty"):
+        runner.prefill(s, [])

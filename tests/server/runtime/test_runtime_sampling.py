@@ -1,0 +1,111 @@
+"""Sampling against small references computed by hand from the definitions in sampling.py's docstring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from retopk_server.runtime.sampling import Sampler, SamplingParams, apply_penalties, filter_logits
+
+NEG = float("-inf")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 1.5), ("min_p", 1.1),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("seed", -1),
+    ("temperature", float("nan")),
+])
+def test_bad_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
+    assert Sampler(SamplingParams()).sample(logits, [], []) == 1
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    prompt, generated = [1], [0, 3, 3]
+    got = apply_penalties(logits, params, generated, prompt)
+    expected = [
+        2.0 / 2 - 0.5 - 0.25 * 1,  # token 0: generated once, positive logit divided
+        -1.0 * 2,  # token 1: prompt only: repetition penalty, no presence/frequency
+        0.5,  # token 2: never seen
+        3.0 / 2 - 0.5 - 0.25 * 2,  # token 3: generated twice
+        -0.5,
+    ]
+    torch.testing.assert_close(got, torch.tensor(expected))
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5]))  # the input is not modified
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([1.0, 1.5, 0.0])
+    assert Sampler(SamplingParams(repetition_penalty=2.0)).sample(logits, [1], []) == 0
+
+
+def kept(logits: torch.Tensor, **kw) -> set[int]:
+    out = filter_logits(logits, SamplingParams(temperature=1.0, **kw))
+    return {i for i, v in enumerate(out.tolist()) if v != NEG}
+
+
+def test_top_k_keeps_the_k_largest():
+    assert kept(torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0]), top_k=2) == {3, 4}
+    assert kept(torch.tensor([1.0, 3.0, 2.0]), top_k=5) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()  # descending: 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05)
+    assert kept(logits, top_p=0.45) == {1}
+    assert kept(logits, top_p=0.55) == {1, 3}
+    assert kept(logits, top_p=0.9) == {1, 3, 0}
+    assert kept(logits, top_p=0.99) == {0, 1, 2, 3}
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    assert kept(logits, min_p=0.2) == {0, 1, 3}  # threshold 0.1
+    assert kept(logits, min_p=0.7) == {1}  # threshold 0.35
+
+
+def test_filters_compose_in_order():
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    # top-k 3 leaves {1, 3, 0} renormalised to 0.526, 0.316, 0.158; top-p 0.6 then keeps {1, 3}
+    assert kept(logits, top_k=3, top_p=0.6) == {1, 3}
+
+
+def test_temperature_sampling_matches_the_tempered_distribution():
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    T = 0.7
+    probs = torch.softmax(logits / T, dim=0)
+    sampler = Sampler(SamplingParams(temperature=T, seed=1234))
+    n = 6000
+    counts = torch.bincount(torch.tensor([sampler.sample(logits, [], []) for _ in range(n)]), minlength=4)
+    # 4 standard deviations of a binomial proportion at n = 6000 is below 0.026
+    assert (counts / n - probs).abs().max() < 4 * math.sqrt(0.25 / n)
+
+
+def test_samples_stay_inside_the_filtered_set():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g)
+    allowed = set(torch.topk(logits, 3).indices.tolist())
+    sampler = Sampler(SamplingParams(temperature=1.5, top_k=3, seed=7))
+    drawn = {sampler.sample(logits, [], []) for _ in range(300)}
+    assert drawn == allowed
+
+
+def test_seed_makes_sampling_reproducible():
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.randn(256, generator=g) for _ in range(40)]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
+
+    def run(p):
+        s = Sampler(p)
+        return [s.sample(x, [], []) for x in steps]
+
+    assert run(params) == run(params)
+    assert run(params) != run(SamplingParams(temperature=1.0, top_p=0.95, seed=43))
