@@ -1,4 +1,5 @@
-"""Root pytest setup shared by every test folder: the `gpu` marker's skip and the embedded model.
+"""Root pytest setup shared by every test folder: Triton's CPU interpreter, the `gpu` marker's skip
+and the embedded model.
 
 The `gpu` and `slow` markers are declared in pyproject.toml. Loading the embedded SmolLM2-135M costs
 ~18 s, so it is loaded at most once per pytest process through the session fixture `embedded_model`;
@@ -7,7 +8,18 @@ tests must not modify the returned model (its weights, config or attention imple
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    # Without CUDA, Triton kernels can only run in its interpreter, and TRITON_INTERPRET is read when a
+    # kernel is defined: set it before any test module (bench, server, kernels) imports one.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
