@@ -33,6 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the test process dies, so no server outlives it (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RETOPK_")}
     paths = [str(REPO), str(REPO / "server"), str(REPO / "client")]
@@ -117,7 +127,8 @@ def launch_server(*args: str, env: dict[str, str] | None = None, timeout: float 
     command = [sys.executable, "-m", "retopk_server.cli", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", *args]
     process = subprocess.Popen(command, cwd=REPO, env=_child_env(env), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, bufsize=1)
+                               stderr=subprocess.STDOUT, text=True, bufsize=1,
+                               preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     server = LiveServer(process)
     server.wait_ready(timeout)
     return server

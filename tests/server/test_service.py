@@ -1,0 +1,294 @@
+"""The gRPC service (servicer, validation, auth, health, reflection, drain) over a fake runner: fast, no model.
+
+The same service code runs in the live-server tests with the real model; here every status code
+path is exercised cheaply, each against the behaviour the proto documents.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.cli import config_from
+from tests.server.fake_runner import EOS, FakeRunner, greedy_reference
+
+pytestmark = pytest.mark.timeout(60)
+
+USER = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+
+
+def enc(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def ids(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, pb.SessionInfo):
+            list(result)
+    return info.value.code(), info.value.details()
+
+
+# --- Generate ----------------------------------------------------------------------------------------
+def test_generate_streams_tokens_text_usage_and_stats(fake_server):
+    server = fake_server()
+    out = list(server.stub.Generate(pb.GenerateRequest(text="hello", max_new_tokens=5, request_id="r-1",
+                                                       return_step_stats=True)))
+    expected = greedy_reference(enc("hello"), 5)
+    assert ids(out) == expected and "".join(r.text for r in out) == "".join(map(chr, expected))
+    assert all(r.request_id == "r-1" for r in out)
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in out[:-1])
+    assert (out[-1].usage.prompt_tokens, out[-1].usage.generated_tokens) == (5, 5)
+    stats = [s for r in out for s in r.step_stats]
+    assert [s.token_index for s in stats] == [1, 2, 3, 4]  # token 0 comes from prefill
+    assert all(s.num_layers == 2 and s.num_heads == 3 and len(s.path) == 6 and set(s.path) == {3} for s in stats)
+
+
+def test_token_ids_and_stop_conditions(fake_server):
+    server = fake_server()
+    out = list(server.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=enc("ab.")), max_new_tokens=4)))
+    assert ids(out) == [EOS] and out[-1].finish_reason == pb.FINISH_REASON_EOS_TOKEN
+    ref = greedy_reference(enc("xyz"), 8)
+    out = list(server.stub.Generate(pb.GenerateRequest(text="xyz", max_new_tokens=8, stop_token_ids=[ref[1]])))
+    assert ids(out) == ref[:2] and out[-1].finish_reason == pb.FINISH_REASON_STOP_TOKEN
+    out = list(server.stub.Generate(pb.GenerateRequest(text="xyz", max_new_tokens=8, stop=[chr(ref[2])])))
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert "".join(r.text for r in out) == "".join(map(chr, ref[:2]))
+
+
+def _method(**kw):
+    return pb.AttentionMethod(**kw)
+
+
+INVALID = [
+    ("empty input", pb.GenerateRequest(), "input"),
+    ("empty text", pb.GenerateRequest(text=""), "text"),
+    ("empty token ids", pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids"),
+    ("token id outside vocab", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 999])), "token_ids[1]"),
+    ("empty chat", pb.GenerateRequest(chat=pb.ChatMessages()), "chat"),
+    ("bad role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="bot", content="x")])),
+     "chat.messages[0].role"),
+    ("negative temperature", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(temperature=-1)),
+     "sampling.temperature"),
+    ("top_p zero", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(top_p=0)), "sampling.top_p"),
+    ("top_p above one", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(top_p=1.5)), "sampling.top_p"),
+    ("negative top_k", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(top_k=-1)), "sampling.top_k"),
+    ("min_p above one", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(min_p=2)), "sampling.min_p"),
+    ("zero repetition penalty", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(repetition_penalty=0)),
+     "sampling.repetition_penalty"),
+    ("presence penalty range", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(presence_penalty=3)),
+     "sampling.presence_penalty"),
+    ("frequency penalty range", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(frequency_penalty=-3)),
+     "sampling.frequency_penalty"),
+    ("negative seed", pb.GenerateRequest(text="a", sampling=pb.SamplingParameters(seed=-1)), "sampling.seed"),
+    ("K zero", pb.GenerateRequest(text="a", method=_method(top_k=0)), "top_k"),
+    ("K negative", pb.GenerateRequest(text="a", method=_method(name="exact_topk", top_k=-4)), "top_k"),
+    ("R above C", pb.GenerateRequest(text="a", method=_method(recall=8, cache_size=4)), "recall"),
+    ("tau above one", pb.GenerateRequest(text="a", method=_method(tau=1.5)), "tau"),
+    ("negative T_r", pb.GenerateRequest(text="a", method=_method(refresh_every=-1)), "refresh_every"),
+    ("unknown method", pb.GenerateRequest(text="a", method=_method(name="magic")), "method.name"),
+    ("unknown hyperparameter", pb.GenerateRequest(
+        text="a", method=_method(name="full", params={"bogus": pb.ParamValue(int_value=1)})), "bogus"),
+    ("param and field", pb.GenerateRequest(
+        text="a", method=_method(top_k=4, params={"top_k": pb.ParamValue(int_value=4)})), "method.params"),
+    ("param without value", pb.GenerateRequest(text="a", method=_method(params={"window": pb.ParamValue()})),
+     "method.params"),
+    ("method with session", pb.GenerateRequest(text="a", session_id="s", method=_method(name="full")), "method"),
+    ("zero max_new_tokens", pb.GenerateRequest(text="a", max_new_tokens=0), "max_new_tokens"),
+    ("max_new_tokens above limit", pb.GenerateRequest(text="a", max_new_tokens=10**6), "max_new_tokens"),
+    ("empty stop string", pb.GenerateRequest(text="a", stop=["x", ""]), "stop[1]"),
+    ("stop token outside vocab", pb.GenerateRequest(text="a", stop_token_ids=[500]), "stop_token_ids[0]"),
+    ("empty request id", pb.GenerateRequest(text="a", request_id=""), "request_id"),
+    ("empty session id", pb.GenerateRequest(text="a", session_id=""), "session_id"),
+    ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: prompt too long"),
+]
+
+
+@pytest.mark.parametrize("request_, field", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_generate_is_invalid_argument_naming_the_field(fake_server, request_, field):
+    server = fake_server(max_prompt_tokens=100)
+    code, details = code_of(lambda: server.stub.Generate(request_))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert field in details
+    status = server.stub.GetServerStatus(pb.GetServerStatusRequest())
+    assert (status.running, status.queued, status.ephemeral_sessions) == (0, 0, 0)  # nothing leaked
+    assert server.runner.sessions == {}
+
+
+def test_method_a_b_on_one_server(fake_server):
+    server = fake_server()
+    for method in (_method(name="full"), _method(name="exact_topk", top_k=4), _method(tau=0.5),
+                   _method(name="streaming_llm", params={"sinks": pb.ParamValue(int_value=2)})):
+        out = list(server.stub.Generate(pb.GenerateRequest(text="abc", max_new_tokens=3, method=method)))
+        assert ids(out) == greedy_reference(enc("abc"), 3)
+
+
+# --- sessions ----------------------------------------------------------------------------------------
+def test_sessions_over_grpc(fake_server):
+    server = fake_server(max_sessions=2)
+    stub = server.stub
+    info = stub.CreateSession(pb.CreateSessionRequest(session_id="s", method=_method(tau=0.5)))
+    assert info.session_id == "s" and info.method.name == "retopk" and abs(info.method.tau - 0.5) < 1e-6
+    assert info.method.top_k == 8  # the server default's K kept, tau overridden
+    generated = stub.CreateSession(pb.CreateSessionRequest()).session_id
+    assert generated and generated != "s"
+    assert code_of(lambda: stub.CreateSession(pb.CreateSessionRequest()))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert code_of(lambda: stub.CreateSession(pb.CreateSessionRequest(session_id="s")))[0] in (
+        grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    t1 = list(stub.Generate(pb.GenerateRequest(text="one ", session_id="s", max_new_tokens=3)))
+    t2 = list(stub.Generate(pb.GenerateRequest(text="two ", session_id="s", max_new_tokens=3)))
+    assert ids(t2) == greedy_reference(enc("one ") + ids(t1) + enc("two "), 3)
+    assert t2[-1].session_id == "s" and stub.GetSession(pb.GetSessionRequest(session_id="s")).turns == 2
+    listed = stub.ListSessions(pb.ListSessionsRequest()).sessions
+    assert sorted(s.session_id for s in listed) == sorted(["s", generated])
+    closed = stub.CloseSession(pb.CloseSessionRequest(session_id="s")).session
+    assert closed.num_tokens == 4 + 3 + 4 + 3
+    for call in (lambda: stub.GetSession(pb.GetSessionRequest(session_id="s")),
+                 lambda: stub.CloseSession(pb.CloseSessionRequest(session_id="s")),
+                 lambda: stub.Generate(pb.GenerateRequest(text="x", session_id="s"))):
+        code, details = code_of(call)
+        assert code == grpc.StatusCode.NOT_FOUND and "session_id" in details
+    assert code_of(lambda: stub.GetSession(pb.GetSessionRequest()))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_busy_session_is_failed_precondition(fake_server):
+    server = fake_server(FakeRunner(step_delay_s=0.01))
+    server.stub.CreateSession(pb.CreateSessionRequest(session_id="s"))
+    first = server.stub.Generate(pb.GenerateRequest(text="a", session_id="s", max_new_tokens=1000))
+    next(first)
+    code, details = code_of(lambda: server.stub.Generate(pb.GenerateRequest(text="b", session_id="s")))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "busy" in details
+    first.cancel()
+
+
+# --- load, cancel, deadline ----------------------------------------------------------------------------
+def test_queue_full_is_resource_exhausted(fake_server):
+    server = fake_server(FakeRunner(step_delay_s=0.01), max_running=1, max_queue=1)
+    running = server.stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=1000))
+    next(running)  # admitted
+    queued_out = []
+    waiter = threading.Thread(target=lambda: queued_out.extend(
+        server.stub.Generate(pb.GenerateRequest(text="b", max_new_tokens=2))))
+    waiter.start()
+    while server.stub.GetServerStatus(pb.GetServerStatusRequest()).queued < 1:
+        pass
+    code, details = code_of(lambda: server.stub.Generate(pb.GenerateRequest(text="c")))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in details
+    running.cancel()
+    waiter.join(30)
+    assert ids(queued_out) == greedy_reference(enc("b"), 2)  # the queued request ran once the slot freed
+
+
+def _wait_idle(stub):
+    while True:
+        status = stub.GetServerStatus(pb.GetServerStatusRequest())
+        if (status.running, status.queued, status.ephemeral_sessions) == (0, 0, 0):
+            return status
+
+
+def test_cancel_and_deadline_free_the_slot(fake_server):
+    server = fake_server(FakeRunner(step_delay_s=0.01), max_running=1)
+    call = server.stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=1000))
+    next(call), next(call)
+    call.cancel()
+    _wait_idle(server.stub)
+    code, _ = code_of(lambda: server.stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=1000), timeout=0.3))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_idle(server.stub)
+    assert server.runner.sessions == {}
+    out = list(server.stub.Generate(pb.GenerateRequest(text="ok", max_new_tokens=2)))  # the slot is usable
+    assert ids(out) == greedy_reference(enc("ok"), 2)
+
+
+# --- auth, tokenizer, model info, health, reflection -----------------------------------------------------
+def test_api_key(fake_server):
+    server = fake_server(api_key="sekret")
+    request = pb.GenerateRequest(text="a", max_new_tokens=1)
+    assert code_of(lambda: server.stub.Generate(request))[0] == grpc.StatusCode.UNAUTHENTICATED
+    bad = (("authorization", "Bearer nope"),)
+    assert code_of(lambda: server.stub.Generate(request, metadata=bad))[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: server.stub.GetModelInfo(pb.GetModelInfoRequest()))[0] == grpc.StatusCode.UNAUTHENTICATED
+    good = (("authorization", "Bearer sekret"),)
+    assert len(list(server.stub.Generate(request, metadata=good))) == 1
+    assert server.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=good).name == "fake"
+    health = health_pb2_grpc.HealthStub(server.channel)  # probes need no key
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_tokenize_detokenize_and_model_info(fake_server):
+    server = fake_server()
+    stub = server.stub
+    tok = stub.Tokenize(pb.TokenizeRequest(text="hi"))
+    assert list(tok.token_ids) == enc("hi") and list(tok.tokens) == ["h", "i"]
+    assert list(stub.Tokenize(pb.TokenizeRequest(chat=USER)).token_ids) == enc("<user>hi\n<assistant>")
+    assert stub.Detokenize(pb.DetokenizeRequest(token_ids=enc("ok") + [EOS], skip_special_tokens=True)).text == "ok"
+    bad_ids = pb.DetokenizeRequest(token_ids=[1000])
+    assert code_of(lambda: stub.Detokenize(bad_ids))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.Tokenize(pb.TokenizeRequest()))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.num_layers, info.num_heads, info.vocab_size, list(info.eos_token_ids)) == (2, 3, 128, [EOS])
+    assert info.default_method.name == "retopk" and info.default_method.top_k == 8
+    assert info.default_method.cache_size == 32 and info.default_method.params["retrieval"].string_value
+    assert {"full", "exact_topk", "retopk"} <= set(info.methods)
+    assert info.limits.max_new_tokens == 2000 and info.limits.max_prompt_tokens == info.max_context
+
+
+def test_health_and_reflection(fake_server):
+    server = fake_server()
+    health = health_pb2_grpc.HealthStub(server.channel)
+    for service in ("", "retopk.v1.ReTopKService"):
+        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    answer = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"retopk.v1.ReTopKService", "grpc.health.v1.Health"} <= names
+
+
+def test_drain_finishes_running_streams_and_refuses_new_ones(fake_server):
+    server = fake_server(FakeRunner(step_delay_s=0.01))
+    stream = server.stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=60))
+    first = next(stream)
+    drained = threading.Thread(target=server.drain, args=(30.0,))
+    drained.start()
+    health = health_pb2_grpc.HealthStub(server.channel)
+    while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+        pass
+    code, _ = code_of(lambda: server.stub.Generate(pb.GenerateRequest(text="b")))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    rest = list(stream)  # the running stream completes normally
+    drained.join(30)
+    assert ids([first, *rest]) == greedy_reference(enc("a"), 60)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+# --- configuration -----------------------------------------------------------------------------------
+def test_flags_override_env_override_defaults():
+    config = config_from([], {})
+    assert (config.port, config.metrics_port, config.model, config.method_params) == (50051, 9464, "smollm2-135m",
+                                                                                       {"top_k": 64})
+    env = {"RETOPK_PORT": "6000", "RETOPK_MAX_QUEUE": "3", "RETOPK_METHOD": "exact_topk", "RETOPK_API_KEY": "k"}
+    config = config_from(["--port", "7000"], env)
+    assert (config.port, config.max_queue, config.method, config.method_params, config.api_key) == (
+        7000, 3, "exact_topk", {}, "k")
+    config = config_from(["--method-params", "top_k=32,tau=0.9,retrieval=recent", "--max-context", "none"], {})
+    assert config.method_params == {"top_k": 32, "tau": 0.9, "retrieval": "recent"} and config.max_context is None
+
+
+@pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--method", "magic"],
+                                  ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"]])
+def test_bad_configuration_exits_with_a_message(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        config_from(argv, {})
+    assert info.value.code == 2
+    assert argv[0].lstrip("-").split("-")[0] in capsys.readouterr().err
