@@ -121,7 +121,10 @@ def dense_attention(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace, t
     part_out = ws.get("dense_out", (B, H, n_split, DV), torch.float32)
     part_lse = ws.get("dense_lse", (B, H, n_split), torch.float32)
     out = torch.empty(B, H, DV, dtype=q.dtype, device=q.device)
-    dot_f32 = not (q.dtype == kv.k_pool.dtype == kv.v_pool.dtype and q.dtype in (torch.float16, torch.bfloat16))
+    # 16-bit tensor-core dot when q and the cache share a 16-bit dtype; fp32 (IEEE) otherwise, and always
+    # on CPU tensors: triton's interpreter multiplies 16-bit dot operands as raw bits (triton 3.9).
+    half = q.dtype == kv.k_pool.dtype == kv.v_pool.dtype and q.dtype in (torch.float16, torch.bfloat16)
+    dot_f32 = not q.is_cuda or not half
     _dense_split_kernel[(B, H_kv, n_split)](
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, part_out, part_lse, float(scale),
         q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, split, n_split,

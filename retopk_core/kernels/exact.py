@@ -120,7 +120,9 @@ def exact_topk_keys(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: 
     has_path = path is not None
     path_arg = path if has_path else kv.lengths  # unused when HAS_PATH is false
     scores = ws.get("exact_scores", (B, H, L_cap), torch.float32)
-    dot_f32 = not (q.dtype == kv.k_pool.dtype and q.dtype in (torch.float16, torch.bfloat16))
+    # 16-bit tensor-core dot when q and the cache share a 16-bit dtype; fp32 (IEEE) otherwise, and always
+    # on CPU tensors: triton's interpreter multiplies 16-bit dot operands as raw bits (triton 3.9).
+    dot_f32 = not q.is_cuda or not (q.dtype == kv.k_pool.dtype and q.dtype in (torch.float16, torch.bfloat16))
     _exact_qk_kernel[(B, H_kv, triton.cdiv(L_cap, block_n))](
         q, kv.k_pool, kv.block_table, kv.lengths, path_arg, scores, float(scale),
         q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, L_cap,

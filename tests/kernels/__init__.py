@@ -1,0 +1,1 @@
+"""Kernel tests (TRITON_INTERPRET on the CPU, compiled on a GPU)."""

@@ -1,0 +1,110 @@
+"""The ReTopK triton path (selector -> indexed QK -> exact kernels -> select + attend + FIFO) against
+the torch reference of the core, step by step, with mixed paths inside every step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from retopk_core.kernels.bitonic import next_pow2
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import Path
+from retopk_core.methods.retopk import ReTopK
+from tests.kernels._helpers import DEVICE, make_kv
+
+CASES = [  # (H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows)
+    (1, 3, 64, 8, 8, 4, 2, [200, 90], 16, "similarity", (0, 1)),
+    (2, 1, 128, 16, 4, 8, 4, [400, 60], None, "recent", (0,)),  # sequence 1: empty cache -> fallback
+    (1, 7, 64, 4, 6, 3, 3, [64, 30], 8, "similarity", (0, 1)),
+    (1, 2, 64, 8, 4, 8, 2, [5, 3], None, "similarity", (0, 1)),  # L < W, L < K
+    (1, 3, 128, 512, 4, 32, 2, [1100, 700], 64, "similarity", (0, 1)),
+]
+STEPS = 4
+
+
+def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=STEPS, seed=0):
+    """Yield (torch StepOutput, triton StepOutput, torch state, triton state) for each decode step."""
+    B, H = len(lengths), H_kv * G
+    gen = torch.Generator().manual_seed(seed)
+    cap = max(lengths) + steps
+    kv_all, _, _ = make_kv(B, H_kv, cap, d, [cap] * B, torch.float32, block, seed=seed + 1)
+    params = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.8, refresh_every=3, retrieval=retrieval)
+    ref, tri = ReTopK(**params), ReTopK(**params, backend="triton")
+    st = ref.init_state(H, H_kv, d, device=DEVICE, capacity=B)
+    T = min(C, min(lengths))
+    prompt_q = torch.randn(B, H, T, d, generator=gen).to(DEVICE)
+    for b in range(B):
+        assert st.alloc() == b
+        if b in prefill_rows:
+            one = PagedKV(kv_all.k_pool, kv_all.v_pool, kv_all.block_table[b:b + 1],
+                          torch.tensor([lengths[b]], device=DEVICE))
+            ref.prefill(st, b, prompt_q[b], torch.arange(lengths[b] - T, lengths[b], device=DEVICE), one)
+    st.step[1] = 1  # the two sequences reach the refresh step (t_dec = 3) at different decode steps
+    sk = copy.deepcopy(st)
+    slots = torch.arange(B, device=DEVICE)
+    lens = list(lengths)
+    # per head: a small perturbation of its last prompt query (reuse) or a fresh direction (fallback)
+    near = (torch.arange(H) % 2 == 0).view(1, H, 1).to(DEVICE)
+    for _ in range(steps):
+        lens = [x + 1 for x in lens]
+        kv = PagedKV(kv_all.k_pool, kv_all.v_pool, kv_all.block_table, torch.tensor(lens, device=DEVICE))
+        fresh = torch.randn(B, H, d, generator=gen).to(DEVICE)
+        q = torch.where(near, prompt_q[:, :, -1] + 0.15 * fresh, fresh)
+        pre_t, pre_k = copy.deepcopy(st), copy.deepcopy(sk)
+        a = ref.decode(q, kv, st, slots)
+        b = tri.decode(q, kv, sk, slots)
+        yield a, b, st, sk, (q, kv, pre_t, pre_k, ref, tri)
+
+
+@pytest.mark.parametrize("H_kv,G,d,K,C,W,R,lengths,block,retrieval,prefill_rows", CASES)
+def test_retopk_triton_matches_torch_reference(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows):
+    seen = set()
+    for a, b, st, sk, _ in _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows):
+        assert torch.equal(a.path, b.path), (a.path, b.path)
+        seen |= set(a.path.flatten().tolist())
+        torch.testing.assert_close(b.max_sim, a.max_sim, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.n_scored, b.n_scored), (a.n_scored, b.n_scored)
+        assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
+        torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sk.queries, st.queries, atol=1e-6, rtol=1e-6)
+        assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+        for name in ("fill", "ptr", "step"):
+            assert torch.equal(getattr(sk, name), getattr(st, name)), name
+    if lengths != [5, 3]:  # every path occurs within the few steps of the larger cases
+        assert {Path.REUSE, Path.FALLBACK, Path.REFRESH} <= seen, seen
+
+
+def test_selector_candidates_equal_torch_candidates():
+    """Stage 1 alone: the packed candidate rows written by the selector are the sorted unique union."""
+    from retopk_core.kernels.workspace import WORKSPACES
+
+    H_kv, G, d, K, C, W, R = 1, 3, 64, 8, 8, 6, 3
+    for a, _b, _, sk, (q, kv, pre_t, _, ref, _) in _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1),
+                                                       steps=2):
+        B, H = q.shape[:2]
+        N_pad = next_pow2(R * K + W, 16)
+        ws = WORKSPACES.for_state(sk, q.device)
+        cand, count = ws.get("cand", (B, H, N_pad), torch.int32), ws.get("cand_count", (B, H), torch.int32)
+        sim, _ = ref._similarity(q.float() / q.float().norm(dim=-1, keepdim=True), pre_t, torch.arange(B))
+        reuse = (a.path == Path.REUSE).nonzero().tolist()
+        assert reuse, "the scenario must have reuse heads"
+        for bb, hh in reuse:
+            want = ref._candidates(sim[bb, hh].unsqueeze(0), pre_t, torch.tensor([bb]), torch.tensor([hh]),
+                                   kv.lengths[bb:bb + 1])[0]
+            want = want[want >= 0]
+            n = int(count[bb, hh])
+            assert n == len(want)
+            assert cand[bb, hh, :n].long().tolist() == want.tolist()
+        for bb, hh in (a.path != Path.REUSE).nonzero().tolist():
+            assert int(count[bb, hh]) == 0
+
+
+def test_retopk_decode_allocates_no_scratch_after_first_step():
+    from retopk_core.kernels.workspace import WORKSPACES
+
+    counts = []
+    for _, _, _, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [100, 80], 16, "similarity", (0, 1), steps=3):
+        counts.append(WORKSPACES.for_state(sk, DEVICE).allocations)
+    assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
