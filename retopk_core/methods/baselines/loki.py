@@ -147,12 +147,12 @@ class Loki(AttentionMethod):
         G = H // H_kv  # query heads g*G .. (g+1)*G - 1 read KV head g
         L = kv.lengths.to(q.device)  # (B,)
         L_max = int(L.max())
-        basis = state.basis[slots]  # (B, H_kv, d, r)
-        q_r = q.float().view(B, H_kv, G, d) @ basis  # (B, H_kv, G, r)
-        proj = state.proj[slots, :, :L_max]  # (B, H_kv, L_max, r)
-        approx = (q_r @ proj.transpose(-1, -2)).view(B, H, L_max)  # (B, H, L_max) ŝ
         pos = torch.arange(L_max, device=q.device)
-        approx = approx.masked_fill((pos.view(1, 1, -1) >= L.view(B, 1, 1)), NEG_INF)
+        approx = torch.full((B, H, L_max), NEG_INF, device=q.device)  # ŝ, -inf past each length
+        for b in range(B):  # views of one slot's projected keys (no copy)
+            s, Lb = int(slots[b]), int(L[b])
+            q_r = q[b].float().view(H_kv, G, d) @ state.basis[s]  # (H_kv, G, r) = P_r^T q
+            approx[b, :, :Lb] = (q_r @ state.proj[s, :, :Lb].transpose(-1, -2)).reshape(H, Lb)  # (H, Lb)
         sel, _ = topk_select(approx.view(B * H, L_max), pos.expand(B * H, L_max), self.config.top_k)
         sel = sel.view(B, H, -1)  # (B, H, K)
         out, n_valid = attend_positions(q, kv, sel, scale)  # (B, H, d_v), (B, H)

@@ -145,14 +145,16 @@ class Quest(AttentionMethod):
         L = kv.lengths.to(q.device)  # (B,)
         n_pages = (L + P - 1) // P  # (B,)
         N_p = int(n_pages.max())
-        g = kv_heads(H, kv.num_kv_heads, q.device)  # (H,)
-        kmin = state.kmin[slots.view(B, 1), g.view(1, H), :N_p]  # (B, H, N_p, d)
-        kmax = state.kmax[slots.view(B, 1), g.view(1, H), :N_p]  # (B, H, N_p, d)
-        qf = q.float().unsqueeze(-1)  # (B, H, d, 1)
-        bound = (kmax @ qf.clamp(min=0) + kmin @ qf.clamp(max=0)).squeeze(-1)  # (B, H, N_p) = U_p
-        page = torch.arange(N_p, device=q.device)
-        live = page.view(1, N_p) < n_pages.view(B, 1)  # (B, N_p)
-        bound = bound.masked_fill(~live.unsqueeze(1), NEG_INF)  # also clears inf * 0 on empty pages
+        kv_heads(H, kv.num_kv_heads)  # raises unless H is a multiple of H_kv
+        H_kv = kv.num_kv_heads
+        G = H // H_kv  # query heads g*G .. (g+1)*G - 1 read KV head g
+        qf = q.float().view(B, H_kv, G, d)
+        bound = torch.full((B, H, N_p), NEG_INF, device=q.device)  # U_p, -inf past each sequence's pages
+        for b in range(B):  # views of one slot's live pages (no copy of the page table)
+            s, n = int(slots[b]), int(n_pages[b])
+            qt = qf[b].transpose(-1, -2)  # (H_kv, d, G)
+            ub = state.kmax[s, :, :n] @ qt.clamp(min=0) + state.kmin[s, :, :n] @ qt.clamp(max=0)  # (H_kv, n, G)
+            bound[b, :, :n] = ub.transpose(-1, -2).reshape(H, n)
 
         kp = min(N_p, K // P + 1)  # at most one partial page, so no more pages can fit
         top, ranked = bound.topk(kp, dim=-1)  # (B, H, kp) pages by descending bound
