@@ -1,0 +1,132 @@
+"""The SDK against ONE real retopk-server with the embedded SmolLM2-135M (see conftest.live_server).
+
+Generations are kept few and short (a 2-core machine decodes a few tokens per second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from retopk_client import AsyncClient, FinishReason, InvalidArgument, Method, NotFound, errors
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def paris_chunks(client):
+    """The chunks of one greedy streamed answer to the question (shared by the tests below)."""
+    return list(client.generate(messages=QUESTION, max_new_tokens=10, temperature=0.0))
+
+
+def test_stream_names_paris_and_ends_with_a_report(client, paris_chunks):
+    *body, final = paris_chunks
+    assert len(body) >= 2, "tokens must arrive as a stream, not in one message"
+    assert all(c.token_ids and c.finish_reason is None and c.usage is None for c in body)
+    assert final.is_final and final.finish_reason in (FinishReason.EOS_TOKEN, FinishReason.LENGTH)
+    token_ids = [t for c in paris_chunks for t in c.token_ids]
+    text = "".join(c.text for c in paris_chunks)
+    assert "Paris" in text
+    assert final.usage.generated_tokens == len(token_ids)
+    assert final.usage.session_tokens == final.usage.prompt_tokens + final.usage.generated_tokens
+    # the server's tokenizer as the reference for the streamed text deltas
+    assert text.strip() == client.detokenize(token_ids, skip_special_tokens=True).strip()
+    assert final.usage.prompt_tokens == len(client.tokenize(messages=QUESTION).token_ids)
+    t = final.timings
+    assert 0 <= t.queue_seconds <= t.time_to_first_token_seconds <= t.total_seconds
+    assert len({c.request_id for c in paris_chunks}) == 1 and final.session_id is None
+
+
+def test_complete_gathers_the_same_greedy_answer(client, paris_chunks):
+    done = client.complete(messages=QUESTION, max_new_tokens=10, request_id="complete-1")
+    assert done.token_ids == tuple(t for c in paris_chunks for t in c.token_ids)
+    assert done.text == "".join(c.text for c in paris_chunks)
+    assert done.request_id == "complete-1" and done.finish_reason == paris_chunks[-1].finish_reason
+
+
+def test_session_continues_its_context_across_turns(client):
+    """Two turns in a session equal one stateless request fed the whole history (greedy, full attention)."""
+    first, second = client.tokenize("The sky is").token_ids, client.tokenize(" and the grass is").token_ids
+    with client.session(method=Method.full()) as s:
+        a = s.complete(token_ids=first, max_new_tokens=3, ignore_eos=True)
+        b = s.complete(token_ids=second, max_new_tokens=3, ignore_eos=True)
+        info = s.refresh()
+        assert s.id in {x.session_id for x in client.list_sessions()}
+    assert a.session_id == b.session_id == s.id
+    assert b.usage.prompt_tokens == len(second)
+    assert b.usage.session_tokens == a.usage.session_tokens + len(second) + 3
+    assert info.turns == 2 and info.num_tokens == b.usage.session_tokens and info.method.name == "full"
+    reference = client.complete(token_ids=first + a.token_ids + second, max_new_tokens=3, ignore_eos=True,
+                                method="full")
+    assert b.token_ids == reference.token_ids
+    with pytest.raises(NotFound):  # the with block closed it
+        client.get_session(s.id)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"method": Method.retopk(top_k=0)}, "top_k"),
+        ({"method": "no_such_method"}, "method"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_invalid_arguments_raise_invalid_argument_naming_the_field(client, kwargs, field):
+    with pytest.raises(InvalidArgument) as info:
+        client.complete("Hello", **kwargs)
+    assert field in info.value.message
+    assert info.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_empty_prompt_is_invalid(client):
+    with pytest.raises(InvalidArgument, match="text"):
+        client.complete("")
+
+
+def test_unknown_session_is_not_found(client):
+    with pytest.raises(NotFound):
+        client.get_session("no-such-session")
+    with pytest.raises(NotFound):
+        client.complete("Hello", session_id="no-such-session", max_new_tokens=1)
+    with pytest.raises(errors.RetopkError) as info:
+        client.close_session("no-such-session")
+    assert isinstance(info.value, NotFound)
+
+
+def test_model_info_health_status_and_tokenizer(client):
+    info = client.model_info()
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
+    assert info.architecture == "LlamaForCausalLM" and info.max_context == 8192
+    assert {"full", "exact_topk", "retopk"} <= set(info.methods) and info.default_method.name in info.methods
+    assert info.limits.max_new_tokens >= info.limits.default_max_new_tokens > 0
+    assert client.health() == "SERVING" and client.health("retopk.v1.ReTopKService") == "SERVING"
+    status = client.server_status()
+    assert status.running >= 0 and status.queued >= 0 and not status.draining
+    tok = client.tokenize("Hello world")
+    assert len(tok.token_ids) == len(tok.tokens) >= 2
+    assert client.detokenize(tok.token_ids) == "Hello world"
+
+
+def test_async_client_streams_and_keeps_a_session(live_server, paris_chunks):
+    async def main():
+        async with AsyncClient(live_server, timeout=300) as c:
+            streamed = [chunk async for chunk in c.generate(messages=QUESTION, max_new_tokens=3)]
+            async with c.session(method="full") as s:
+                done = await s.complete("Hello", max_new_tokens=2, ignore_eos=True)
+                listed = {x.session_id for x in await c.list_sessions()}
+            try:
+                await c.get_session(s.id)
+                closed = False
+            except NotFound:
+                closed = True
+            return streamed, done, s.id, listed, closed, await c.health()
+
+    streamed, done, sid, listed, closed, health = asyncio.run(main())
+    expected = [t for c in paris_chunks for t in c.token_ids][:3]
+    assert [t for c in streamed for t in c.token_ids] == expected
+    assert streamed[-1].finish_reason is FinishReason.LENGTH
+    assert done.usage.generated_tokens == 2 and done.session_id == sid
+    assert sid in listed and closed and health == "SERVING"
