@@ -60,8 +60,8 @@ def test_matches_reference_loop(rank, K, H, H_kv, block):
 
 def test_basis_comes_from_the_first_prefill_and_stays_fixed():
     d, r = 16, 4
-    keys = low_rank_keys(2, 2, 40, d, r, seed=9)
-    run = make_run(H=4, H_kv=2, d=d, prompt_lens=(20, 33), steps=7, seed=9, keys=keys)
+    keys = low_rank_keys(2, 2, 77, d, r, seed=9)  # the second prompt outgrows the state's first 64 positions
+    run = make_run(H=4, H_kv=2, d=d, prompt_lens=(20, 70), steps=7, seed=9, keys=keys)
     method = make_method("loki", top_k=6, rank=r)
     for _, lengths, _q, _out, state, slots in drive(method, run):
         for b, P in enumerate(run.prompt_lens):

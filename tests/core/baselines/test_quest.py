@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method
 from tests.core.baselines._harness import attend, drive, make_run, selected_set
 
@@ -66,6 +67,19 @@ def test_page_bounds_track_appended_tokens():
                     page = run.keys[b, g, p * P:min(L, p * P + P)]
                     torch.testing.assert_close(state.kmin[slots[b], g, p], page.min(0).values)
                     torch.testing.assert_close(state.kmax[slots[b], g, p], page.max(0).values)
+
+
+def test_a_reused_slot_starts_empty():
+    method = make_method("quest", top_k=8, page_size=4)
+    state = method.init_state(4, 2, 8)
+    slot = state.alloc()
+    k = torch.randn(1, 2, 10, 8)
+    method.prefill(state, slot, None, None, PagedKV.contiguous(k, k, torch.tensor([10])))
+    assert int(state.n_tokens[slot]) == 10
+    state.free(slot)
+    assert state.alloc() == slot
+    assert int(state.n_tokens[slot]) == 0
+    assert torch.isinf(state.kmin[slot]).all() and (state.kmin[slot] > 0).all() and (state.kmax[slot] < 0).all()
 
 
 def test_page_size_must_fit_the_budget():
