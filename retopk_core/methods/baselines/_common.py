@@ -22,9 +22,15 @@ def check_positive_int(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
 
 
-def check_backend(backend: str) -> None:
-    if backend != "torch":
-        raise ValueError(f"backend must be 'torch' (the baselines have no Triton kernels yet), got {backend!r}")
+def check_backend(backend: str) -> str:
+    """The backend a baseline actually runs: "torch" for both "torch" and "triton".
+
+    The baselines have no Triton kernels; their torch code runs on whatever device the tensors live on
+    (a GPU included), so a server configured with backend="triton" can still select them by name.
+    """
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    return "torch"
 
 
 def attend_positions(q: torch.Tensor, kv: PagedKV, sel_pos: torch.Tensor, scale: float,

@@ -125,8 +125,7 @@ class Loki(AttentionMethod):
     def __init__(self, top_k: int = 512, rank: int = 64, backend: str = "torch",
                  config: LokiConfig | None = None) -> None:
         self.config = config or LokiConfig(top_k=top_k, rank=rank)
-        check_backend(backend)
-        self.backend = backend
+        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> LokiState:

@@ -124,8 +124,7 @@ class Quest(AttentionMethod):
     def __init__(self, top_k: int = 512, page_size: int = 16, backend: str = "torch",
                  config: QuestConfig | None = None) -> None:
         self.config = config or QuestConfig(top_k=top_k, page_size=page_size)
-        check_backend(backend)
-        self.backend = backend
+        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> QuestPageState:

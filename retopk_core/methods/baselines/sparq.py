@@ -68,8 +68,7 @@ class SparQ(AttentionMethod):
     def __init__(self, top_k: int = 512, r: int | None = None, reallocate: bool = False, backend: str = "torch",
                  config: SparQConfig | None = None) -> None:
         self.config = config or SparQConfig(top_k=top_k, r=r, reallocate=reallocate)
-        check_backend(backend)
-        self.backend = backend
+        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:

@@ -71,8 +71,7 @@ class StreamingLLM(AttentionMethod):
     def __init__(self, top_k: int = 512, sinks: int = 64, backend: str = "torch",
                  config: StreamingLLMConfig | None = None) -> None:
         self.config = config or StreamingLLMConfig(top_k=top_k, sinks=sinks)
-        check_backend(backend)
-        self.backend = backend
+        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:

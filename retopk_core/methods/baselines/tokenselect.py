@@ -95,8 +95,7 @@ class TokenSelect(AttentionMethod):
     def __init__(self, top_k: int = 512, initial: int = 64, local: int = 32, threshold: float = 0.9,
                  backend: str = "torch", config: TokenSelectConfig | None = None) -> None:
         self.config = config or TokenSelectConfig(top_k=top_k, initial=initial, local=local, threshold=threshold)
-        check_backend(backend)
-        self.backend = backend
+        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> TokenSelectCache:

@@ -123,3 +123,9 @@ def test_bad_hyperparameters_raise_value_error_naming_the_field(name):
         make_method(name, top_k=0)
     with pytest.raises(ValueError, match="backend"):
         make_method(name, backend="cuda")
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "quest", "sparq", "loki", "tokenselect"])
+def test_triton_backend_runs_the_torch_code_and_says_so(name):
+    # a server configured with backend="triton" passes it to every method; the baselines have no kernels
+    assert make_method(name, backend="triton").describe()["backend"] == "torch"
