@@ -82,21 +82,21 @@ def _lse_merge_kernel(po_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, H, N_SPLIT,
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
     base = (b * H + h) * N_SPLIT
-    m_run = float("-inf")
-    den = 0.0
+    m_vec = tl.full((BLOCK_S,), float("-inf"), tl.float32)
+    for s0 in range(0, N_SPLIT, BLOCK_S):  # pass 1: M = max_s lse_s (split 0 is never empty)
+        m_vec = tl.maximum(m_vec, tl.load(pl_ptr + base + s0 + s, mask=(s0 + s) < N_SPLIT, other=float("-inf")))
+    M = tl.max(m_vec, 0)
+    den_vec = tl.zeros((BLOCK_S,), tl.float32)
     acc = tl.zeros((BLOCK_DV,), tl.float32)
-    for s0 in range(0, N_SPLIT, BLOCK_S):
+    for s0 in range(0, N_SPLIT, BLOCK_S):  # pass 2: weights exp(lse_s - M), 0 for empty splits
         sm = (s0 + s) < N_SPLIT
-        lse = tl.load(pl_ptr + base + s0 + s, mask=sm, other=float("-inf"))  # (BLOCK_S,)
+        lse = tl.load(pl_ptr + base + s0 + s, mask=sm, other=float("-inf"))
         o = tl.load(po_ptr + (base + s0 + s)[:, None] * DV + dv[None, :], mask=sm[:, None] & (dv < DV)[None, :],
                     other=0.0)
-        m_new = tl.maximum(m_run, tl.max(lse, 0))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - safe))
-        alpha = tl.where(m_run == float("-inf"), 0.0, tl.exp(m_run - safe))
-        den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        m_run = m_new
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - M))
+        den_vec += w
+        acc += tl.sum(w[:, None] * o, 0)
+    den = tl.sum(den_vec, 0)
     out = acc / den
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dv, out.to(out_ptr.dtype.element_ty), mask=dv < DV)
 

@@ -70,11 +70,11 @@ def _chunk_topk_kernel(sc_ptr, len_ptr, path_ptr, out_ptr, H, L_CAP, N_CHUNK,
     h = tl.program_id(1)
     c = tl.program_id(2)
     L = tl.load(len_ptr + b)
-    if HAS_PATH:
-        if tl.load(path_ptr + b * H + h) == 0:
-            return
     start = c * CHUNK
-    if start >= L:  # the merge masks lists past the sequence, nothing to write
+    skip = start >= L  # the merge masks lists past the sequence: nothing to write
+    if HAS_PATH:
+        skip = skip | (tl.load(path_ptr + b * H + h) == 0)
+    if skip:  # one top-level early exit (nested early returns are not portable across triton versions)
         return
     pos = start + tl.arange(0, CHUNK)
     valid = pos < L
@@ -91,10 +91,10 @@ def _merge_topk_kernel(in_ptr, len_ptr, path_ptr, out_ptr, H, N_IN, N_OUT, SPAN_
     h = tl.program_id(1)
     j = tl.program_id(2)
     L = tl.load(len_ptr + b)
+    skip = j * FAN * SPAN_IN >= L
     if HAS_PATH:
-        if tl.load(path_ptr + b * H + h) == 0:
-            return
-    if j * FAN * SPAN_IN >= L:
+        skip = skip | (tl.load(path_ptr + b * H + h) == 0)
+    if skip:
         return
     n_valid = (L + SPAN_IN - 1) // SPAN_IN  # input lists that cover some position < L
     i = tl.arange(0, FAN * K_PAD)

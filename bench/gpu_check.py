@@ -1,0 +1,236 @@
+"""One prepared GPU check: the kernel tests compiled for real, then attention latency per token.
+
+    python bench/gpu_check.py                    # on a GPU machine (about 3-6 minutes)
+    python bench/gpu_check.py --interpret --tiny # end to end on the CPU under TRITON_INTERPRET
+
+Stage 1 runs ``pytest tests/kernels`` in a subprocess (compiled when CUDA is present). Stage 2 times
+one attention layer's decode step (``method.decode`` with ``backend="triton"``) for Full attention,
+Exact Top-K and ReTopK on the same KV cache, Qwen2.5-7B shapes by default (28 query heads, 4 KV
+heads, head dim 128, bf16, K = 512), at 16K-128K tokens, B = 1 (and 8 with ``--batch 1 8``).
+
+ReTopK's path mix is set by the queries: each head has a few anchor directions; on a step, a head
+draws one of its anchors (cosine 1 with a cached query -> reuse) with probability ``--reuse-share``
+(the paper's ~88%), otherwise a fresh random direction (cosine ~0 -> fallback to the exact path).
+The FIFO is filled by warm-up steps first; refresh is disabled so the mix is exactly the drawn one,
+and the measured reuse share is reported. Timing: torch.cuda.Event around ``--iters`` steps after
+``--warmup`` steps (perf_counter on the CPU). Per-token numbers multiply one layer by ``--layers``.
+Results: a table on stdout with ratios against Exact Top-K, and results/gpu_check_<date>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path as FsPath
+
+ROOT = FsPath(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--interpret", action="store_true", help="run the kernels under TRITON_INTERPRET on the CPU")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and few iterations (with --interpret)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="context lengths (default 16K..128K)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--heads", type=int, default=28)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=512)
+    p.add_argument("--cache-size", type=int, default=32)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--recall", type=int, default=4)
+    p.add_argument("--tau", type=float, default=0.85)
+    p.add_argument("--reuse-share", type=float, default=0.88)
+    p.add_argument("--layers", type=int, default=28, help="layers per token (Qwen2.5-7B: 28)")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--tests-timeout", type=int, default=300)
+    p.add_argument("--out-dir", type=FsPath, default=ROOT / "results")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.heads, args.kv_heads, args.head_dim = 4, 2, 64
+        args.top_k, args.cache_size, args.window, args.recall = 16, 8, 8, 2
+        args.lengths = args.lengths or [256, 512]
+        args.warmup = 2 if args.warmup is None else args.warmup
+        args.iters = 2 if args.iters is None else args.iters
+    args.lengths = args.lengths or [16384, 32768, 65536, 131072]
+    args.warmup = 10 if args.warmup is None else args.warmup
+    args.iters = 30 if args.iters is None else args.iters
+    if not 0.0 <= args.reuse_share <= 1.0:
+        p.error("--reuse-share must lie in [0, 1]")
+    return args
+
+
+def run_tests(args) -> dict:
+    """pytest tests/kernels in a subprocess (the tiny mode runs one fast file only)."""
+    target = ["tests/kernels/test_bitonic.py"] if args.tiny else ["tests/kernels"]
+    env = dict(os.environ)
+    if args.interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *target]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
+        tail, rc = (proc.stdout + proc.stderr).strip().splitlines()[-1:], proc.returncode
+    except subprocess.TimeoutExpired:
+        tail, rc = [f"timed out after {args.tests_timeout} s"], -1
+    summary = tail[0] if tail else ""
+    print(f"[tests] {' '.join(target)}: rc={rc} {summary} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return {"target": target, "returncode": rc, "summary": summary, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+class Timer:
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+
+    def __call__(self, fn, warmup: int, iters: int) -> float:
+        """Mean milliseconds per call of fn after warmup calls."""
+        for _ in range(warmup):
+            fn()
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def bench_one(args, B: int, L: int, device, dtype) -> dict:
+    import torch
+
+    from retopk_core.kv import PagedKV
+    from retopk_core.methods import Path, make_method
+
+    H, H_kv, d = args.heads, args.kv_heads, args.head_dim
+    gen = torch.Generator(device=device).manual_seed(L + B)
+    k = torch.randn(B, H_kv, L, d, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(B, H_kv, L, d, device=device, dtype=dtype, generator=gen)
+    kv = PagedKV.contiguous(k, v)
+    slots = torch.arange(B, device=device)
+    timer = Timer(device)
+    row = {"B": B, "L": L}
+
+    # queries: per head A anchors (reuse) or a fresh direction (fallback); a pool cycled by the steps
+    A, pool = 4, 16
+    anchors = torch.randn(B, H, A, d, device=device, generator=gen)
+    draw = torch.randint(0, A, (pool, B, H, 1, 1), device=device, generator=gen)
+    use_anchor = torch.rand(pool, B, H, 1, device=device, generator=gen) < args.reuse_share
+    fresh = torch.randn(pool, B, H, d, device=device, generator=gen)
+    picked = anchors.unsqueeze(0).expand(pool, B, H, A, d).gather(3, draw.expand(pool, B, H, 1, d)).squeeze(3)
+    qs = (torch.where(use_anchor, picked, fresh) * 3.0).to(dtype)  # (pool, B, H, d)
+    warm_q = (anchors.permute(2, 0, 1, 3) * 3.0).to(dtype)  # (A, B, H, d): fills every FIFO with the anchors
+    step = {"i": 0}
+
+    def next_q():
+        step["i"] += 1
+        return qs[step["i"] % pool]
+
+    full = make_method("full", backend="triton")
+    exact = make_method("exact_topk", top_k=args.top_k, backend="triton")
+    retopk = make_method("retopk", top_k=args.top_k, cache_size=args.cache_size, window=args.window,
+                         recall=args.recall, tau=args.tau, refresh_every=0, backend="triton")
+    none = full.init_state(H, H_kv, d, device=device, capacity=B)
+    state = retopk.init_state(H, H_kv, d, device=device, capacity=B)
+    for _ in range(B):
+        state.alloc()
+    for a in range(A):  # warm-up: the first step falls back (empty cache), later anchors reuse
+        retopk.decode(warm_q[a], kv, state, slots)
+    row["full_ms"] = timer(lambda: full.decode(next_q(), kv, none, slots), args.warmup, args.iters)
+    row["exact_ms"] = timer(lambda: exact.decode(next_q(), kv, none, slots), args.warmup, args.iters)
+    paths = []
+
+    def retopk_step():
+        paths.append(retopk.decode(next_q(), kv, state, slots).path)
+
+    row["retopk_ms"] = timer(retopk_step, args.warmup, args.iters)
+    allp = torch.stack(paths[args.warmup:])
+    row["reuse_share"] = float((allp == Path.REUSE).float().mean())
+    row["fallback_share"] = float((allp == Path.FALLBACK).float().mean())
+    for m in ("full", "exact", "retopk"):
+        row[f"{m}_ms_per_token"] = row[f"{m}_ms"] * args.layers
+    row["full_vs_exact"] = row["exact_ms"] / row["full_ms"]
+    row["retopk_vs_exact"] = row["exact_ms"] / row["retopk_ms"]
+    print(f"[bench] B={B} L={L}: full {row['full_ms']:.3f} ms, exact {row['exact_ms']:.3f} ms, "
+          f"retopk {row['retopk_ms']:.3f} ms (reuse {row['reuse_share']:.1%})", flush=True)
+    return row
+
+
+def render(meta: dict, rows: list[dict], tests: dict | None) -> str:
+    lines = [f"# GPU check {meta['date']}", "",
+             f"- device: {meta['device']}", f"- mode: {meta['mode']}",
+             f"- torch {meta['torch']}, triton {meta['triton']}",
+             f"- shapes: H={meta['heads']} H_kv={meta['kv_heads']} d={meta['head_dim']} K={meta['top_k']} "
+             f"C={meta['cache_size']} W={meta['window']} R={meta['recall']} tau={meta['tau']} dtype={meta['dtype']}",
+             f"- per-token = one layer x {meta['layers']} layers; speedup = Exact Top-K time / method time", ""]
+    if meta["mode"] == "interpret":
+        lines += ["- INTERPRETER RUN: timings measure the Python interpreter, not GPU kernels; no speed claim", ""]
+    if tests is not None:
+        lines += [f"- kernel tests ({' '.join(tests['target'])}): rc={tests['returncode']} {tests['summary']}", ""]
+    lines += ["| B | L | Full ms/tok | Exact Top-K ms/tok | ReTopK ms/tok | reuse share | Full speedup | "
+              "ReTopK speedup |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['L']} | {r['full_ms_per_token']:.3f} | {r['exact_ms_per_token']:.3f} | "
+                     f"{r['retopk_ms_per_token']:.3f} | {r['reuse_share']:.1%} | {r['full_vs_exact']:.2f}x | "
+                     f"{r['retopk_vs_exact']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    import torch
+
+    if not args.interpret and not torch.cuda.is_available():
+        print("no CUDA device: run on a GPU machine, or use --interpret --tiny on the CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.interpret else "cuda")
+    dtype = torch.float32 if args.interpret else torch.bfloat16  # the interpreter has no bf16 dot
+    tests = None if args.skip_tests else run_tests(args)
+    import triton
+
+    now = dt.datetime.now(dt.UTC)
+    meta = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "mode": "interpret" if args.interpret else "compiled",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
+            "torch": torch.__version__, "triton": triton.__version__, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "top_k": args.top_k, "cache_size": args.cache_size, "window": args.window,
+            "recall": args.recall, "tau": args.tau, "reuse_share_target": args.reuse_share,
+            "dtype": str(dtype).removeprefix("torch."), "layers": args.layers, "warmup": args.warmup,
+            "iters": args.iters}
+    rows = []
+    with torch.inference_mode():
+        for B in args.batch:
+            for L in args.lengths:
+                rows.append(bench_one(args, B, L, device, dtype))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    table = render(meta, rows, tests)
+    print(table)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gpu_check_{now.strftime('%Y-%m-%d')}" + ("_interpret" if args.interpret else "")
+    (args.out_dir / f"{stem}.md").write_text(table)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "tests": tests, "rows": rows}, indent=2))
+    print(f"wrote {args.out_dir / stem}.md and .json")
+    return 0 if tests is None or tests["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

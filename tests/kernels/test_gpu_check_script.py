@@ -1,0 +1,30 @@
+"""bench/gpu_check.py runs end to end under the interpreter on tiny shapes and writes its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_interpret_tiny_end_to_end(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--interpret", "--tiny", "--lengths", "96", "200",
+                           "--batch", "2", "--iters", "1", "--warmup", "1", "--out-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = list(tmp_path.glob("gpu_check_*_interpret.md"))
+    js = list(tmp_path.glob("gpu_check_*_interpret.json"))
+    assert len(md) == 1 and len(js) == 1
+    data = json.loads(js[0].read_text())
+    assert data["meta"]["mode"] == "interpret" and data["tests"]["returncode"] == 0
+    assert [(r["B"], r["L"]) for r in data["rows"]] == [(2, 96), (2, 200)]
+    for r in data["rows"]:
+        assert r["full_ms"] > 0 and r["exact_ms"] > 0 and r["retopk_ms"] > 0
+        assert 0.0 <= r["reuse_share"] <= 1.0
+    text = md[0].read_text()
+    assert "| B | L |" in text and "INTERPRETER RUN" in text
