@@ -26,6 +26,8 @@ from retopk_core.methods.base import AttentionMethod, SlotPool
 from retopk_server.runtime.kv_pool import KVPool
 
 ATTN_NAME = "retopk"
+# Largest prefill score matrix (heads x query rows x keys) materialised at once, in elements (256 MiB in fp32).
+PREFILL_SCORES_BUDGET = 1 << 26
 CTX_KWARG = "retopk_ctx"
 
 
@@ -135,12 +137,19 @@ def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) ->
     k, v = ctx.pool.history(layer, ctx.table[0], L)  # (H_kv, L, d)
     k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)
     gqa = H != k.shape[1]
-    if s == 0:
+    if s == 0 and H * T * L <= PREFILL_SCORES_BUDGET:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        qpos = torch.arange(s, L, device=query.device).view(T, 1)
-        mask = torch.arange(L, device=query.device).view(1, L) <= qpos  # (T, L): key j visible to query s+i
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        # query rows in blocks so that a score matrix (H, rows, keys) stays within the budget
+        rows = max(1, PREFILL_SCORES_BUDGET // (H * L))
+        out = torch.empty_like(query)
+        for i in range(0, T, rows):
+            j = min(T, i + rows)
+            end = s + j  # the block's last query sees keys 0..end-1
+            qpos = torch.arange(s + i, end, device=query.device).view(-1, 1)
+            mask = torch.arange(end, device=query.device).view(1, end) <= qpos  # (j - i, end)
+            out[:, :, i:j] = F.scaled_dot_product_attention(query[:, :, i:j], k[:, :, :end], v[:, :, :end],
+                                                            attn_mask=mask, scale=scale, enable_gqa=gqa)
     group = ctx.prefill_group
     want = group.method.prefill_queries
     if want > 0:

@@ -9,6 +9,8 @@ import torch
 
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig, Sampler, SamplingParams, StopChecker
 
+pytestmark = pytest.mark.slow
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 POEM = [{"role": "user", "content": "Write two sentences about the sea."}]
 

@@ -86,3 +86,15 @@ def test_mixed_methods_in_one_step_equal_each_alone():
             o.append(int(row.argmax()))
     assert outs == alone
     assert outs[0] != outs[1] or outs[0] != outs[2]  # the methods really differ on this context
+
+
+def test_prefill_in_query_row_blocks_equals_generate(monkeypatch):
+    """A long chunk is split into query-row blocks when its score matrix exceeds the budget."""
+    from retopk_server.runtime import attention
+
+    monkeypatch.setattr(attention, "PREFILL_SCORES_BUDGET", 4 * 5 * 60)  # 4 heads: ~5 rows of 60 keys per block
+    model = tiny_model("qwen2")
+    prompt = prompt_ids(57, seed=8)
+    expected = reference_greedy(model, prompt, 10)
+    runner = runner_for(model, prefill_chunk=40, kv_block_size=8)
+    assert greedy(runner, runner.open_session(), prompt, 10) == expected
