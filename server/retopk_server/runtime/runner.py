@@ -193,6 +193,9 @@ class ModelRunner:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("token_ids must not be empty")
+        if min(token_ids) < 0 or max(token_ids) >= self.info.vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < self.info.vocab_size)
+            raise ValueError(f"token_ids: {bad} is not a token id (vocab_size {self.info.vocab_size})")
         begin, end = session.length, session.length + len(token_ids)
         self._reserve(session, end)
         group = self._groups[session.method]

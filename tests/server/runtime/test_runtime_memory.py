@@ -95,3 +95,6 @@ def test_bad_sessions_and_batches_are_refused():
         runner.decode([s], [1, 2])
     with pytest.raises(ValueError, match="empty"):
         runner.prefill(s, [])
+    with pytest.raises(ValueError, match="256 is not a token id"):
+        runner.prefill(s, [5, 256])
+    assert s.length == 2

@@ -21,3 +21,23 @@ def test_two_turns_equal_one_prefill_of_the_conversation(arch):
     fresh = runner_for(model, prefill_chunk=8, kv_block_size=4)
     assert greedy(fresh, fresh.open_session(), whole, 12) == answer2
     assert reference_greedy(model, whole, 12) == answer2
+
+
+def test_retopk_state_survives_between_turns():
+    """The query-support cache and its decode-step counter carry over: with T_r = 5 the refresh falls on the
+    5th decode step of the session, which is the 2nd step of the second turn."""
+    from retopk_core.methods.base import Path
+    from retopk_server.runtime import MethodSpec
+
+    spec = MethodSpec.of("retopk", top_k=8, cache_size=4, window=2, recall=2, tau=0.0, refresh_every=5)
+    runner = runner_for(tiny_model("llama"), spec)
+    s = runner.open_session()
+    runner.prefill(s, prompt_ids(30, seed=1))
+    paths = []
+    for t in range(4):  # t_dec = 0..3
+        paths.append(runner.decode([s], [t], with_stats=True)[1][0].path)
+    runner.prefill(s, prompt_ids(12, seed=2))  # second turn: no reset
+    for t in range(2):  # t_dec = 4, 5
+        paths.append(runner.decode([s], [t], with_stats=True)[1][0].path)
+    refreshed = [bool((p == Path.REFRESH).all()) for p in paths]
+    assert refreshed == [False, False, False, False, False, True]
