@@ -1,4 +1,20 @@
-"""The model runtime: transformers causal LMs with attention routed to the ReTopK core, sessions, sampling."""
+"""The model runtime: transformers causal LMs with attention routed to the ReTopK core, sessions, sampling.
+
+    runner = ModelRunner(RuntimeConfig())                      # the embedded SmolLM2-135M-Instruct
+    session = runner.open_session(MethodSpec.of("retopk", top_k=64))
+    logits = runner.prefill(session, runner.encode_chat([{"role": "user", "content": "Hi"}]))
+    sampler = Sampler(SamplingParams(temperature=0.7, top_p=0.9, seed=1))
+    token = sampler.sample(logits, [], session.token_ids)
+    logits, stats = runner.decode([session], [token], with_stats=True)   # (1, vocab), [StepStats]
+
+Files: config.py (RuntimeConfig), method_spec.py (MethodSpec), runner.py (ModelRunner, ModelInfo,
+ContextTooLong), session.py, kv_pool.py (per-layer KV block pools), attention.py (the attention function
+registered with transformers, grouping a batch by method), cache.py (the Cache subclass that writes k/v to
+the pool), sampling.py (SamplingParams, Sampler, StopChecker), stats.py (StepStats), loading.py.
+
+Contexts longer than the model's trained positions are refused (ContextTooLong) unless
+RuntimeConfig.rope_scaling is set, e.g. {"rope_type": "linear", "factor": 4.0} for 4x the positions.
+"""
 
 from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.method_spec import MethodSpec
