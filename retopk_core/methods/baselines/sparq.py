@@ -16,8 +16,10 @@ Kept from the paper: the r-component query selection, Top-K over approximate sco
 attention over the Top-K, the softmax temperature correction and mean-value reallocation (as an
 option). Deviations: reallocation is off by default so that every method attends exactly the K
 selected tokens under the shared budget (turn it on for the paper's SparQ); the original stores K
-twice (also transposed) to read r columns efficiently, here the r columns are gathered from the
-paged pool. GQA: each query head picks its own components and positions over its KV head's keys.
+twice (also transposed) to read only r components per key; this torch reference multiplies a
+zero-masked query with the full keys (the same scores, one BLAS call), so its latency does not show
+SparQ's bandwidth saving; n_approx counts the algorithm's work. GQA: each query head picks its own
+components and positions over its KV head's keys.
 
 Accounting: path APPROX; n_approx = L keys scored approximately (each at r/d of an exact score's
 cost); n_scored = tokens attended (scored exactly).
@@ -86,7 +88,8 @@ class SparQ(AttentionMethod):
                 qg = q[b, heads].float()  # (G, d)
                 comp = qg.abs().topk(r, dim=-1).indices  # (G, r) the r largest |q_i|
                 keys = kv.keys(b, g, L).float()  # (L, d)
-                approx = torch.einsum("gr,lgr->gl", qg.gather(1, comp), keys[:, comp])  # (G, L) ŝ
+                q_sparse = torch.zeros_like(qg).scatter_(1, comp, qg.gather(1, comp))  # (G, d) q[I], 0 elsewhere
+                approx = q_sparse @ keys.T  # (G, L) ŝ = q[I] . k_j[I] (the zeros add nothing)
                 pos = torch.arange(L, device=q.device).expand(G, L)
                 sp, _ = topk_select(approx, pos, K)  # (G, K)
                 sel[b, heads] = sp
