@@ -28,6 +28,10 @@ class MethodSpec:
             raise ValueError(f"params must be (name, value) pairs, got {self.params!r}") from None
         if len({k for k, _ in params}) != len(params):
             raise ValueError(f"params repeats a name: {params!r}")
+        try:
+            hash(params)
+        except TypeError:
+            raise ValueError(f"params values must be hashable (numbers, strings), got {params!r}") from None
         object.__setattr__(self, "params", params)
 
     @classmethod

@@ -98,3 +98,16 @@ def test_bad_sessions_and_batches_are_refused():
     with pytest.raises(ValueError, match="256 is not a token id"):
         runner.prefill(s, [5, 256])
     assert s.length == 2
+
+
+def test_method_spec_is_canonical_and_validated():
+    assert MethodSpec.of("retopk", top_k=8, tau=0.5) == MethodSpec("retopk", (("tau", 0.5), ("top_k", 8)))
+    assert hash(MethodSpec.of("retopk", top_k=8, tau=0.5)) == hash(MethodSpec.of("retopk", tau=0.5, top_k=8))
+    with pytest.raises(ValueError, match="repeats"):
+        MethodSpec("retopk", (("top_k", 8), ("top_k", 9)))
+    with pytest.raises(ValueError, match="hashable"):
+        MethodSpec.of("retopk", top_k=[8])
+    with pytest.raises(ValueError, match="unknown method"):
+        MethodSpec("nope").build()
+    assert MethodSpec.of("exact_topk", top_k=8).build(backend="torch").top_k == 8
+    assert MethodSpec("full").build(backend="torch", not_a_param=1).name == "full"  # unknown defaults dropped
