@@ -1,0 +1,324 @@
+"""The metrics of a real `retopk-server` (embedded model, ReTopK) read over HTTP, by Prometheus' own
+text parser and by a real Prometheus server.
+
+One server process with its exporter on a free port serves the whole module. Requests ask for their
+per-step statistics in the stream, so the path counts the exporter reports are checked against an
+independent record: the paths the stream itself carried, summed per (layer, head, path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from tests._live_server import free_port, launch_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "docker" / "grafana" / "dashboards" / "retopk.json"
+PATH_NAMES = {0: "reuse", 1: "fallback", 2: "refresh", 3: "exact", 4: "dense", 5: "approx", 6: "cached"}
+PROMPT = ("The river ran past the old mill and the miller counted the sacks of grain one by one, "
+          "while the children watched the water turn the great wooden wheel.")
+MAX_NEW = 6
+
+
+class Live:
+    def __init__(self, server, metrics_port: int) -> None:
+        self.server, self.metrics_port = server, metrics_port
+        self.channel = grpc.insecure_channel(server.address)
+        self.stub = pb_grpc.ReTopKServiceStub(self.channel)
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def samples(self) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for family in text_string_to_metric_families(self.scrape()):
+            for s in family.samples:
+                out.setdefault(s.name, []).append((s.labels, s.value))
+        return out
+
+    def generate(self, **fields) -> list:
+        return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=300))
+
+
+@pytest.fixture(scope="module")
+def live():
+    metrics_port = free_port()
+    # Small K and T_r so that a short prompt and a few steps take all three ReTopK paths.
+    server = launch_server("--metrics-port", str(metrics_port), "--method", "retopk",
+                           "--method-params", "top_k=16,window=4,cache_size=4,recall=2,refresh_every=3",
+                           "--max-running", "4")
+    live = Live(server, metrics_port)
+    try:
+        yield live
+    finally:
+        live.channel.close()
+        server.stop()
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def wait_for(predicate, timeout: float = 20.0):
+    """The engine records a request's finish just after streaming its last message; poll briefly."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def driven(live):
+    """Two concurrent ReTopK requests with per-step stats, one bad request; the stream's own path record."""
+    before = live.samples()
+    info = live.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        results[i] = live.generate(text=f"{PROMPT} ({i})", max_new_tokens=MAX_NEW, ignore_eos=True,
+                                   return_step_stats=True)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    with pytest.raises(grpc.RpcError) as bad:
+        live.generate(token_ids=pb.TokenIds(ids=[10 ** 8]), max_new_tokens=2)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stream_paths: Counter = Counter()
+    decode_steps = generated = 0
+    for responses in results:
+        assert responses is not None and responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        generated += responses[-1].usage.generated_tokens
+        for r in responses:
+            for st in r.step_stats:
+                decode_steps += 1
+                for i, code in enumerate(st.path):
+                    stream_paths[i // st.num_heads, i % st.num_heads, PATH_NAMES[code]] += 1
+
+    def both_recorded():
+        s = live.samples()
+        done = (total(s, "retopk_e2e_request_seconds_count") >= 2
+                and total(s, "retopk_request_errors_total", code="INVALID_ARGUMENT") >= 1)
+        return s if done else None
+
+    after = wait_for(both_recorded)
+    assert after is not None, "the exporter never reported both requests finished"
+    return Driven(info, before, after, stream_paths, decode_steps, generated)
+
+
+@dataclass
+class Driven:
+    info: pb.ModelInfo
+    before: dict  # samples before the requests
+    after: dict  # samples after them
+    stream_paths: Counter  # (layer, head, path name) -> decisions the streams reported
+    decode_steps: int
+    generated: int
+
+
+def test_path_counts_per_layer_and_head_add_up_and_histograms_moved(driven):
+    info, after = driven.info, driven.after
+    layers, heads = info.num_layers, info.num_heads
+    assert driven.decode_steps == 2 * (MAX_NEW - 1)  # every token but the first (from prefill) is a decode step
+    decisions = after["retopk_attention_decisions_total"]
+    assert {lab["model"] for lab, _ in decisions} == {"smollm2-135m"}
+    counts = {(int(lab["layer"]), int(lab["head"]), lab["path"]): v for lab, v in decisions}
+    assert {p for _, _, p in counts} == {"reuse", "fallback", "refresh"}
+    assert len(counts) == layers * heads * 3  # bounded: layers x heads x 3 paths
+    # every head decides once per decode step: the counts add up to layers x heads x decode steps
+    assert sum(counts.values()) == layers * heads * driven.decode_steps
+    for layer in range(layers):
+        for head in range(heads):
+            assert sum(counts[layer, head, p] for p in ("reuse", "fallback", "refresh")) == driven.decode_steps
+    # ... and match, per (layer, head, path), what the streams reported step by step
+    for key, n in counts.items():
+        assert n == driven.stream_paths.get(key, 0), key
+    assert all(driven.stream_paths[k] > 0 for k in driven.stream_paths)
+
+    moved = {name: total(after, name) - total(driven.before, name) for name in (
+        "retopk_time_to_first_token_seconds_count", "retopk_time_per_output_token_seconds_count",
+        "retopk_e2e_request_seconds_count", "retopk_queue_wait_seconds_count", "retopk_prefill_seconds_count",
+        "retopk_decode_step_seconds_count", "retopk_attention_step_seconds_count",
+        "retopk_candidate_set_size_count", "retopk_max_query_similarity_count", "retopk_generation_tokens_total",
+        "retopk_prompt_tokens_total")}
+    assert moved["retopk_time_to_first_token_seconds_count"] == 2
+    assert moved["retopk_e2e_request_seconds_count"] == 2
+    assert moved["retopk_prefill_seconds_count"] == 2
+    assert moved["retopk_queue_wait_seconds_count"] == 2  # the bad request never reached the queue
+    assert moved["retopk_time_per_output_token_seconds_count"] == driven.decode_steps
+    assert moved["retopk_generation_tokens_total"] == driven.generated == 2 * MAX_NEW
+    assert moved["retopk_prompt_tokens_total"] > 2 * 20
+    assert moved["retopk_decode_step_seconds_count"] >= MAX_NEW - 1
+    assert moved["retopk_attention_step_seconds_count"] >= MAX_NEW - 1
+    reuse = sum(v for (_, _, p), v in counts.items() if p == "reuse")
+    assert moved["retopk_candidate_set_size_count"] == reuse  # one candidate-set size per reusing head
+    assert moved["retopk_max_query_similarity_count"] > 0
+    assert total(after, "retopk_requests_finished_total", finish_reason="LENGTH") == 2
+    assert total(after, "retopk_request_errors_total", code="INVALID_ARGUMENT") >= 1
+    assert total(after, "retopk_kv_cache_bytes", kind="reserved") > 0
+    assert total(after, "retopk_query_cache_bytes", kind="reserved") > 0
+    assert total(after, "retopk_model_info", layers=str(layers), heads=str(heads)) == 1
+
+
+# ---- the dashboard against the live exposition --------------------------------------------------------
+METRIC_NAME = re.compile(r"\bretopk_[A-Za-z0-9_]+")
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def dashboard_queries(dashboard: dict) -> list[str]:
+    """Every PromQL string of the dashboard: panel targets (rows included) and query variables."""
+    found: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "expr" and isinstance(value, str):
+                    found.append(value)
+                elif key == "definition" and isinstance(value, str):
+                    found.append(value)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(dashboard)
+    return found
+
+
+def exported_names(text: str) -> set[str]:
+    """Sample names of the exposition, plus each histogram's base name with its suffixes considered."""
+    names = set()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            names.add(s.name)
+    return names
+
+
+def test_every_dashboard_query_refers_only_to_exported_metrics(live, driven):
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = dashboard_queries(dashboard)
+    assert len(queries) >= 20
+    exported = exported_names(live.scrape())
+    used = {name for q in queries for name in METRIC_NAME.findall(q)}
+    assert used, "the dashboard queries no retopk_ metric"
+    missing = sorted(n for n in used if n not in exported)
+    assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+    # the panels the issue asks for are there
+    titles = " | ".join(p.get("title", "") for p in dashboard["panels"]).lower()
+    for words in ("request rate", "errors", "time to first token", "time per output token", "end-to-end",
+                  "waiting", "sessions", "cache memory", "tokens per second", "reuse rate, layer x head",
+                  "exact-path share, layer x head", "candidate-set size", "similarity"):
+        assert words in titles, words
+
+
+# ---- a real Prometheus scraping the server ------------------------------------------------------------
+REUSE_RATE = ('sum by (layer, head) (rate(retopk_attention_decisions_total{path="reuse"}[1m]))'
+              ' / sum by (layer, head) (rate(retopk_attention_decisions_total[1m]))')
+
+
+def grafana_to_promql(expr: str) -> str:
+    """The dashboard's Grafana variables replaced by what Grafana would send for "All", 1-minute windows."""
+    return (expr.replace("$__rate_interval", "1m").replace("$__range", "5m").replace("$model", ".*"))
+
+
+class Prometheus:
+    def __init__(self, target: str) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.skip("needs the `prometheus` binary (Debian package prometheus; scripts/install_system_deps.sh)")
+        self.dir = tempfile.TemporaryDirectory(prefix="retopk-prom-")
+        config = Path(self.dir.name) / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                          "scrape_configs:\n  - job_name: retopk\n    static_configs:\n"
+                          f"      - targets: ['{target}']\n")
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={Path(self.dir.name) / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def query(self, expr: str) -> dict:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as e:  # 400 / 422: a bad expression, with Prometheus' error in the body
+            return json.loads(e.read())
+
+    def wait_query(self, expr: str, ok, timeout: float = 60.0):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {self.process.stderr.read()}")
+            try:
+                last = self.query(expr)
+                if last.get("status") == "success" and ok(last["data"]["result"]):
+                    return last["data"]["result"]
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{expr!r} gave no acceptable answer within {timeout} s; last: {last}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self.dir.cleanup()
+
+
+def test_prometheus_scrapes_the_server_and_answers_the_reuse_rate(live, driven):
+    prom = Prometheus(f"127.0.0.1:{live.metrics_port}")
+    try:
+        prom.wait_query('up{job="retopk"}', lambda r: r and r[0]["value"][1] == "1")
+        # Decisions must grow between scrapes for a rate: one more request while Prometheus watches.
+        live.generate(text=PROMPT, max_new_tokens=MAX_NEW, ignore_eos=True)
+        time.sleep(2.5)  # two more scrapes
+        result = prom.wait_query(REUSE_RATE, lambda r: len(r) == driven.info.num_layers * driven.info.num_heads)
+        values = [float(r["value"][1]) for r in result]
+        assert all(0.0 <= v <= 1.0 for v in values), values
+        assert any(v > 0 for v in values)
+        # every dashboard query parses and evaluates in Prometheus
+        for expr in dashboard_queries(json.loads(DASHBOARD.read_text())):
+            if expr.startswith("label_values("):
+                metric = expr[len("label_values("):].split(",")[0]
+                assert prom.query(metric)["data"]["result"], expr
+                continue
+            answer = prom.query(grafana_to_promql(expr))
+            assert answer.get("status") == "success", (expr, answer)
+        overall = prom.query('sum(retopk_attention_decisions_total{path="reuse"}) / '
+                             "sum(retopk_attention_decisions_total)")["data"]["result"]
+        assert overall and 0 < float(overall[0]["value"][1]) < 1 and not math.isnan(float(overall[0]["value"][1]))
+    finally:
+        prom.close()
+    assert prom.process.poll() is not None
