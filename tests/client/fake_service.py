@@ -3,7 +3,7 @@
 ``FakeService.failures[rpc_name]`` is a list of status codes: each call of that rpc pops the first
 and aborts with it while the list is non-empty. ``Generate`` streams ``tokens`` chunks; with
 ``fail_after_first`` set, it aborts with that code after the first chunk. Every call's metadata is
-recorded in ``calls``.
+recorded in ``calls``, every GenerateRequest in ``generate_requests``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class FakeService(pb_grpc.ReTopKServiceServicer):
     def __init__(self) -> None:
         self.failures: dict[str, list[grpc.StatusCode]] = {}
         self.calls: list[tuple[str, dict[str, str]]] = []
+        self.generate_requests: list[pb.GenerateRequest] = []
         self.tokens = ["Hello", ",", " world"]
         self.fail_after_first: grpc.StatusCode | None = None
         self.delay = 0.0
@@ -49,6 +50,7 @@ class FakeService(pb_grpc.ReTopKServiceServicer):
         return pb.CloseSessionResponse(session=pb.SessionInfo(session_id=request.session_id))
 
     def Generate(self, request, context):
+        self.generate_requests.append(request)
         self._enter("Generate", context)
         for i, text in enumerate(self.tokens):
             yield pb.GenerateResponse(request_id=request.request_id or "fake", token_ids=[i], text=text)
