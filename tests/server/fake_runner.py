@@ -70,10 +70,12 @@ class FakeInfo:
 
 
 class FakeRunner:
-    """step_delay_s: sleep per decode step (lets tests cancel mid-stream). Records each decode batch size."""
+    """step_delay_s: sleep per decode step (lets tests cancel mid-stream); gate: when given, every decode
+    step waits until it is set (lets tests hold requests mid-stream). Records each decode batch size."""
 
-    def __init__(self, max_context: int = 4096, step_delay_s: float = 0.0) -> None:
+    def __init__(self, max_context: int = 4096, step_delay_s: float = 0.0, gate: threading.Event | None = None) -> None:
         self.info = FakeInfo(max_context=max_context)
+        self.gate = gate
         self.tokenizer = FakeTokenizer()
         self.step_delay_s = step_delay_s
         self.sessions: dict[str, Session] = {}
@@ -128,6 +130,8 @@ class FakeRunner:
         self._touch()
         assert len(sessions) == len(token_ids) and len({s.id for s in sessions}) == len(sessions)
         self.batch_sizes.append(len(sessions))
+        if self.gate is not None:
+            self.gate.wait()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         rows = []

@@ -74,7 +74,7 @@ INVALID = [
     ("empty input", pb.GenerateRequest(), "input"),
     ("empty text", pb.GenerateRequest(text=""), "text"),
     ("empty token ids", pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids"),
-    ("token id outside vocab", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 999])), "token_ids[1]"),
+    ("token id outside vocab", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 10**6])), "token_ids[1]"),
     ("empty chat", pb.GenerateRequest(chat=pb.ChatMessages()), "chat"),
     ("bad role", pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="bot", content="x")])),
      "chat.messages[0].role"),
@@ -107,7 +107,7 @@ INVALID = [
     ("zero max_new_tokens", pb.GenerateRequest(text="a", max_new_tokens=0), "max_new_tokens"),
     ("max_new_tokens above limit", pb.GenerateRequest(text="a", max_new_tokens=10**6), "max_new_tokens"),
     ("empty stop string", pb.GenerateRequest(text="a", stop=["x", ""]), "stop[1]"),
-    ("stop token outside vocab", pb.GenerateRequest(text="a", stop_token_ids=[500]), "stop_token_ids[0]"),
+    ("stop token outside vocab", pb.GenerateRequest(text="a", stop_token_ids=[10**6]), "stop_token_ids[0]"),
     ("empty request id", pb.GenerateRequest(text="a", request_id=""), "request_id"),
     ("empty session id", pb.GenerateRequest(text="a", session_id=""), "session_id"),
     ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: prompt too long"),
@@ -256,9 +256,10 @@ def test_health_and_reflection(fake_server):
 
 
 def test_drain_finishes_running_streams_and_refuses_new_ones(fake_server):
-    server = fake_server(FakeRunner(step_delay_s=0.01))
+    gate = threading.Event()  # decode steps wait for it: the stream stays in flight until the checks are done
+    server = fake_server(FakeRunner(gate=gate))
     stream = server.stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=60))
-    first = next(stream)
+    first = next(stream)  # from prefill
     drained = threading.Thread(target=server.drain, args=(30.0,))
     drained.start()
     health = health_pb2_grpc.HealthStub(server.channel)
@@ -266,6 +267,8 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(fake_server):
         pass
     code, _ = code_of(lambda: server.stub.Generate(pb.GenerateRequest(text="b")))
     assert code == grpc.StatusCode.UNAVAILABLE
+    assert drained.is_alive()  # waiting for the running stream
+    gate.set()
     rest = list(stream)  # the running stream completes normally
     drained.join(30)
     assert ids([first, *rest]) == greedy_reference(enc("a"), 60)

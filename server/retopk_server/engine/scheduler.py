@@ -286,11 +286,11 @@ class Engine:
 
     def _reap(self) -> None:
         now = time.monotonic()
-        for r in list(self._running):
-            if r.stream.cancelled:
-                self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
-            elif r.expired(now):
+        for r in list(self._running):  # a passed deadline also cancels the call: report it as the deadline
+            if r.expired(now):
                 self._fail(r, EngineError(ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+            elif r.stream.cancelled:
+                self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
         self._running = [r for r in self._running if not r.done]
 
     def _admit(self) -> None:
@@ -299,11 +299,11 @@ class Engine:
                 if not self._queue:
                     return
                 r = self._queue.popleft()
-            if r.stream.cancelled:
-                self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
-                continue
             if r.expired(time.monotonic()):
                 self._fail(r, EngineError(ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded while queued"))
+                continue
+            if r.stream.cancelled:
+                self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
                 continue
             try:
                 self._prefill(r)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from retopk_server.engine.requests import EngineError, ErrorCode, TokenEvent
+from retopk_server.engine.requests import EngineError, TokenEvent
 
 _END = object()
 
@@ -54,6 +54,3 @@ class RequestStream:
             raise item
         return item
 
-
-def cancelled_error() -> EngineError:
-    return EngineError(ErrorCode.CANCELLED, "request cancelled by the client")
