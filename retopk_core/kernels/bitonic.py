@@ -18,9 +18,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _elementwise_min, _log2
+from triton.runtime.jit import constexpr_function
 
-EMPTY = -(2**63)  # sort key of a padding slot (below every real key)
-POS_PAD = 2**31 - 1  # int32 padding position (sorts after every real position)
+# Globals read inside @jit code must be tl.constexpr (the compiler rejects plain ints; the interpreter doesn't).
+EMPTY = tl.constexpr(-(2**63))  # sort key of a padding slot (below every real key); host value: EMPTY.value
+POS_PAD = tl.constexpr(2**31 - 1)  # int32 padding position (sorts after every real position)
+
+
+@constexpr_function
+def _one_hot_shape(n_dims, axis_from_minor):
+    """Shape [1, .., 2, .., 1] of n_dims dims with the 2 at position ``axis_from_minor`` from the end."""
+    return [1] * (n_dims - axis_from_minor - 1) + [2] + [1] * axis_from_minor
+
+
+@constexpr_function
+def _min(a, b):
+    return min(a, b)
 
 
 @triton.jit
@@ -30,8 +43,9 @@ def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr):
 
     Written as one function calling only builtins (tl.reduce with triton's own min/max combiners, as
     tl.min / tl.max do): the interpreter re-patches triton.language on every nested jit call, which
-    would dominate its run time. Stage i merges bitonic runs of 2^i; step j compares
-    partners along hypercube axis ``n_dims - 1 - j``; ``flip`` alternates the direction of the runs.
+    would dominate its run time. Stage i merges bitonic runs of 2^min(i, log K); its steps compare
+    partners along successively lower hypercube axes; ``flip`` alternates the direction of the runs.
+    Loop-local constants are inline constexpr expressions (the compiler forbids re-assigned constexprs).
     """
     log_n: tl.constexpr = _log2(x.shape[0])
     log_k: tl.constexpr = _log2(K)
@@ -42,17 +56,14 @@ def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr):
                 h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_max)
             else:
                 h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_min)
-        stage: tl.constexpr = i if i <= log_k else log_k
-        n_dims: tl.constexpr = _log2(h.numel)
         if i < log_n:
-            flip = tl.reshape(tl.arange(0, 2), [1] * (n_dims - stage - 1) + [2] + [1] * stage)
+            flip = tl.reshape(tl.arange(0, 2), _one_hot_shape(_log2(h.numel), _min(i, log_k)))
         else:
             flip = DESCENDING
-        for jj in tl.static_range(stage):
-            j: tl.constexpr = stage - 1 - jj
-            lo = tl.reduce(h, n_dims - 1 - j, _elementwise_min, keep_dims=True)
-            hi = tl.reduce(h, n_dims - 1 - j, _elementwise_max, keep_dims=True)
-            is_right = tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+        for jj in tl.static_range(_min(i, log_k)):
+            lo = tl.reduce(h, _log2(h.numel) - _min(i, log_k) + jj, _elementwise_min, keep_dims=True)
+            hi = tl.reduce(h, _log2(h.numel) - _min(i, log_k) + jj, _elementwise_max, keep_dims=True)
+            is_right = tl.reshape(tl.arange(0, 2), _one_hot_shape(_log2(h.numel), _min(i, log_k) - 1 - jj))
             h = tl.where((flip ^ is_right).to(tl.int1), hi, lo)
     return tl.reshape(h, [K])
 

@@ -105,7 +105,8 @@ def _merge_topk_kernel(in_ptr, len_ptr, path_ptr, out_ptr, H, N_IN, N_OUT, SPAN_
 
 
 def exact_topk_keys(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: Workspace,
-                    path: torch.Tensor | None = None, chunk: int | None = None, block_n: int = 64) -> torch.Tensor:
+                    path: torch.Tensor | None = None, chunk: int | None = None, fan: int | None = None,
+                    block_n: int = 64) -> torch.Tensor:
     """Sorted Top-K sort keys (B, H, K_pad) int64 of every head (path None) or of the heads whose
     path (B, H) int8 is not REUSE (the other rows are left unspecified). A workspace view."""
     B, H, D = q.shape
@@ -116,7 +117,10 @@ def exact_topk_keys(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: 
     chunk = max(2 * K_pad, 2048) if chunk is None else chunk
     if chunk < K_pad or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= K_pad ({K_pad}), got {chunk}")
-    fan = max(2, min(64, 4096 // K_pad))
+    if fan is None:
+        fan = max(2, min(64, 2048 // K_pad))  # merge blocks of <= 2048 keys (registers, compile time)
+    if fan < 2 or fan & (fan - 1):
+        raise ValueError(f"fan must be a power of two >= 2, got {fan}")
     has_path = path is not None
     path_arg = path if has_path else kv.lengths  # unused when HAS_PATH is false
     scores = ws.get("exact_scores", (B, H, L_cap), torch.float32)

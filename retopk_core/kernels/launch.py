@@ -60,12 +60,12 @@ def dense_decode(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace | Non
 
 
 def exact_topk_decode(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: Workspace | None = None,
-                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int | None = None, fan: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact Top-K attention: (out (B, H, d_v) in q.dtype, sel_pos (B, H, top_k) int64 -1 padded)."""
     check_inputs(q, kv)
     ws = ws or WORKSPACES.shared(q.device)
     B, H, D = q.shape
-    keys = exact_topk_keys(q, kv, top_k, scale, ws, chunk=chunk)  # (B, H, K_pad)
+    keys = exact_topk_keys(q, kv, top_k, scale, ws, chunk=chunk, fan=fan)  # (B, H, K_pad)
     out, sel = _attend(q, kv, top_k, ws, keys, retopk=None)
     return out, sel
 

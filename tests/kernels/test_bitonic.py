@@ -70,4 +70,4 @@ def test_sort_key_orders_by_score_then_lower_position():
     order = sorted(range(n), key=rank)
     assert top_p[:n].tolist() == [int(p[i]) for i in order]
     assert torch.equal(top_s[:n], s[order])
-    assert (key[n:] == EMPTY).all() and (key[:n] > EMPTY).all()
+    assert (key[n:] == EMPTY.value).all() and (key[:n] > EMPTY.value).all()

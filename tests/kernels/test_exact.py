@@ -10,24 +10,24 @@ import torch
 from retopk_core.methods.exact import ExactTopK
 from tests.kernels._helpers import DEVICE, assert_topk_support, make_kv, ref_attend, ref_scores
 
-CASES = [  # (B, H_kv, G, d, lengths, block, K, chunk)
-    (1, 1, 1, 64, [64], None, 4, None),
-    (2, 1, 3, 64, [700, 40], 16, 16, None),
-    (2, 1, 7, 128, [1200, 333], 64, 100, 128),  # 10 chunks -> two merge levels (fan 32 / 128 lists)
-    (2, 2, 3, 64, [20, 90], None, 64, None),  # L < K: -1 padding
-    (1, 1, 3, 128, [1500], 128, 512, None),
-    (2, 1, 1, 64, [1100, 600], None, 512, 512),  # several chunks with K = 512
+CASES = [  # (B, H_kv, G, d, lengths, block, K, chunk, fan)
+    (1, 1, 1, 64, [64], None, 4, None, None),
+    (2, 1, 3, 64, [700, 40], 16, 16, None, None),
+    (2, 1, 7, 128, [1200, 333], 64, 100, 128, 2),  # 10 chunks -> 5 -> 3 -> 2 -> 1: four merge levels
+    (2, 2, 3, 64, [20, 90], None, 64, None, None),  # L < K: -1 padding
+    (1, 1, 3, 128, [1500], 128, 512, None, None),
+    (2, 1, 1, 64, [1100, 600], None, 512, 512, None),  # several chunks with K = 512, one merge
 ]
 
 
-@pytest.mark.parametrize("B,H_kv,G,d,lengths,block,K,chunk", CASES)
-def test_exact_topk_decode_selects_topk_and_attends(B, H_kv, G, d, lengths, block, K, chunk):
+@pytest.mark.parametrize("B,H_kv,G,d,lengths,block,K,chunk,fan", CASES)
+def test_exact_topk_decode_selects_topk_and_attends(B, H_kv, G, d, lengths, block, K, chunk, fan):
     from retopk_core.kernels.launch import exact_topk_decode
 
     kv, k, v = make_kv(B, H_kv, max(lengths) + 3, d, lengths, torch.float32, block, seed=K + d)
     q = torch.randn(B, H_kv * G, d, generator=torch.Generator().manual_seed(K))
     scale = 1 / math.sqrt(d)
-    out, sel = exact_topk_decode(q.to(DEVICE), kv, K, scale, chunk=chunk)
+    out, sel = exact_topk_decode(q.to(DEVICE), kv, K, scale, chunk=chunk, fan=fan)
     assert sel.shape == (B, H_kv * G, K) and sel.dtype == torch.long
     assert_topk_support(sel, ref_scores(q, k, lengths, scale), K)
     ref = ref_attend(q, k, v, lengths, scale, sel)
