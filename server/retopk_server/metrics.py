@@ -239,11 +239,13 @@ class MetricsObserver(EngineObserver):
     """Records the engine's and the service's events into ``Metrics`` for one model.
 
     memory_interval_s  how often (at most) ``on_load`` re-reads the runner's cache sizes
+    per_head           ask the engine for every step's per-head statistics (the ReTopK metrics); on a GPU
+                       they cost a device synchronisation per layer, so a deployment may turn them off
     """
 
-    wants_step_stats = True
-
-    def __init__(self, model: str, metrics: Metrics | None = None, memory_interval_s: float = 0.5) -> None:
+    def __init__(self, model: str, metrics: Metrics | None = None, memory_interval_s: float = 0.5,
+                 per_head: bool = True) -> None:
+        self.wants_step_stats = per_head
         self.model = model_label(model)
         self.metrics = metrics or Metrics()
         self.memory_interval_s = memory_interval_s
@@ -301,7 +303,7 @@ class MetricsObserver(EngineObserver):
         self._one["batch"].observe(len(requests))
         if not stats:
             return
-        path = np.stack([_np(s.path) for s in stats]).astype(np.int64)  # (B, layers, heads)
+        path = _stack([s.path for s in stats]).astype(np.int64)  # (B, layers, heads)
         _, layers, heads = path.shape
         np.clip(path, 0, NUM_PATHS - 1, out=path)
         offsets = self._offsets.get((layers, heads))
@@ -315,9 +317,9 @@ class MetricsObserver(EngineObserver):
         if total:
             self._one["exact_share"].set(float(per_path[list(EXACT_PATHS)].sum()) / total)
         if per_path[Path.REUSE]:
-            n_scored = np.stack([_np(s.n_scored) for s in stats])  # (B, layers, heads)
+            n_scored = _stack([s.n_scored for s in stats])  # (B, layers, heads)
             m.candidate_size.observe_many(model, n_scored[path == Path.REUSE])
-        m.max_similarity.observe_many(model, np.stack([_np(s.max_sim) for s in stats]))
+        m.max_similarity.observe_many(model, _stack([s.max_sim for s in stats]))
         # One attention time per method group: rows of a group share it (their requests share a MethodSpec).
         groups: dict[object, list[int]] = {}
         for i, r in enumerate(requests):
@@ -379,8 +381,11 @@ class MetricsObserver(EngineObserver):
         self.metrics.rpcs.labels(self.model, method, code).inc()
 
 
-def _np(t) -> np.ndarray:
-    return t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+def _stack(tensors: list) -> np.ndarray:
+    """(layers, heads) tensors of a batch -> one (B, layers, heads) array (one device-to-host copy)."""
+    if isinstance(tensors[0], torch.Tensor):
+        return torch.stack(tensors).cpu().numpy()
+    return np.stack(tensors)
 
 
 def step_path_label(per_path: np.ndarray) -> str:
