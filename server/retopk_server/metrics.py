@@ -415,11 +415,16 @@ def create_observer(config) -> MetricsObserver:
     """The server's observer (called by ``retopk_server.service.server.make_observer``).
 
     Starts the exporter on ``config.host:config.metrics_port`` unless metrics_port is 0; it lives as long
-    as the process (a daemon thread), like the gRPC server it accompanies.
+    as the process (a daemon thread), like the gRPC server it accompanies. A port that cannot be bound is a
+    RuntimeError naming metrics_port: a server that was asked for metrics does not run silently without them.
     """
     observer = MetricsObserver(config.model)
     if config.metrics_port:
-        exporter = MetricsServer(observer.metrics.registry, config.metrics_port, config.host)
+        try:
+            exporter = MetricsServer(observer.metrics.registry, config.metrics_port, config.host)
+        except OSError as e:  # the port is taken or the host is not an address of this machine
+            raise RuntimeError(f"metrics_port: cannot serve metrics on {config.host}:{config.metrics_port}: {e}"
+                               ) from None
         log.info("metrics on http://%s:%d/metrics", config.host, exporter.port)
         observer.exporter = exporter
     return observer

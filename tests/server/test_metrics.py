@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import urllib.request
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from retopk_core.methods.base import PATH_NAMES, Path
+from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineConfig, EngineError, GenerationRequest, RequestStream
 from retopk_server.metrics import (
     CANDIDATE_BUCKETS,
@@ -25,6 +27,7 @@ from retopk_server.metrics import (
     Metrics,
     MetricsObserver,
     MetricsServer,
+    create_observer,
     model_label,
 )
 from retopk_server.runtime.method_spec import MethodSpec
@@ -220,3 +223,20 @@ def test_exporter_serves_the_registry_over_http():
     finally:
         server.close()
     assert 'retopk_rpcs_total{code="OK",model="m",rpc="Tokenize"} 1.0' in text
+
+
+def test_create_observer_serves_on_the_configured_port_and_names_the_field_when_it_is_taken():
+    assert create_observer(ServerConfig(host="127.0.0.1", metrics_port=0)).exporter is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match="metrics_port"):
+            create_observer(ServerConfig(host="127.0.0.1", metrics_port=port))
+    observer = create_observer(ServerConfig(host="127.0.0.1", metrics_port=port))
+    try:
+        assert observer.exporter.port == port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert b"retopk_requests_running" in response.read()
+    finally:
+        observer.exporter.close()
