@@ -27,8 +27,9 @@ Traffic and load
   query-support FIFOs and the other methods' state), retopk_model_info{architecture,layers,heads,...} = 1
 
 Cost on the engine thread: a step's (batch, layers, heads) path tensor becomes per-(layer, head, path)
-counts with one ``torch.bincount`` added to a numpy array; the two distributions are bucketed the same way.
-Those arrays are exposed by custom collectors at scrape time, so no per-head Python loop runs per step.
+counts with one ``np.bincount`` added to a numpy array; the two distributions are bucketed the same way
+(``np.searchsorted`` + ``np.bincount``). Custom collectors expose those arrays at scrape time, so no
+per-head Python loop runs per step (about 0.1 ms of CPU per step for 30 layers x 9 heads, batch 1).
 """
 
 from __future__ import annotations
