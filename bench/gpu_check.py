@@ -1,9 +1,11 @@
 """One prepared GPU check: the kernel tests compiled for real, then attention latency per token.
 
-    python bench/gpu_check.py                    # on a GPU machine (about 3-6 minutes)
+    python bench/gpu_check.py                    # on a GPU machine (budget: well inside 8 minutes)
     python bench/gpu_check.py --interpret --tiny # end to end on the CPU under TRITON_INTERPRET
 
-Stage 1 runs ``pytest tests/kernels`` in a subprocess (compiled when CUDA is present). Stage 2 times
+Stage 1 runs ``pytest tests/kernels`` compiled (one process per test file, in parallel) and, beside
+them, one warm-up process per method that compiles the benchmark's kernels into triton's disk cache
+(the large bitonic networks take tens of seconds each to compile; in parallel this hides). Stage 2 times
 one attention layer's decode step (``method.decode`` with ``backend="triton"``) for Full attention,
 Exact Top-K and ReTopK on the same KV cache, Qwen2.5-7B shapes by default (28 query heads, 4 KV
 heads, head dim 128, bf16, K = 512), at 16K-128K tokens, B = 1 (and 8 with ``--batch 1 8``).
@@ -53,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--tests-timeout", type=int, default=300)
     p.add_argument("--out-dir", type=FsPath, default=ROOT / "results")
+    p.add_argument("--warm-only", choices=["full", "exact", "retopk"], default=None,
+                   help="internal: compile one method's kernels at the first length and exit")
     args = p.parse_args(argv)
     if args.tiny:
         args.heads, args.kv_heads, args.head_dim = 4, 2, 64
@@ -69,25 +73,53 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_tests(args) -> dict:
-    """pytest tests/kernels in a subprocess (the tiny mode runs one fast file only)."""
-    # the full run leaves out the test that runs this script itself under the interpreter
-    target = ["tests/kernels/test_bitonic.py"] if args.tiny else \
-        ["tests/kernels", "--ignore=tests/kernels/test_gpu_check_script.py"]
+    """pytest tests/kernels, one process per test file in parallel (each compiles its own kernel
+    variants; triton's disk cache is shared), and on a GPU, alongside them, one warm-up process per
+    method that compiles the benchmark's kernels. The tiny mode runs one fast file only."""
+    import concurrent.futures as cf
+
     env = dict(os.environ)
     if args.interpret:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *target]
+    if args.tiny:
+        files = ["tests/kernels/test_bitonic.py"]
+    else:  # the test that runs this script itself under the interpreter is left out
+        files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "kernels").glob("test_*.py")
+                       if p.name != "test_gpu_check_script.py")
+    jobs = {f: [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f] for f in files}
+    if not args.interpret:
+        common = ["--skip-tests", "--lengths", str(min(args.lengths)), "--batch", str(args.batch[0]),
+                  *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
+                        ("heads", "kv_heads", "head_dim", "top_k", "cache_size", "window", "recall", "tau")), [])]
+        for m in ("full", "exact", "retopk"):
+            jobs[f"warm:{m}"] = [sys.executable, str(FsPath(__file__).resolve()), "--warm-only", m, *common]
+
+    def run(cmd):
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
+            lines = (p.stdout + p.stderr).strip().splitlines()
+            return p.returncode, (lines[-1] if lines else ""), p.stdout + p.stderr, time.perf_counter() - t0
+        except subprocess.TimeoutExpired:
+            return -1, f"timed out after {args.tests_timeout} s", "", time.perf_counter() - t0
+
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.tests_timeout)
-        tail, rc = (proc.stdout + proc.stderr).strip().splitlines()[-1:], proc.returncode
-    except subprocess.TimeoutExpired:
-        tail, rc = [f"timed out after {args.tests_timeout} s"], -1
-    summary = tail[0] if tail else ""
-    print(f"[tests] {' '.join(target)}: rc={rc} {summary} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return {"target": target, "returncode": rc, "summary": summary, "seconds": round(time.perf_counter() - t0, 1)}
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        results = dict(zip(jobs, pool.map(run, jobs.values()), strict=True))
+    report = {"files": {}, "warm": {}}
+    for name, (rc, last, out, secs) in results.items():
+        kind = "warm" if name.startswith("warm:") else "files"
+        report[kind][name.removeprefix("warm:")] = {"returncode": rc, "summary": last, "seconds": round(secs, 1)}
+        print(f"[{'warm ' if kind == 'warm' else 'tests'}] {name}: rc={rc} {last} ({secs:.0f} s)", flush=True)
+        if rc != 0:
+            print(out[-4000:], flush=True)
+    rcs = [r["returncode"] for r in report["files"].values()]
+    report.update(target=files, returncode=max(rcs, key=abs) if any(rcs) else 0,
+                  summary="; ".join(f"{FsPath(f).name}: {r['summary']}" for f, r in report["files"].items()),
+                  seconds=round(time.perf_counter() - t0, 1))
+    return report
 
 
 class Timer:
@@ -115,21 +147,17 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def bench_one(args, B: int, L: int, device, dtype) -> dict:
+def make_case(args, B: int, L: int, device, dtype) -> dict:
+    """KV cache, query pool and the three methods for one (B, L) point."""
     import torch
 
     from retopk_core.kv import PagedKV
-    from retopk_core.methods import Path, make_method
+    from retopk_core.methods import make_method
 
     H, H_kv, d = args.heads, args.kv_heads, args.head_dim
     gen = torch.Generator(device=device).manual_seed(L + B)
     k = torch.randn(B, H_kv, L, d, device=device, dtype=dtype, generator=gen)
     v = torch.randn(B, H_kv, L, d, device=device, dtype=dtype, generator=gen)
-    kv = PagedKV.contiguous(k, v)
-    slots = torch.arange(B, device=device)
-    timer = Timer(device)
-    row = {"B": B, "L": L}
-
     # queries: per head A anchors (reuse) or a fresh direction (fallback); a pool cycled by the steps
     A, pool = 4, 16
     anchors = torch.randn(B, H, A, d, device=device, generator=gen)
@@ -137,24 +165,50 @@ def bench_one(args, B: int, L: int, device, dtype) -> dict:
     use_anchor = torch.rand(pool, B, H, 1, device=device, generator=gen) < args.reuse_share
     fresh = torch.randn(pool, B, H, d, device=device, generator=gen)
     picked = anchors.unsqueeze(0).expand(pool, B, H, A, d).gather(3, draw.expand(pool, B, H, 1, d)).squeeze(3)
-    qs = (torch.where(use_anchor, picked, fresh) * 3.0).to(dtype)  # (pool, B, H, d)
-    warm_q = (anchors.permute(2, 0, 1, 3) * 3.0).to(dtype)  # (A, B, H, d): fills every FIFO with the anchors
+    retopk = make_method("retopk", top_k=args.top_k, cache_size=args.cache_size, window=args.window,
+                         recall=args.recall, tau=args.tau, refresh_every=0, backend="triton")
+    state = retopk.init_state(H, H_kv, d, device=device, capacity=B)
+    for _ in range(B):
+        state.alloc()
+    full = make_method("full", backend="triton")
+    return {"kv": PagedKV.contiguous(k, v), "slots": torch.arange(B, device=device),
+            "qs": (torch.where(use_anchor, picked, fresh) * 3.0).to(dtype),  # (pool, B, H, d)
+            "warm_q": (anchors.permute(2, 0, 1, 3) * 3.0).to(dtype),  # (A, B, H, d): fills every FIFO
+            "full": full, "exact": make_method("exact_topk", top_k=args.top_k, backend="triton"),
+            "retopk": retopk, "state": state, "none": full.init_state(H, H_kv, d, device=device, capacity=B)}
+
+
+def warm_only(args, method: str, device, dtype) -> None:
+    """Compile one method's kernels (run in parallel processes; triton's disk cache keeps them)."""
+    c = make_case(args, args.batch[0], min(args.lengths), device, dtype)
+    if method == "retopk":
+        for q in c["warm_q"]:  # the first step falls back (exact kernels), the next ones reuse
+            c["retopk"].decode(q, c["kv"], c["state"], c["slots"])
+    else:
+        c[method].decode(c["qs"][0], c["kv"], c["none"], c["slots"])
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def bench_one(args, B: int, L: int, device, dtype) -> dict:
+    import torch
+
+    from retopk_core.methods import Path
+
+    c = make_case(args, B, L, device, dtype)
+    kv, slots, qs, pool = c["kv"], c["slots"], c["qs"], c["qs"].shape[0]
+    full, exact, retopk, state, none = c["full"], c["exact"], c["retopk"], c["state"], c["none"]
+    timer = Timer(device)
+    row = {"B": B, "L": L}
     step = {"i": 0}
 
     def next_q():
         step["i"] += 1
         return qs[step["i"] % pool]
 
-    full = make_method("full", backend="triton")
-    exact = make_method("exact_topk", top_k=args.top_k, backend="triton")
-    retopk = make_method("retopk", top_k=args.top_k, cache_size=args.cache_size, window=args.window,
-                         recall=args.recall, tau=args.tau, refresh_every=0, backend="triton")
-    none = full.init_state(H, H_kv, d, device=device, capacity=B)
-    state = retopk.init_state(H, H_kv, d, device=device, capacity=B)
-    for _ in range(B):
-        state.alloc()
-    for a in range(A):  # warm-up: the first step falls back (empty cache), later anchors reuse
-        retopk.decode(warm_q[a], kv, state, slots)
+    for q in c["warm_q"]:  # fill the FIFOs: the first step falls back (empty cache), later anchors reuse
+        retopk.decode(q, kv, state, slots)
     row["full_ms"] = timer(lambda: full.decode(next_q(), kv, none, slots), args.warmup, args.iters)
     row["exact_ms"] = timer(lambda: exact.decode(next_q(), kv, none, slots), args.warmup, args.iters)
     paths = []
@@ -185,7 +239,8 @@ def render(meta: dict, rows: list[dict], tests: dict | None) -> str:
     if meta["mode"] == "interpret":
         lines += ["- INTERPRETER RUN: timings measure the Python interpreter, not GPU kernels; no speed claim", ""]
     if tests is not None:
-        lines += [f"- kernel tests ({' '.join(tests['target'])}): rc={tests['returncode']} {tests['summary']}", ""]
+        lines += [f"- kernel tests (rc={tests['returncode']}, {tests['seconds']} s, one process per file): "
+                  f"{tests['summary']}", ""]
     lines += ["| B | L | Full ms/tok | Exact Top-K ms/tok | ReTopK ms/tok | reuse share | Full speedup | "
               "ReTopK speedup |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -206,6 +261,10 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cpu" if args.interpret else "cuda")
     dtype = torch.float32 if args.interpret else torch.bfloat16  # the interpreter has no bf16 dot
+    if args.warm_only:
+        with torch.inference_mode():
+            warm_only(args, args.warm_only, device, dtype)
+        return 0
     tests = None if args.skip_tests else run_tests(args)
     import triton
 
