@@ -104,7 +104,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         raise ValueError(f"slots must be (B,) int64 on {q.device}")
     if state.queries.device != q.device:
         raise ValueError(f"state is on {state.queries.device}, q on {q.device}")
-    ws = ws or WORKSPACES.for_state(state, q.device)
+    ws = ws or WORKSPACES.shared(q.device)
     dev = q.device
     N_pad = next_pow2(R * K + W, 16)
     path = torch.empty(B, H, dtype=torch.int8, device=dev)

@@ -5,10 +5,12 @@ is larger than it (the batch B or the length capacity L_cap grew), and then to a
 old size, so a sequence that grows token by token reallocates O(log L) times. ``allocations``
 counts reallocations (tests check it stays flat across decode steps).
 
-Ownership: ReTopK's workspace lives as long as its per-layer state object (``for_state``); the
-stateless methods (full, exact Top-K) share one workspace per device (``shared``). Buffers are
-consumed within one launcher call on one stream, so sharing across layers is safe; results handed
-back to the caller are always fresh tensors, never views of a workspace.
+Ownership: every launcher takes its scratch from one workspace per (device, CUDA stream)
+(``WorkspaceCache.shared``): scratch is consumed within one launcher call, so the layers of a model
+(and the methods) can share it; per-layer workspaces would multiply the largest buffer, the exact
+path's (B, H, L_cap) float32 scores, by the number of layers. ``for_state`` gives a state its own
+workspace for callers that run several decodes concurrently on one stream. Results handed back to
+the caller are always fresh tensors, never views of a workspace.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class WorkspaceCache:
         return ws
 
     def shared(self, device: torch.device) -> Workspace:
-        key = str(torch.device(device))
+        device = torch.device(device)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = f"{device}/{stream}"
         if key not in self._by_device:
             self._by_device[key] = Workspace(device)
         return self._by_device[key]

@@ -81,11 +81,11 @@ def test_selector_candidates_equal_torch_candidates():
     from retopk_core.kernels.workspace import WORKSPACES
 
     H_kv, G, d, K, C, W, R = 1, 3, 64, 8, 8, 6, 3
-    for a, _b, _, sk, (q, kv, pre_t, _, ref, _) in _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1),
+    for a, _b, _, _sk, (q, kv, pre_t, _, ref, _) in _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1),
                                                        steps=2):
         B, H = q.shape[:2]
         N_pad = next_pow2(R * K + W, 16)
-        ws = WORKSPACES.for_state(sk, q.device)
+        ws = WORKSPACES.shared(q.device)
         cand, count = ws.get("cand", (B, H, N_pad), torch.int32), ws.get("cand_count", (B, H), torch.int32)
         sim, _ = ref._similarity(q.float() / q.float().norm(dim=-1, keepdim=True), pre_t, torch.arange(B))
         reuse = (a.path == Path.REUSE).nonzero().tolist()
@@ -104,7 +104,8 @@ def test_selector_candidates_equal_torch_candidates():
 def test_retopk_decode_allocates_no_scratch_after_first_step():
     from retopk_core.kernels.workspace import WORKSPACES
 
+    WORKSPACES.clear()
     counts = []
-    for _, _, _, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [100, 80], 16, "similarity", (0, 1), steps=3):
-        counts.append(WORKSPACES.for_state(sk, DEVICE).allocations)
+    for _ in _run(1, 3, 64, 8, 4, 4, 2, [100, 80], 16, "similarity", (0, 1), steps=3):
+        counts.append(WORKSPACES.shared(DEVICE).allocations)
     assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
