@@ -16,6 +16,7 @@ _METHODS: dict[str, str] = {
     "sparq": "retopk_core.methods.baselines.sparq:SparQ",
     "loki": "retopk_core.methods.baselines.loki:Loki",
     "tokenselect": "retopk_core.methods.baselines.tokenselect:TokenSelect",
+    "fidelity_probe": "retopk_core.methods.probe:FidelityProbe",  # evaluation: wraps a method, measures it
 }
 
 

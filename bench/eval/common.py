@@ -1,0 +1,398 @@
+"""What the evaluation scripts share: the corpus, documents, the runner, method specs, batched
+teacher forcing and greedy answering, the path mix, and writing results (markdown + JSON + PNG).
+
+Every method of a run decodes in the SAME forward: one session per method, all fed the same token on
+a teacher-forced step (the runner groups rows by method), so methods see identical inputs and the
+model's dense work is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+KJV = "kjv"  # the default corpus: the King James Bible from Debian's bible-kjv package
+KJV_COMMAND = ["bible", "-f", "Gen1:1-Rev22:21"]
+_VERSE_REF = re.compile(r"^\S+?\d+:\d+\s+", re.MULTILINE)  # "Ge1:1 " at the start of each verse line
+
+
+# ---- corpus -------------------------------------------------------------------------------------
+def kjv_text() -> str:
+    """The whole King James Bible, one verse a line, verse references ("Ge1:1") stripped."""
+    try:
+        text = subprocess.run(KJV_COMMAND, check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        raise SystemExit("the default corpus needs Debian's bible-kjv package (scripts/install_system_deps.sh, "
+                         "or apt-get install bible-kjv); or pass --corpus PATH to any text file") from None
+    return _VERSE_REF.sub("", text)
+
+
+def load_corpus(corpus: str | None) -> str:
+    """``kjv`` (or None) -> the default corpus; anything else is a UTF-8 text file path."""
+    if corpus in (None, KJV):
+        return kjv_text()
+    text = Path(corpus).read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise SystemExit(f"corpus {corpus!r} is empty")
+    return text
+
+
+def split_documents(text: str, encode, n_docs: int, length: int) -> list[list[int]]:
+    """n_docs documents of exactly ``length`` tokens, deterministic.
+
+    The text is cut into n_docs equal character spans; document i is the first ``length`` tokens of
+    span i, starting at its first line break (so no document starts mid-verse). A span too short for
+    ``length`` tokens wraps around into the following text. ``encode(str) -> list[int]``.
+    """
+    if n_docs <= 0 or length <= 0:
+        raise ValueError("n_docs and length must be positive")
+    span = len(text) // n_docs
+    docs = []
+    for i in range(n_docs):
+        start = i * span
+        nl = text.find("\n", start)
+        start = nl + 1 if 0 <= nl < start + span else start
+        chars = 6 * length  # ~4 chars a token in English; grow if that was not enough
+        while True:
+            piece = text[start:start + chars]
+            if start + chars > len(text):
+                piece += "\n" + text[:start + chars - len(text)]
+            ids = encode(piece)
+            if len(ids) >= length or chars > 8 * len(text):
+                break
+            chars *= 2
+        if len(ids) < length:
+            raise SystemExit(f"the corpus has fewer than {length} tokens")
+        docs.append(ids[:length])
+    return docs
+
+
+# ---- model and runner ----------------------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="embedded model name or a local transformers checkpoint dir / .gguf file")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
+                   help="extend the context past the model's positions, e.g. linear:4 or yarn:8")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (0 = torch default). 1 by default: on a shared machine more threads "
+                        "than free cores make every step many times slower")
+    g.add_argument("--corpus", default=KJV, help="text file for documents and haystacks (default: kjv)")
+
+
+def add_method_args(p: argparse.ArgumentParser, default_methods: str) -> None:
+    g = p.add_argument_group("methods")
+    g.add_argument("--methods", default=default_methods,
+                   help="comma-separated method names, each optionally with parameters after a colon and "
+                        "separated by '+': e.g. 'full,exact_topk,retopk,retopk:tau=0.9+refresh_every=32'")
+    g.add_argument("--top-k", type=int, default=64,
+                   help="shared active-token budget K of every sparse method (paper: 512 at 16K-128K; "
+                        "64 keeps K/L at 1/32..1/128 for 2K-8K contexts)")
+
+
+def make_runner(args):
+    """A ModelRunner from the parsed --model/--device/--dtype/--backend/--rope-scaling options."""
+    from retopk_server.runtime import ModelRunner, RuntimeConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rope = None
+    if args.rope_scaling:
+        kind, _, factor = args.rope_scaling.partition(":")
+        rope = {"rope_type": kind, "factor": float(factor or 1)}
+    return ModelRunner(RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
+                                     rope_scaling=rope))
+
+
+# ---- methods -------------------------------------------------------------------------------------
+def method_defaults(name: str, top_k: int, head_dim: int) -> dict:
+    """Parameters of each method at the shared budget K, scaled from the paper's K = 512, d = 128:
+    StreamingLLM 64 sinks + 448 recent -> K/8 sinks; TokenSelect 64 initial + 416 selected + 32 local ->
+    K/8 + K/16 local; Loki rank 64 of d = 128 -> d/2; Quest pages of 16 (at most K)."""
+    K = top_k
+    return {"full": {}, "exact_topk": {"top_k": K}, "retopk": {"top_k": K},
+            "streaming_llm": {"top_k": K, "sinks": max(1, K // 8)},
+            "quest": {"top_k": K, "page_size": min(16, K)}, "sparq": {"top_k": K},
+            "loki": {"top_k": K, "rank": max(1, head_dim // 2)},
+            "tokenselect": {"top_k": K, "initial": max(1, K // 8), "local": max(1, K // 16)},
+            }.get(name, {"top_k": K})
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """A method as one row of a result table: its label and the runtime spec."""
+
+    label: str
+    spec: object  # retopk_server.runtime.MethodSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def method_run(name: str, top_k: int, head_dim: int, label: str | None = None, **params) -> MethodRun:
+    from retopk_server.runtime import MethodSpec
+
+    merged = {**method_defaults(name, top_k, head_dim), **params}
+    if label is None:
+        label = name + (" " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")
+    return MethodRun(label, MethodSpec.of(name, **merged))
+
+
+def parse_methods(text: str, top_k: int, head_dim: int) -> list[MethodRun]:
+    """'full,exact_topk,retopk:tau=0.9+refresh_every=32' -> MethodRuns (labels unique)."""
+    runs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, rest = item.partition(":")
+        params = {}
+        for kv in filter(None, rest.split("+")):
+            k, sep, v = kv.partition("=")
+            if not sep:
+                raise SystemExit(f"method parameter {kv!r} of {item!r} must be name=value")
+            params[k.strip()] = _value(v.strip())
+        runs.append(method_run(name.strip(), top_k, head_dim, **params))
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"--methods lists a method twice: {labels}")
+    return runs
+
+
+# ---- path mix ------------------------------------------------------------------------------------
+PATH_KEYS = ("reuse", "fallback", "refresh", "exact", "dense", "approx", "cached")
+
+
+@dataclass
+class PathMix:
+    """Accumulated per-(layer, head) decode decisions of one method over many steps."""
+
+    counts: dict = field(default_factory=lambda: {k: 0 for k in PATH_KEYS})
+    reuse_candidates: float = 0.0  # sum of candidate counts M_t over reuse head-steps
+    scored: float = 0.0  # sum of exactly scored keys over all head-steps
+    length: float = 0.0  # sum of context lengths L over all head-steps
+    steps: int = 0
+
+    def add(self, stats, length: int) -> None:
+        """stats: a runtime StepStats (path, n_scored: (layers, heads))."""
+        from retopk_core.methods.base import PATH_NAMES
+
+        path = stats.path.to(torch.int64)
+        for code, n in zip(*torch.unique(path, return_counts=True), strict=True):
+            self.counts[PATH_NAMES[int(code)]] += int(n)
+        reuse = path == 0
+        self.reuse_candidates += float(stats.n_scored[reuse].double().sum())
+        self.scored += float(stats.n_scored.double().sum())
+        self.length += float(length) * path.numel()
+        self.steps += 1
+
+    def summary(self) -> dict:
+        total = max(1, sum(self.counts.values()))
+        reuse = self.counts["reuse"]
+        return {"reuse": reuse / total, "fallback": self.counts["fallback"] / total,
+                "refresh": self.counts["refresh"] / total,
+                "exact_path": (self.counts["fallback"] + self.counts["refresh"]) / total,
+                "mean_candidates": self.reuse_candidates / reuse if reuse else float("nan"),
+                "scored_share": self.scored / self.length if self.length else float("nan")}
+
+
+# ---- batched teacher forcing ---------------------------------------------------------------------
+@dataclass
+class ForcedTrace:
+    """One method's teacher-forced run: nll[j] = -log p(target j), plus its path mix."""
+
+    nll: list = field(default_factory=list)
+    top1: list = field(default_factory=list)  # argmax == target
+    mix: PathMix = field(default_factory=PathMix)
+
+
+@torch.inference_mode()
+def teacher_force(runner, runs: list[MethodRun], ids: list[int], prefix: int, progress=None,
+                  on_step=None) -> dict[str, ForcedTrace]:
+    """Prefill ids[:prefix - 1] densely, then decode ids[prefix - 1 : -1] one token a step with every
+    method in one batch; step j's logits predict ids[prefix + j], so all len(ids) - prefix scored
+    predictions come from sparse decode steps. ``on_step(j, logits (B, V), stats)`` is called per step.
+    """
+    if not 1 < prefix < len(ids):
+        raise ValueError(f"prefix must lie in (1, {len(ids)}), got {prefix}")
+    sessions = [runner.open_session(r.spec) for r in runs]
+    traces = {r.label: ForcedTrace() for r in runs}
+    try:
+        for s in sessions:
+            runner.prefill(s, ids[:prefix - 1])
+        for j in range(len(ids) - prefix):
+            tok = ids[prefix - 1 + j]
+            logits, stats = runner.decode(sessions, [tok] * len(sessions), with_stats=True)
+            target = ids[prefix + j]
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+            for b, r in enumerate(runs):
+                tr = traces[r.label]
+                tr.nll.append(float(-logp[b, target]))
+                tr.top1.append(bool(int(logits[b].argmax()) == target))
+                tr.mix.add(stats[b], prefix + j)
+            if on_step is not None:
+                on_step(j, logits, stats)
+            if progress is not None:
+                progress.update(1)
+    finally:
+        for s in sessions:
+            runner.close_session(s)
+    return traces
+
+
+def ppl(nll: list[float]) -> float:
+    return math.exp(sum(nll) / max(1, len(nll)))
+
+
+# ---- greedy answering ----------------------------------------------------------------------------
+@torch.inference_mode()
+def answer(runner, runs: list[MethodRun], context: list[int], question: list[int], max_new: int,
+           stop_ids: tuple[int, ...] = (), progress=None) -> dict[str, dict]:
+    """Prefill ``context`` densely, decode ``question`` token by token with each method (so the
+    question's attention is the method's, as in the paper), then greedy-generate up to max_new
+    tokens. -> label -> {"ids": generated ids, "mix": PathMix}."""
+    if not context or not question:
+        raise ValueError("context and question must be non-empty")
+    sessions = [runner.open_session(r.spec) for r in runs]
+    mixes = [PathMix() for _ in runs]
+    out = [[] for _ in runs]
+    try:
+        for s in sessions:
+            runner.prefill(s, context)
+        logits = None
+        for tok in question:
+            logits, stats = runner.decode(sessions, [tok] * len(sessions), with_stats=True)
+            for b, st in enumerate(stats):
+                mixes[b].add(st, sessions[b].length)
+        live = list(range(len(runs)))
+        nxt = {b: int(logits[b].argmax()) for b in live}
+        for step in range(max_new):
+            for b in list(live):
+                if nxt[b] in stop_ids:
+                    live.remove(b)
+                else:
+                    out[b].append(nxt[b])
+            if not live or step == max_new - 1:
+                break
+            logits, stats = runner.decode([sessions[b] for b in live], [nxt[b] for b in live], with_stats=True)
+            for i, b in enumerate(live):
+                mixes[b].add(stats[i], sessions[b].length)
+                nxt[b] = int(logits[i].argmax())
+        if progress is not None:
+            progress.update(1)
+    finally:
+        for s in sessions:
+            runner.close_session(s)
+    return {r.label: {"ids": out[b], "mix": mixes[b]} for b, r in enumerate(runs)}
+
+
+# ---- results -------------------------------------------------------------------------------------
+def command_line() -> str:
+    module = Path(sys.argv[0]).stem
+    return f"python -m bench.eval.{module} " + shlex.join(sys.argv[1:])
+
+
+def run_meta(args, runner, started: float, **extra) -> dict:
+    info = runner.info
+    return {"command": command_line(), "model": info.name, "architecture": info.architecture,
+            "layers": info.num_layers, "heads": info.num_heads, "kv_heads": info.num_kv_heads,
+            "head_dim": info.head_dim, "max_context": info.max_context, "dtype": info.dtype, "device": info.device,
+            "backend": info.backend, "corpus": getattr(args, "corpus", None), "top_k": getattr(args, "top_k", None),
+            "torch_threads": torch.get_num_threads(), "host": platform.node(), "python": platform.python_version(),
+            "seconds": round(time.time() - started, 1), **extra}
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    if isinstance(value, str):
+        return value
+    return format(value, spec)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec); a spec of '%' formats a share as a percentage."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for key, _, spec in columns:
+            v = row.get(key)
+            if spec == "%":
+                cells.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%")
+            else:
+                cells.append(fmt(v, spec))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(out: Path, name: str, title: str, tables: list[tuple[str, str]], meta: dict, data: dict,
+                  plots: list[str] = ()) -> None:
+    """<out>/<name>.md (title, command, settings, tables, plot links) and <out>/<name>.json (meta + data)."""
+    out.mkdir(parents=True, exist_ok=True)
+    md = [f"# {title}", "", f"`{meta['command']}`", "",
+          f"model {meta['model']} ({meta['layers']} layers, {meta['heads']} heads, {meta['kv_heads']} KV heads), "
+          f"{meta['dtype']} on {meta['device']}, backend {meta['backend']}, corpus {meta.get('corpus')}, "
+          f"{meta['seconds']} s", ""]
+    for caption, table in tables:
+        if caption:
+            md += [f"**{caption}**", ""]
+        md += [table, ""]
+    for p in plots:
+        md += [f"![{Path(p).stem}]({Path(p).name})", ""]
+    (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, **data}, indent=1, default=_jsonable),
+                                      encoding="utf-8")
+
+
+def _jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    return str(obj)
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
+    return str(path)
+
+
+def progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)

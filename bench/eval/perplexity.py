@@ -1,0 +1,141 @@
+"""Perplexity of a teacher-forced suffix, per method, as in the paper's PG19 column.
+
+For each of N fixed documents of L tokens (deterministic slices of the corpus) the first L - S tokens
+are prefilled densely and the last S tokens are teacher-forced one decode step at a time with the
+method, every method in the same batch. PPL = exp(mean NLL over all N * S predictions); the change
+is reported against Exact Top-K (same K) as (PPL - PPL_exact) / PPL_exact, with the path mix:
+reuse / fallback / refresh shares over (step, layer, head), the mean candidate count M_t on reuse
+steps, and the scored share (keys scored with the exact query / context length, a hardware-free
+proxy of selector work: 1.0 for Exact Top-K).
+
+    python -m bench.eval.perplexity --lengths 2048 4096 --docs 4 --suffix 256 --out results/ppl
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from bench.eval.common import (
+    add_method_args,
+    add_model_args,
+    load_corpus,
+    make_runner,
+    markdown_table,
+    parse_methods,
+    ppl,
+    progress_bar,
+    pyplot,
+    run_meta,
+    save_figure,
+    split_documents,
+    teacher_force,
+    write_results,
+)
+
+DEFAULT_METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,tokenselect"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_method_args(p, DEFAULT_METHODS)
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="document lengths L in tokens")
+    p.add_argument("--docs", type=int, default=4, help="documents N per length (paper: 64)")
+    p.add_argument("--suffix", type=int, default=256, help="teacher-forced suffix S (paper: 512)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    return p.parse_args(argv)
+
+
+def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: int, desc: str = "ppl") -> dict:
+    """-> {L: {label: {"ppl", "nll": [...], "mix": summary, "top1"}}}."""
+    total = sum(len(d) for d in docs_by_length.values()) * suffix
+    bar = progress_bar(total, desc)
+    result = {}
+    for L, docs in docs_by_length.items():
+        nll = {r.label: [] for r in runs}
+        top1 = {r.label: [] for r in runs}
+        mixes = {}
+        for doc in docs:
+            traces = teacher_force(runner, runs, doc, L - suffix, progress=bar)
+            for label, tr in traces.items():
+                nll[label] += tr.nll
+                top1[label] += tr.top1
+                m = mixes.setdefault(label, tr.mix)
+                if m is not tr.mix:
+                    for k in m.counts:
+                        m.counts[k] += tr.mix.counts[k]
+                    m.reuse_candidates += tr.mix.reuse_candidates
+                    m.scored += tr.mix.scored
+                    m.length += tr.mix.length
+                    m.steps += tr.mix.steps
+        result[L] = {label: {"ppl": ppl(nll[label]), "nll": nll[label],
+                             "top1": sum(top1[label]) / max(1, len(top1[label])),
+                             "mix": mixes[label].summary()} for label in nll}
+    bar.close()
+    return result
+
+
+def rows_for(result: dict, runs, reference: str = "exact_topk") -> list[dict]:
+    rows = []
+    for r in runs:
+        row = {"method": r.label}
+        for L, per in result.items():
+            row[f"ppl_{L}"] = per[r.label]["ppl"]
+            ref = per.get(reference)
+            row[f"dppl_{L}"] = (per[r.label]["ppl"] / ref["ppl"] - 1.0) if ref else None
+            for k, v in per[r.label]["mix"].items():
+                row[f"{k}_{L}"] = v
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    started = time.time()
+    runner = make_runner(args)
+    runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
+    text = load_corpus(args.corpus)
+    encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
+    docs = {L: split_documents(text, encode, args.docs, L) for L in args.lengths}
+    result = evaluate(runner, runs, docs, args.suffix)
+    rows = rows_for(result, runs)
+    Ls = list(result)
+    main_cols = [("method", "method", "")] + [(f"ppl_{L}", f"PPL {L}", ".3f") for L in Ls] \
+        + [(f"dppl_{L}", f"ΔPPL {L} vs Exact", "%") for L in Ls]
+    mix_cols = [("method", "method", "")]
+    for L in Ls:
+        mix_cols += [(f"reuse_{L}", f"reuse {L}", "%"), (f"fallback_{L}", f"fallback {L}", "%"),
+                     (f"refresh_{L}", f"refresh {L}", "%"), (f"mean_candidates_{L}", f"M_t {L}", ".1f"),
+                     (f"scored_share_{L}", f"scored/L {L}", "%")]
+    plot = plot_ppl(result, runs, args.out / "perplexity.png")
+    meta = run_meta(args, runner, started, docs=args.docs, suffix=args.suffix, lengths=Ls)
+    write_results(args.out, "perplexity", f"Perplexity, last {args.suffix} of L tokens teacher-forced, "
+                  f"{args.docs} documents, K={args.top_k}",
+                  [("PPL and change against Exact Top-K", markdown_table(rows, main_cols)),
+                   ("Path mix (share of layer x head x step decisions)", markdown_table(rows, mix_cols))],
+                  meta, {"rows": rows, "result": {str(k): v for k, v in result.items()}}, [plot])
+    return {"rows": rows, "result": result}
+
+
+def plot_ppl(result: dict, runs, path: Path) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    Ls = list(result)
+    width = 0.8 / max(1, len(Ls))
+    for i, L in enumerate(Ls):
+        vals = [result[L][r.label]["ppl"] for r in runs]
+        ax.bar([x + i * width for x in range(len(runs))], vals, width, label=f"L={L}")
+    ax.set_xticks([x + width * (len(Ls) - 1) / 2 for x in range(len(runs))], [r.label for r in runs], rotation=35,
+                  ha="right", fontsize=7)
+    ax.set_ylabel("PPL")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("teacher-forced suffix perplexity")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()
