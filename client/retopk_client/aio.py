@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import grpc
@@ -21,9 +20,8 @@ from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_client.channel import DEFAULT, ClientConfig
 from retopk_client.errors import NotFound, RetopkError, from_rpc_error
-from retopk_client.health import METHOD as HEALTH_METHOD
-from retopk_client.health import HealthCheckRequest, HealthCheckResponse, status_name
-from retopk_client.retry import RetryPolicy, acall_with_retry, remaining
+from retopk_client.health import HealthCheckRequest, check_method, status_name
+from retopk_client.retry import Attempts, RetryPolicy, acall_with_retry
 from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
 
 
@@ -32,10 +30,8 @@ class AsyncGenerateStream:
 
     def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=asyncio.sleep) -> None:
         self._start = start  # start(timeout_left) -> grpc.aio.UnaryStreamCall
-        self._policy = policy
-        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._attempts = Attempts(policy, timeout)
         self._sleep = sleep
-        self._attempt = 0
         self._received = 0
         self._done = False
         self._call = start(timeout)
@@ -65,13 +61,12 @@ class AsyncGenerateStream:
             return chunk
 
     async def _retry(self, err: RetopkError) -> bool:
-        delay = self._policy.backoff(self._attempt)
-        left = remaining(self._deadline)
-        if not self._policy.should_retry(err, self._attempt) or (left is not None and left <= delay):
+        """Before the first chunk only: back off and re-send when the policy allows it."""
+        delay = self._attempts.delay_after(err)
+        if delay is None:
             return False
         await self._sleep(delay)
-        self._attempt += 1
-        self._call = self._start(remaining(self._deadline))
+        self._call = self._start(self._attempts.left())
         return True
 
     def cancel(self) -> None:
@@ -154,24 +149,10 @@ class AsyncClient:
         channel: grpc.aio.Channel | None = None,
     ) -> None:
         config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
-        if channel is None:
-            creds = config.channel_credentials()
-            options = config.channel_options()
-            channel = (
-                grpc.aio.secure_channel(config.address, creds, options)
-                if creds
-                else grpc.aio.insecure_channel(config.address, options)
-            )
-            self._owns_channel = True
-        else:
-            self._owns_channel = False
-        self._channel = channel
-        self._stub = pb_grpc.ReTopKServiceStub(channel)
-        self._health = channel.unary_unary(
-            HEALTH_METHOD,
-            request_serializer=HealthCheckRequest.SerializeToString,
-            response_deserializer=HealthCheckResponse.FromString,
-        )
+        self._owns_channel = channel is None
+        self._channel = config.open_channel(grpc.aio) if channel is None else channel
+        self._stub = pb_grpc.ReTopKServiceStub(self._channel)
+        self._health = check_method(self._channel)
 
     async def close(self) -> None:
         if self._owns_channel:

@@ -63,6 +63,14 @@ class ClientConfig:
             return self.credentials
         return grpc.ssl_channel_credentials() if self.secure else None
 
+    def open_channel(self, api):
+        """A channel to ``address`` from ``api``: the ``grpc`` module (sync) or ``grpc.aio`` (asyncio)."""
+        creds = self.channel_credentials()
+        options = self.channel_options()
+        if creds is not None:
+            return api.secure_channel(self.address, creds, options)
+        return api.insecure_channel(self.address, options)
+
     def call_timeout(self, timeout: float | None | object) -> float | None:
         """The per-call override when given, else the client's default."""
         return self.timeout if timeout is DEFAULT else timeout  # type: ignore[return-value]

@@ -35,5 +35,13 @@ def _message_classes():
 HealthCheckRequest, HealthCheckResponse = _message_classes()
 
 
+def check_method(channel):
+    """The Health/Check callable on a sync or asyncio channel."""
+    return channel.unary_unary(
+        METHOD, request_serializer=HealthCheckRequest.SerializeToString,
+        response_deserializer=HealthCheckResponse.FromString,
+    )
+
+
 def status_name(response) -> str:
     return STATUS_NAMES.get(response.status, str(response.status))

@@ -56,9 +56,26 @@ class RetryPolicy:
         return err.code in self.retry_codes and attempt + 1 < self.max_attempts
 
 
-def remaining(deadline: float | None) -> float | None:
-    """Seconds left before ``deadline`` (a ``time.monotonic()`` value), or None for no deadline."""
-    return None if deadline is None else deadline - time.monotonic()
+class Attempts:
+    """The retry state of one call: its deadline and how many attempts have failed so far."""
+
+    def __init__(self, policy: RetryPolicy, timeout: float | None) -> None:
+        self.policy = policy
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.failed = 0
+
+    def left(self) -> float | None:
+        """Seconds left before the deadline, or None for no deadline."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def delay_after(self, err: RetopkError) -> float | None:
+        """Seconds to wait before retrying after ``err``, or None when it must be raised instead."""
+        delay = self.policy.backoff(self.failed)
+        left = self.left()
+        if not self.policy.should_retry(err, self.failed) or (left is not None and left <= delay):
+            return None
+        self.failed += 1
+        return delay
 
 
 def call_with_retry(
@@ -71,19 +88,16 @@ def call_with_retry(
 
     Every failure leaves as a typed ``RetopkError``; the last attempt's error is the one raised.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    attempt = 0
+    attempts = Attempts(policy, timeout)
     while True:
         try:
-            return fn(remaining(deadline))
+            return fn(attempts.left())
         except grpc.RpcError as rpc_err:
             err = from_rpc_error(rpc_err)
-        delay = policy.backoff(attempt)
-        left = remaining(deadline)
-        if not policy.should_retry(err, attempt) or (left is not None and left <= delay):
+        delay = attempts.delay_after(err)
+        if delay is None:
             raise err
         sleep(delay)
-        attempt += 1
 
 
 async def acall_with_retry(
@@ -93,16 +107,13 @@ async def acall_with_retry(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """The asyncio twin of ``call_with_retry``."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    attempt = 0
+    attempts = Attempts(policy, timeout)
     while True:
         try:
-            return await fn(remaining(deadline))
+            return await fn(attempts.left())
         except grpc.RpcError as rpc_err:
             err = from_rpc_error(rpc_err)
-        delay = policy.backoff(attempt)
-        left = remaining(deadline)
-        if not policy.should_retry(err, attempt) or (left is not None and left <= delay):
+        delay = attempts.delay_after(err)
+        if delay is None:
             raise err
         await sleep(delay)
-        attempt += 1

@@ -4,4 +4,5 @@ import sys
 
 from retopk_client.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing this module (e.g. while walking the package) runs nothing
+    sys.exit(main())
