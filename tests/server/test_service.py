@@ -295,3 +295,15 @@ def test_bad_configuration_exits_with_a_message(argv, capsys):
         config_from(argv, {})
     assert info.value.code == 2
     assert argv[0].lstrip("-").split("-")[0] in capsys.readouterr().err
+
+
+def test_help_documents_every_option():
+    from dataclasses import fields
+
+    from retopk_server.cli import OPTIONS, build_parser
+    from retopk_server.config import ServerConfig
+
+    text = " ".join(build_parser().format_help().split())
+    assert {o.field for o in OPTIONS} == {f.name for f in fields(ServerConfig)}  # one flag per config field
+    for option in OPTIONS:
+        assert option.flag in text and f"env {option.env};" in text
