@@ -125,6 +125,7 @@ class Engine:
         self._commands: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._sessions: dict[str, SessionRecord] = {}
         self._running: list[ActiveRequest] = []
+        self._admitting = 0  # 1 while a request is between the queue and the batch (prefilling)
         self._ephemeral = 0
         self._draining = False
         self._stop = False
@@ -159,7 +160,7 @@ class Engine:
     def in_flight(self) -> int:
         """Requests queued or running."""
         with self._lock:
-            return len(self._queue) + len(self._running)
+            return len(self._queue) + len(self._running) + self._admitting
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; requests still queued or running end with UNAVAILABLE."""
@@ -299,21 +300,29 @@ class Engine:
                 if not self._queue:
                     return
                 r = self._queue.popleft()
-            if r.expired(time.monotonic()):
-                self._fail(r, EngineError(ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded while queued"))
-                continue
-            if r.stream.cancelled:
-                self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
-                continue
+                self._admitting = 1
             try:
-                self._prefill(r)
-            except EngineError as e:
-                self._fail(r, e)
-            except Exception as e:
-                log.exception("prefill of request %s failed", r.spec.request_id)
-                self._fail(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
-            if not r.done:
-                self._running.append(r)
+                self._admit_one(r)
+            finally:
+                with self._lock:
+                    self._admitting = 0
+
+    def _admit_one(self, r: ActiveRequest) -> None:
+        if r.expired(time.monotonic()):
+            self._fail(r, EngineError(ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded while queued"))
+            return
+        if r.stream.cancelled:
+            self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
+            return
+        try:
+            self._prefill(r)
+        except EngineError as e:
+            self._fail(r, e)
+        except Exception as e:
+            log.exception("prefill of request %s failed", r.spec.request_id)
+            self._fail(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
+        if not r.done:
+            self._running.append(r)
 
     def _prefill(self, r: ActiveRequest) -> None:
         runner, spec = self.runner, r.spec

@@ -111,8 +111,12 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], object] | Non
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine = Engine(runner_factory or default_runner_factory(config), config.engine_config(),
-                    observer or make_observer(config))
+    try:
+        observer = observer or make_observer(config)
+    except RuntimeError as e:  # e.g. the metrics port is taken
+        log.error("%s", e)
+        return 1
+    engine = Engine(runner_factory or default_runner_factory(config), config.engine_config(), observer)
     log.info("loading model %s on %s (%s, backend %s)", config.model, config.device, config.dtype, config.backend)
     t0 = time.monotonic()
     try:
