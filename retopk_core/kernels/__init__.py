@@ -14,4 +14,5 @@ Kernel files (each holds ``@triton.jit`` code and a thin launcher that checks it
     select_attend.py  stage 3: Top-K of the path's scores, softmax, indexed value sum, FIFO write
     workspace.py      grow-only scratch buffers per state / device (no allocation in the decode loop)
     launch.py         the three entry points the methods call (dense, exact Top-K, ReTopK)
+    compile_check.py  compiles every kernel for a CUDA target without a GPU (catches compiler-only errors)
 """

@@ -16,6 +16,7 @@ CASES = [  # (B, H_kv, G, d, lengths, block, dtype)
     (2, 2, 7, 128, [1500, 900], None, torch.float32),
     (2, 1, 7, 128, [300, 1], 32, torch.bfloat16),
     (1, 2, 3, 64, [257], 64, torch.float16),
+    (2, 1, 3, 96, [130, 77], 16, torch.float32),  # head dim not a power of two
 ]
 
 

@@ -17,6 +17,7 @@ CASES = [  # (B, H_kv, G, d, lengths, block, K, chunk, fan)
     (2, 2, 3, 64, [20, 90], None, 64, None, None),  # L < K: -1 padding
     (1, 1, 3, 128, [1500], 128, 512, None, None),
     (2, 1, 1, 64, [1100, 600], None, 512, 512, None),  # several chunks with K = 512, one merge
+    (1, 1, 3, 96, [150], 16, 24, None, None),  # head dim and K not powers of two
 ]
 
 
