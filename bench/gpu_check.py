@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py                    # on a GPU machine (budget: well inside 8 minutes)
     python bench/gpu_check.py --interpret --tiny # end to end on the CPU under TRITON_INTERPRET
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --batch 1 8 --out-dir "$OUT"   # on the lent H200 box
 
 Stage 1 runs ``pytest tests/kernels`` compiled (one process per test file, in parallel) and, beside
 them, one warm-up process per method that compiles the benchmark's kernels into triton's disk cache
@@ -32,6 +33,8 @@ import time
 from pathlib import Path as FsPath
 
 ROOT = FsPath(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a plain script from a checkout that is not pip-installed (the GPU box)
+    sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
