@@ -31,13 +31,17 @@ def test_generate_streams_an_answer_naming_paris(run_cli):
 
 def test_generate_json_is_one_parseable_summary(run_cli):
     done = run_cli("generate", "Once upon a time", "--raw", "--max-new-tokens", "2", "--ignore-eos",
-                   "--method", "retopk", "--method-params", "top_k=16,window=8", "--json")
+                   "--method", "retopk", "--method-params", "top_k=16,window=8", "--step-stats", "--json")
     assert done.returncode == 0, done.stderr
     (line,) = done.stdout.strip().splitlines()
     out = json.loads(line)
     assert len(out["token_ids"]) == out["usage"]["generated_tokens"] == 2
     assert out["finish_reason"] == "length" and isinstance(out["text"], str)
     assert out["timings"]["total_seconds"] >= out["timings"]["time_to_first_token_seconds"] >= 0
+    # path statistics summarised: every (layer, head) of every reported step took one known path
+    assert 1 <= out["steps"] <= 2
+    assert set(out["path_counts"]) <= {"reuse", "fallback", "refresh", "exact", "dense", "approx", "cached"}
+    assert sum(out["path_counts"].values()) == out["steps"] * 30 * 9
 
 
 def test_server_errors_print_one_line_and_exit_1(run_cli):
