@@ -128,9 +128,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
     keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
     out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, state))
-    C = state.queries.shape[2]
-    state.ptr[slots] = (state.ptr[slots] + 1) % C
-    state.fill[slots] = (state.fill[slots] + 1).clamp(max=C)
+    state.advance(slots)
     state.step[slots] += 1
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel)
 

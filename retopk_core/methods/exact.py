@@ -36,8 +36,9 @@ class ExactTopK(AttentionMethod):
             sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale)  # (B, H, K)
             out = sparse_attend(kv, sel_pos, sel_scores, q.dtype)  # (B, H, d_v)
         n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
-        return StepOutput(out=out, path=torch.full((B, H), Path.EXACT, dtype=torch.int8),
-                          max_sim=torch.full((B, H), float("nan")), n_scored=n.clone(), selected=sel_pos)
+        path = torch.full((B, H), Path.EXACT, dtype=torch.int8, device=q.device)
+        return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
+                          n_scored=n.clone(), selected=sel_pos)
 
     def describe(self) -> dict:
         return {"method": self.name, "top_k": self.top_k, "backend": self.backend}

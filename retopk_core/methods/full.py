@@ -27,8 +27,9 @@ class FullAttention(AttentionMethod):
         else:
             out = dense_attend(q, kv, scale)  # (B, H, d_v)
         n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
-        return StepOutput(out=out, path=torch.full((B, H), Path.DENSE, dtype=torch.int8),
-                          max_sim=torch.full((B, H), float("nan")), n_scored=n.clone(), selected=None)
+        path = torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device)
+        return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
+                          n_scored=n.clone(), selected=None)
 
     def describe(self) -> dict:
         return {"method": self.name, "backend": self.backend}

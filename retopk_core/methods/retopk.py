@@ -73,6 +73,10 @@ class QuerySupportCache(SlotPool):
         at = self.ptr[slots].view(B, 1)  # (B, 1)
         self.queries[slots.view(B, 1), heads, at] = qn
         self.support[slots.view(B, 1), heads, at] = support
+        self.advance(slots)
+
+    def advance(self, slots: torch.Tensor) -> None:
+        """Move the write pointer and fill count past the entry just written at each slot (B,)."""
         C = self.queries.shape[2]
         self.ptr[slots] = (self.ptr[slots] + 1) % C
         self.fill[slots] = (self.fill[slots] + 1).clamp(max=C)
