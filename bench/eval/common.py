@@ -153,10 +153,11 @@ class MethodRun:
         return self.spec.name
 
 
-def method_run(name: str, top_k: int, head_dim: int, label: str | None = None, **params) -> MethodRun:
+def method_run(name: str, budget: int, head_dim: int, label: str | None = None, **params) -> MethodRun:
+    """The method at the shared budget (``method_defaults``), ``params`` overriding (top_k included)."""
     from retopk_server.runtime import MethodSpec
 
-    merged = {**method_defaults(name, top_k, head_dim), **params}
+    merged = {**method_defaults(name, params.get("top_k", budget), head_dim), **params}
     if label is None:
         label = name + (" " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")
     return MethodRun(label, MethodSpec.of(name, **merged))
@@ -217,6 +218,52 @@ class PathMix:
                 "scored_share": self.scored / self.length if self.length else float("nan")}
 
 
+# ---- shared prefill ------------------------------------------------------------------------------
+SHARE_TAIL = 64  # tokens each session prefills itself after the shared prefix (>= every method's C)
+
+
+def _can_share(runner) -> bool:
+    pool = getattr(runner, "pool", None)
+    return all(hasattr(runner, a) for a in ("_reserve", "_groups")) and pool is not None and \
+        hasattr(pool, "k") and hasattr(pool, "v") and hasattr(pool, "blocks_for")
+
+
+def prefill_all(runner, sessions: list, ids: list[int], share: bool = True) -> torch.Tensor:
+    """Prefill the same ids into every session -> (B, V) logits after the last id.
+
+    With ``share`` the dense prefix ids[:-tail] is computed ONCE in a donor session of the stateless
+    "full" method and its keys/values are copied into every session's blocks; each session then
+    prefills the last ``tail`` ids itself (a later-turn prefill), so its method sees the prompt's last
+    queries with the whole prefix in its KV cache, as after a plain prefill (tests check that the
+    logits and decode steps equal a plain prefill's for every method). The copy uses the runner's
+    internals (KV pool, block reservation); without them, or for short prompts, each session
+    prefills everything.
+    """
+    want = max([SHARE_TAIL] + [runner._groups[s.method].method.prefill_queries for s in sessions]
+               if hasattr(runner, "_groups") else [SHARE_TAIL])
+    if not share or len(sessions) < 2 or len(ids) <= 2 * want or not _can_share(runner) \
+            or any(s.length for s in sessions):
+        return torch.stack([runner.prefill(s, ids) for s in sessions])
+    from retopk_server.runtime import MethodSpec
+
+    head, tail = ids[:-want], ids[-want:]
+    donor = runner.open_session(MethodSpec("full"))
+    try:
+        runner.prefill(donor, head)
+        n = runner.pool.blocks_for(len(head))
+        for s in sessions:
+            runner._reserve(s, len(head))
+            src = torch.tensor(donor.blocks[:n], dtype=torch.long)
+            dst = torch.tensor(s.blocks[:n], dtype=torch.long)
+            for pools in (runner.pool.k, runner.pool.v):
+                for layer in range(len(pools)):
+                    pools[layer][dst.to(pools[layer].device)] = pools[layer][src.to(pools[layer].device)]
+            s.token_ids.extend(head)
+    finally:
+        runner.close_session(donor)
+    return torch.stack([runner.prefill(s, tail) for s in sessions])
+
+
 # ---- batched teacher forcing ---------------------------------------------------------------------
 @dataclass
 class ForcedTrace:
@@ -229,7 +276,7 @@ class ForcedTrace:
 
 @torch.inference_mode()
 def teacher_force(runner, runs: list[MethodRun], ids: list[int], prefix: int, progress=None,
-                  on_step=None) -> dict[str, ForcedTrace]:
+                  on_step=None, share: bool = True) -> dict[str, ForcedTrace]:
     """Prefill ids[:prefix - 1] densely, then decode ids[prefix - 1 : -1] one token a step with every
     method in one batch; step j's logits predict ids[prefix + j], so all len(ids) - prefix scored
     predictions come from sparse decode steps. ``on_step(j, logits (B, V), stats)`` is called per step.
@@ -239,8 +286,7 @@ def teacher_force(runner, runs: list[MethodRun], ids: list[int], prefix: int, pr
     sessions = [runner.open_session(r.spec) for r in runs]
     traces = {r.label: ForcedTrace() for r in runs}
     try:
-        for s in sessions:
-            runner.prefill(s, ids[:prefix - 1])
+        prefill_all(runner, sessions, ids[:prefix - 1], share)
         for j in range(len(ids) - prefix):
             tok = ids[prefix - 1 + j]
             logits, stats = runner.decode(sessions, [tok] * len(sessions), with_stats=True)
@@ -268,7 +314,7 @@ def ppl(nll: list[float]) -> float:
 # ---- greedy answering ----------------------------------------------------------------------------
 @torch.inference_mode()
 def answer(runner, runs: list[MethodRun], context: list[int], question: list[int], max_new: int,
-           stop_ids: tuple[int, ...] = (), progress=None) -> dict[str, dict]:
+           stop_ids: tuple[int, ...] = (), progress=None, share: bool = True) -> dict[str, dict]:
     """Prefill ``context`` densely, decode ``question`` token by token with each method (so the
     question's attention is the method's, as in the paper), then greedy-generate up to max_new
     tokens. -> label -> {"ids": generated ids, "mix": PathMix}."""
@@ -278,8 +324,7 @@ def answer(runner, runs: list[MethodRun], context: list[int], question: list[int
     mixes = [PathMix() for _ in runs]
     out = [[] for _ in runs]
     try:
-        for s in sessions:
-            runner.prefill(s, context)
+        prefill_all(runner, sessions, context, share)
         logits = None
         for tok in question:
             logits, stats = runner.decode(sessions, [tok] * len(sessions), with_stats=True)

@@ -84,10 +84,11 @@ def summarize(recorders: dict) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> dict:
+def main(argv=None, runner=None) -> dict:
+    """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
     started = time.time()
-    runner = make_runner(args)
+    runner = runner or make_runner(args)
     head_dim = runner.info.head_dim
     runs, recorders = probed(parse_methods(args.methods, args.top_k, head_dim), args.top_k, head_dim)
     text = load_corpus(args.corpus)

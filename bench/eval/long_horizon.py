@@ -25,6 +25,7 @@ from bench.eval.common import (
     make_runner,
     markdown_table,
     method_run,
+    prefill_all,
     progress_bar,
     pyplot,
     run_meta,
@@ -88,7 +89,7 @@ def autoregressive(runner, args, prompts, head_dim: int) -> dict:
         sessions = [runner.open_session(r.spec) for r in runs] + [runner.open_session(shadow.spec) for _ in runs]
         n = len(runs)
         try:
-            logits = torch.stack([runner.prefill(s, prompt) for s in sessions])  # (2n, V), dense: all equal
+            logits = prefill_all(runner, sessions, prompt)  # (2n, V), dense: all equal
             tokens = logits[:n].argmax(-1).tolist()
             for j in range(args.continuation):
                 logits, _ = runner.decode(sessions, tokens + tokens)  # each shadow gets its twin's token
@@ -112,10 +113,11 @@ def checkpoints(T: int, n: int) -> list[int]:
     return sorted({max(1, round(T * (i + 1) / n)) for i in range(n)})
 
 
-def main(argv=None) -> dict:
+def main(argv=None, runner=None) -> dict:
+    """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
     started = time.time()
-    runner = make_runner(args)
+    runner = runner or make_runner(args)
     head_dim = runner.info.head_dim
     text = load_corpus(args.corpus)
     docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs,

@@ -136,10 +136,11 @@ def build_prompt(runner, dataset: str, ex: dict, max_length: int, chat: bool) ->
     return head + context, tail
 
 
-def main(argv=None) -> dict:
+def main(argv=None, runner=None) -> dict:
+    """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
     started = time.time()
-    runner = make_runner(args)
+    runner = runner or make_runner(args)
     runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
     datasets = [d for d in args.datasets.split(",") if d]
     bad = set(datasets) - set(DATASETS)

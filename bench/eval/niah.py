@@ -133,10 +133,11 @@ def score(text: str, values: list[str]) -> float:
     return sum(v in text for v in values) / len(values)
 
 
-def main(argv=None) -> dict:
+def main(argv=None, runner=None) -> dict:
+    """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
     started = time.time()
-    runner = make_runner(args)
+    runner = runner or make_runner(args)
     runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
     text = load_corpus(args.corpus)
     tasks = [t for t in args.tasks.split(",") if t]

@@ -91,10 +91,11 @@ def rows_for(result: dict, runs, reference: str = "exact_topk") -> list[dict]:
     return rows
 
 
-def main(argv=None) -> dict:
+def main(argv=None, runner=None) -> dict:
+    """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
     started = time.time()
-    runner = make_runner(args)
+    runner = runner or make_runner(args)
     runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
     text = load_corpus(args.corpus)
     encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731

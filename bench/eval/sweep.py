@@ -99,10 +99,11 @@ def configurations(args, head_dim: int) -> tuple[list, list[dict]]:
     return runs, info
 
 
-def main(argv=None) -> dict:
+def main(argv=None, runner=None) -> dict:
+    """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
     started = time.time()
-    runner = make_runner(args)
+    runner = runner or make_runner(args)
     runs, info = configurations(args, runner.info.head_dim)
     text = load_corpus(args.corpus)
     docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, args.length)
