@@ -41,3 +41,16 @@ def embedded_model():
     from retopk_core.models import DEFAULT_MODEL, load_model
 
     return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    """Address "127.0.0.1:PORT" of ONE real server on the embedded model, shared by every test folder
+    (server, client): the model load is the suite's most expensive step."""
+    from tests._live_server import launch_server
+
+    server = launch_server()
+    try:
+        yield server.address
+    finally:
+        server.stop()

@@ -15,19 +15,10 @@ import sys
 import pytest
 
 from retopk_client import Client
-from tests._live_server import REPO, launch_server
+from tests._live_server import REPO
 
 # Generous per-call deadline: the shared 2-core CI machine can be slow; a hang still fails.
 CALL_TIMEOUT = 300.0
-
-
-@pytest.fixture(scope="session")
-def live_server():
-    server = launch_server()
-    try:
-        yield server.address
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

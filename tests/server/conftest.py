@@ -20,17 +20,7 @@ from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine
 from retopk_server.service.server import start
-from tests._live_server import launch_server
 from tests.server.fake_runner import FakeRunner
-
-
-@pytest.fixture(scope="session")
-def live_server():
-    server = launch_server()
-    try:
-        yield server.address
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
