@@ -51,13 +51,13 @@ def part_argv(part: str, args) -> list[str]:
     long_L = str(max(args.lengths))
     return base + {
         "perplexity": ["--methods", args.methods, "--top-k", K, "--lengths", *Ls, "--docs", str(n(1, s)),
-                       "--suffix", str(n(256, s, 8))],
-        "niah": ["--methods", args.methods, "--top-k", K, "--lengths", *Ls, "--depths", str(n(3, s, 2)),
+                       "--suffix", str(n(128, s, 8))],
+        "niah": ["--methods", args.methods, "--top-k", K, "--lengths", *Ls, "--depths", str(n(2, s, 2)),
                  "--needles", "3"],
         "fidelity": ["--methods", "retopk,exact_topk,streaming_llm", "--top-k", K, "--length", long_L,
-                     "--docs", str(n(1, s)), "--suffix", str(n(160, s, 8))],
-        "sweep": ["--top-k", K, "--length", long_L, "--docs", str(n(1, s)), "--suffix", str(n(160, s, 8))],
-        "long_horizon": ["--top-k", K, "--prefill", long_L, "--continuation", str(n(512, s, 16)),
+                     "--docs", str(n(1, s)), "--suffix", str(n(80, s, 8))],
+        "sweep": ["--top-k", K, "--length", long_L, "--docs", str(n(1, s)), "--suffix", str(n(80, s, 8))],
+        "long_horizon": ["--top-k", K, "--prefill", long_L, "--continuation", str(n(256, s, 16)),
                          "--refresh", "0,32,128", "--docs", str(n(1, s))],
         "longbench": ["--methods", args.methods, "--top-k", K, "--data", str(args.longbench_data)],
     }[part]

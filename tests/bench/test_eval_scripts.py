@@ -159,3 +159,161 @@ def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
             a, _ = runner.decode(plain, [t] * len(plain))
             b, _ = runner.decode(shared, [t] * len(shared))
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{names}: {m}")
+
+
+# ---- fidelity -------------------------------------------------------------------------------------
+def test_fidelity_exact_topk_has_full_recall_and_dense_budget_matches_full(tiny, tmp_path):
+    from bench.eval import fidelity
+
+    res = fidelity.main(common_args(tiny) + ["--methods", "retopk:cache_size=8,exact_topk,exact_topk:top_k=1024",
+                                             "--top-k", "16", "--length", "240", "--docs", "1", "--suffix", "12",
+                                             "--out", str(tmp_path)])
+    data = read_json(tmp_path, "fidelity")
+    assert (tmp_path / "fidelity_heatmap.png").is_file()
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["exact_topk"]["recall"] == 1.0
+    assert 0 < rows["exact_topk"]["mass"] < 1 and rows["exact_topk"]["cosine"] <= 1 + 1e-6
+    assert rows["exact_topk top_k=1024"]["mass"] == pytest.approx(1.0, abs=1e-5)
+    assert rows["exact_topk top_k=1024"]["cosine"] == pytest.approx(1.0, abs=1e-5)
+    r = rows["retopk cache_size=8"]
+    assert 0 <= r["recall"] <= 1 and 0 < r["mass"] <= rows["exact_topk top_k=1024"]["mass"] + 1e-6
+    heat = data["heatmaps"]["retopk cache_size=8"]["recall"]
+    assert len(heat) == 2 and all(len(row) == 4 for row in heat)  # layers x query heads
+    rec = res["recorders"]["exact_topk"]
+    assert int(rec.count.sum()) == 12 * 2 * 4  # steps x layers x heads
+
+
+def test_fidelity_probe_returns_the_inner_methods_output():
+    from retopk_core.kv import PagedKV
+    from retopk_core.methods import make_method
+    from retopk_core.methods.probe import FidelityRecorder
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 2, 40, 8, generator=g)
+    kv = PagedKV.contiguous(k, v, torch.tensor([40, 31]))
+    q = torch.randn(2, 4, 8, generator=g)
+    rec = FidelityRecorder()
+    probe = make_method("fidelity_probe", inner="streaming_llm", recorder=rec, top_k=8, sinks=2)
+    inner = make_method("streaming_llm", top_k=8, sinks=2)
+    ps, ist = probe.init_state(4, 2, 8, capacity=2), inner.init_state(4, 2, 8, capacity=2)
+    slots = torch.tensor([ps.alloc(), ps.alloc()])
+    islots = torch.tensor([ist.alloc(), ist.alloc()])
+    a, b = probe.decode(q, kv, ps, slots), inner.decode(q, kv, ist, islots)
+    torch.testing.assert_close(a.out, b.out)
+    assert torch.equal(a.selected, b.selected)
+    # recall from the definition: the share of the exact Top-8 (by q.k) that the inner method kept
+    total = sum(len(set((k[bi, h // 2, :int(kv.lengths[bi])] @ q[bi, h]).topk(8).indices.tolist())
+                    & set(b.selected[bi, h][b.selected[bi, h] >= 0].tolist())) / 8
+                for bi in range(2) for h in range(4))
+    assert rec.mean("recall") == pytest.approx(total / 8, abs=1e-6)
+
+
+# ---- sweep ----------------------------------------------------------------------------------------
+def test_sweep_rows_and_ablation_invariants(tiny, tmp_path):
+    from bench.eval import sweep
+
+    res = sweep.main(common_args(tiny) + ["--top-k", "16", "--K", "8", "--C", "8", "--R", "2", "--W", "8",
+                                          "--tau", "1.0", "--T_r", "4", "--length", "240", "--docs", "1",
+                                          "--suffix", "12", "--out", str(tmp_path)])
+    read_json(tmp_path, "sweep")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert {"retopk default", "exact_topk K=16", "exact_topk K=8", "retopk K=8", "retopk C=8", "retopk R=2",
+            "retopk W=8", "retopk tau=1.0", "retopk T_r=4", "retopk recent-R retrieval", "retopk no window (W=0)",
+            "retopk no fallback (tau=0)", "retopk no refresh (T_r=0)"} <= set(rows)
+    assert rows["retopk tau=1.0"]["dppl"] == pytest.approx(0.0, abs=1e-6)  # every step exact
+    assert rows["retopk no fallback (tau=0)"]["fallback"] == 0.0
+    assert rows["retopk no refresh (T_r=0)"]["refresh"] == 0.0
+    assert rows["retopk T_r=4"]["refresh"] == pytest.approx(2 / 12)  # steps 4 and 8 of 0..11
+    assert rows["retopk K=8"]["k"] == 8
+
+
+# ---- long horizon ---------------------------------------------------------------------------------
+def test_long_horizon_curves_and_agreement(tiny, tmp_path):
+    from bench.eval import long_horizon
+
+    res = long_horizon.main(common_args(tiny) + ["--top-k", "16", "--refresh", "0,1", "--prefill", "200",
+                                                 "--continuation", "20", "--windows", "4", "--out", str(tmp_path)])
+    data = read_json(tmp_path, "long_horizon")
+    assert (tmp_path / "long_horizon.png").is_file()
+    assert set(res["curves"]) == {"retopk T_r=0", "retopk T_r=1"}
+    assert all(len(c) == 20 and torch.isfinite(c).all() for c in res["curves"].values())
+    # T_r = 1 refreshes on every step after the first: it decodes as Exact Top-K from step 1 on
+    assert res["mix"]["retopk T_r=1"]["refresh"] == pytest.approx(19 / 20)
+    ar = res["autoregressive"]
+    for label in ("retopk T_r=0", "retopk T_r=1"):
+        assert len(ar["agree"][label]) == 20 and ((ar["agree"][label] >= 0) & (ar["agree"][label] <= 1)).all()
+        assert (ar["kl"][label] >= -1e-6).all()
+    assert "autoregressive" in data
+
+
+# ---- needle in a haystack -------------------------------------------------------------------------
+def test_niah_example_layout():
+    from bench.eval.niah import NEEDLE, build_example, score
+
+    lines = [f"line {i} of the haystack" for i in range(200)]
+    encode = lambda s: s.split()  # noqa: E731 - a whitespace "tokenizer"
+    for depth, where in ((0.0, 0), (1.0, -1)):
+        ex = build_example("single", depth, 300, lines, encode, random.Random(1), 3, overhead=20)
+        ctx = ex["context"].split("\n")
+        assert ctx[where] == NEEDLE.format(key=ex["key"], value=ex["values"][0])
+        assert sum(len(encode(x)) + 1 for x in ctx) <= 300 - 20
+    ex = build_example("multivalue", 0.5, 300, lines, encode, random.Random(2), 3, overhead=20)
+    assert len(ex["values"]) == 3 and all(NEEDLE.format(key=ex["key"], value=v) in ex["context"]
+                                          for v in ex["values"])
+    ex = build_example("multikey", 0.5, 300, lines, encode, random.Random(3), 3, overhead=20)
+    assert len(ex["values"]) == 1 and ex["context"].count("special magic number") == 3
+    assert score("it is 1234567 and 7654321", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+
+
+def test_niah_runs_every_task_depth_and_method(tiny, tmp_path):
+    from bench.eval import niah
+
+    res = niah.main(common_args(tiny) + ["--methods", "full,exact_topk,retopk", "--top-k", "16", "--lengths",
+                                         "600", "--depths", "2", "--needles", "2", "--max-new", "4",
+                                         "--out", str(tmp_path)])
+    read_json(tmp_path, "niah")
+    assert len(res["records"]) == 3 * 2 * 3  # tasks x depths x methods
+    assert all(0 <= r["score"] <= 1 and r["context_tokens"] <= 600 for r in res["records"])
+    assert [r["method"] for r in res["rows"]] == ["full", "exact_topk", "retopk"]
+
+
+# ---- LongBench ------------------------------------------------------------------------------------
+SAMPLE = {
+    "hotpotqa": [{"input": "Which city is the capital of the country where the tower stands?",
+                  "context": "Passage 1:\nThe tower is in France.\nPassage 2:\nParis is the capital of France.",
+                  "answers": ["Paris"]}],
+    "2wikimqa": [{"input": "Who was born first, Alice or Bob?",
+                  "context": "Passage 1:\nAlice was born in 1901.\nPassage 2:\nBob was born in 1899.",
+                  "answers": ["Bob"]}],
+    "multifieldqa_en": [{"input": "What colour is the door?",
+                         "context": "The house at the end of the lane has a red door. " * 40,
+                         "answers": ["red", "red door"]}],
+}
+
+
+def test_longbench_f1_from_the_definition():
+    from bench.eval.longbench import best_f1, normalize_answer
+
+    assert normalize_answer("The  Paris!") == "paris"
+    assert best_f1("Paris.", ["Paris"]) == 1.0
+    assert best_f1("Paris France", ["Paris"]) == pytest.approx(2 * 0.5 * 1.0 / 1.5)  # P = 1/2, R = 1
+    assert best_f1("blue", ["red", "red door"]) == 0.0
+    assert best_f1("\nred door\nmore text", ["red", "red door"]) == 1.0  # first line only, best reference
+
+
+def test_longbench_on_a_hand_made_sample(tiny, tmp_path):
+    from bench.eval import longbench
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, rows in SAMPLE.items():
+        (data / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res = longbench.main(["--model", tiny[0], "--methods", "full,retopk", "--top-k", "16", "--data", str(data),
+                          "--max-length", "500", "--out", str(tmp_path / "out")])
+    read_json(tmp_path / "out", "longbench")
+    assert len(res["records"]) == 3 * 2
+    assert all(r["prompt_tokens"] <= 500 and 0 <= r["f1"] <= 1 for r in res["records"])
+    # the long MultiFieldQA context is cut in the middle to exactly the budget
+    assert {r["prompt_tokens"] for r in res["records"] if r["dataset"] == "multifieldqa_en"} == {500}
+    assert {r["method"] for r in res["rows"]} == {"full", "retopk"}
+    assert all(set(r) >= {"2wikimqa", "hotpotqa", "multifieldqa_en", "avg"} for r in res["rows"])
