@@ -38,6 +38,19 @@ def parse_value(text: str):
     return text
 
 
+def parse_rope_scaling(text: str) -> dict | None:
+    """"linear:4" or "rope_type=linear,factor=4" -> {"rope_type": "linear", "factor": 4.0}; "" / "none" -> None."""
+    if text.strip().lower() in ("", "none"):
+        return None
+    if ":" in text and "=" not in text:
+        kind, _, factor = text.partition(":")
+        return {"rope_type": kind.strip(), "factor": float(factor)}
+    params = parse_params(text)
+    if "factor" in params:
+        params["factor"] = float(params["factor"])
+    return params
+
+
 def parse_params(text: str) -> dict:
     """"top_k=64,tau=0.9" -> {"top_k": 64, "tau": 0.9} ("" -> {})."""
     params = {}
@@ -78,7 +91,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("method_params", parse_params, "default method's hyperparameters, e.g. top_k=64,tau=0.85,window=32",
            "K=V,..."),
     Option("max_context", parse_optional_int, "longest session context in tokens (none = the model's)", "N"),
+    Option("rope_scaling", parse_rope_scaling, "extend the context past the model's trained positions by RoPE "
+                                               "scaling, e.g. linear:4 (4x the positions) or "
+                                               "rope_type=yarn,factor=4,original_max_position_embeddings=8192",
+           "TYPE:FACTOR"),
     Option("prefill_chunk", int, "prompt tokens per prefill forward"),
+    Option("kv_block_size", int, "positions per KV-cache block"),
     Option("max_queue", int, "requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED"),
     Option("max_running", int, "requests decoded together in one batch"),
     Option("max_sessions", int, "open sessions; beyond it CreateSession is RESOURCE_EXHAUSTED"),

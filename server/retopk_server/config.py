@@ -31,7 +31,10 @@ class ServerConfig:
     backend               attention backend: "torch" (reference, CPU) or "triton" (GPU)
     method, method_params default attention method of requests and sessions that name none
     max_context           longest session context (None: the model's trained positions)
+    rope_scaling          RoPE parameters that extend the context past the trained positions, e.g.
+                          {"rope_type": "linear", "factor": 4.0} (see retopk_server.runtime.config)
     prefill_chunk         prompt tokens per prefill forward
+    kv_block_size         positions per KV-cache block
     max_queue             requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED
     max_running           requests decoded together in one batch
     max_sessions          open named sessions; beyond it CreateSession is RESOURCE_EXHAUSTED
@@ -53,7 +56,9 @@ class ServerConfig:
     method: str = "retopk"
     method_params: dict = field(default_factory=_default_method_params)
     max_context: int | None = None
+    rope_scaling: dict | None = None
     prefill_chunk: int = 512
+    kv_block_size: int = 256
     max_queue: int = 64
     max_running: int = 16
     max_sessions: int = 64
@@ -83,7 +88,7 @@ class ServerConfig:
             self.method_spec().build()
         except ValueError as e:
             raise ValueError(f"method: {e}") from None
-        self.runtime_config()  # validates model, dtype, backend, max_context, prefill_chunk
+        self.runtime_config()  # validates model, dtype, backend, max_context, rope_scaling, chunk and block sizes
         self.engine_config()  # validates the limits
 
     def method_spec(self) -> MethodSpec:
@@ -92,7 +97,8 @@ class ServerConfig:
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(model=self.model, device=self.device, dtype=self.dtype, backend=self.backend,
                              default_method=self.method_spec(), max_context=self.max_context,
-                             prefill_chunk=self.prefill_chunk)
+                             rope_scaling=self.rope_scaling, prefill_chunk=self.prefill_chunk,
+                             kv_block_size=self.kv_block_size)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,

@@ -288,8 +288,19 @@ def test_flags_override_env_override_defaults():
     assert config.method_params == {"top_k": 32, "tau": 0.9, "retrieval": "recent"} and config.max_context is None
 
 
+def test_rope_scaling_and_block_size_reach_the_runtime():
+    config = config_from(["--rope-scaling", "linear:4", "--kv-block-size", "64"], {})
+    runtime = config.runtime_config()
+    assert runtime.rope_scaling == {"rope_type": "linear", "factor": 4.0} and runtime.kv_block_size == 64
+    env = {"RETOPK_ROPE_SCALING": "rope_type=yarn,factor=2,original_max_position_embeddings=8192"}
+    assert config_from([], env).rope_scaling == {"rope_type": "yarn", "factor": 2.0,
+                                                 "original_max_position_embeddings": 8192}
+    assert config_from([], {}).runtime_config().rope_scaling is None
+
+
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--method", "magic"],
-                                  ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"]])
+                                  ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"],
+                                  ["--rope-scaling", "dynamic:2"], ["--kv-block-size", "0"]])
 def test_bad_configuration_exits_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as info:
         config_from(argv, {})
