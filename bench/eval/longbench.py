@@ -30,7 +30,9 @@ from bench.eval.common import (
     markdown_table,
     parse_methods,
     progress_bar,
+    pyplot,
     run_meta,
+    save_figure,
     write_results,
 )
 
@@ -175,9 +177,25 @@ def main(argv=None, runner=None) -> dict:
     cols = [("method", "method", "")] + [(d, LABELS[d], ".1f") for d in datasets] + [("avg", "Avg.", ".1f")]
     meta = run_meta(args, runner, started, corpus=None, data=str(args.data), datasets=datasets, limit=args.limit,
                     chat=chat, examples={d: len(v) for d, v in data.items()})
+    plot = plot_f1(rows, datasets, args.out / "longbench.png")
     write_results(args.out, "longbench", f"LongBench QA F1, K={args.top_k}",
-                  [("F1 (%)", markdown_table(rows, cols))], meta, {"rows": rows, "records": records})
+                  [("F1 (%)", markdown_table(rows, cols))], meta, {"rows": rows, "records": records}, [plot])
     return {"rows": rows, "records": records}
+
+
+def plot_f1(rows: list[dict], datasets: list[str], path: Path) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    width = 0.8 / max(1, len(datasets) + 1)
+    for i, key in enumerate(datasets + ["avg"]):
+        ax.bar([x + i * width for x in range(len(rows))], [r[key] or 0.0 for r in rows], width,
+               label=LABELS.get(key, "Avg."))
+    ax.set_xticks([x + width * len(datasets) / 2 for x in range(len(rows))], [r["method"] for r in rows],
+                  rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("F1 (%)")
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,16 @@ def read_json(out, name) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
+@pytest.mark.parametrize("script", ["perplexity", "niah", "fidelity", "sweep", "long_horizon", "longbench", "suite"])
+def test_every_script_has_help(script, capsys):
+    import importlib
+
+    module = importlib.import_module(f"bench.eval.{script}")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0 and "--out" in capsys.readouterr().out
+
+
 # ---- perplexity ----------------------------------------------------------------------------------
 def test_perplexity_invariants_and_reference(tiny, tmp_path):
     from bench.eval import perplexity
@@ -311,6 +321,7 @@ def test_longbench_on_a_hand_made_sample(tiny, tmp_path):
     res = longbench.main(["--model", tiny[0], "--methods", "full,retopk", "--top-k", "16", "--data", str(data),
                           "--max-length", "500", "--out", str(tmp_path / "out")])
     read_json(tmp_path / "out", "longbench")
+    assert (tmp_path / "out" / "longbench.png").is_file()
     assert len(res["records"]) == 3 * 2
     assert all(r["prompt_tokens"] <= 500 and 0 <= r["f1"] <= 1 for r in res["records"])
     # the long MultiFieldQA context is cut in the middle to exactly the budget
