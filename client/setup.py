@@ -2,7 +2,8 @@
 
 All metadata lives in client/pyproject.toml. The stubs are generated from ../proto by
 ../scripts/gen_proto.py (the same script as the root build). Building from an unpacked client sdist,
-where ../proto is absent, packages the stubs the sdist already carries.
+where ../proto is absent, packages the stubs the sdist carries (sdist generates them first and
+MANIFEST.in includes them).
 """
 
 import importlib.util
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
 GEN_SCRIPT = HERE.parent / "scripts" / "gen_proto.py"
@@ -24,11 +26,15 @@ def _gen_proto():
     return module
 
 
+def _can_generate() -> bool:
+    return GEN_SCRIPT.is_file() and PROTO_DIR.is_dir()
+
+
 class BuildPyWithProto(build_py):
     """build_py that first (re)generates retopk_client._proto and adds its packages."""
 
     def run(self):
-        if GEN_SCRIPT.is_file() and PROTO_DIR.is_dir():
+        if _can_generate():
             gen = _gen_proto()
             gen.generate(PROTO_DIR, OUT_DIR)
             packages = gen.generated_packages(OUT_DIR, "retopk_client._proto")
@@ -45,4 +51,13 @@ class BuildPyWithProto(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProto})
+class SdistWithProto(sdist):
+    """sdist that generates the stubs first, so the archive builds without ../proto."""
+
+    def run(self):
+        if _can_generate():
+            _gen_proto().generate(PROTO_DIR, OUT_DIR)
+        super().run()
+
+
+setup(cmdclass={"build_py": BuildPyWithProto, "sdist": SdistWithProto})
