@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -77,7 +78,11 @@ def main(argv=None) -> dict:
     for part in parts:
         t = time.time()
         print(f"== {part}: python -m bench.eval.{part} " + " ".join(part_argv(part, args)), flush=True)
-        results[part] = modules[part].main(part_argv(part, args), runner=runner)
+        argv0, sys.argv = sys.argv, [f"bench/eval/{part}.py", *part_argv(part, args)]  # each part records its command
+        try:
+            results[part] = modules[part].main(part_argv(part, args), runner=runner)
+        finally:
+            sys.argv = argv0
         seconds[part] = time.time() - t
         write_summary(args, results, seconds, time.time() - t0)
     return results
