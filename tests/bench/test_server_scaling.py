@@ -1,0 +1,18 @@
+"""bench/server_scaling.py against the shared live server at a tiny size (structure, no timings)."""
+
+import json
+
+from bench import server_scaling
+
+
+def test_scaling_rows_count_every_token(live_server, tmp_path, capsys):
+    out = tmp_path / "scaling"
+    rows = server_scaling.main(["--address", live_server, "--concurrency", "1", "3", "--requests-per-stream", "1",
+                                "--max-new-tokens", "4", "--out", str(out)])
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["requests_failed"] == 0
+        assert r["generated_tokens"] == r["concurrency"] * 4  # ignore_eos: exactly max_new_tokens each
+    assert rows[0]["vs_first"] == 1.0
+    assert json.loads(out.with_suffix(".json").read_text())[1]["concurrency"] == 3
+    assert "| 3 |" in capsys.readouterr().out
