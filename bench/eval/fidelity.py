@@ -128,6 +128,8 @@ def plot_heatmaps(rec: FidelityRecorder, label: str, path: Path) -> str:
         data = rec.heatmap(m).numpy()
         im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=max(0.0, float(data[data == data].min())), vmax=1.0)
         ax.set_title(f"{m} ({label})", fontsize=9)
+        ax.set_xticks(range(data.shape[1]))
+        ax.tick_params(labelsize=7)
         ax.set_xlabel("query head")
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax, fraction=0.046)
