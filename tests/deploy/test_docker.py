@@ -14,12 +14,11 @@ import subprocess
 import tomllib
 from pathlib import Path
 
+import dockerfile  # a test dependency ([test] extra)
 import pytest
 import yaml
 
 from retopk_server.config import ServerConfig
-
-dockerfile = pytest.importorskip("dockerfile", reason="needs the `dockerfile` package (BuildKit's parser) from PyPI")
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
