@@ -18,6 +18,10 @@ import platform
 import time
 from pathlib import Path as FsPath
 
+from retopk_core.hugepages import enable_transparent_hugepages
+
+enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
+
 import torch
 
 from retopk_core.kv import PagedKV
@@ -99,8 +103,6 @@ def time_method(method, work: Workload, queries: list[torch.Tensor], warmup: int
 
 
 def run(args) -> list[dict]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
     rows = []
     total = args.warmup + args.steps
     for L in args.lengths:
@@ -161,6 +163,8 @@ def plot(rows: list[dict], path: FsPath) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"# attention_cpu: H={args.heads} H_kv={args.kv_heads} d={args.head_dim} K={args.top_k} B={args.batch} "
           f"{args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}", flush=True)
     rows = run(args)

@@ -15,6 +15,10 @@ import json
 import time
 from pathlib import Path as FsPath
 
+from retopk_core.hugepages import enable_transparent_hugepages
+
+enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
+
 import torch
 
 from bench.attention_cpu import Workload

@@ -6,6 +6,10 @@ once in OPTIONS below. Flags override the environment; the environment overrides
 
 from __future__ import annotations
 
+from retopk_core.hugepages import enable_transparent_hugepages
+
+enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
+
 import argparse
 import logging
 import os
