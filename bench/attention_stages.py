@@ -37,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json")
     return p.parse_args(argv)
 
@@ -74,6 +75,8 @@ def exact_stages(work: Workload, q: torch.Tensor, K: int, acc: dict) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = []
     for L in args.lengths:
         work = Workload(args, L)
