@@ -78,10 +78,13 @@ class SlotPool:
         self._free = list(range(self.capacity - 1, old - 1, -1)) + self._free
 
     def alloc(self) -> int:
-        if not self._free:
-            self._grow()
-        slot = self._free.pop()
-        self.reset_slot(slot)
+        # Pools grow inside the runner's inference_mode forwards, which makes their tensors inference
+        # tensors; resetting one in place is only allowed in inference mode (and harmless for others).
+        with torch.inference_mode():
+            if not self._free:
+                self._grow()
+            slot = self._free.pop()
+            self.reset_slot(slot)
         return slot
 
     def free(self, slot: int) -> None:

@@ -163,6 +163,16 @@ def test_state_pool_grows_and_keeps_contents():
         state.free(b)
 
 
+def test_state_pool_grown_in_inference_mode_allocates_outside_it():
+    method = make_method("retopk", top_k=4, cache_size=2, window=2, recall=1)
+    with torch.inference_mode():
+        state = method.init_state(2, 1, 8, capacity=1)
+        state.alloc()
+        state.alloc()  # grows: the pool's tensors are inference tensors now
+    slot = state.alloc()  # outside inference mode, as a server opening a session between steps
+    assert (state.support[slot] == -1).all()
+
+
 @pytest.mark.parametrize("field,value", [("top_k", 0), ("cache_size", -1), ("recall", 40), ("tau", 1.5),
                                          ("window", -1), ("refresh_every", -2), ("retrieval", "random")])
 def test_config_validation_names_the_field(field, value):
