@@ -168,7 +168,7 @@ def test_state_pool_grown_in_inference_mode_allocates_outside_it():
     with torch.inference_mode():
         state = method.init_state(2, 1, 8, capacity=1)
         state.alloc()
-        state.alloc()  # grows: the pool's tensors are inference tensors now
+        state.free(state.alloc())  # grows: the pool's tensors are inference tensors now; one slot free
     slot = state.alloc()  # outside inference mode, as a server opening a session between steps
     assert (state.support[slot] == -1).all()
 
