@@ -78,9 +78,10 @@ class SlotPool:
         self._free = list(range(self.capacity - 1, old - 1, -1)) + self._free
 
     def alloc(self) -> int:
-        # Pools grow inside the runner's inference_mode forwards, which makes their tensors inference
-        # tensors; resetting one in place is only allowed in inference mode (and harmless for others).
-        with torch.inference_mode():
+        # A pool made inside inference mode holds inference tensors, which only inference mode may
+        # update in place; a normal pool must stay normal: grow and reset in the tensors' own mode.
+        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
+        with torch.inference_mode(inference):
             if not self._free:
                 self._grow()
             slot = self._free.pop()

@@ -197,13 +197,15 @@ class ReTopK(AttentionMethod):
         supports = supports.masked_fill(~r_ok.repeat_interleave(cfg.top_k, dim=1), -1)
         window = length.view(P, 1) - cfg.window + torch.arange(cfg.window, device=sim.device).view(1, -1)  # (P, W)
         cand = torch.cat([supports, window], dim=1)  # (P, R*K + W)
-        cand = torch.where(cand >= 0, cand, _PAD).sort(dim=-1).values
-        dup = torch.zeros_like(cand, dtype=torch.bool)
-        dup[:, 1:] = cand[:, 1:] == cand[:, :-1]
-        cand = cand.masked_fill(dup, _PAD).sort(dim=-1).values  # unique positions first, padding last
-        M = int((cand != _PAD).sum(-1).max())
-        cand = cand[:, :max(M, 1)]
-        return torch.where(cand == _PAD, -1, cand)
+        cand = torch.where(cand >= 0, cand, _PAD).sort(dim=-1).values  # one sort: padding last
+        keep = cand != _PAD  # (P, R*K + W) first occurrence of each position
+        keep[:, 1:] &= cand[:, 1:] != cand[:, :-1]
+        # compact the kept positions to the left (cumsum + scatter instead of a second sort)
+        M = max(int(keep.sum(-1).max()), 1)
+        dest = torch.where(keep, keep.cumsum(-1) - 1, M)  # (P, R*K + W), dropped entries -> spare column M
+        out = cand.new_full((P, M + 1), -1)
+        out.scatter_(1, dest, torch.where(keep, cand, -1))
+        return out[:, :M]
 
     def describe(self) -> dict:
         c = self.config
