@@ -62,15 +62,13 @@ class PagedKV:
         block = self.block_table[b, pos // P]  # same shape as the broadcast
         return (block * H_kv + g) * P + pos % P
 
-    def gather_k(self, rows: torch.Tensor) -> torch.Tensor:
-        """Keys at pool rows (any shape S) -> (*S, d)."""
-        flat = self.k_pool.view(-1, self.k_pool.shape[-1])
-        return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+    def gather_k(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys at pool rows (any shape S) -> (*S, d), written into ``out`` (numel S*d) when given."""
+        return _gather(self.k_pool, rows, out)
 
-    def gather_v(self, rows: torch.Tensor) -> torch.Tensor:
-        """Values at pool rows (any shape S) -> (*S, d_v)."""
-        flat = self.v_pool.view(-1, self.v_pool.shape[-1])
-        return flat.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
+    def gather_v(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Values at pool rows (any shape S) -> (*S, d_v), written into ``out`` when given."""
+        return _gather(self.v_pool, rows, out)
 
     def keys(self, b: int, g: int, length: int | None = None) -> torch.Tensor:
         """All keys of sequence b, KV head g: (L_b, d). A view when the sequence has one block."""
@@ -101,3 +99,11 @@ class PagedKV:
         k = self.gather_k(rows) * valid.unsqueeze(-1)
         v = self.gather_v(rows) * valid.unsqueeze(-1)
         return k, v
+
+
+def _gather(pool: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    flat = pool.view(-1, pool.shape[-1])  # (N_blocks * H_kv * P, d)
+    idx = rows.reshape(-1)
+    if out is None:
+        return flat.index_select(0, idx).view(*rows.shape, -1)
+    return torch.index_select(flat, 0, idx, out=out.view(idx.numel(), -1)).view(*rows.shape, -1)

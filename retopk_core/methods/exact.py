@@ -11,7 +11,7 @@ import torch
 
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.sparse import exact_select, resolve_scale, sparse_attend
+from retopk_core.methods.sparse import Workspace, exact_select, resolve_scale, sparse_attend
 
 
 class ExactTopK(AttentionMethod):
@@ -24,6 +24,7 @@ class ExactTopK(AttentionMethod):
             raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
         self.top_k = top_k
         self.backend = backend
+        self._ws = Workspace()  # selected values, reused across steps
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -34,7 +35,7 @@ class ExactTopK(AttentionMethod):
             out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
         else:
             sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale)  # (B, H, K)
-            out = sparse_attend(kv, sel_pos, sel_scores, q.dtype)  # (B, H, d_v)
+            out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
         n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
         path = torch.full((B, H), Path.EXACT, dtype=torch.int8, device=q.device)
         return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),

@@ -29,6 +29,7 @@ from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import (
     NEG_INF,
+    Workspace,
     exact_select,
     indexed_scores,
     kv_heads,
@@ -94,6 +95,7 @@ class ReTopK(AttentionMethod):
             raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
         self.backend = backend
         self.prefill_queries = self.config.cache_size
+        self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> QuerySupportCache:
@@ -147,14 +149,14 @@ class ReTopK(AttentionMethod):
             b, h = reuse.nonzero(as_tuple=True)  # (P,), (P,)
             cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M)
             g = kv_heads(H, kv.num_kv_heads, q.device)[h]
-            scores = indexed_scores(q[b, h], kv, b, g, cand, scale)  # (P, M)
+            scores = indexed_scores(q[b, h], kv, b, g, cand, scale, self._ws)  # (P, M)
             sp, ss = topk_select(scores, cand, cfg.top_k)  # (P, K)
             sel_pos[b, h], sel_scores[b, h] = sp, ss
             n_scored[b, h] = (cand >= 0).sum(-1).to(torch.int32)
         if not bool(reuse.all()):
             exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores)
 
-        out = sparse_attend(kv, sel_pos, sel_scores, q.dtype)  # (B, H, d_v)
+        out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
         state.push(slots, qn, sel_pos)
         state.step[slots] += 1
         return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel_pos)
