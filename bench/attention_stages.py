@@ -60,9 +60,9 @@ def reuse_stages(method, work: Workload, state, slots, q: torch.Tensor, acc: dic
     h = torch.arange(H).repeat(B)
     cand = _timed(lambda: method._candidates(sim[b, h], state, slots[b], h, kv.lengths[b]), acc, "recall+candidates")
     g = kv_heads(H, kv.num_kv_heads)[h]
-    scores = _timed(lambda: indexed_scores(q[b, h], kv, b, g, cand, scale), acc, "indexed QK")
+    scores = _timed(lambda: indexed_scores(q[b, h], kv, b, g, cand, scale, method._ws), acc, "indexed QK")
     sp, ss = _timed(lambda: topk_select(scores, cand, K), acc, "top-K rerank")
-    _timed(lambda: sparse_attend(kv, sp.view(B, H, K), ss.view(B, H, K), q.dtype), acc, "sparse attend")
+    _timed(lambda: sparse_attend(kv, sp.view(B, H, K), ss.view(B, H, K), q.dtype, method._ws), acc, "sparse attend")
     _timed(lambda: state.push(slots, qn, sp.view(B, H, K)), acc, "cache update")
     acc["_candidates"] = acc.get("_candidates", 0.0) + float((cand >= 0).sum(-1).float().mean())
 
