@@ -23,19 +23,16 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 import torch
 
 from bench.eval.common import load_corpus
+from retopk_server.cli import parse_params
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
 DEFAULT_METHODS = ["full", "exact_topk:top_k=64", "retopk:top_k=64"]
 
 
 def parse_method(text: str) -> MethodSpec:
-    """"name" or "name:key=value,key=value" -> MethodSpec (numbers parsed as int or float)."""
+    """"name" or "name:key=value,key=value" -> MethodSpec (values parsed as the server's CLI does)."""
     name, _, rest = text.partition(":")
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        params[key] = int(value) if value.lstrip("-").isdigit() else float(value)
-    return MethodSpec.of(name, **params)
+    return MethodSpec.of(name, **parse_params(rest))
 
 
 def parse_args(argv=None):

@@ -14,7 +14,6 @@ on a PagedKV view of its rows, outputs are scattered back into the batch.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,8 +38,6 @@ class MethodGroup:
         self.method = method
         self.states: list[SlotPool] = [method.init_state(num_heads, num_kv_heads, head_dim, device=device)
                                        for _ in range(num_layers)]
-        self.takes_scale = "scale" in inspect.signature(method.decode).parameters
-        self.prefill_takes_scale = "scale" in inspect.signature(method.prefill).parameters
 
     def alloc(self) -> list[int]:
         return [state.alloc() for state in self.states]
@@ -55,22 +52,11 @@ class MethodGroup:
     def prefill(self, layer: int, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None, kv,
                 scale: float) -> None:
         """q (H, T, d) the last queries of the new tokens (or None) -> the method's state updated."""
-        if self.prefill_takes_scale:
-            self.method.prefill(self.states[layer], slot, q, positions, kv, scale=scale)
-            return
-        default = 1.0 / math.sqrt(kv.head_dim)
-        if q is not None and scale != default:
-            q = q * (scale / default)
-        self.method.prefill(self.states[layer], slot, q, positions, kv)
+        self.method.prefill(self.states[layer], slot, q, positions, kv, scale=scale)
 
     def decode(self, layer: int, q: torch.Tensor, kv, slots: torch.Tensor, scale: float):
-        """q (n, H, d) -> StepOutput; the model's softmax scale is passed or folded into q."""
-        if self.takes_scale:
-            return self.method.decode(q, kv, self.states[layer], slots, scale=scale)
-        default = 1.0 / math.sqrt(q.shape[-1])
-        if scale != default:
-            q = q * (scale / default)
-        return self.method.decode(q, kv, self.states[layer], slots)
+        """q (n, H, d) -> StepOutput, scored with the model's softmax scale."""
+        return self.method.decode(q, kv, self.states[layer], slots, scale=scale)
 
 
 @dataclass
