@@ -79,8 +79,10 @@ def model_label(name: str) -> str:
 class HeadPathCounts:
     """Collector of retopk_attention_decisions_total: per model a (layers, heads, paths) int64 array.
 
-    Exposes, for every (layer, head), each path seen anywhere in the model, and all three ReTopK paths
-    once any of them was seen, so a head that never reused reads 0 rather than missing.
+    Exposes, for every (layer, head), each path seen anywhere in the model, and always the three ReTopK
+    paths once the model's shape is known (``on_start`` adds zeros): a head that never reused reads 0
+    rather than missing, and every series exists before the first request, so rate() over it works
+    even when a burst of traffic falls between two scrapes.
     """
 
     name = PREFIX + "attention_decisions"
@@ -114,8 +116,7 @@ class HeadPathCounts:
         for model, c in snapshot.items():
             layers, heads, _ = c.shape
             seen = c.sum(axis=(0, 1)) > 0  # (paths,)
-            if seen[list(RETOPK_PATHS)].any():
-                seen[list(RETOPK_PATHS)] = True
+            seen[list(RETOPK_PATHS)] = True
             for p in np.flatnonzero(seen):
                 name = PATH_NAMES.get(int(p), str(int(p)))
                 for layer in range(layers):
@@ -275,6 +276,7 @@ class MetricsObserver(EngineObserver):
         self._runner = runner
         info = getattr(runner, "info", None)
         if info is not None:
+            self.metrics.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS), np.int64))
             method = info.default_method
             self.metrics.model_info.labels(
                 self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),

@@ -177,9 +177,11 @@ def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
     assert bad[0][1] is not None and bad[0][1].code.value == "INVALID_ARGUMENT"
     decode_steps = sum(n - 1 for n in generated)  # the first token of each request comes from its prefill
     paths = samples["retopk_attention_decisions_total"]
-    assert {lab["path"] for lab, _ in paths} == {"exact"}
+    # the three ReTopK paths exist from the start at 0 (so rate() works); only "exact" moved here
+    assert {lab["path"] for lab, _ in paths} == {"exact", "reuse", "fallback", "refresh"}
+    assert {lab["path"] for lab, v in paths if v > 0} == {"exact"}
     assert sum(v for _, v in paths) == LAYERS * HEADS * decode_steps
-    assert len(paths) == LAYERS * HEADS
+    assert len(paths) == LAYERS * HEADS * 4
     assert value(samples, "retopk_generation_tokens_total", model="fake") == sum(generated)
     assert value(samples, "retopk_prompt_tokens_total", model="fake") == sum(len(s["text"]) for s in specs)
     assert value(samples, "retopk_time_to_first_token_seconds_count", model="fake") == len(specs)
