@@ -24,7 +24,7 @@ class ExactTopK(AttentionMethod):
             raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
         self.top_k = top_k
         self.backend = backend
-        self._ws = Workspace()  # selected values, reused across steps
+        self._ws = Workspace()  # score rows and selected values, reused across steps
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -34,7 +34,7 @@ class ExactTopK(AttentionMethod):
             from retopk_core.kernels.launch import exact_topk_decode
             out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
         else:
-            sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale)  # (B, H, K)
+            sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale, ws=self._ws)  # (B, H, K)
             out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
         n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
         path = torch.full((B, H), Path.EXACT, dtype=torch.int8, device=q.device)

@@ -38,8 +38,6 @@ from retopk_core.methods.sparse import (
     topk_select,
 )
 
-_PAD = torch.iinfo(torch.long).max  # sorts after every real position
-
 
 class QuerySupportCache(SlotPool):
     """One layer's query-support FIFOs, for every slot (sequence) and query head.
@@ -140,26 +138,41 @@ class ReTopK(AttentionMethod):
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
         path = self._choose_path(max_sim, state.step[slots])  # (B, H) int8
 
-        sel_pos = torch.full((B, H, cfg.top_k), -1, dtype=torch.long, device=q.device)
-        sel_scores = torch.full((B, H, cfg.top_k), NEG_INF, dtype=torch.float32, device=q.device)
-        n_scored = kv.lengths.to(torch.int32).view(B, 1).expand(B, H).clone()  # exact paths score L
-
         reuse = path == Path.REUSE
-        if bool(reuse.any()):
-            b, h = reuse.nonzero(as_tuple=True)  # (P,), (P,)
-            cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M)
-            g = kv_heads(H, kv.num_kv_heads, q.device)[h]
-            scores = indexed_scores(q[b, h], kv, b, g, cand, scale, self._ws)  # (P, M)
-            sp, ss = topk_select(scores, cand, cfg.top_k)  # (P, K)
-            sel_pos[b, h], sel_scores[b, h] = sp, ss
-            n_scored[b, h] = (cand >= 0).sum(-1).to(torch.int32)
-        if not bool(reuse.all()):
-            exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores)
+        n_reuse = int(reuse.sum())
+        if n_reuse == B * H:  # the common step, every head reuses: its rows are the results, no scatter
+            b = torch.arange(B, device=q.device).repeat_interleave(H)  # (B*H,)
+            h = torch.arange(H, device=q.device).repeat(B)  # (B*H,)
+            sp, ss, n = self._reuse_select(q.reshape(B * H, d), sim.view(B * H, -1), kv, state, slots, b, h, scale)
+            sel_pos, sel_scores, n_scored = sp.view(B, H, -1), ss.view(B, H, -1), n.view(B, H)
+        else:
+            sel_pos = torch.full((B, H, cfg.top_k), -1, dtype=torch.long, device=q.device)
+            sel_scores = torch.full((B, H, cfg.top_k), NEG_INF, dtype=torch.float32, device=q.device)
+            n_scored = kv.lengths.to(torch.int32).view(B, 1).expand(B, H).clone()  # exact paths score L
+            if n_reuse:
+                b, h = reuse.nonzero(as_tuple=True)  # (P,), (P,)
+                sel_pos[b, h], sel_scores[b, h], n_scored[b, h] = self._reuse_select(q[b, h], sim[b, h], kv, state,
+                                                                                     slots, b, h, scale)
+            exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores, ws=self._ws)
 
         out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
         state.push(slots, qn, sel_pos)
         state.step[slots] += 1
         return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel_pos)
+
+    def _reuse_select(self, q: torch.Tensor, sim: torch.Tensor, kv: PagedKV, state: QuerySupportCache,
+                      slots: torch.Tensor, b: torch.Tensor, h: torch.Tensor, scale: float,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reuse path for P (sequence, head) rows: recall, candidates, exact scores, rerank (eq. 7-11).
+
+        q (P, d), sim (P, C), b/h (P,) sequence index into the batch and query head
+        ->  Ŝ_t (P, K) int64 -1 padded, its scores (P, K) float32, M_t (P,) int32
+        """
+        cand = self._candidates(sim, state, slots[b], h, kv.lengths[b])  # (P, M)
+        g = kv_heads(state.queries.shape[1], kv.num_kv_heads, q.device)[h]  # (P,)
+        scores = indexed_scores(q, kv, b, g, cand, scale, self._ws)  # (P, M)
+        sp, ss = topk_select(scores, cand, self.config.top_k)  # (P, K)
+        return sp, ss, (cand >= 0).sum(-1).to(torch.int32)
 
     def _similarity(self, qn: torch.Tensor, state: QuerySupportCache, slots: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,24 +209,39 @@ class ReTopK(AttentionMethod):
         H = state.support.shape[1]
         rows = (slot.view(P, 1) * H + head.view(P, 1)) * C + r_idx  # (P, R) rows of support viewed (S*H*C, K)
         supports = state.support.view(-1, cfg.top_k).index_select(0, rows.view(-1)).view(P, -1)  # (P, R*K)
-        supports = supports.masked_fill(~r_ok.repeat_interleave(cfg.top_k, dim=1), -1)
+        if not bool(r_ok.all()):  # fewer than R entries cached yet
+            supports = supports.masked_fill(~r_ok.repeat_interleave(cfg.top_k, dim=1), -1)
         window = length.view(P, 1) - cfg.window + torch.arange(cfg.window, device=sim.device).view(1, -1)  # (P, W)
-        cand = torch.cat([supports, window], dim=1)  # (P, R*K + W)
-        cand = torch.where(cand >= 0, cand, _PAD).sort(dim=-1).values  # one sort: padding last
-        keep = cand != _PAD  # (P, R*K + W) first occurrence of each position
-        keep[:, 1:] &= cand[:, 1:] != cand[:, :-1]
-        # compact the kept positions to the left (cumsum + scatter instead of a second sort)
-        M = max(int(keep.sum(-1).max()), 1)
-        dest = torch.where(keep, keep.cumsum(-1) - 1, M)  # (P, R*K + W), dropped entries -> spare column M
-        out = cand.new_full((P, M + 1), -1)
-        out.scatter_(1, dest, torch.where(keep, cand, -1))
-        return out[:, :M]
+        return _unique_rows(torch.cat([supports, window], dim=1), int(length.max()) + 1)  # (P, R*K + W) -> (P, M)
 
     def describe(self) -> dict:
         c = self.config
         return {"method": self.name, "top_k": c.top_k, "cache_size": c.cache_size, "window": c.window,
                 "recall": c.recall, "tau": c.tau, "refresh_every": c.refresh_every, "retrieval": c.retrieval,
                 "backend": self.backend}
+
+
+def _unique_rows(cand: torch.Tensor, span: int) -> torch.Tensor:
+    """The distinct positions of each row, sorted and packed to the left, -1 padded.
+
+    cand (P, N) int64 positions in [0, span) or -1  ->  (P, M) int64, M = the largest row count (>= 1).
+    One flat sort of the keys row * (span + 1) + pos (padding -> pos = span) orders every row inside
+    its own segment; int32 keys when they fit, since the CPU sorts those about 3x faster than int64
+    keys or a batched row sort (28 x 2080 candidates at 128K: 0.7 ms against 2.1 ms). Then the first
+    occurrence of each position is kept and the kept ones are compacted with a cumsum + scatter.
+    """
+    P, N = cand.shape
+    width = span + 1
+    dtype = torch.int32 if P * width < 2 ** 31 else torch.long
+    rows = torch.arange(P, device=cand.device, dtype=dtype).view(P, 1) * width  # (P, 1)
+    key = (torch.where(cand >= 0, cand, span).to(dtype) + rows).view(-1).sort().values.view(P, N)  # (P, N)
+    pos = key - rows  # (P, N) sorted positions, span at padding
+    keep = pos < span
+    keep[:, 1:] &= key[:, 1:] != key[:, :-1]  # first occurrence only
+    M = max(int(keep.sum(-1).max()), 1)
+    dest = torch.where(keep, keep.cumsum(-1) - 1, M)  # (P, N), dropped entries -> spare column M
+    out = pos.new_full((P, M + 1), -1).scatter_(1, dest, pos)
+    return out[:, :M].long()
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from retopk_core.kv import PagedKV
 
@@ -61,20 +62,21 @@ def indexed_scores(q: torch.Tensor, kv: PagedKV, b: torch.Tensor, g: torch.Tenso
     rows = kv.flat_rows(b.unsqueeze(1), g.unsqueeze(1), pos.clamp(min=0))  # (N, M)
     out = None if ws is None else ws.take("keys", rows.numel() * kv.head_dim, kv.k_pool.dtype, kv.k_pool.device)
     keys = kv.gather_k(rows, out)  # (N, M, d)
-    scores = torch.bmm(keys.float(), q.float().unsqueeze(-1)).squeeze(-1) * scale  # (N, M)
+    # (N, 1, d) @ (N, d, M): the row-vector form runs about 2x faster on the CPU than (N, M, d) @ (N, d, 1)
+    scores = torch.bmm((q.float() * scale).unsqueeze(1), keys.float().transpose(1, 2)).squeeze(1)  # (N, M)
     return scores.masked_fill(~valid, NEG_INF)
 
 
-def topk_select(scores: torch.Tensor, pos: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_select(scores: torch.Tensor, pos: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of each row's scores, padded to k when a row has fewer valid entries.
 
-    scores (N, M) float32 (-inf = padding), pos (N, M) int64  ->  (sel_pos (N, k) -1 padded,
-    sel_scores (N, k) -inf padded)
+    scores (N, M) float32 (-inf = padding), pos (N, M) int64 or None (column j is position j)
+    ->  (sel_pos (N, k) -1 padded, sel_scores (N, k) -inf padded)
     """
     N, M = scores.shape
     kk = min(k, M)
     top, idx = scores.topk(kk, dim=-1)  # (N, kk)
-    sel = pos.gather(-1, idx).masked_fill(top == NEG_INF, -1)  # (N, kk)
+    sel = (idx if pos is None else pos.gather(-1, idx)).masked_fill(top == NEG_INF, -1)  # (N, kk)
     if kk < k:
         sel = torch.cat([sel, sel.new_full((N, k - kk), -1)], dim=-1)
         top = torch.cat([top, top.new_full((N, k - kk), NEG_INF)], dim=-1)
@@ -83,12 +85,14 @@ def topk_select(scores: torch.Tensor, pos: torch.Tensor, k: int) -> tuple[torch.
 
 def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch.Tensor | None = None,
                  sel_pos: torch.Tensor | None = None, sel_scores: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 ws: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact Top-K over the full history (equation 1) for the heads in ``need``.
 
     q (B, H, d); need (B, H) bool (None = every head). The keys of one (sequence, KV head) are read
     once for all of its query heads that need them: the exact path is memory-bound, so the
-    granularity of the work is the KV group. Results are written into sel_pos (B, H, k) int64 and
+    granularity of the work is the KV group. The (n, L) score rows go into ``ws`` when given: a fresh
+    multi-MB buffer per group costs page faults whenever the allocator cannot recycle the last one
+    (ReTopK's fallback steps, between reuse steps). Results are written into sel_pos (B, H, k) int64 and
     sel_scores (B, H, k) float32 (created -1 / -inf when not given) and returned.
     """
     B, H, _ = q.shape
@@ -102,9 +106,10 @@ def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch
         L = int(kv.lengths[b])
         heads = torch.arange(g * G, (g + 1) * G, device=q.device)[need_g[b, g]]  # (n,)
         keys = kv.keys(b, g, L)  # (L, d), a view for single-block sequences
-        scores = (q[b, heads].float() @ keys.float().T) * scale  # (n, L)
-        pos = torch.arange(L, device=q.device).expand(len(heads), L)  # (n, L)
-        sp, ss = topk_select(scores, pos, k)  # (n, k)
+        n = len(heads)
+        buf = None if ws is None else ws.take("scores", n * L, torch.float32, q.device).view(n, L)
+        scores = torch.mm(q[b, heads].float() * scale, keys.float().T, out=buf)  # (n, L), column = position
+        sp, ss = topk_select(scores, None, k)  # (n, k)
         sel_pos[b, heads] = sp
         sel_scores[b, heads] = ss
     return sel_pos, sel_scores
@@ -122,6 +127,12 @@ def sparse_attend(kv: PagedKV, sel_pos: torch.Tensor, sel_scores: torch.Tensor, 
     b = torch.arange(B, device=sel_pos.device).view(B, 1, 1)
     rows = kv.flat_rows(b, kvh.view(1, H, 1), sel_pos.clamp(min=0))  # (B, H, K)
     weights = torch.softmax(sel_scores, dim=-1)  # (B, H, K) float32, 0 at padding
+    if kv.v_pool.dtype == torch.float32:
+        # one fused gather + weighted sum per (b, h) bag, without materialising the (B, H, K, d_v)
+        # gathered values: 0.45 ms against 1.05 ms for 28 x 512 rows on the benchmark CPU
+        out = F.embedding_bag(rows.view(B * H, K), kv.v_pool.view(-1, kv.v_pool.shape[-1]), mode="sum",
+                              per_sample_weights=weights.view(B * H, K))  # (B*H, d_v)
+        return out.view(B, H, -1).to(out_dtype)
     buf = None if ws is None else ws.take("values", rows.numel() * kv.v_pool.shape[-1], kv.v_pool.dtype,
                                           kv.v_pool.device)
     values = kv.gather_v(rows, buf)  # (B, H, K, d_v)
@@ -142,6 +153,6 @@ def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
         L = int(kv.lengths[b])
         for g in range(H_kv):
             keys, values = kv.keys(b, g, L), kv.values(b, g, L)  # (L, d), (L, d_v)
-            w = torch.softmax((q[b, g * G:(g + 1) * G].float() @ keys.float().T) * scale, dim=-1)  # (G, L)
+            w = torch.softmax((q[b, g * G:(g + 1) * G].float() * scale) @ keys.float().T, dim=-1)  # (G, L)
             out[b, g * G:(g + 1) * G] = w @ values.float()  # (G, d_v)
     return out.to(q.dtype)
