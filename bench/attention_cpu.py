@@ -1,13 +1,15 @@
-"""Attention latency per decode step: Full, Exact Top-K, ReTopK (and the baselines), one layer, same run.
+"""Attention latency per decode step: Full, Exact Top-K, ReTopK (and the baselines), same run.
 
-Shapes default to one Qwen2.5-7B layer (28 query heads, 4 KV heads, head dim 128) with K = 512.
+Shapes default to Qwen2.5-7B layers (28 query heads, 4 KV heads, head dim 128) with K = 512.
 Keys/values are random; queries come from a few clusters per head so that ReTopK's cache holds
 real exact supports of similar queries (its candidate sets then overlap as in the paper). ReTopK is
 timed on two traces: its reuse path alone (every step reuses), and a path mix where a chosen share of
 steps brings an unrelated query (the whole step falls back), plus scheduled refresh. Every method is
-timed in this process on the same KV, and the ratio to Exact Top-K is printed.
+timed in this process on the same KV, in rounds that alternate the methods, and the ratio to Exact
+Top-K is printed. ``--layers N`` decodes N independent layers per step, as a model does (28 for all
+of Qwen2.5-7B); times are per layer-step.
 
-    python bench/attention_cpu.py --lengths 16384 32768 65536 131072 262144
+    python -m bench.attention_cpu --lengths 16384 32768 65536 131072 262144 --rounds 3
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps per method and length")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=25, help="timed decode steps per method, length and round")
+    p.add_argument("--rounds", type=int, default=1, help="timed rounds; methods take turns round by round")
+    p.add_argument("--layers", type=int, default=1,
+                   help="independent layers (own KV, own state) decoded in turn per step, as in a model")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method before the rounds")
     p.add_argument("--exact-share", type=float, default=0.12,
                    help="share of steps with an unrelated query in the path-mix trace (paper: about 12%%)")
     p.add_argument("--baselines", action="store_true", help="also time the baselines that are registered")
@@ -75,38 +80,67 @@ class Workload:
         return torch.randn(*self.shape, generator=self.g).to(self.dt)
 
 
-def time_method(method, work: Workload, queries: list[torch.Tensor], warmup: int):
-    """Mean seconds per decode step over `queries` (after `warmup` steps), and the path counts."""
-    B, H, d = work.shape
-    state = method.init_state(H, work.kv.num_kv_heads, d, capacity=B)
-    slots = torch.tensor([state.alloc() for _ in range(B)])
-    n = method.prefill_queries
-    L = int(work.kv.lengths[0])
-    for b in range(B):
-        q_tail = work.similar(max(n, 1))[:, b].permute(1, 0, 2) if n else None  # (H, n, d)
-        pos = torch.arange(L - max(n, 1), L) if n else None
-        method.prefill(state, int(slots[b]), q_tail, pos,
-                       PagedKV.contiguous(work.k[b:b + 1], work.v[b:b + 1], work.kv.lengths[b:b + 1]))
-    paths: dict[str, int] = {}
-    scored, times = [], []
-    for i, q in enumerate(queries):
-        t0 = time.perf_counter()
-        out = method.decode(q, work.kv, state, slots)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-            for p in out.path.flatten().tolist():
-                paths[Path(p).name.lower()] = paths.get(Path(p).name.lower(), 0) + 1
-            scored.append(out.n_scored.float().mean().item())
-    # the mean is what a path mix costs; the median is printed too, as it shrugs off a busy neighbour
-    return sum(times) / len(times), sorted(times)[len(times) // 2], paths, sum(scored) / len(scored)
+class Timed:
+    """One method decoding through ``layers`` independent layers (each its own KV and state), timed by step.
+
+    A step runs the method on every layer in turn, as a model's decode step does; with more layers
+    than one, each layer's keys have left the CPU caches by the time it comes round again (one layer
+    at 128K is 512 MB of float32 K/V), which a single-layer loop does not show.
+    """
+
+    def __init__(self, method, works: list[Workload]):
+        B, H, d = works[0].shape
+        self.method, self.works = method, works
+        self.states, self.slots = [], []
+        n = method.prefill_queries
+        for work in works:
+            state = method.init_state(H, work.kv.num_kv_heads, d, capacity=B)
+            slots = torch.tensor([state.alloc() for _ in range(B)])
+            L = int(work.kv.lengths[0])
+            for b in range(B):
+                q_tail = work.similar(max(n, 1))[:, b].permute(1, 0, 2) if n else None  # (H, n, d)
+                pos = torch.arange(L - max(n, 1), L) if n else None
+                method.prefill(state, int(slots[b]), q_tail, pos,
+                               PagedKV.contiguous(work.k[b:b + 1], work.v[b:b + 1], work.kv.lengths[b:b + 1]))
+            self.states.append(state)
+            self.slots.append(slots)
+        self.times: list[float] = []  # seconds per step, all layers
+        self.paths: dict[str, int] = {}
+        self.scored: list[float] = []
+
+    @torch.inference_mode()  # as the server's runner decodes
+    def run(self, queries: list[list[torch.Tensor]], timed: bool) -> None:
+        """Decode one step per entry of ``queries`` (each a (B, H, d) query per layer)."""
+        for step in queries:
+            t0 = time.perf_counter()
+            outs = [self.method.decode(q, w.kv, st, sl)
+                     for q, w, st, sl in zip(step, self.works, self.states, self.slots, strict=True)]
+            dt = time.perf_counter() - t0
+            if timed:
+                self.times.append(dt)
+                for out in outs:
+                    for p in out.path.flatten().tolist():
+                        name = Path(p).name.lower()
+                        self.paths[name] = self.paths.get(name, 0) + 1
+                    self.scored.append(out.n_scored.float().mean().item())
+
+
+def traces(works: list[Workload], n: int, exact_share: float) -> tuple[list, list]:
+    """n steps of per-layer queries: all similar, and the same with a share of steps unrelated (spread evenly)."""
+    similar = [[q for q in w.similar(n)] for w in works]  # (layers, n) of (B, H, d)
+    mix = [list(qs) for qs in similar]
+    n_unrelated = round(exact_share * n)
+    for j in range(n_unrelated):
+        i = int(j * n / n_unrelated)
+        for layer, w in enumerate(works):
+            mix[layer][i] = w.unrelated()
+    return [list(step) for step in zip(*similar, strict=True)], [list(step) for step in zip(*mix, strict=True)]
 
 
 def run(args) -> list[dict]:
     rows = []
-    total = args.warmup + args.steps
     for L in args.lengths:
-        work = Workload(args, L)
+        works = [Workload(args, L, seed=layer) for layer in range(args.layers)]
         K = args.top_k
         methods = {"full": make_method("full"), "exact_topk": make_method("exact_topk", top_k=K),
                    "retopk_reuse": make_method("retopk", top_k=K, tau=0.0, refresh_every=0),
@@ -115,25 +149,31 @@ def run(args) -> list[dict]:
             for name, params in baseline_params(K, args.head_dim).items():
                 if name in method_names():
                     methods[name] = make_method(name, **params)
-        similar = list(work.similar(total))
-        n_unrelated = round(args.exact_share * args.steps)
-        mix = list(similar)
-        for j in range(n_unrelated):  # spread unrelated queries evenly over the timed steps
-            mix[args.warmup + int(j * args.steps / max(n_unrelated, 1))] = work.unrelated()
-        for name, method in methods.items():
-            secs, med, paths, scored = time_method(method, work, mix if name == "retopk_mix" else similar, args.warmup)
-            rows.append({"L": L, "method": name, "ms": secs * 1e3, "median_ms": med * 1e3, "paths": paths,
-                         "mean_scored": scored})
+        timers = {name: Timed(m, works) for name, m in methods.items()}
+        similar, mix = traces(works, args.warmup + args.steps, args.exact_share)
+        for name, t in timers.items():  # warm-up
+            t.run((mix if name == "retopk_mix" else similar)[:args.warmup], timed=False)
+        # methods take turns round by round, so a slow spell of the machine hits all of them alike
+        for _ in range(args.rounds):
+            timed_sim, timed_mix = traces(works, args.steps, args.exact_share)  # fresh: a repeat would be recalled
+            for name, t in timers.items():
+                t.run(timed_mix if name == "retopk_mix" else timed_sim, timed=True)
+        for name, t in timers.items():
+            ms = [1e3 * x / args.layers for x in t.times]  # per layer-step
+            rows.append({"L": L, "method": name, "ms": sum(ms) / len(ms), "median_ms": sorted(ms)[len(ms) // 2],
+                         "model_step_ms": sum(t.times) / len(t.times) * 1e3, "paths": t.paths,
+                         "mean_scored": sum(t.scored) / len(t.scored)})
         exact_ms = next(r["ms"] for r in rows if r["L"] == L and r["method"] == "exact_topk")
         for r in rows:
             if r["L"] == L:
                 r["speedup_vs_exact"] = exact_ms / r["ms"]
-        del work
+        del works, timers
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| L | method | ms/step (mean) | median | vs Exact Top-K (mean) | keys scored (mean/head) | paths |",
+    lines = ["| L | method | ms per layer-step (mean) | median | vs Exact Top-K (mean) | keys scored (mean/head) "
+             "| paths |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         total = sum(r["paths"].values()) or 1
@@ -165,7 +205,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"# attention_cpu: H={args.heads} H_kv={args.kv_heads} d={args.head_dim} K={args.top_k} B={args.batch} "
+    print(f"# attention_cpu: {args.layers} layer(s), H={args.heads}"
+          f" H_kv={args.kv_heads} d={args.head_dim} K={args.top_k} B={args.batch} "
           f"{args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}", flush=True)
     rows = run(args)
     print(table(rows))

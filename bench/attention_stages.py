@@ -24,7 +24,7 @@ import torch
 from bench.attention_cpu import Workload
 from retopk_core.kv import PagedKV
 from retopk_core.methods import make_method
-from retopk_core.methods.sparse import exact_select, indexed_scores, kv_heads, sparse_attend, topk_select
+from retopk_core.methods.sparse import Workspace, exact_select, indexed_scores, kv_heads, sparse_attend, topk_select
 
 
 def parse_args(argv=None):
@@ -67,10 +67,10 @@ def reuse_stages(method, work: Workload, state, slots, q: torch.Tensor, acc: dic
     acc["_candidates"] = acc.get("_candidates", 0.0) + float((cand >= 0).sum(-1).float().mean())
 
 
-def exact_stages(work: Workload, q: torch.Tensor, K: int, acc: dict) -> None:
+def exact_stages(work: Workload, q: torch.Tensor, K: int, acc: dict, ws: Workspace) -> None:
     d = q.shape[-1]
-    sp, ss = _timed(lambda: exact_select(q, work.kv, K, d ** -0.5), acc, "full QK + top-K")
-    _timed(lambda: sparse_attend(work.kv, sp, ss, q.dtype), acc, "sparse attend")
+    sp, ss = _timed(lambda: exact_select(q, work.kv, K, d ** -0.5, ws=ws), acc, "full QK + top-K")
+    _timed(lambda: sparse_attend(work.kv, sp, ss, q.dtype, ws), acc, "sparse attend")
 
 
 def main(argv=None) -> None:
@@ -87,11 +87,15 @@ def main(argv=None) -> None:
         for b in range(B):
             method.prefill(state, int(slots[b]), work.similar(32)[:, b].permute(1, 0, 2), torch.arange(L - 32, L),
                            PagedKV.contiguous(work.k[b:b + 1], work.v[b:b + 1], work.kv.lengths[b:b + 1]))
-        reuse, exact = {}, {}
-        for i, q in enumerate(work.similar(args.steps + 2)):
-            acc_r, acc_e = ({}, {}) if i < 2 else (reuse, exact)  # two warm-up steps
-            reuse_stages(method, work, state, slots, q, acc_r)
-            exact_stages(work, q, args.top_k, acc_e)
+        reuse, exact, exact_ws = {}, {}, Workspace()
+        queries = work.similar(args.steps + 2)
+        with torch.inference_mode():  # as the server's runner decodes
+            # consecutive reuse steps, then consecutive exact steps, as in attention_cpu's single-path rows
+            # (interleaving them lets each exact step's pass over the whole cache evict the reuse path's rows)
+            for i, q in enumerate(queries):
+                reuse_stages(method, work, state, slots, q, {} if i < 2 else reuse)  # two warm-up steps
+            for i, q in enumerate(queries):
+                exact_stages(work, q, args.top_k, {} if i < 2 else exact, exact_ws)
         n = args.steps
         M = reuse.pop("_candidates") / n
         r_ms = {k: 1e3 * v / n for k, v in reuse.items()}
