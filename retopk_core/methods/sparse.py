@@ -105,10 +105,7 @@ def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch
     for b, g in need_g.any(-1).nonzero().tolist():  # Python loop over (sequence, KV group), not over tokens
         L = int(kv.lengths[b])
         heads = torch.arange(g * G, (g + 1) * G, device=q.device)[need_g[b, g]]  # (n,)
-        keys = kv.keys(b, g, L)  # (L, d), a view for single-block sequences
-        n = len(heads)
-        buf = None if ws is None else ws.take("scores", n * L, torch.float32, q.device).view(n, L)
-        scores = torch.mm(q[b, heads].float() * scale, keys.float().T, out=buf)  # (n, L), column = position
+        scores = history_scores(q[b, heads].float() * scale, kv, b, g, L, ws)  # (n, L), column = position
         sp, ss = topk_select(scores, None, k)  # (n, k)
         sel_pos[b, heads] = sp
         sel_scores[b, heads] = ss
@@ -152,7 +149,28 @@ def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
     for b in range(B):
         L = int(kv.lengths[b])
         for g in range(H_kv):
-            keys, values = kv.keys(b, g, L), kv.values(b, g, L)  # (L, d), (L, d_v)
-            w = torch.softmax((q[b, g * G:(g + 1) * G].float() * scale) @ keys.float().T, dim=-1)  # (G, L)
-            out[b, g * G:(g + 1) * G] = w @ values.float()  # (G, d_v)
+            w = torch.softmax(history_scores(q[b, g * G:(g + 1) * G].float() * scale, kv, b, g, L), dim=-1)  # (G, L)
+            values = kv.value_blocks(b, g, L)  # (n, P, d_v)
+            n, P = values.shape[:2]
+            whole = (n - 1) * P  # positions in the whole blocks; the last one is read only up to L
+            o = w[:, whole:] @ values[n - 1, :L - whole].float()  # (G, d_v)
+            if n > 1:  # block by block: (n-1, G, P) @ (n-1, P, d_v), summed over blocks
+                o += torch.matmul(w[:, :whole].reshape(G, n - 1, P).transpose(0, 1), values[:n - 1].float()).sum(0)
+            out[b, g * G:(g + 1) * G] = o
     return out.to(q.dtype)
+
+
+def history_scores(qs: torch.Tensor, kv: PagedKV, b: int, g: int, L: int, ws: Workspace | None = None) -> torch.Tensor:
+    """Scores of query rows against every key of sequence b, KV head g: qs (h, d), scale applied -> (h, L).
+
+    Reads the keys in place, block by block, when the sequence's blocks are consecutive in the pool
+    (``PagedKV.key_blocks``): copying 8K keys out of 256-token blocks cost 3x the scoring itself. One
+    block: a single (h, d) @ (d, L) matmul into the workspace's score buffer (when given).
+    """
+    keys = kv.key_blocks(b, g, L)  # (n, P, d)
+    h, (n, P) = qs.shape[0], keys.shape[:2]
+    if n == 1:
+        buf = None if ws is None else ws.take("scores", h * L, torch.float32, qs.device).view(h, L)
+        return torch.mm(qs, keys[0, :L].float().T, out=buf)  # (h, L)
+    s = torch.matmul(qs, keys.float().transpose(1, 2))  # (n, h, P)
+    return s.transpose(0, 1).reshape(h, n * P)[:, :L]  # (h, L)
