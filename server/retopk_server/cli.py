@@ -29,6 +29,16 @@ def parse_optional_str(text: str) -> str | None:
     return text or None
 
 
+def parse_bool(text: str) -> bool:
+    """true/false, 1/0, yes/no, on/off (any case)."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
 def parse_value(text: str):
     """A hyperparameter value: int, float, bool (true/false) or else the string itself."""
     lowered = text.strip().lower()
@@ -86,6 +96,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", str, "address to listen on"),
     Option("port", int, "gRPC port (0 = any free port; the chosen one is printed)"),
     Option("metrics_port", int, "Prometheus metrics port (0 = no exporter)"),
+    Option("metrics_per_head", parse_bool, "export the per-head metrics (decisions per layer x head, candidates, "
+                                           "similarity, attention time); false spares a GPU a synchronisation "
+                                           "per layer and step", "BOOL"),
     Option("model", str, "embedded model name (smollm2-135m) or a local transformers checkpoint directory"),
     Option("device", str, "torch device: cpu, cuda, cuda:1, ..."),
     Option("dtype", str, "float32, bfloat16 or float16"),

@@ -26,6 +26,9 @@ class ServerConfig:
 
     host, port            where gRPC listens (port 0: any free port, printed when ready)
     metrics_port          Prometheus exporter port (0 disables it); used by retopk_server.metrics
+    metrics_per_head      export the metrics built from every step's per-head statistics (path decisions
+                          per layer x head, candidates, similarity, exact share, attention time); those
+                          statistics cost a GPU a synchronisation per layer, so false turns them off
     model                 embedded model name (e.g. "smollm2-135m") or a local checkpoint directory
     device, dtype         where and in which precision the model, KV cache and method state live
     backend               attention backend: "torch" (reference, CPU) or "triton" (GPU)
@@ -49,6 +52,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 9464
+    metrics_per_head: bool = True
     model: str = "smollm2-135m"
     device: str = "cpu"
     dtype: str = "float32"
@@ -76,6 +80,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+        if not isinstance(self.metrics_per_head, bool):
+            raise ValueError(f"metrics_per_head must be true or false, got {self.metrics_per_head!r}")
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict, got {self.method_params!r}")
         if not isinstance(self.drain_grace_s, (int, float)) or not self.drain_grace_s >= 0:

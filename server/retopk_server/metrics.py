@@ -241,8 +241,10 @@ class MetricsObserver(EngineObserver):
     """Records the engine's and the service's events into ``Metrics`` for one model.
 
     memory_interval_s  how often (at most) ``on_load`` re-reads the runner's cache sizes
-    per_head           ask the engine for every step's per-head statistics (the ReTopK metrics); on a GPU
-                       they cost a device synchronisation per layer, so a deployment may turn them off
+    per_head           ask the engine for every step's per-head statistics, the source of the decision,
+                       candidate, similarity, exact-share and attention-time metrics; on a GPU they cost
+                       a device synchronisation per layer, so a deployment may turn them off (those
+                       metrics then stay empty)
     """
 
     def __init__(self, model: str, metrics: Metrics | None = None, memory_interval_s: float = 0.5,
@@ -276,7 +278,9 @@ class MetricsObserver(EngineObserver):
         self._runner = runner
         info = getattr(runner, "info", None)
         if info is not None:
-            self.metrics.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS), np.int64))
+            if self.wants_step_stats:  # the series exist at 0 from the start, so rates are defined
+                self.metrics.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS),
+                                                                np.int64))
             method = info.default_method
             self.metrics.model_info.labels(
                 self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),
@@ -304,7 +308,7 @@ class MetricsObserver(EngineObserver):
         m, model = self.metrics, self.model
         self._one["step"].observe(seconds)
         self._one["batch"].observe(len(requests))
-        if not stats:
+        if not stats or not self.wants_step_stats:  # off: a client's own step-stats request must not half-fill them
             return
         path = _stack([s.path for s in stats]).astype(np.int64)  # (B, layers, heads)
         _, layers, heads = path.shape
@@ -417,11 +421,12 @@ class MetricsServer:
 def create_observer(config) -> MetricsObserver:
     """The server's observer (called by ``retopk_server.service.server.make_observer``).
 
-    Starts the exporter on ``config.host:config.metrics_port`` unless metrics_port is 0; it lives as long
+    Per-head path counters follow ``config.metrics_per_head``. Starts the exporter on
+    ``config.host:config.metrics_port`` unless metrics_port is 0; it lives as long
     as the process (a daemon thread), like the gRPC server it accompanies. A port that cannot be bound is a
     RuntimeError naming metrics_port: a server that was asked for metrics does not run silently without them.
     """
-    observer = MetricsObserver(config.model)
+    observer = MetricsObserver(config.model, per_head=config.metrics_per_head)
     if config.metrics_port:
         try:
             exporter = MetricsServer(observer.metrics.registry, config.metrics_port, config.host)

@@ -242,3 +242,23 @@ def test_create_observer_serves_on_the_configured_port_and_names_the_field_when_
             assert b"retopk_requests_running" in response.read()
     finally:
         observer.exporter.close()
+
+
+def test_per_head_off_asks_for_no_stats_and_ignores_stats_a_client_asked_for():
+    """metrics_per_head=false: no per-step statistics requested, and none recorded when a client's own
+    return_step_stats request makes the engine compute them for a batch."""
+    gen = torch.Generator().manual_seed(1)
+    on = create_observer(ServerConfig(host="127.0.0.1", metrics_port=0))
+    off = create_observer(ServerConfig(host="127.0.0.1", metrics_port=0, metrics_per_head=False))
+    assert on.wants_step_stats and not off.wants_step_stats
+    runner = FakeRunner()
+    requests = [SimpleNamespace(method=MethodSpec("retopk"))]
+    for observer in (on, off):
+        observer.on_start(runner)
+        observer.on_step(requests, 0.01, [random_stats(gen, LAYERS, HEADS)])
+    got_on, got_off = scrape(on.metrics), scrape(off.metrics)
+    assert sum(v for _, v in got_on["retopk_attention_decisions_total"]) == LAYERS * HEADS
+    assert "retopk_attention_decisions_total" not in got_off
+    assert "retopk_candidate_set_size_count" not in got_off
+    for samples in (got_on, got_off):  # the step itself is still timed
+        assert value(samples, "retopk_decode_step_seconds_count", model=on.model) == 1

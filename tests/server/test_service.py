@@ -300,7 +300,8 @@ def test_rope_scaling_and_block_size_reach_the_runtime():
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--method", "magic"],
                                   ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"],
-                                  ["--rope-scaling", "dynamic:2"], ["--kv-block-size", "0"]])
+                                  ["--rope-scaling", "dynamic:2"], ["--kv-block-size", "0"],
+                                  ["--metrics-per-head", "maybe"]])
 def test_bad_configuration_exits_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as info:
         config_from(argv, {})
@@ -318,3 +319,10 @@ def test_help_documents_every_option():
     assert {o.field for o in OPTIONS} == {f.name for f in fields(ServerConfig)}  # one flag per config field
     for option in OPTIONS:
         assert option.flag in text and f"env {option.env};" in text
+
+
+def test_metrics_per_head_flag_and_environment():
+    assert config_from([], {}).metrics_per_head is True
+    assert config_from(["--metrics-per-head", "false"], {}).metrics_per_head is False
+    assert config_from([], {"RETOPK_METRICS_PER_HEAD": "0"}).metrics_per_head is False
+    assert config_from(["--metrics-per-head", "yes"], {"RETOPK_METRICS_PER_HEAD": "off"}).metrics_per_head is True
