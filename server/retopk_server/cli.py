@@ -25,6 +25,11 @@ def parse_optional_int(text: str) -> int | None:
     return None if text.strip().lower() in ("", "none", "auto") else int(text)
 
 
+def parse_optional_float(text: str) -> float | None:
+    """A number, or None for "" / "none"."""
+    return None if text.strip().lower() in ("", "none") else float(text)
+
+
 def parse_optional_str(text: str) -> str | None:
     return text or None
 
@@ -117,6 +122,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_queue", int, "requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED"),
     Option("max_running", int, "requests decoded together in one batch"),
     Option("max_sessions", int, "open sessions; beyond it CreateSession is RESOURCE_EXHAUSTED"),
+    Option("session_idle_timeout_s", parse_optional_float, "close a session unused for this many seconds, "
+                                                           "freeing its cache (none = never)", "S"),
     Option("max_prompt_tokens", parse_optional_int, "tokens one request may feed (none = the model's context)", "N"),
     Option("max_new_tokens", int, "largest max_new_tokens a request may ask for"),
     Option("default_max_new_tokens", int, "max_new_tokens of a request that sets none"),

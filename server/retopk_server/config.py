@@ -41,6 +41,7 @@ class ServerConfig:
     max_queue             requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED
     max_running           requests decoded together in one batch
     max_sessions          open named sessions; beyond it CreateSession is RESOURCE_EXHAUSTED
+    session_idle_timeout_s  a named session unused for this long is closed (None: never)
     max_prompt_tokens     tokens one request may feed (None: the model's context)
     max_new_tokens        largest max_new_tokens a request may ask for
     default_max_new_tokens  max_new_tokens of a request that sets none
@@ -66,6 +67,7 @@ class ServerConfig:
     max_queue: int = 64
     max_running: int = 16
     max_sessions: int = 64
+    session_idle_timeout_s: float | None = 3600.0
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
     default_max_new_tokens: int = 256
@@ -109,4 +111,5 @@ class ServerConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,
                             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
-                            default_max_new_tokens=self.default_max_new_tokens)
+                            default_max_new_tokens=self.default_max_new_tokens,
+                            session_idle_timeout_s=self.session_idle_timeout_s)

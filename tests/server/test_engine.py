@@ -270,6 +270,32 @@ def test_session_limits_and_duplicates():
     assert bad.value.code is ErrorCode.INVALID_ARGUMENT and "method" in bad.value.message
 
 
+def test_idle_sessions_are_closed_after_the_timeout_but_busy_ones_are_kept():
+    engine, runner = make_engine(FakeRunner(step_delay_s=0.02), session_idle_timeout_s=0.3, idle_wait_s=0.02)
+
+    async def main():
+        engine.create_session("idle", None).result()
+        engine.create_session("busy", None).result()
+        stream = RequestStream()
+        engine.submit(GenerationRequest("a", text="a", session_id="busy", max_new_tokens=2000), stream)
+        await stream.__anext__()
+        await asyncio.sleep(0.8)  # both unused for longer than the timeout; "busy" is still generating
+        left = {s.session_id for s in engine.list_sessions().result()}
+        stream.cancel()
+        await collect(stream)
+        return left
+
+    try:
+        left = asyncio.run(main())
+        assert left == {"busy"} and "idle" not in runner.sessions  # closed in the runner too
+        with pytest.raises(EngineError) as gone:
+            engine.get_session("idle").result()
+        assert engine.get_session("busy").result().turns == 1  # its turn just ended: not idle
+    finally:
+        engine.stop()
+    assert gone.value.code is ErrorCode.NOT_FOUND
+
+
 @pytest.mark.parametrize("fields, needle", [
     (dict(text="x" * 5000), "text: prompt too long"),
     (dict(token_ids=[1, 200]), "token_ids"),

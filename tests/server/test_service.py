@@ -301,7 +301,7 @@ def test_rope_scaling_and_block_size_reach_the_runtime():
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--method", "magic"],
                                   ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"],
                                   ["--rope-scaling", "dynamic:2"], ["--kv-block-size", "0"],
-                                  ["--metrics-per-head", "maybe"]])
+                                  ["--metrics-per-head", "maybe"], ["--session-idle-timeout-s", "0"]])
 def test_bad_configuration_exits_with_a_message(argv, capsys):
     with pytest.raises(SystemExit) as info:
         config_from(argv, {})
@@ -326,3 +326,9 @@ def test_metrics_per_head_flag_and_environment():
     assert config_from(["--metrics-per-head", "false"], {}).metrics_per_head is False
     assert config_from([], {"RETOPK_METRICS_PER_HEAD": "0"}).metrics_per_head is False
     assert config_from(["--metrics-per-head", "yes"], {"RETOPK_METRICS_PER_HEAD": "off"}).metrics_per_head is True
+
+
+def test_session_idle_timeout_reaches_the_engine():
+    assert config_from([], {}).engine_config().session_idle_timeout_s == 3600.0
+    assert config_from(["--session-idle-timeout-s", "none"], {}).engine_config().session_idle_timeout_s is None
+    assert config_from([], {"RETOPK_SESSION_IDLE_TIMEOUT_S": "90"}).session_idle_timeout_s == 90.0

@@ -56,6 +56,8 @@ class EngineConfig:
     max_new_tokens          largest max_new_tokens a request may ask for
     default_max_new_tokens  max_new_tokens of a request that does not set it
     idle_wait_s             how long the idle loop sleeps between checks (it is woken on new work)
+    session_idle_timeout_s  close a named session unused for this long, freeing its KV cache and
+                            method state (None: keep sessions until closed)
     """
 
     max_queue: int = 64
@@ -65,8 +67,13 @@ class EngineConfig:
     max_new_tokens: int = 2048
     default_max_new_tokens: int = 256
     idle_wait_s: float = 0.5
+    session_idle_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        timeout = self.session_idle_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise ValueError(f"session_idle_timeout_s must be a positive number or None, got {timeout!r}")
         for name in ("max_queue", "max_running", "max_sessions", "max_new_tokens", "default_max_new_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

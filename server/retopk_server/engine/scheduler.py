@@ -254,6 +254,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             self._run_commands()
+            self._expire_idle_sessions()
             with self._wake:
                 if self._stop:
                     return
@@ -531,6 +532,22 @@ class Engine:
         self.runner.close_session(record.session)
         self._hook("on_session_closed", session_id, False)
         return snapshot
+
+    def _expire_idle_sessions(self) -> None:
+        """Close named sessions nobody used for ``session_idle_timeout_s`` (a client that vanished
+        without closing them would otherwise hold their KV cache until max_sessions refuses everyone)."""
+        timeout = self.config.session_idle_timeout_s
+        if timeout is None:
+            return
+        cutoff = time.time() - timeout
+        with self._lock:
+            idle = [r for r in self._sessions.values() if not r.busy and r.last_used_unix < cutoff]
+            for record in idle:
+                del self._sessions[record.id]
+        for record in idle:
+            self.runner.close_session(record.session)
+            self._hook("on_session_closed", record.id, False)
+            log.info("session %s closed after %.0f s unused", record.id, timeout)
 
     def _snapshot(self, record: SessionRecord) -> SessionSnapshot:
         nbytes = record.session.nbytes()
