@@ -101,12 +101,7 @@ class PagedKV:
 
     def _history(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
         L = int(self.lengths[b]) if length is None else length
-        P = self.block_size
-        n_blocks = -(-L // P)
-        if n_blocks <= 1:
-            return pool[int(self.block_table[b, 0]), g, :L]
-        blocks = self.block_table[b, :n_blocks]
-        return pool[blocks, g].reshape(n_blocks * P, -1)[:L]
+        return self._blocks(pool, b, g, L).flatten(0, 1)[:L]  # a view for one block, else a copy
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded copies (B, H_kv, L_max, d) of keys and values; zeros past each length."""

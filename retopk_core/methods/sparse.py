@@ -140,7 +140,8 @@ def sparse_attend(kv: PagedKV, sel_pos: torch.Tensor, sel_scores: torch.Tensor, 
 def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
     """Full softmax attention of each sequence's current query over its whole history.
 
-    q (B, H, d) -> out (B, H, d_v). Per (sequence, KV group) one matmul over the keys.
+    q (B, H, d) -> out (B, H, d_v). Per (sequence, KV group): scores over the keys read in place
+    block by block (``history_scores``), softmax, then the weighted sum over the value blocks.
     """
     B, H, _ = q.shape
     H_kv = kv.num_kv_heads
