@@ -8,6 +8,7 @@ one request at a time, so every batched result is compared against the same requ
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -345,6 +346,33 @@ def test_drain_refuses_new_work_and_finishes_running_work():
         engine.stop()
     assert refused.code is ErrorCode.UNAVAILABLE
     assert error is None and tokens(events) == greedy_reference(enc("a"), 20)
+
+
+@pytest.mark.parametrize("max_new", [1, 3])  # 1: the request ends while being admitted (prefill emits it)
+def test_a_request_stops_counting_as_in_flight_once_its_last_event_is_out(max_new):
+    # The engine thread drops a finished request from its batch only after the step; hold it in
+    # the on_finish hook (after the last event) so the drain loop's view of that window is tested.
+    release = threading.Event()
+
+    class HoldAtFinish(EngineObserver):
+        def on_finish(self, *args):
+            release.wait(5)
+
+    engine, _ = make_engine(FakeRunner(), observer=HoldAtFinish())
+
+    async def main():
+        stream = RequestStream()
+        engine.submit(GenerationRequest("a", text="a", max_new_tokens=max_new), stream)
+        events, error = await collect(stream)
+        return engine.in_flight(), events, error
+
+    try:
+        in_flight, events, error = asyncio.run(main())
+    finally:
+        release.set()
+        engine.stop()
+    assert error is None and len(tokens(events)) == max_new
+    assert in_flight == 0
 
 
 def test_stop_fails_running_requests_with_unavailable():

@@ -125,7 +125,7 @@ class Engine:
         self._commands: deque[tuple[Callable[[], object], concurrent.futures.Future]] = deque()
         self._sessions: dict[str, SessionRecord] = {}
         self._running: list[ActiveRequest] = []
-        self._admitting = 0  # 1 while a request is between the queue and the batch (prefilling)
+        self._admitting: ActiveRequest | None = None  # between the queue and the batch (prefilling)
         self._ephemeral = 0
         self._draining = False
         self._stop = False
@@ -158,9 +158,11 @@ class Engine:
         return self._draining
 
     def in_flight(self) -> int:
-        """Requests queued or running."""
+        """Requests queued or running. A request counts as finished once its last event is out,
+        even if the engine thread has not yet dropped it from the running batch."""
         with self._lock:
-            return len(self._queue) + len(self._running) + self._admitting
+            live = {id(r) for r in [*self._running, self._admitting] if r is not None and not r.done}
+            return len(self._queue) + len(live)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; requests still queued or running end with UNAVAILABLE."""
@@ -301,12 +303,12 @@ class Engine:
                 if not self._queue:
                     return
                 r = self._queue.popleft()
-                self._admitting = 1
+                self._admitting = r
             try:
                 self._admit_one(r)
             finally:
                 with self._lock:
-                    self._admitting = 0
+                    self._admitting = None
 
     def _admit_one(self, r: ActiveRequest) -> None:
         if r.expired(time.monotonic()):
