@@ -78,30 +78,24 @@ class PagedKV:
         """All values of sequence b, KV head g: (L_b, d_v)."""
         return self._history(self.v_pool, b, g, length)
 
-    def key_blocks(self, b: int, g: int, length: int | None = None) -> torch.Tensor:
-        """Keys of sequence b, KV head g, as its first n = ceil(L_b / P) blocks: (n, P, d).
+    def blocks(self, pool: torch.Tensor, b: int, length: int | None = None) -> torch.Tensor:
+        """Sequence b's first n = ceil(L_b / P) blocks of ``pool`` (k_pool or v_pool), every KV head:
+        (n, H_kv, P, d).
 
-        A strided view of the pool when those blocks have consecutive ids (the runtime's allocator
-        hands them out so), else a gathered copy. Positions past L_b in the last block are garbage.
+        A view of the pool when those blocks have consecutive ids (the runtime's allocator hands them
+        out so), else a gathered copy. Positions past L_b in the last block are garbage.
         """
-        return self._blocks(self.k_pool, b, g, length)
-
-    def value_blocks(self, b: int, g: int, length: int | None = None) -> torch.Tensor:
-        """Values of sequence b, KV head g, as (n, P, d_v) blocks; see ``key_blocks``."""
-        return self._blocks(self.v_pool, b, g, length)
-
-    def _blocks(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
         L = int(self.lengths[b]) if length is None else length
         n = max(1, -(-L // self.block_size))
-        blocks = self.block_table[b, :n]
-        first = int(blocks[0])
-        if n == 1 or (int(blocks[-1]) - first == n - 1 and bool((blocks.diff() == 1).all())):
-            return pool[first:first + n, g]  # (n, P, d) view, batch stride H_kv * P * d
-        return pool[blocks, g]  # (n, P, d) copy
+        ids = self.block_table[b, :n]
+        first = int(ids[0])
+        if n == 1 or (int(ids[-1]) - first == n - 1 and bool((ids.diff() == 1).all())):
+            return pool[first:first + n]  # (n, H_kv, P, d) view
+        return pool[ids]  # (n, H_kv, P, d) copy
 
     def _history(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
         L = int(self.lengths[b]) if length is None else length
-        return self._blocks(pool, b, g, L).flatten(0, 1)[:L]  # a view for one block, else a copy
+        return self.blocks(pool, b, L)[:, g].flatten(0, 1)[:L]  # a view for one block, else a copy
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded copies (B, H_kv, L_max, d) of keys and values; zeros past each length."""

@@ -102,10 +102,18 @@ def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch
         sel_pos = torch.full((B, H, k), -1, dtype=torch.long, device=q.device)
         sel_scores = torch.full((B, H, k), NEG_INF, dtype=torch.float32, device=q.device)
     need_g = (torch.ones(B, H, dtype=torch.bool, device=q.device) if need is None else need).view(B, H_kv, G)
+    whole_seq = need_g.flatten(1).all(-1).tolist()  # (B,) every head of the sequence falls back
     for b, g in need_g.any(-1).nonzero().tolist():  # Python loop over (sequence, KV group), not over tokens
         L = int(kv.lengths[b])
+        if whole_seq[b]:  # all groups at once: one batched matmul and one Top-K for the H heads
+            if g == 0:
+                qs = q[b].float().view(H_kv, G, -1) * scale  # (H_kv, G, d)
+                scores = group_scores(qs, kv, b, L, ws).flatten(0, 1)  # (H, L)
+                sel_pos[b], sel_scores[b] = topk_select(scores, None, k)
+            continue
         heads = torch.arange(g * G, (g + 1) * G, device=q.device)[need_g[b, g]]  # (n,)
-        scores = history_scores(q[b, heads].float() * scale, kv, b, g, L, ws)  # (n, L), column = position
+        qs = q[b, heads].float().unsqueeze(0) * scale  # (1, n, d)
+        scores = group_scores(qs, kv, b, L, ws, group=g)[0]  # (n, L), column = position
         sp, ss = topk_select(scores, None, k)  # (n, k)
         sel_pos[b, heads] = sp
         sel_scores[b, heads] = ss
@@ -140,38 +148,43 @@ def sparse_attend(kv: PagedKV, sel_pos: torch.Tensor, sel_scores: torch.Tensor, 
 def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
     """Full softmax attention of each sequence's current query over its whole history.
 
-    q (B, H, d) -> out (B, H, d_v). Per (sequence, KV group): scores over the keys read in place
-    block by block (``history_scores``), softmax, then the weighted sum over the value blocks.
+    q (B, H, d) -> out (B, H, d_v). Per sequence, every KV group at once: scores over the keys read in
+    place block by block (``group_scores``), softmax, then the weighted sum over the value blocks.
     """
-    B, H, _ = q.shape
+    B, H, d = q.shape
     H_kv = kv.num_kv_heads
     G = H // H_kv
     out = torch.empty(B, H, kv.v_pool.shape[-1], dtype=torch.float32, device=q.device)
     for b in range(B):
         L = int(kv.lengths[b])
-        for g in range(H_kv):
-            w = torch.softmax(history_scores(q[b, g * G:(g + 1) * G].float() * scale, kv, b, g, L), dim=-1)  # (G, L)
-            values = kv.value_blocks(b, g, L)  # (n, P, d_v)
-            n, P = values.shape[:2]
-            whole = (n - 1) * P  # positions in the whole blocks; the last one is read only up to L
-            o = w[:, whole:] @ values[n - 1, :L - whole].float()  # (G, d_v)
-            if n > 1:  # block by block: (n-1, G, P) @ (n-1, P, d_v), summed over blocks
-                o += torch.matmul(w[:, :whole].reshape(G, n - 1, P).transpose(0, 1), values[:n - 1].float()).sum(0)
-            out[b, g * G:(g + 1) * G] = o
+        w = torch.softmax(group_scores(q[b].float().view(H_kv, G, d) * scale, kv, b, L), dim=-1)  # (H_kv, G, L)
+        values = kv.blocks(kv.v_pool, b, L)  # (n, H_kv, P, d_v)
+        n, P = values.shape[0], values.shape[2]
+        whole = (n - 1) * P  # positions in the whole blocks; the last one is read only up to L
+        o = torch.matmul(w[..., whole:], values[n - 1, :, :L - whole].float())  # (H_kv, G, d_v)
+        if n > 1:  # block by block: (n-1, H_kv, G, P) @ (n-1, H_kv, P, d_v), summed over blocks
+            o += torch.matmul(w[..., :whole].unflatten(-1, (n - 1, P)).permute(2, 0, 1, 3),
+                              values[:n - 1].float()).sum(0)
+        out[b] = o.view(H, -1)
     return out.to(q.dtype)
 
 
-def history_scores(qs: torch.Tensor, kv: PagedKV, b: int, g: int, L: int, ws: Workspace | None = None) -> torch.Tensor:
-    """Scores of query rows against every key of sequence b, KV head g: qs (h, d), scale applied -> (h, L).
+def group_scores(qs: torch.Tensor, kv: PagedKV, b: int, L: int, ws: Workspace | None = None,
+                 group: int | None = None) -> torch.Tensor:
+    """Scores of each KV group's query rows against all of sequence b's keys of that group.
 
-    Reads the keys in place, block by block, when the sequence's blocks are consecutive in the pool
-    (``PagedKV.key_blocks``): copying 8K keys out of 256-token blocks cost 3x the scoring itself. One
-    block: a single (h, d) @ (d, L) matmul into the workspace's score buffer (when given).
+    qs (H_kv, h, d), scale applied -> (H_kv, h, L); with ``group`` = g: qs (1, h, d) against KV head g
+    only -> (1, h, L). Reads the keys in place, block by block, when the sequence's blocks are
+    consecutive in the pool (``PagedKV.blocks``): copying 8K keys out of 256-token blocks cost 3x the
+    scoring itself. One block: a single (g, h, d) @ (g, d, L) matmul into the workspace's score
+    buffer (when given).
     """
-    keys = kv.key_blocks(b, g, L)  # (n, P, d)
-    h, (n, P) = qs.shape[0], keys.shape[:2]
+    keys = kv.blocks(kv.k_pool, b, L)  # (n, H_kv, P, d)
+    if group is not None:
+        keys = keys[:, group:group + 1]  # (n, 1, P, d)
+    (n, g, P), h = keys.shape[:3], qs.shape[1]
     if n == 1:
-        buf = None if ws is None else ws.take("scores", h * L, torch.float32, qs.device).view(h, L)
-        return torch.mm(qs, keys[0, :L].float().T, out=buf)  # (h, L)
-    s = torch.matmul(qs, keys.float().transpose(1, 2))  # (n, h, P)
-    return s.transpose(0, 1).reshape(h, n * P)[:, :L]  # (h, L)
+        buf = None if ws is None else ws.take("scores", g * h * L, torch.float32, qs.device).view(g, h, L)
+        return torch.matmul(qs, keys[0, :, :L].float().transpose(1, 2), out=buf)  # (g, h, L)
+    s = torch.matmul(qs.unsqueeze(0), keys.float().transpose(-1, -2))  # (n, g, h, P)
+    return s.permute(1, 2, 0, 3).reshape(g, h, n * P)[..., :L]  # (g, h, L)

@@ -1,7 +1,7 @@
 """Reading a sequence's whole history out of a block pool: in place when its blocks are consecutive.
 
 The runtime's allocator hands out consecutive block ids, and the dense and exact paths then score
-the pool in place, block by block (``PagedKV.key_blocks``); shuffled blocks are gathered. Both must
+the pool in place, block by block (``PagedKV.blocks``); shuffled blocks are gathered. Both must
 give what a contiguous cache gives, and never read the garbage past L in the last block.
 """
 
@@ -31,18 +31,19 @@ def _pool(keys: torch.Tensor, values: torch.Tensor, block: int, order: torch.Ten
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "shuffled"])
-def test_key_blocks_equal_history_and_are_views_when_consecutive(layout):
+def test_blocks_equal_history_and_are_views_when_consecutive(layout):
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 37, 8, generator=g), torch.randn(1, 2, 37, 8, generator=g)
     order = torch.arange(1, 6) if layout == "consecutive" else torch.tensor([4, 1, 5, 2, 3])
     kv = _pool(keys, values, 8, order, poison=False)
+    blocks, value_blocks = kv.blocks(kv.k_pool, 0), kv.blocks(kv.v_pool, 0)  # (5, 2, 8, 8)
+    assert blocks.shape == value_blocks.shape == (5, 2, 8, 8)
     for head in range(2):
-        blocks = kv.key_blocks(0, head)  # (5, 8, 8)
-        assert blocks.shape == (5, 8, 8)
-        assert torch.equal(blocks.reshape(40, 8)[:37], keys[0, head])
-        assert torch.equal(kv.value_blocks(0, head).reshape(40, 8)[:37], values[0, head])
-        shares_pool = blocks.untyped_storage().data_ptr() == kv.k_pool.untyped_storage().data_ptr()
-        assert shares_pool == (layout == "consecutive")
+        assert torch.equal(blocks[:, head].reshape(40, 8)[:37], keys[0, head])
+        assert torch.equal(value_blocks[:, head].reshape(40, 8)[:37], values[0, head])
+        assert torch.equal(kv.keys(0, head), keys[0, head]) and torch.equal(kv.values(0, head), values[0, head])
+    shares_pool = blocks.untyped_storage().data_ptr() == kv.k_pool.untyped_storage().data_ptr()
+    assert shares_pool == (layout == "consecutive")
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "shuffled"])
