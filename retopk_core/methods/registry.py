@@ -20,6 +20,10 @@ _METHODS: dict[str, str] = {
 }
 
 
+# Evaluation wrappers: the benchmarks build them in-process; a server never offers them to clients.
+_EVALUATION_ONLY = frozenset({"fidelity_probe"})
+
+
 def register(name: str, target: str) -> None:
     """Add a method: ``target`` is "module:callable" taking keyword hyperparameters."""
     _METHODS[name] = target
@@ -27,6 +31,11 @@ def register(name: str, target: str) -> None:
 
 def method_names() -> list[str]:
     return sorted(_METHODS)
+
+
+def serving_method_names() -> list[str]:
+    """The methods a server offers: every registered one except the evaluation wrappers."""
+    return [name for name in method_names() if name not in _EVALUATION_ONLY]
 
 
 def make_method(name: str, **params) -> AttentionMethod:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from retopk_core.methods.registry import serving_method_names
 from retopk_server.engine.requests import EngineConfig
 from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.method_spec import MethodSpec
@@ -92,6 +93,8 @@ class ServerConfig:
             raise ValueError("api_key must be a non-empty string or None")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
+        if self.method not in (names := serving_method_names()):
+            raise ValueError(f"method: unknown method {self.method!r}; choose one of {', '.join(names)}")
         try:
             self.method_spec().build()
         except ValueError as e:

@@ -97,6 +97,7 @@ INVALID = [
     ("tau above one", pb.GenerateRequest(text="a", method=_method(tau=1.5)), "tau"),
     ("negative T_r", pb.GenerateRequest(text="a", method=_method(refresh_every=-1)), "refresh_every"),
     ("unknown method", pb.GenerateRequest(text="a", method=_method(name="magic")), "method.name"),
+    ("evaluation-only method", pb.GenerateRequest(text="a", method=_method(name="fidelity_probe")), "method.name"),
     ("unknown hyperparameter", pb.GenerateRequest(
         text="a", method=_method(name="full", params={"bogus": pb.ParamValue(int_value=1)})), "bogus"),
     ("param and field", pb.GenerateRequest(
@@ -239,7 +240,7 @@ def test_tokenize_detokenize_and_model_info(fake_server):
     assert (info.num_layers, info.num_heads, info.vocab_size, list(info.eos_token_ids)) == (2, 3, 128, [EOS])
     assert info.default_method.name == "retopk" and info.default_method.top_k == 8
     assert info.default_method.cache_size == 32 and info.default_method.params["retrieval"].string_value
-    assert {"full", "exact_topk", "retopk"} <= set(info.methods)
+    assert {"full", "exact_topk", "retopk"} <= set(info.methods) and "fidelity_probe" not in info.methods
     assert info.limits.max_new_tokens == 2000 and info.limits.max_prompt_tokens == info.max_context
 
 
@@ -299,7 +300,7 @@ def test_rope_scaling_and_block_size_reach_the_runtime():
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--method", "magic"],
-                                  ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"],
+                                  ["--method", "fidelity_probe"], ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"],
                                   ["--rope-scaling", "dynamic:2"], ["--kv-block-size", "0"],
                                   ["--metrics-per-head", "maybe"], ["--session-idle-timeout-s", "0"]])
 def test_bad_configuration_exits_with_a_message(argv, capsys):

@@ -10,6 +10,7 @@ import math
 import uuid
 
 from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_core.methods.registry import serving_method_names
 from retopk_server.engine.requests import FinishReason, GenerationRequest, TokenEvent
 from retopk_server.engine.scheduler import EngineStatus, SessionSnapshot
 from retopk_server.runtime.method_spec import MethodSpec
@@ -58,6 +59,8 @@ def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
     starts from its own defaults.
     """
     name = message.name or default.name
+    if name not in (names := serving_method_names()):  # evaluation wrappers are not a client's to pick
+        raise InvalidArgument("method.name", f"unknown method {name!r}; choose one of {', '.join(names)}")
     params = dict(default.params) if name == default.name else {}
     given = {}
     for key in NAMED_PARAMS:

@@ -17,7 +17,7 @@ import grpc
 
 from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
-from retopk_core.methods.registry import method_names
+from retopk_core.methods.registry import serving_method_names
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream
 from retopk_server.service import convert
@@ -196,7 +196,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                             eos_token_ids=list(info.eos_token_ids), dtype=info.dtype, device=info.device,
                             backend=info.backend,
                             default_method=convert.method_message(default.name, self.engine.describe_method(default)),
-                            methods=method_names(), limits=limits, server_version=self.version)
+                            methods=serving_method_names(), limits=limits, server_version=self.version)
 
     @_unary
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
