@@ -300,7 +300,8 @@ def test_rope_scaling_and_block_size_reach_the_runtime():
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-queue", "0"], ["--method", "magic"],
-                                  ["--method", "fidelity_probe"], ["--method-params", "top_k=0"], ["--dtype", "float8"], ["--port", "x"],
+                                  ["--method", "fidelity_probe"], ["--method-params", "top_k=0"],
+                                  ["--dtype", "float8"], ["--port", "x"],
                                   ["--rope-scaling", "dynamic:2"], ["--kv-block-size", "0"],
                                   ["--metrics-per-head", "maybe"], ["--session-idle-timeout-s", "0"]])
 def test_bad_configuration_exits_with_a_message(argv, capsys):
