@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Runs of consecutive block ids read in place, one matmul each; a sequence in more pieces is gathered
+# into one copy instead (bounding the number of small matmuls per layer).
+MAX_RUNS = 8
+
 
 @dataclass
 class PagedKV:
@@ -80,18 +84,27 @@ class PagedKV:
 
     def blocks(self, pool: torch.Tensor, b: int, length: int | None = None) -> torch.Tensor:
         """Sequence b's first n = ceil(L_b / P) blocks of ``pool`` (k_pool or v_pool), every KV head:
-        (n, H_kv, P, d).
+        (n, H_kv, P, d). A view when the block ids are consecutive, else a gathered copy; positions
+        past L_b in the last block are garbage."""
+        runs = self.block_runs(pool, b, length)
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
 
-        A view of the pool when those blocks have consecutive ids (the runtime's allocator hands them
-        out so), else a gathered copy. Positions past L_b in the last block are garbage.
-        """
+    def block_runs(self, pool: torch.Tensor, b: int, length: int | None = None,
+                   max_runs: int = MAX_RUNS) -> list[torch.Tensor]:
+        """Sequence b's first n blocks as views of ``pool``, one per run of consecutive block ids:
+        [(n_1, H_kv, P, d), ...] with n_1 + n_2 + ... = n, in order. A session's blocks are one run
+        unless it grew while its neighbours did; past ``max_runs`` runs, one gathered copy."""
         L = int(self.lengths[b]) if length is None else length
         n = max(1, -(-L // self.block_size))
-        ids = self.block_table[b, :n]
-        first = int(ids[0])
-        if n == 1 or (int(ids[-1]) - first == n - 1 and bool((ids.diff() == 1).all())):
-            return pool[first:first + n]  # (n, H_kv, P, d) view
-        return pool[ids]  # (n, H_kv, P, d) copy
+        ids = self.block_table[b, :n].tolist()
+        runs, start = [], 0
+        for j in range(1, n + 1):
+            if j == n or ids[j] != ids[j - 1] + 1:
+                runs.append(pool[ids[start]:ids[start] + j - start])  # (j - start, H_kv, P, d) view
+                start = j
+                if len(runs) > max_runs:
+                    return [pool[self.block_table[b, :n]]]  # (n, H_kv, P, d) copy
+        return runs
 
     def _history(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
         L = int(self.lengths[b]) if length is None else length

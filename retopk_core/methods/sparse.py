@@ -149,22 +149,27 @@ def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
     """Full softmax attention of each sequence's current query over its whole history.
 
     q (B, H, d) -> out (B, H, d_v). Per sequence, every KV group at once: scores over the keys read in
-    place block by block (``group_scores``), softmax, then the weighted sum over the value blocks.
+    place run by run (``group_scores``), softmax, then the weighted sum over the value blocks.
     """
     B, H, d = q.shape
     H_kv = kv.num_kv_heads
     G = H // H_kv
+    P = kv.block_size
     out = torch.empty(B, H, kv.v_pool.shape[-1], dtype=torch.float32, device=q.device)
     for b in range(B):
         L = int(kv.lengths[b])
         w = torch.softmax(group_scores(q[b].float().view(H_kv, G, d) * scale, kv, b, L), dim=-1)  # (H_kv, G, L)
-        values = kv.blocks(kv.v_pool, b, L)  # (n, H_kv, P, d_v)
-        n, P = values.shape[0], values.shape[2]
+        runs = kv.block_runs(kv.v_pool, b, L)  # [(n_i, H_kv, P, d_v)]
+        n = sum(r.shape[0] for r in runs)
         whole = (n - 1) * P  # positions in the whole blocks; the last one is read only up to L
-        o = torch.matmul(w[..., whole:], values[n - 1, :, :L - whole].float())  # (H_kv, G, d_v)
-        if n > 1:  # block by block: (n-1, H_kv, G, P) @ (n-1, H_kv, P, d_v), summed over blocks
-            o += torch.matmul(w[..., :whole].unflatten(-1, (n - 1, P)).permute(2, 0, 1, 3),
-                              values[:n - 1].float()).sum(0)
+        o = torch.matmul(w[..., whole:], runs[-1][-1, :, :L - whole].float())  # (H_kv, G, d_v)
+        w_blocks = w[..., :whole].unflatten(-1, (n - 1, P)).permute(2, 0, 1, 3)  # (n-1, H_kv, G, P)
+        first = 0
+        for r in runs:  # block by block: (m, H_kv, G, P) @ (m, H_kv, P, d_v), summed over blocks
+            m = min(r.shape[0], n - 1 - first)
+            if m > 0:
+                o += torch.matmul(w_blocks[first:first + m], r[:m].float()).sum(0)
+            first += m
         out[b] = o.view(H, -1)
     return out.to(q.dtype)
 
@@ -174,17 +179,17 @@ def group_scores(qs: torch.Tensor, kv: PagedKV, b: int, L: int, ws: Workspace | 
     """Scores of each KV group's query rows against all of sequence b's keys of that group.
 
     qs (H_kv, h, d), scale applied -> (H_kv, h, L); with ``group`` = g: qs (1, h, d) against KV head g
-    only -> (1, h, L). Reads the keys in place, block by block, when the sequence's blocks are
-    consecutive in the pool (``PagedKV.blocks``): copying 8K keys out of 256-token blocks cost 3x the
-    scoring itself. One block: a single (g, h, d) @ (g, d, L) matmul into the workspace's score
-    buffer (when given).
+    only -> (1, h, L). Reads the keys in place, run by run of consecutive blocks
+    (``PagedKV.block_runs``): copying 8K keys out of 256-token blocks cost 3x the scoring itself.
+    One block: a single (g, h, d) @ (g, d, L) matmul into the workspace's score buffer (when given).
     """
-    keys = kv.blocks(kv.k_pool, b, L)  # (n, H_kv, P, d)
+    runs = kv.block_runs(kv.k_pool, b, L)  # [(n_i, H_kv, P, d)]
     if group is not None:
-        keys = keys[:, group:group + 1]  # (n, 1, P, d)
-    (n, g, P), h = keys.shape[:3], qs.shape[1]
+        runs = [r[:, group:group + 1] for r in runs]  # [(n_i, 1, P, d)]
+    n, (g, P), h = sum(r.shape[0] for r in runs), runs[0].shape[1:3], qs.shape[1]
     if n == 1:
         buf = None if ws is None else ws.take("scores", g * h * L, torch.float32, qs.device).view(g, h, L)
-        return torch.matmul(qs, keys[0, :, :L].float().transpose(1, 2), out=buf)  # (g, h, L)
-    s = torch.matmul(qs.unsqueeze(0), keys.float().transpose(-1, -2))  # (n, g, h, P)
+        return torch.matmul(qs, runs[0][0, :, :L].float().transpose(1, 2), out=buf)  # (g, h, L)
+    parts = [torch.matmul(qs.unsqueeze(0), r.float().transpose(-1, -2)) for r in runs]  # [(n_i, g, h, P)]
+    s = parts[0] if len(parts) == 1 else torch.cat(parts)  # (n, g, h, P)
     return s.permute(1, 2, 0, 3).reshape(g, h, n * P)[..., :L]  # (g, h, L)

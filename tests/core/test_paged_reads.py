@@ -30,11 +30,14 @@ def _pool(keys: torch.Tensor, values: torch.Tensor, block: int, order: torch.Ten
     return PagedKV(k_pool, v_pool, order.view(1, nb), torch.tensor([L]))
 
 
-@pytest.mark.parametrize("layout", ["consecutive", "shuffled"])
+ORDERS = {"consecutive": [1, 2, 3, 4, 5], "two runs": [4, 5, 6, 0, 1], "shuffled": [4, 1, 5, 2, 3]}
+
+
+@pytest.mark.parametrize("layout", list(ORDERS))
 def test_blocks_equal_history_and_are_views_when_consecutive(layout):
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 37, 8, generator=g), torch.randn(1, 2, 37, 8, generator=g)
-    order = torch.arange(1, 6) if layout == "consecutive" else torch.tensor([4, 1, 5, 2, 3])
+    order = torch.tensor(ORDERS[layout])
     kv = _pool(keys, values, 8, order, poison=False)
     blocks, value_blocks = kv.blocks(kv.k_pool, 0), kv.blocks(kv.v_pool, 0)  # (5, 2, 8, 8)
     assert blocks.shape == value_blocks.shape == (5, 2, 8, 8)
@@ -44,9 +47,15 @@ def test_blocks_equal_history_and_are_views_when_consecutive(layout):
         assert torch.equal(kv.keys(0, head), keys[0, head]) and torch.equal(kv.values(0, head), values[0, head])
     shares_pool = blocks.untyped_storage().data_ptr() == kv.k_pool.untyped_storage().data_ptr()
     assert shares_pool == (layout == "consecutive")
+    runs = kv.block_runs(kv.k_pool, 0)  # views of the pool, one per run of consecutive ids
+    assert [r.shape[0] for r in runs] == {"consecutive": [5], "two runs": [3, 2], "shuffled": [1, 1, 1, 2]}[layout]
+    assert all(r.untyped_storage().data_ptr() == kv.k_pool.untyped_storage().data_ptr() for r in runs)
+    assert torch.equal(torch.cat(runs), blocks)
+    gathered = kv.block_runs(kv.k_pool, 0, max_runs=1)  # too many pieces: one gathered copy
+    assert len(gathered) == 1 and torch.equal(gathered[0], blocks)
 
 
-@pytest.mark.parametrize("layout", ["consecutive", "shuffled"])
+@pytest.mark.parametrize("layout", ["consecutive", "two runs", "shuffled"])
 @pytest.mark.parametrize("method", ["full", "exact_topk"])
 def test_dense_and_exact_over_blocks_equal_contiguous_cache(layout, method):
     """NaN past L in the last block (and in the spare blocks) must not reach the output."""
@@ -54,7 +63,8 @@ def test_dense_and_exact_over_blocks_equal_contiguous_cache(layout, method):
     H, H_kv, L, d = 6, 2, 45, 16
     keys, values = torch.randn(1, H_kv, L, d, generator=g), torch.randn(1, H_kv, L, d, generator=g)
     q = torch.randn(1, H, d, generator=g)
-    order = torch.arange(2, 8) if layout == "consecutive" else torch.tensor([6, 2, 7, 0, 5, 3])
+    order = torch.tensor({"consecutive": [2, 3, 4, 5, 6, 7], "two runs": [5, 6, 7, 0, 1, 2],
+                          "shuffled": [6, 2, 7, 0, 5, 3]}[layout])
     m = make_method(method) if method == "full" else make_method(method, top_k=12)
     state = m.init_state(H, H_kv, d)
     slots = torch.tensor([state.alloc()])

@@ -3,7 +3,8 @@
 Layer l keeps k[l], v[l]: (N_blocks, H_kv, P, d). A session owns a list of block ids, the same ids in
 every layer; position i of the session lives in block ``blocks[i // P]`` at offset ``i % P``. When the
 free list runs dry the pools double their block count (one copy, amortised over the blocks gained), so
-no decode step reallocates a session's history.
+no decode step reallocates a session's history. The allocator prefers consecutive ids: the dense and
+exact paths read a session whose blocks are consecutive in place, and copy it otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class KVPool:
         shape = (max(1, initial_blocks), num_kv_heads, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._free = list(range(shape[0] - 1, -1, -1))  # pop() hands out low ids first
+        self._free: set[int] = set(range(shape[0]))
 
     @property
     def capacity(self) -> int:
@@ -49,17 +50,35 @@ class KVPool:
                 grown = t.new_zeros((new, *t.shape[1:]))
                 grown[:old] = t
                 pools[layer] = grown
-        self._free = list(range(new - 1, old - 1, -1)) + self._free
+        self._free.update(range(old, new))
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int, after: int | None = None) -> list[int]:
+        """n free block ids, consecutive when possible: the n ids right after ``after`` (a growing
+        session's last block) when they are free, else the lowest run of n consecutive free ids, else
+        the lowest free ids. The pool grows only when fewer than n blocks are free."""
         if n <= 0:
             return []
         if len(self._free) < n:
             self._grow(n)
-        return [self._free.pop() for _ in range(n)]
+        if after is not None and all(after + 1 + i in self._free for i in range(n)):
+            ids = list(range(after + 1, after + 1 + n))
+        else:
+            ids = self._lowest_run(n) or sorted(self._free)[:n]
+        self._free.difference_update(ids)
+        return ids
+
+    def _lowest_run(self, n: int) -> list[int] | None:
+        start = prev = None
+        for i in sorted(self._free):
+            if prev is None or i != prev + 1:
+                start = i
+            prev = i
+            if i - start + 1 == n:
+                return list(range(start, i + 1))
+        return None
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        self._free.update(blocks)
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)

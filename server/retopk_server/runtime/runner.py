@@ -162,7 +162,7 @@ class ModelRunner:
         if length > self.max_context:
             raise ContextTooLong(f"session {session.id!r}: {length} tokens exceed max_context {self.max_context}")
         need = self.pool.blocks_for(length) - len(session.blocks)
-        session.blocks.extend(self.pool.alloc(need))
+        session.blocks.extend(self.pool.alloc(need, after=session.blocks[-1] if session.blocks else None))
 
     def memory(self) -> dict[str, int]:
         """Bytes reserved by the runner: the KV pool (all blocks) and every method-state pool."""

@@ -42,6 +42,25 @@ def test_pool_reuses_released_blocks():
     assert sorted(pool.alloc(4)) == [0, 1, 2, 3] and pool.capacity == 4
 
 
+def test_pool_hands_out_consecutive_blocks_when_it_can():
+    pool = KVPool(1, 1, 2, 4, torch.float32, "cpu", initial_blocks=16)
+    a, b, c = pool.alloc(4), pool.alloc(4), pool.alloc(4)
+    assert (a, b, c) == ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11])
+    pool.release(a)
+    pool.release(c)  # free: 0-3 and 8-15
+    assert pool.alloc(6) == [8, 9, 10, 11, 12, 13]  # the lowest run long enough, not 0-3 + 8-9
+    assert pool.alloc(1, after=3) == [0]  # block 4 is taken: the lowest free id
+    assert pool.alloc(2, after=13) == [14, 15]  # a growing session continues in place
+    assert pool.alloc(4) == [16, 17, 18, 19] and pool.capacity == 32  # 3 free: grown, the new ids are a run
+    assert pool.alloc(3, after=19) == [20, 21, 22]
+    assert pool.free_blocks == 32 - 20
+
+    full = KVPool(1, 1, 2, 4, torch.float32, "cpu", initial_blocks=8)
+    full.alloc(8)
+    full.release([1, 3, 5])
+    assert full.alloc(2) == [1, 3] and full.capacity == 8  # fragmented but enough: no growth, lowest ids
+
+
 def test_long_decode_grows_the_pool_a_logarithmic_number_of_times():
     runner = runner_for(tiny_model("llama"), kv_block_size=2)
     s = runner.open_session()
@@ -51,6 +70,7 @@ def test_long_decode_grows_the_pool_a_logarithmic_number_of_times():
         runner.decode([s], [t % 256])
         capacities.add(runner.pool.capacity)
     assert s.length == 203 and len(s.blocks) == 102
+    assert s.blocks == list(range(102))  # grown in place: the dense and exact paths read it without a copy
     assert sorted(capacities) == [8 * 2**i for i in range(len(capacities))]  # doubling only
     assert max(capacities) < 2 * 102 * 2
 
