@@ -1,12 +1,14 @@
 """End-to-end decode speed: ms per generated token with a real model at growing contexts.
 
 For each context length L the same prompt (the first L tokens of a text) is prefilled once per
-method, then N tokens are decoded greedily through the runtime; reported are ms/token, the share of
-it spent in the attention core (from the runtime's per-step stats), and transformers' own
+method, then the methods take turns decoding N tokens each, greedily through the runtime, for a few
+rounds (the machine's speed drifts; turns spread the drift over every method). Reported are
+ms/token, the share of it spent in the attention core (from the runtime's per-step stats), ReTopK's
+path mix and the share of layer-steps with an exact pass, and transformers' own
 ``generate`` on the same model and prompt as the outside baseline (its per-token time is
 (t(N+1 tokens) - t(1 token)) / N, so its prefill cancels). All in one process.
 
-    python bench/e2e_cpu.py --lengths 1024 2048 4096 8000 --new-tokens 32
+    python -m bench.e2e_cpu --lengths 1024 2048 4096 8000 --new-tokens 16 --rounds 3
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 import torch
 
 from bench.eval.common import load_corpus
+from retopk_core.methods.base import Path
 from retopk_server.cli import parse_params
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
@@ -39,7 +42,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
-    p.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed per method and length")
+    p.add_argument("--new-tokens", type=int, default=16, help="decoded tokens timed per method, length and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds in which the methods take turns")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                    help='method specs "name[:key=value,...]" (default: %(default)s)')
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
@@ -48,25 +52,44 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def time_runner(runner: ModelRunner, spec: MethodSpec, prompt: list[int], n: int) -> dict:
-    """Prefill once, decode n greedy tokens; per-token wall time and the attention core's share."""
-    session = runner.open_session(spec)
-    try:
-        tok = int(runner.prefill(session, prompt).argmax())
-        runner.decode([session], [tok])  # warm-up step, not timed
-        total = attn = 0.0
-        paths: dict[str, int] = {}
+class TimedSession:
+    """One method's session on one prompt: prefilled once, then decoded greedily a few tokens at a
+    time (``decode``), so that methods can take turns. Accumulates per-token wall time, the attention
+    core's share, the path mix over heads, and the layer-steps in which some head took an exact path
+    (ReTopK's fallback or refresh: that layer then reads the keys of at least one KV group)."""
+
+    def __init__(self, runner: ModelRunner, spec: MethodSpec, prompt: list[int]) -> None:
+        self.runner, self.spec = runner, spec
+        self.session = runner.open_session(spec)
+        self.tok = int(runner.prefill(self.session, prompt).argmax())
+        self.decode(1, timed=False)  # warm-up step
+        self.steps, self.total, self.attn, self.exact_layers = 0, 0.0, 0.0, 0
+        self.paths: dict[str, int] = {}
+
+    def decode(self, n: int, timed: bool = True) -> None:
         for _ in range(n):
             t0 = time.perf_counter()
-            logits, stats = runner.decode([session], [tok], with_stats=True)
-            total += time.perf_counter() - t0
-            tok = int(logits[0].argmax())
-            attn += stats[0].attention_s
+            logits, stats = self.runner.decode([self.session], [self.tok], with_stats=True)
+            elapsed = time.perf_counter() - t0
+            self.tok = int(logits[0].argmax())
+            if not timed:
+                continue
+            self.steps += 1
+            self.total += elapsed
+            self.attn += stats[0].attention_s
             for k, v in stats[0].counts().items():
-                paths[k] = paths.get(k, 0) + v
-    finally:
-        runner.close_session(session)
-    return {"ms_per_token": 1e3 * total / n, "attention_share": attn / total, "paths": paths}
+                self.paths[k] = self.paths.get(k, 0) + v
+            path = stats[0].path  # (layers, heads)
+            self.exact_layers += int(((path == Path.FALLBACK) | (path == Path.REFRESH)).any(-1).sum())
+
+    def close(self) -> None:
+        self.runner.close_session(self.session)
+
+    def result(self) -> dict:
+        layer_steps = self.steps * self.runner.info.num_layers
+        return {"ms_per_token": 1e3 * self.total / self.steps, "attention_share": self.attn / self.total,
+                "paths": self.paths, "tokens": self.steps,
+                "layer_steps_with_exact": self.exact_layers / layer_steps if self.spec.name == "retopk" else None}
 
 
 def time_generate(model, prompt: list[int], n: int) -> float:
@@ -84,19 +107,32 @@ def time_generate(model, prompt: list[int], n: int) -> float:
 
 
 def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: list[int], n: int,
-        with_generate: bool = True) -> list[dict]:
-    """Every method (and transformers' generate) at every length on the prompt ids[:L]."""
+        with_generate: bool = True, rounds: int = 1) -> list[dict]:
+    """Every method (and transformers' generate) at every length on the prompt ids[:L].
+
+    The methods take turns, n tokens each per round, for ``rounds`` rounds: the machine's speed
+    drifts over minutes, and turns spread that drift over every method alike.
+    """
     rows = []
     for L in lengths:
         prompt = ids[:L]
-        for spec in specs:
-            r = time_runner(runner, spec, prompt, n)
-            rows.append({"L": L, "method": spec.describe(), "label": _label(spec), **r})
+        sessions = [TimedSession(runner, spec, prompt) for spec in specs]
+        generate_ms = []
+        try:
+            for _ in range(rounds):
+                for s in sessions:
+                    s.decode(n)
+                if with_generate:
+                    with torch.inference_mode():
+                        generate_ms.append(time_generate(runner.model, prompt, n))
+        finally:
+            for s in sessions:
+                s.close()
+        rows += [{"L": L, "method": s.spec.describe(), "label": _label(s.spec), **s.result()} for s in sessions]
         if with_generate:
-            with torch.inference_mode():
-                ms = time_generate(runner.model, prompt, n)
             rows.append({"L": L, "method": {"method": "transformers.generate"}, "label": "transformers generate",
-                         "ms_per_token": ms, "attention_share": None, "paths": {}})
+                         "ms_per_token": sum(generate_ms) / rounds, "attention_share": None, "paths": {},
+                         "tokens": n * rounds})
         exact = [r for r in rows if r["L"] == L and r["method"]["method"] == "exact_topk"]
         for r in rows:
             if r["L"] == L:
@@ -112,8 +148,8 @@ def main(argv=None) -> list[dict]:
     if len(ids) < max(args.lengths):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the longest length {max(args.lengths)}")
     print(f"# e2e_cpu: {args.model}, {runner.info.num_layers} layers, {torch.get_num_threads()} threads, "
-          f"{args.new_tokens} tokens per point", flush=True)
-    rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate)
+          f"{args.rounds} rounds of {args.new_tokens} tokens per point", flush=True)
+    rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds)
     print(table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +170,8 @@ def table(rows: list[dict]) -> str:
         ratio = "" if r.get("speedup_vs_exact") is None else f"{r['speedup_vs_exact']:.2f}x"
         total = sum(r["paths"].values()) or 1
         mix = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(r["paths"].items()))
+        if r.get("layer_steps_with_exact") is not None:
+            mix += f"; exact pass in {100 * r['layer_steps_with_exact']:.0f}% of layer-steps"
         lines.append(f"| {r['L']} | {r['label']} | {r['ms_per_token']:.1f} | {share} | {ratio} | {mix} |")
     return "\n".join(lines)
 

@@ -17,16 +17,23 @@ def test_e2e_rows_for_every_method_and_length():
     assert specs[2].build().config.tau == 0.5 and specs[1].build().top_k == 8
     runner = ModelRunner(RuntimeConfig(model="tiny", default_method=specs[0]), model=model)
     ids = torch.randint(0, 128, (100,)).tolist()
-    rows = e2e_cpu.run(runner, specs, ids, [40, 90], n=3)
+    rows = e2e_cpu.run(runner, specs, ids, [40, 90], n=3, rounds=2)
     assert [(r["L"], r["label"]) for r in rows] == [
         (L, label) for L in (40, 90)
         for label in ("full", "exact_topk(top_k=8)", "retopk(cache_size=4,tau=0.5,top_k=8)", "transformers generate")]
     for r in rows:
-        assert r["ms_per_token"] > 0
+        assert r["ms_per_token"] > 0 and r["tokens"] == 3 * 2
         if r["label"] != "transformers generate":
             assert 0 < r["attention_share"] < 1
-            assert sum(r["paths"].values()) == 3 * 2 * 4  # steps x layers x heads
+            assert sum(r["paths"].values()) == 3 * 2 * 2 * 4  # tokens x rounds x layers x heads
     assert set(rows[0]["paths"]) == {"dense"} and set(rows[1]["paths"]) == {"exact"}
     assert set(rows[2]["paths"]) <= {"reuse", "fallback", "refresh"}
+    for r in rows:  # layer-steps with an exact pass: each holds 1..4 of the exact heads
+        if r["label"].startswith("retopk"):
+            exact_heads = r["paths"].get("fallback", 0) + r["paths"].get("refresh", 0)
+            layer_steps = round(r["layer_steps_with_exact"] * 6 * 2)
+            assert -(-exact_heads // 4) <= layer_steps <= min(exact_heads, 6 * 2)
+        else:
+            assert r.get("layer_steps_with_exact") is None
     assert not runner.sessions  # every session closed
     assert "| 90 | retopk" in e2e_cpu.table(rows)
