@@ -225,12 +225,16 @@ def _unique_rows(cand: torch.Tensor, span: int) -> torch.Tensor:
     """The distinct positions of each row, sorted and packed to the left, -1 padded.
 
     cand (P, N) int64 positions in [0, span) or -1  ->  (P, M) int64, M = the largest row count (>= 1).
-    One flat sort of the keys row * (span + 1) + pos (padding -> pos = span) orders every row inside
-    its own segment; int32 keys when they fit, since the CPU sorts those about 3x faster than int64
-    keys or a batched row sort (28 x 2080 candidates at 128K: 0.7 ms against 2.1 ms). Then the first
-    occurrence of each position is kept and the kept ones are compacted with a cumsum + scatter.
+    Short histories (span <= 4N, e.g. every chat turn of a few hundred tokens): mark the positions in
+    a (P, span) bitmap and read it back in order. Long ones: one flat sort of the keys
+    row * (span + 1) + pos (padding -> pos = span) orders every row inside its own segment; int32 keys
+    when they fit, since the CPU sorts those about 3x faster than int64 keys or a batched row sort
+    (28 x 2080 candidates at 128K: 0.7 ms against 2.1 ms). Then the first occurrence of each position
+    is kept and the kept ones are compacted with a cumsum + scatter.
     """
     P, N = cand.shape
+    if span <= 4 * N:
+        return _unique_rows_bitmap(cand, span)
     width = span + 1
     dtype = torch.int32 if P * width < 2 ** 31 else torch.long
     rows = torch.arange(P, device=cand.device, dtype=dtype).view(P, 1) * width  # (P, 1)
@@ -242,6 +246,21 @@ def _unique_rows(cand: torch.Tensor, span: int) -> torch.Tensor:
     dest = torch.where(keep, keep.cumsum(-1) - 1, M)  # (P, N), dropped entries -> spare column M
     out = pos.new_full((P, M + 1), -1).scatter_(1, dest, pos)
     return out[:, :M].long()
+
+
+def _unique_rows_bitmap(cand: torch.Tensor, span: int) -> torch.Tensor:
+    """``_unique_rows`` through a (P, span + 1) bitmap: O(P * span) work, no sort."""
+    P = cand.shape[0]
+    seen = torch.zeros(P, span + 1, dtype=torch.bool, device=cand.device)
+    seen.scatter_(1, torch.where(cand >= 0, cand, span), True)  # padding marks the spare column span
+    seen = seen[:, :span]  # (P, span)
+    count = seen.sum(-1)  # (P,)
+    M = max(int(count.max()), 1)
+    row, pos = seen.nonzero(as_tuple=True)  # row-major: each row's positions ascending
+    rank = torch.arange(row.numel(), device=cand.device) - (count.cumsum(0) - count)[row]  # column in the output
+    out = torch.full((P, M), -1, dtype=torch.long, device=cand.device)
+    out[row, rank] = pos
+    return out
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

@@ -76,10 +76,12 @@ def test_dense_and_exact_over_blocks_equal_contiguous_cache(layout, method):
         assert torch.equal(got.selected.sort(-1).values, want.selected.sort(-1).values)
 
 
-@pytest.mark.parametrize("span", [100, 2 ** 30])  # int32 sort keys, and int64 once rows * span overflows int32
+# bitmap (span <= 4 x 40 candidates), int32 sort keys, and int64 once rows * span overflows int32
+@pytest.mark.parametrize("span", [100, 1000, 2 ** 30])
 def test_unique_rows_is_sorted_distinct_and_left_packed(span):
     g = torch.Generator().manual_seed(2)
     cand = torch.randint(0, min(span, 60), (3, 40), generator=g) * max(1, span // 60)  # many duplicates
+    cand[0, :2] = span - 1  # the last position, twice
     cand[1, 5:] = -1  # padding
     cand[2] = -1  # a row with nothing
     out = _unique_rows(cand, span)
