@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from retopk_core.kv import PagedKV
 
 NEG_INF = float("-inf")
+# A batch whose keys (B x L_max x H_kv x d elements) fit this goes through the exact path as one padded
+# gather + matmul (``_exact_select_short``): 4M float32 elements = 16 MB.
+SHORT_BATCH_KEYS = 1 << 22
 
 
 class Workspace:
@@ -102,6 +105,8 @@ def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch
         sel_pos = torch.full((B, H, k), -1, dtype=torch.long, device=q.device)
         sel_scores = torch.full((B, H, k), NEG_INF, dtype=torch.float32, device=q.device)
     need_g = (torch.ones(B, H, dtype=torch.bool, device=q.device) if need is None else need).view(B, H_kv, G)
+    if B > 1 and B * int(kv.lengths.max()) * H_kv * kv.head_dim <= SHORT_BATCH_KEYS:
+        return _exact_select_short(q, kv, k, scale, need_g.view(B, H), sel_pos, sel_scores)
     whole_seq = need_g.flatten(1).all(-1).tolist()  # (B,) every head of the sequence falls back
     for b, g in need_g.any(-1).nonzero().tolist():  # Python loop over (sequence, KV group), not over tokens
         L = int(kv.lengths[b])
@@ -117,6 +122,36 @@ def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch
         sp, ss = topk_select(scores, None, k)  # (n, k)
         sel_pos[b, heads] = sp
         sel_scores[b, heads] = ss
+    return sel_pos, sel_scores
+
+
+def _exact_select_short(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch.Tensor,
+                        sel_pos: torch.Tensor, sel_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exact_select`` for a batch of short histories: one padded gather of the keys of every
+    sequence that needs the exact path, one batched matmul, one Top-K, instead of a Python loop over
+    (sequence, KV group) pairs whose ~10 small ops each outweigh the scoring itself. Heads that do not
+    need it are scored too (cheap at this size) and left as they were.
+
+    need (B, H) bool; sel_pos, sel_scores (B, H, k) updated where ``need`` and returned.
+    """
+    B, H, d = q.shape
+    H_kv = kv.num_kv_heads
+    rows = need.any(-1).nonzero().flatten()  # (B',) sequences with some head on the exact path
+    if rows.numel() == 0:
+        return sel_pos, sel_scores
+    n, L_max = rows.numel(), int(kv.lengths[rows].max())
+    lengths = kv.lengths[rows].view(n, 1, 1)  # (B', 1, 1)
+    pos = torch.arange(L_max, device=q.device).view(1, 1, L_max)  # (1, 1, L_max)
+    g = torch.arange(H_kv, device=q.device).view(1, H_kv, 1)
+    flat = kv.flat_rows(rows.view(n, 1, 1), g, torch.minimum(pos, lengths - 1))  # (B', H_kv, L_max)
+    keys = kv.gather_k(flat).float()  # (B', H_kv, L_max, d)
+    qs = q[rows].float().view(n, H_kv, H // H_kv, d) * scale  # (B', H_kv, G, d)
+    scores = torch.matmul(qs, keys.transpose(-1, -2)).view(n, H, L_max)  # (B', H, L_max)
+    scores = scores.masked_fill(pos.view(1, 1, L_max) >= lengths, NEG_INF)
+    sp, ss = topk_select(scores.view(n * H, L_max), None, k)  # (B'*H, k)
+    keep = need[rows].unsqueeze(-1)  # (B', H, 1)
+    sel_pos[rows] = torch.where(keep, sp.view(n, H, k), sel_pos[rows])
+    sel_scores[rows] = torch.where(keep, ss.view(n, H, k), sel_scores[rows])
     return sel_pos, sel_scores
 
 
