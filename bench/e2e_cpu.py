@@ -24,7 +24,7 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 
 import torch
 
-from bench.eval.common import load_corpus
+from bench.eval.common import load_corpus, progress_bar
 from retopk_core.methods.base import Path
 from retopk_server.cli import parse_params
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
@@ -107,11 +107,12 @@ def time_generate(model, prompt: list[int], n: int) -> float:
 
 
 def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: list[int], n: int,
-        with_generate: bool = True, rounds: int = 1) -> list[dict]:
+        with_generate: bool = True, rounds: int = 1, progress=None) -> list[dict]:
     """Every method (and transformers' generate) at every length on the prompt ids[:L].
 
     The methods take turns, n tokens each per round, for ``rounds`` rounds: the machine's speed
-    drifts over minutes, and turns spread that drift over every method alike.
+    drifts over minutes, and turns spread that drift over every method alike. ``progress`` (a tqdm
+    bar or None) advances once per method and round.
     """
     rows = []
     for L in lengths:
@@ -122,9 +123,13 @@ def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: l
             for _ in range(rounds):
                 for s in sessions:
                     s.decode(n)
+                    if progress is not None:
+                        progress.update(1)
                 if with_generate:
                     with torch.inference_mode():
                         generate_ms.append(time_generate(runner.model, prompt, n))
+                    if progress is not None:
+                        progress.update(1)
         finally:
             for s in sessions:
                 s.close()
@@ -149,7 +154,9 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the longest length {max(args.lengths)}")
     print(f"# e2e_cpu: {args.model}, {runner.info.num_layers} layers, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds of {args.new_tokens} tokens per point", flush=True)
-    rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds)
+    bar = progress_bar(len(args.lengths) * args.rounds * (len(specs) + (not args.no_generate)), "e2e_cpu")
+    with bar:
+        rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds, bar)
     print(table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

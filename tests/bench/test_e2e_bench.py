@@ -6,6 +6,15 @@ from bench import e2e_cpu
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 
 
+class Ticks:
+    """Stands in for the tqdm bar: counts updates."""
+
+    n = 0
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+
 def test_e2e_rows_for_every_method_and_length():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -17,7 +26,7 @@ def test_e2e_rows_for_every_method_and_length():
     assert specs[2].build().config.tau == 0.5 and specs[1].build().top_k == 8
     runner = ModelRunner(RuntimeConfig(model="tiny", default_method=specs[0]), model=model)
     ids = torch.randint(0, 128, (100,)).tolist()
-    rows = e2e_cpu.run(runner, specs, ids, [40, 90], n=3, rounds=2)
+    rows = e2e_cpu.run(runner, specs, ids, [40, 90], n=3, rounds=2, progress=(bar := Ticks()))
     assert [(r["L"], r["label"]) for r in rows] == [
         (L, label) for L in (40, 90)
         for label in ("full", "exact_topk(top_k=8)", "retopk(cache_size=4,tau=0.5,top_k=8)", "transformers generate")]
@@ -36,4 +45,5 @@ def test_e2e_rows_for_every_method_and_length():
         else:
             assert r.get("layer_steps_with_exact") is None
     assert not runner.sessions  # every session closed
+    assert bar.n == 2 * 2 * 4  # lengths x rounds x (3 methods + generate)
     assert "| 90 | retopk" in e2e_cpu.table(rows)
