@@ -95,8 +95,9 @@ def exact_select(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need: torch
     once for all of its query heads that need them: the exact path is memory-bound, so the
     granularity of the work is the KV group. The (n, L) score rows go into ``ws`` when given: a fresh
     multi-MB buffer per group costs page faults whenever the allocator cannot recycle the last one
-    (ReTopK's fallback steps, between reuse steps). Results are written into sel_pos (B, H, k) int64 and
-    sel_scores (B, H, k) float32 (created -1 / -inf when not given) and returned.
+    (ReTopK's fallback steps, between reuse steps). A batch of short histories skips the loop
+    (``_exact_select_short``). Results are written into sel_pos (B, H, k) int64 and sel_scores
+    (B, H, k) float32 (created -1 / -inf when not given) and returned.
     """
     B, H, _ = q.shape
     H_kv = kv.num_kv_heads
@@ -134,7 +135,7 @@ def _exact_select_short(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need
 
     need (B, H) bool; sel_pos, sel_scores (B, H, k) updated where ``need`` and returned.
     """
-    B, H, d = q.shape
+    _, H, d = q.shape
     H_kv = kv.num_kv_heads
     rows = need.any(-1).nonzero().flatten()  # (B',) sequences with some head on the exact path
     if rows.numel() == 0:
