@@ -108,20 +108,26 @@ class PagedKV:
 
     def _history(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
         L = int(self.lengths[b]) if length is None else length
-        return self.blocks(pool, b, L)[:, g].flatten(0, 1)[:L]  # a view for one block, else a copy
+        runs = [r[:, g] for r in self.block_runs(pool, b, L)]  # [(n_i, P, d)], this head only
+        return (runs[0] if len(runs) == 1 else torch.cat(runs)).flatten(0, 1)[:L]  # a view for one block
+
+    def padded_rows(self, seqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool rows of sequences ``seqs`` (n,) (None = all), padded to their longest history L_max:
+        (n, H_kv, L_max), positions past a sequence's length pointing at its last key (so a gather
+        reads only real keys); and the padding mask (n, 1, L_max), True past each length."""
+        seqs = torch.arange(self.batch, device=self.lengths.device) if seqs is None else seqs
+        n = seqs.numel()
+        lengths = self.lengths[seqs].view(n, 1, 1)  # (n, 1, 1)
+        pos = torch.arange(int(lengths.max()) if n else 0, device=seqs.device).view(1, 1, -1)  # (1, 1, L_max)
+        g = torch.arange(self.num_kv_heads, device=seqs.device).view(1, -1, 1)  # (1, H_kv, 1)
+        last = (lengths - 1).clamp(min=0)
+        return self.flat_rows(seqs.view(n, 1, 1), g, torch.minimum(pos, last)), pos >= lengths
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded copies (B, H_kv, L_max, d) of keys and values; zeros past each length."""
-        L_max = int(self.lengths.max()) if self.batch else 0
-        pos = torch.arange(L_max, device=self.k_pool.device)
-        B, H_kv = self.batch, self.num_kv_heads
-        b = torch.arange(B, device=pos.device).view(B, 1, 1)
-        g = torch.arange(H_kv, device=pos.device).view(1, H_kv, 1)
-        valid = pos.view(1, 1, -1) < self.lengths.view(B, 1, 1)  # (B, 1, L_max)
-        rows = self.flat_rows(b, g, torch.where(valid, pos.view(1, 1, -1), 0))  # (B, H_kv, L_max)
-        k = self.gather_k(rows) * valid.unsqueeze(-1)
-        v = self.gather_v(rows) * valid.unsqueeze(-1)
-        return k, v
+        rows, past = self.padded_rows()  # (B, H_kv, L_max), (B, 1, L_max)
+        valid = ~past.unsqueeze(-1)  # (B, 1, L_max, 1)
+        return self.gather_k(rows) * valid, self.gather_v(rows) * valid
 
 
 def _gather(pool: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -141,27 +141,15 @@ def _exact_select_short(q: torch.Tensor, kv: PagedKV, k: int, scale: float, need
     if rows.numel() == 0:
         return sel_pos, sel_scores
     n = rows.numel()
-    flat, past = _padded_rows(kv, rows)  # (B', H_kv, L_max), (B', 1, 1, L_max)
+    flat, past = kv.padded_rows(rows)  # (B', H_kv, L_max), (B', 1, L_max)
     keys = kv.gather_k(flat).float()  # (B', H_kv, L_max, d)
     qs = q[rows].float().view(n, H_kv, H // H_kv, d) * scale  # (B', H_kv, G, d)
-    scores = torch.matmul(qs, keys.transpose(-1, -2)).masked_fill(past, NEG_INF)  # (B', H_kv, G, L_max)
+    scores = torch.matmul(qs, keys.transpose(-1, -2)).masked_fill(past.unsqueeze(1), NEG_INF)  # (B', H_kv, G, L_max)
     sp, ss = topk_select(scores.view(n * H, -1), None, k)  # (B'*H, k)
     keep = need[rows].unsqueeze(-1)  # (B', H, 1)
     sel_pos[rows] = torch.where(keep, sp.view(n, H, k), sel_pos[rows])
     sel_scores[rows] = torch.where(keep, ss.view(n, H, k), sel_scores[rows])
     return sel_pos, sel_scores
-
-
-def _padded_rows(kv: PagedKV, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows of sequences ``seqs`` (n,) padded to their longest history L_max: (n, H_kv, L_max),
-    positions past a sequence's length pointing at its last key (so a gather reads only real keys),
-    and the mask of those padded positions, (n, 1, 1, L_max), to broadcast over (n, H_kv, G, L_max)."""
-    n, H_kv = seqs.numel(), kv.num_kv_heads
-    lengths = kv.lengths[seqs].view(n, 1, 1)  # (n, 1, 1)
-    pos = torch.arange(int(lengths.max()), device=seqs.device).view(1, 1, -1)  # (1, 1, L_max)
-    g = torch.arange(H_kv, device=seqs.device).view(1, H_kv, 1)
-    flat = kv.flat_rows(seqs.view(n, 1, 1), g, torch.minimum(pos, lengths - 1))  # (n, H_kv, L_max)
-    return flat, (pos >= lengths).unsqueeze(1)
 
 
 def sparse_attend(kv: PagedKV, sel_pos: torch.Tensor, sel_scores: torch.Tensor, out_dtype: torch.dtype,
@@ -200,9 +188,9 @@ def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
     H_kv = kv.num_kv_heads
     G = H // H_kv
     if B > 1 and B * int(kv.lengths.max()) * H_kv * d <= SHORT_BATCH_KEYS:  # see _exact_select_short
-        flat, past = _padded_rows(kv, torch.arange(B, device=q.device))  # (B, H_kv, L_max), (B, 1, 1, L_max)
+        flat, past = kv.padded_rows()  # (B, H_kv, L_max), (B, 1, L_max)
         scores = torch.matmul(q.float().view(B, H_kv, G, d) * scale, kv.gather_k(flat).float().transpose(-1, -2))
-        w = torch.softmax(scores.masked_fill(past, NEG_INF), dim=-1)  # (B, H_kv, G, L_max)
+        w = torch.softmax(scores.masked_fill(past.unsqueeze(1), NEG_INF), dim=-1)  # (B, H_kv, G, L_max)
         return torch.matmul(w, kv.gather_v(flat).float()).view(B, H, -1).to(q.dtype)  # (B, H, d_v)
     P = kv.block_size
     out = torch.empty(B, H, kv.v_pool.shape[-1], dtype=torch.float32, device=q.device)
