@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GQA_POLICIES = ("head", "promote", "group")
+
 
 @dataclass(frozen=True)
 class ReTopKConfig:
@@ -18,6 +20,19 @@ class ReTopKConfig:
                        0 disables scheduled refresh
     retrieval          "similarity" (the paper) or "recent" (the ablation that recalls the R newest
                        entries instead of the R most similar)
+    gqa_policy         how the G = H / H_kv query heads sharing a KV group decide (GQA). A head on an
+                       exact path reads every key of its group, so what a step costs is how many
+                       groups are read, not how many heads fall back:
+                       "head"     the paper: each head decides alone (eq. 13)
+                       "promote"  as "head"; then, in a group read for any of its heads, every head
+                                  takes the exact support too (path PROMOTED): better supports and
+                                  more exact FIFO entries for the same key reads
+                       "group"    one decision per group: read it when the mean of its heads' ρ_max
+                                  is below tau or their lowest is below group_tau_min; a read group's
+                                  heads all take the exact support (FALLBACK below tau, else
+                                  PROMOTED), an unread group's heads all reuse
+    group_tau_min      "group" policy: the lowest ρ_max of a group that still lets it reuse (0 = only
+                       the mean decides)
     """
 
     top_k: int = 512
@@ -27,6 +42,8 @@ class ReTopKConfig:
     tau: float = 0.85
     refresh_every: int = 128
     retrieval: str = "similarity"
+    gqa_policy: str = "head"
+    group_tau_min: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("top_k", "cache_size", "recall"):
@@ -39,10 +56,14 @@ class ReTopKConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.recall > self.cache_size:
             raise ValueError(f"recall must be <= cache_size ({self.cache_size}), got {self.recall}")
-        if not 0.0 <= float(self.tau) <= 1.0:
-            raise ValueError(f"tau must lie in [0, 1], got {self.tau!r}")
+        for name in ("tau", "group_tau_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
         if self.retrieval not in ("similarity", "recent"):
             raise ValueError(f"retrieval must be 'similarity' or 'recent', got {self.retrieval!r}")
+        if self.gqa_policy not in GQA_POLICIES:
+            raise ValueError(f"gqa_policy must be one of {', '.join(GQA_POLICIES)}, got {self.gqa_policy!r}")
 
     @property
     def max_candidates(self) -> int:

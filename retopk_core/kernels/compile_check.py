@@ -44,13 +44,13 @@ def kernel_specs(small: bool) -> list[tuple]:
         specs.append((exact._merge_topk_kernel,
                       dict(in_ptr=p["i64"], len_ptr=p["i64"], path_ptr=p["i8"], out_ptr=p["i64"]),
                       dict(FAN=fan, K_PAD=K_pad, HAS_PATH=has_path), 8))
-    for recent in (False, True):
+    for recent, all_cand in ((False, False), (True, False), (False, True)):
         specs.append((selector._selector_kernel,
                       dict(q_ptr=p["bf16"], slots_ptr=p["i64"], len_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], path_ptr=p["i8"],
                            maxsim_ptr=p["f32"], nscored_ptr=p["i32"], cand_ptr=p["i32"], count_ptr=p["i32"],
                            tau="fp32"),
-                      dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad), 8))
+                      dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, ALL_CAND=all_cand), 8))
     specs.append((indexed_qk._indexed_qk_kernel,
                   dict(q_ptr=p["bf16"], k_ptr=p["bf16"], table_ptr=p["i64"], cand_ptr=p["i32"], count_ptr=p["i32"],
                        out_ptr=p["f32"], scale="fp32"),

@@ -25,7 +25,8 @@ from retopk_core.kernels.select_attend import _select_attend_kernel
 from retopk_core.kernels.selector import _selector_kernel
 from retopk_core.kernels.workspace import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import StepOutput
+from retopk_core.methods.base import Path, StepOutput
+from retopk_core.methods.retopk import gqa_paths
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -120,7 +121,11 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         path, max_sim, n_scored, cand, count,
         float(cfg.tau), cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
-        N_PAD=N_pad, num_warps=8 if big else 4)
+        N_PAD=N_pad, ALL_CAND=cfg.gqa_policy == "group", num_warps=8 if big else 4)
+    if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
+        path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg)
+        count.masked_fill_(path != Path.REUSE, 0)
+        n_scored = torch.where(path == Path.REUSE, count, kv.lengths.to(torch.int32).view(B, 1))
     block_m = 64
     _indexed_qk_kernel[(B, H, N_pad // block_m if N_pad >= block_m else 1)](
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,

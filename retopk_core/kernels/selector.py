@@ -6,10 +6,12 @@
     path   = REFRESH if T_r > 0, t > 0, t % T_r == 0 else FALLBACK if ρ_max < tau else REUSE (eq. 13)
     A_t    = Unique(∪_{c∈R_t} Ŝ_c ∪ {L-W, ..., L-1} ∩ [0, L))            (eq. 8, 9)
 
-Written per head: path (int8), ρ_max, n_scored (M_t on reuse, L on exact paths), and for reuse heads
-the candidate positions sorted ascending and packed at the front of a row of width N_PAD (int32) with
-their count M_t (0 for exact-path heads). Deduplication: a bitonic sort, a neighbour comparison,
-then a prefix-sum compaction of the first occurrences.
+Written per head: path (int8, the head's own decision), ρ_max, n_scored (M_t on reuse, L on exact
+paths), and for reuse heads the candidate positions sorted ascending and packed at the front of a row
+of width N_PAD (int32) with their count M_t (0 for exact-path heads). With ALL_CAND (the "group" GQA
+policy, where a head below tau may still reuse with its group) fallback heads get candidates too; the
+launcher then applies the policy on the device and fixes count / n_scored. Deduplication: a bitonic
+sort, a neighbour comparison, then a prefix-sum compaction of the first occurrences.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                      path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr,
                      tau, T_R, H, C, K, W,
                      R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_C: tl.constexpr, N_PAD: tl.constexpr):
+                     BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, ALL_CAND: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -46,7 +48,7 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
     row = b * H + h
     tl.store(path_ptr + row, path.to(tl.int8))
     tl.store(maxsim_ptr + row, max_sim)
-    if path == 0:
+    if (path == 0) | (ALL_CAND & (path == 1)):
         # recall: entry id and validity of each of the R recalled entries, spread over their K slots
         i = tl.arange(0, N_PAD)
         r_of = i // K

@@ -28,9 +28,29 @@ class Path(IntEnum):
     DENSE = 4  # Full attention: every position
     APPROX = 5  # a baseline's own selector (StreamingLLM, Quest, SparQ, Loki, TokenSelect)
     CACHED = 6  # TokenSelect: previous step's selection reused
+    PROMOTED = 7  # ReTopK GQA policies: would reuse, but its KV group's keys were read in full, so exact
 
 
 PATH_NAMES = {p.value: p.name.lower() for p in Path}
+# Paths that read every key of the head's KV group. A group read happens on a (layer, sequence, KV group,
+# step) when any of its heads takes one: that read, not the per-head path, is what a step costs.
+FULL_READ_PATHS = (Path.FALLBACK, Path.REFRESH, Path.PROMOTED, Path.EXACT, Path.DENSE)
+
+
+def group_reads(path: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Which KV groups had every key read: path (..., H) int codes -> (..., H_kv) bool.
+
+    Group g holds query heads g*G .. g*G + G - 1 (G = H // H_kv, as ``kv_heads``); it is read when any of
+    them took a path in ``FULL_READ_PATHS``. The group-read rate is the mean of this over layers, KV
+    groups and decode steps.
+    """
+    H = path.shape[-1]
+    if H % num_kv_heads:
+        raise ValueError(f"num_heads ({H}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    full = torch.zeros_like(path, dtype=torch.bool)
+    for p in FULL_READ_PATHS:
+        full |= path == p
+    return full.unflatten(-1, (num_kv_heads, H // num_kv_heads)).any(-1)
 
 
 @dataclass

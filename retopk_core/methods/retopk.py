@@ -12,8 +12,11 @@ step with current query q_t over L_t cached keys:
 
 Path (eq. 13): REFRESH when T_r > 0 and t_dec ∈ {T_r, 2T_r, ...} (t_dec = 0 on the first decode
 step after the first prefill); else FALLBACK to Exact Top-K when ρ_max < tau (an empty cache has
-ρ_max = -inf); else REUSE. After either path (q̄_t, Ŝ_t) enters the FIFO. Only indices are reused:
-scores, weights and outputs always come from the current query and the real KV cache.
+ρ_max = -inf); else REUSE. Under GQA the G heads of a KV group share its keys, and a group is read in
+full when any of its heads takes an exact path: ``config.gqa_policy`` turns the per-head decisions into
+per-group ones (``gqa_paths``: the paper's per-head rule, "promote" or "group"), and every head of a
+read group may then take the exact support (PROMOTED). After any path (q̄_t, Ŝ_t) enters the FIFO.
+Only indices are reused: scores, weights and outputs always come from the current query and the real KV cache.
 
 The FIFO is initialised at prefill from the final C prompt queries, each with its exact causal
 Top-K support over the prompt; a later turn's prefill pushes its final queries the same way.
@@ -21,6 +24,8 @@ Positions are 0-based here (the paper's window {L-W+1..L} in 1-based positions).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -84,11 +89,11 @@ class QuerySupportCache(SlotPool):
 class ReTopK(AttentionMethod):
     name = "retopk"
 
-    def __init__(self, top_k: int = 512, cache_size: int = 32, window: int = 32, recall: int = 4,
-                 tau: float = 0.85, refresh_every: int = 128, retrieval: str = "similarity",
-                 backend: str = "torch", config: ReTopKConfig | None = None) -> None:
-        self.config = config or ReTopKConfig(top_k=top_k, cache_size=cache_size, window=window, recall=recall,
-                                             tau=tau, refresh_every=refresh_every, retrieval=retrieval)
+    def __init__(self, config: ReTopKConfig | None = None, backend: str = "torch", **params) -> None:
+        """``config`` or its fields as keywords (``ReTopK(top_k=64, gqa_policy="group")``), not both."""
+        if config is not None and params:
+            raise ValueError(f"give a config or keyword hyperparameters, not both (got {', '.join(params)})")
+        self.config = config or ReTopKConfig(**params)
         if backend not in ("torch", "triton"):
             raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
         self.backend = backend
@@ -136,7 +141,7 @@ class ReTopK(AttentionMethod):
         qn = _unit(q)  # (B, H, d) float32
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
-        path = self._choose_path(max_sim, state.step[slots])  # (B, H) int8
+        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg), max_sim, kv.num_kv_heads, cfg)  # (B, H) int8
 
         reuse = path == Path.REUSE
         n_reuse = int(reuse.sum())
@@ -184,13 +189,6 @@ class ReTopK(AttentionMethod):
         sim = sim.masked_fill(empty, NEG_INF)
         return sim, sim.max(dim=-1).values
 
-    def _choose_path(self, max_sim: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """Equation 13, per (sequence, head): refresh, else fallback below tau, else reuse."""
-        T_r = self.config.refresh_every
-        refresh = (step > 0) & (step % T_r == 0) if T_r > 0 else torch.zeros_like(step, dtype=torch.bool)  # (B,)
-        path = torch.where(max_sim < self.config.tau, Path.FALLBACK, Path.REUSE).to(torch.int8)  # (B, H)
-        return torch.where(refresh.view(-1, 1), torch.tensor(Path.REFRESH, dtype=torch.int8), path)
-
     def _candidates(self, sim: torch.Tensor, state: QuerySupportCache, slot: torch.Tensor, head: torch.Tensor,
                     length: torch.Tensor) -> torch.Tensor:
         """Sorted unique candidate positions per reuse head, -1 padded (eq. 8, 9).
@@ -215,10 +213,45 @@ class ReTopK(AttentionMethod):
         return _unique_rows(torch.cat([supports, window], dim=1), int(length.max()) + 1)  # (P, R*K + W) -> (P, M)
 
     def describe(self) -> dict:
-        c = self.config
-        return {"method": self.name, "top_k": c.top_k, "cache_size": c.cache_size, "window": c.window,
-                "recall": c.recall, "tau": c.tau, "refresh_every": c.refresh_every, "retrieval": c.retrieval,
-                "backend": self.backend}
+        return {"method": self.name, **dataclasses.asdict(self.config), "backend": self.backend}
+
+
+def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
+    """Equation 13, per (sequence, head): refresh, else fallback below tau, else reuse.
+
+    max_sim (B, H) float32, step (B,) int64 t_dec  ->  (B, H) int8 Path codes
+    """
+    T_r = cfg.refresh_every
+    refresh = (step > 0) & (step % T_r == 0) if T_r > 0 else torch.zeros_like(step, dtype=torch.bool)  # (B,)
+    path = torch.where(max_sim < cfg.tau, Path.FALLBACK, Path.REUSE).to(torch.int8)  # (B, H)
+    return torch.where(refresh.view(-1, 1), torch.tensor(Path.REFRESH, dtype=torch.int8), path)
+
+
+def gqa_paths(path: torch.Tensor, max_sim: torch.Tensor, num_kv_heads: int, cfg: ReTopKConfig) -> torch.Tensor:
+    """The per-head decisions of eq. 13 turned into ``cfg.gqa_policy``'s (device ops only, no host sync).
+
+    path (B, H) int8 from ``head_paths``, max_sim (B, H)  ->  (B, H) int8. With G = H / H_kv heads per
+    KV group g and ρ_h the heads' max_sim:
+        head     unchanged
+        promote  read_g = any_h path_h != REUSE
+        group    read_g = mean_h ρ_h < tau  or  min_h ρ_h < group_tau_min
+    then heads of a read group take FALLBACK (ρ_h < tau) or PROMOTED, those of an unread group REUSE.
+    REFRESH (every head of a sequence at once) stays as it is.
+    """
+    if cfg.gqa_policy == "head":
+        return path
+    B, H = path.shape
+    G = H // num_kv_heads
+    below = (path == Path.FALLBACK).view(B, num_kv_heads, G)  # (B, H_kv, G)
+    if cfg.gqa_policy == "promote":
+        read = below.any(-1)  # (B, H_kv)
+    else:
+        rho = max_sim.view(B, num_kv_heads, G)
+        read = (rho.mean(-1) < cfg.tau) | (rho.amin(-1) < cfg.group_tau_min)  # (B, H_kv); -inf (empty FIFO) reads
+    exact = torch.where(below, torch.tensor(Path.FALLBACK, dtype=torch.int8), torch.tensor(Path.PROMOTED,
+                                                                                          dtype=torch.int8))
+    new = torch.where(read.unsqueeze(-1), exact, torch.tensor(Path.REUSE, dtype=torch.int8)).view(B, H)
+    return torch.where(path == Path.REFRESH, path, new)
 
 
 def _unique_rows(cand: torch.Tensor, span: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-REUSE, FALLBACK, REFRESH = 0, 1, 2
+REUSE, FALLBACK, REFRESH, PROMOTED = 0, 1, 2, 7
 
 
 def topk_positions(scores: dict[int, float], k: int) -> list[int]:
@@ -37,22 +37,28 @@ class RefHead:
             scores = {i: float(q.double() @ keys[i].double()) * scale for i in range(p + 1)}
             self._push(q.double(), topk_positions(scores, self.K))
 
-    def step(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float):
-        """One decode step over keys/values (L, d) (the current token included).
-
-        Returns (path, max_sim, candidates, support, output).
-        """
+    def decide(self, q: torch.Tensor) -> tuple[int, float]:
+        """This head's own decision for query q (eq. 13): (path, max_sim)."""
         q = q.double()
-        L = keys.shape[0]
         qbar = q / q.norm()
         sims = [float(qbar @ qc) for qc, _ in self.fifo]  # eq. 6
         max_sim = max(sims) if sims else -math.inf  # eq. 7
         if self.T_r > 0 and self.t_dec > 0 and self.t_dec % self.T_r == 0:  # eq. 13
-            path = REFRESH
-        elif max_sim < self.tau:
-            path = FALLBACK
-        else:
-            path = REUSE
+            return REFRESH, max_sim
+        return (FALLBACK if max_sim < self.tau else REUSE), max_sim
+
+    def step(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, path: int | None = None):
+        """One decode step over keys/values (L, d) (the current token included); ``path`` overrides the
+        head's own decision (a GQA policy's verdict for its group).
+
+        Returns (path, max_sim, candidates, support, output).
+        """
+        own, max_sim = self.decide(q)
+        path = own if path is None else path
+        q = q.double()
+        L = keys.shape[0]
+        qbar = q / q.norm()
+        sims = [float(qbar @ qc) for qc, _ in self.fifo]
         if path == REUSE:
             if self.retrieval == "similarity":
                 recalled = sorted(range(len(sims)), key=lambda c: sims[c], reverse=True)[: self.R]
@@ -71,3 +77,26 @@ class RefHead:
         self._push(q, support)
         self.t_dec += 1
         return path, max_sim, sorted(cand), support, out
+
+
+def group_paths(heads: list[RefHead], queries: list[torch.Tensor], policy: str, tau_min: float = 0.0) -> list[int]:
+    """The paths a GQA policy gives the heads of one KV group, from each head's own decision.
+
+    head: each its own. promote: a group with any head falling back sends every head to an exact path.
+    group: the group is read when its heads' mean max_sim < tau or their lowest < tau_min. In a read
+    group a head below tau falls back and the others are PROMOTED; in an unread group all reuse.
+    Refresh happens on the same step for every head of a sequence and is kept.
+    """
+    own = [h.decide(q) for h, q in zip(heads, queries, strict=True)]
+    if policy == "head" or own[0][0] == REFRESH:
+        return [p for p, _ in own]
+    sims = [m for _, m in own]
+    if policy == "promote":
+        read = any(p == FALLBACK for p, _ in own)
+    elif policy == "group":
+        read = sum(sims) / len(sims) < heads[0].tau or min(sims) < tau_min
+    else:
+        raise ValueError(policy)
+    if not read:
+        return [REUSE] * len(heads)
+    return [FALLBACK if p == FALLBACK else PROMOTED for p, _ in own]

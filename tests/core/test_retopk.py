@@ -10,7 +10,7 @@ import torch
 from retopk_core.config import ReTopKConfig
 from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method
-from tests.core._reference import RefHead
+from tests.core._reference import RefHead, group_paths
 from tests.core._scenario import make_trace, paged
 
 
@@ -41,8 +41,14 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
         kv = paged(keys, values, lengths, block=8, seed=t) if use_paged else PagedKV.contiguous(keys, values, lengths)
         q = trace.queries[t].to(dtype)
         out = method.decode(q, kv, state, slots)
-        rows = [[refs[b][h].step(q[b, h], keys[b, h // G, :int(lengths[b])], values[b, h // G, :int(lengths[b])],
-                                 scale) for h in range(H)] for b in range(B)]
+        rows = []
+        for b in range(B):
+            L = int(lengths[b])
+            policy, tau_min = cfg.get("gqa_policy", "head"), cfg.get("group_tau_min", 0.0)
+            paths = [p for g in range(H_kv)
+                     for p in group_paths(refs[b][g * G:(g + 1) * G], list(q[b, g * G:(g + 1) * G]), policy, tau_min)]
+            rows.append([refs[b][h].step(q[b, h], keys[b, h // G, :L], values[b, h // G, :L], scale, paths[h])
+                         for h in range(H)])
         yield out, rows
 
 
@@ -57,11 +63,17 @@ CASES = [
 ]
 
 
+# (gqa_policy, group_tau_min): the paper's per-head rule and the two GQA policies
+POLICIES = [("head", 0.0), ("promote", 0.0), ("group", 0.0), ("group", 0.3)]
+
+
 @pytest.mark.parametrize("use_paged", [False, True])
+@pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
 @pytest.mark.parametrize("case", CASES)
-def test_matches_reference_loop(case, use_paged):
+def test_matches_reference_loop(case, policy, use_paged):
     H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
-    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r)
+    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy=policy[0],
+               group_tau_min=policy[1])
     trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
     seen = set()
     for out, rows in run_both(cfg, trace, H, H_kv, use_paged):
@@ -78,6 +90,8 @@ def test_matches_reference_loop(case, use_paged):
     assert {Path.REUSE, Path.FALLBACK} <= seen  # the trace exercised both decisions
     if T_r:
         assert Path.REFRESH in seen
+    if policy[0] != "head" and H != H_kv:
+        assert Path.PROMOTED in seen  # a group was read for some of its heads only
 
 
 def test_recent_retrieval_ablation_matches_reference():
