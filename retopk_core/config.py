@@ -33,6 +33,9 @@ class ReTopKConfig:
                                   PROMOTED), an unread group's heads all reuse
     group_tau_min      "group" policy: the lowest ρ_max of a group that still lets it reuse (0 = only
                        the mean decides)
+    dense_below        L_min: a sequence shorter than this (the current token included) attends to every
+                       position (path DENSE) and pushes the exact Top-K of those scores into its FIFO,
+                       so the first sparse step at L_min finds exact supports; 0 = never (the paper)
     """
 
     top_k: int = 512
@@ -44,13 +47,14 @@ class ReTopKConfig:
     retrieval: str = "similarity"
     gqa_policy: str = "head"
     group_tau_min: float = 0.0
+    dense_below: int = 0
 
     def __post_init__(self) -> None:
         for name in ("top_k", "cache_size", "recall"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("window", "refresh_every"):
+        for name in ("window", "refresh_every", "dense_below"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

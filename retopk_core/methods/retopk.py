@@ -35,7 +35,9 @@ from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import (
     NEG_INF,
     Workspace,
+    dense_attend_topk,
     exact_select,
+    group_scores,
     indexed_scores,
     kv_heads,
     resolve_scale,
@@ -79,6 +81,15 @@ class QuerySupportCache(SlotPool):
         self.support[slots.view(B, 1), heads, at] = support
         self.advance(slots)
 
+    def push_many(self, slot: int, qn: torch.Tensor, support: torch.Tensor) -> None:
+        """Insert T <= C consecutive entries into every head of one slot: qn (H, T, d), support (H, T, K)."""
+        C, T = self.queries.shape[2], qn.shape[1]
+        at = (self.ptr[slot] + torch.arange(T, device=qn.device)) % C  # (T,) FIFO rows, oldest first
+        self.queries[slot, :, at] = qn
+        self.support[slot, :, at] = support
+        self.ptr[slot] = (self.ptr[slot] + T) % C
+        self.fill[slot] = (self.fill[slot] + T).clamp(max=C)
+
     def advance(self, slots: torch.Tensor) -> None:
         """Move the write pointer and fill count past the entry just written at each slot (B,)."""
         C = self.queries.shape[2]
@@ -107,37 +118,78 @@ class ReTopK(AttentionMethod):
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, state: QuerySupportCache, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
                 kv: PagedKV, scale: float | None = None) -> None:
-        """Push the prompt's final queries with their exact causal Top-K supports (equation 5)."""
+        """Push the prompt's final queries with their exact causal Top-K supports (equation 5), all T of a
+        layer in one write. Skipped when the dense floor will refill the FIFO first: a sequence of L
+        positions with L + C <= dense_below takes at least C dense steps, each pushing an exact support,
+        before its first sparse one."""
+        cfg = self.config
         if q is None or q.shape[1] == 0:
             return
-        q, positions = q[:, -self.config.cache_size:], positions[-self.config.cache_size:]
+        L = int(kv.lengths[0])
+        if L + cfg.cache_size <= cfg.dense_below:
+            return
+        q, positions = q[:, -cfg.cache_size:], positions[-cfg.cache_size:]
         H, T, d = q.shape
         scale = resolve_scale(scale, d)
-        K, G = self.config.top_k, H // kv.num_kv_heads
-        L = int(kv.lengths[0])
+        K, G = cfg.top_k, H // kv.num_kv_heads
         support = torch.empty(H, T, K, dtype=torch.long, device=q.device)
         pos = torch.arange(L, device=q.device)
         causal = pos.view(1, L) <= positions.view(T, 1)  # (T, L): query at p sees keys 0..p
-        for g in range(kv.num_kv_heads):
-            keys = kv.keys(0, g, L).float()  # (L, d)
-            scores = (q[g * G:(g + 1) * G].float() @ keys.T) * scale  # (G, T, L)
-            scores = scores.masked_fill(~causal, NEG_INF)
-            sel, _ = topk_select(scores.view(G * T, L), pos.expand(G * T, L), K)  # (G*T, K)
+        for g in range(kv.num_kv_heads):  # one group's (G*T, L) scores at a time bounds the memory at long L
+            qs = q[g * G:(g + 1) * G].float().reshape(1, G * T, d) * scale  # (1, G*T, d)
+            scores = group_scores(qs, kv, 0, L, group=g)[0].view(G, T, L).masked_fill(~causal, NEG_INF)
+            sel, _ = topk_select(scores.view(G * T, L), None, K)  # (G*T, K)
             support[g * G:(g + 1) * G] = sel.view(G, T, K)
-        qn = _unit(q)  # (H, T, d)
-        slots = torch.tensor([slot], device=q.device)
-        for t in range(T):  # T <= C pushes, once per prompt
-            state.push(slots, qn[:, t].unsqueeze(0), support[:, t].unsqueeze(0))
+        state.push_many(slot, _unit(q), support)
 
     # -- decode ----------------------------------------------------------------------------------
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
+        scale = resolve_scale(scale, q.shape[-1])
+        if self.config.dense_below:
+            dense = kv.lengths < self.config.dense_below  # (B,) below the floor: attend to everything
+            if bool(dense.any()):
+                return self._split_dense(q, kv, state, slots, scale, dense)
+        return self._sparse_step(q, kv, state, slots, scale)
+
+    def _split_dense(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
+                     scale: float, dense: torch.Tensor) -> StepOutput:
+        """The dense floor: rows with ``dense`` (B,) attend densely, the others take the sparse step."""
+        if bool(dense.all()):
+            return self._dense_step(q, kv, state, slots, scale)
+        parts = []
+        for rows in (dense.nonzero().flatten(), (~dense).nonzero().flatten()):  # (n,) each
+            sub = PagedKV(kv.k_pool, kv.v_pool, kv.block_table.index_select(0, rows), kv.lengths.index_select(0, rows))
+            step = self._dense_step if not parts else self._sparse_step
+            parts.append((rows, step(q.index_select(0, rows), sub, state, slots.index_select(0, rows), scale)))
+        merged = {}
+        for name in ("out", "path", "max_sim", "n_scored", "selected"):
+            first = getattr(parts[0][1], name)
+            t = first.new_empty((q.shape[0], *first.shape[1:]))
+            for rows, res in parts:
+                t.index_copy_(0, rows, getattr(res, name).to(t.dtype))
+            merged[name] = t
+        return StepOutput(**merged)
+
+    def _dense_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
+                    scale: float) -> StepOutput:
+        """Full attention for every head (path DENSE); the FIFO receives (q̄_t, TopK of the same scores)."""
+        B, H, _ = q.shape
+        out, sel_pos = dense_attend_topk(q, kv, scale, self.config.top_k)  # (B, H, d_v), (B, H, K)
+        state.push(slots, _unit(q), sel_pos)
+        state.step[slots] += 1
+        return StepOutput(out=out, path=torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device),
+                          max_sim=torch.full((B, H), float("nan"), device=q.device),
+                          n_scored=kv.lengths.to(torch.int32).view(B, 1).expand(B, H).clone(), selected=sel_pos)
+
+    def _sparse_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
+                     scale: float) -> StepOutput:
+        """ReTopK's step proper (eq. 6-13) on the backend's implementation."""
         if self.backend == "triton":
             from retopk_core.kernels.launch import retopk_decode
-            return retopk_decode(self, q, kv, state, slots, resolve_scale(scale, q.shape[-1]))
+            return retopk_decode(self, q, kv, state, slots, scale)
         cfg = self.config
         B, H, d = q.shape
-        scale = resolve_scale(scale, d)
         qn = _unit(q)  # (B, H, d) float32
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)

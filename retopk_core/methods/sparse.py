@@ -178,25 +178,40 @@ def sparse_attend(kv: PagedKV, sel_pos: torch.Tensor, sel_scores: torch.Tensor, 
 
 
 def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
-    """Full softmax attention of each sequence's current query over its whole history.
+    """Full softmax attention of each sequence's current query over its whole history: q (B, H, d) ->
+    out (B, H, d_v). See ``dense_attend_topk``."""
+    return dense_attend_topk(q, kv, scale, 0)[0]
 
-    q (B, H, d) -> out (B, H, d_v). A batch of short histories: one padded gather, two matmuls.
-    Otherwise per sequence, every KV group at once: scores over the keys read in place run by run
-    (``group_scores``), softmax, then the weighted sum over the value blocks.
+
+def dense_attend_topk(q: torch.Tensor, kv: PagedKV, scale: float, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Full attention, and with k > 0 also each head's exact Top-k support from the same scores.
+
+    out_h = softmax(e_h) V over every position i < L_b, e_h,i = q_h . k_i * scale;  S_h = TopK_i e_h,i (eq. 1)
+    q (B, H, d) -> (out (B, H, d_v) in q.dtype, S (B, H, k) int64 -1 padded, or None when k = 0).
+    A batch of short histories: one padded gather, two matmuls. Otherwise per sequence, every KV group
+    at once: scores over the keys read in place run by run (``group_scores``), softmax, then the
+    weighted sum over the value blocks. ReTopK's dense floor takes the support to fill its FIFO.
     """
     B, H, d = q.shape
     H_kv = kv.num_kv_heads
     G = H // H_kv
+    sel = torch.full((B, H, k), -1, dtype=torch.long, device=q.device) if k else None
     if B > 1 and B * int(kv.lengths.max()) * H_kv * d <= SHORT_BATCH_KEYS:  # see _exact_select_short
         flat, past = kv.padded_rows()  # (B, H_kv, L_max), (B, 1, L_max)
         scores = torch.matmul(q.float().view(B, H_kv, G, d) * scale, kv.gather_k(flat).float().transpose(-1, -2))
-        w = torch.softmax(scores.masked_fill(past.unsqueeze(1), NEG_INF), dim=-1)  # (B, H_kv, G, L_max)
-        return torch.matmul(w, kv.gather_v(flat).float()).view(B, H, -1).to(q.dtype)  # (B, H, d_v)
+        scores = scores.masked_fill(past.unsqueeze(1), NEG_INF)  # (B, H_kv, G, L_max)
+        if k:
+            sel = topk_select(scores.view(B * H, -1), None, k)[0].view(B, H, k)
+        w = torch.softmax(scores, dim=-1)
+        return torch.matmul(w, kv.gather_v(flat).float()).view(B, H, -1).to(q.dtype), sel  # (B, H, d_v)
     P = kv.block_size
     out = torch.empty(B, H, kv.v_pool.shape[-1], dtype=torch.float32, device=q.device)
     for b in range(B):
         L = int(kv.lengths[b])
-        w = torch.softmax(group_scores(q[b].float().view(H_kv, G, d) * scale, kv, b, L), dim=-1)  # (H_kv, G, L)
+        scores = group_scores(q[b].float().view(H_kv, G, d) * scale, kv, b, L)  # (H_kv, G, L)
+        if k:
+            sel[b] = topk_select(scores.reshape(H, L), None, k)[0]  # (H, k)
+        w = torch.softmax(scores, dim=-1)  # (H_kv, G, L)
         runs = kv.block_runs(kv.v_pool, b, L)  # [(n_i, H_kv, P, d_v)]
         n = sum(r.shape[0] for r in runs)
         whole = (n - 1) * P  # positions in the whole blocks; the last one is read only up to L
@@ -209,7 +224,7 @@ def dense_attend(q: torch.Tensor, kv: PagedKV, scale: float) -> torch.Tensor:
                 o += torch.matmul(w_blocks[first:first + m], r[:m].float()).sum(0)
             first += m
         out[b] = o.view(H, -1)
-    return out.to(q.dtype)
+    return out.to(q.dtype), sel
 
 
 def group_scores(qs: torch.Tensor, kv: PagedKV, b: int, L: int, ws: Workspace | None = None,
