@@ -17,10 +17,14 @@ import shlex
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from retopk_core.methods.base import PATH_NAMES, group_reads
+from retopk_core.methods.base import Path as StepPath
 
 KJV = "kjv"  # the default corpus: the King James Bible from Debian's bible-kjv package
 KJV_COMMAND = ["bible", "-f", "Gen1:1-Rev22:21"]
@@ -104,6 +108,12 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: str) -> None:
                         "64 keeps K/L at 1/32..1/128 for 2K-8K contexts)")
 
 
+def add_batch_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=0,
+                   help="methods decoded per forward (0 = all): each session holds its own KV cache (SmolLM2 at "
+                        "8K: about 0.4 GB), so this bounds memory; the batches of a document share its prefill")
+
+
 def make_runner(args):
     """A ModelRunner from the parsed --model/--device/--dtype/--backend/--rope-scaling options."""
     from retopk_server.runtime import ModelRunner, RuntimeConfig
@@ -182,40 +192,73 @@ def parse_methods(text: str, top_k: int, head_dim: int) -> list[MethodRun]:
 
 
 # ---- path mix ------------------------------------------------------------------------------------
-PATH_KEYS = ("reuse", "fallback", "refresh", "exact", "dense", "approx", "cached")
+PATH_KEYS = tuple(PATH_NAMES.values())  # every Path of the core, "promoted" included
 
 
 @dataclass
 class PathMix:
-    """Accumulated per-(layer, head) decode decisions of one method over many steps."""
+    """Accumulated per-(layer, head) decode decisions of one method over many steps, and the group reads.
 
+    A head on a path of the core's ``FULL_READ_PATHS`` reads every key of its KV group; a (layer,
+    sequence, KV group, step) is a *group read* when any of its heads did (``group_reads``). Under GQA
+    that, not the per-head path, is what a step costs. ``kv_heads`` is the model's KV-head count.
+    """
+
+    kv_heads: int
     counts: dict = field(default_factory=lambda: {k: 0 for k in PATH_KEYS})
     reuse_candidates: float = 0.0  # sum of candidate counts M_t over reuse head-steps
     scored: float = 0.0  # sum of exactly scored keys over all head-steps
     length: float = 0.0  # sum of context lengths L over all head-steps
+    group_reads: int = 0  # (layer, KV group) pairs whose keys were read in full, over all steps
+    groups: int = 0  # (layer, KV group) pairs, over all steps
     steps: int = 0
 
     def add(self, stats, length: int) -> None:
         """stats: a runtime StepStats (path, n_scored: (layers, heads))."""
-        from retopk_core.methods.base import PATH_NAMES
-
         path = stats.path.to(torch.int64)
         for code, n in zip(*torch.unique(path, return_counts=True), strict=True):
             self.counts[PATH_NAMES[int(code)]] += int(n)
-        reuse = path == 0
+        reuse = path == StepPath.REUSE
         self.reuse_candidates += float(stats.n_scored[reuse].double().sum())
         self.scored += float(stats.n_scored.double().sum())
         self.length += float(length) * path.numel()
+        read = group_reads(path, self.kv_heads)  # (layers, H_kv) bool
+        self.group_reads += int(read.sum())
+        self.groups += read.numel()
         self.steps += 1
 
+    def merge(self, other: PathMix) -> PathMix:
+        """Add another mix (another document, example) of the same method into this one."""
+        if other.kv_heads != self.kv_heads:
+            raise ValueError(f"cannot merge mixes of {self.kv_heads} and {other.kv_heads} KV heads")
+        for k, n in other.counts.items():
+            self.counts[k] += n
+        for name in ("reuse_candidates", "scored", "length", "group_reads", "groups", "steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
     def summary(self) -> dict:
+        """Shares of head-steps per path; ``exact_path`` = ReTopK heads that took the exact support
+        (fallback + refresh + promoted); ``group_read`` = the group-read rate."""
         total = max(1, sum(self.counts.values()))
         reuse = self.counts["reuse"]
-        return {"reuse": reuse / total, "fallback": self.counts["fallback"] / total,
-                "refresh": self.counts["refresh"] / total,
-                "exact_path": (self.counts["fallback"] + self.counts["refresh"]) / total,
+        share = {k: self.counts[k] / total for k in ("reuse", "fallback", "refresh", "promoted")}
+        return {**share, "exact_path": share["fallback"] + share["refresh"] + share["promoted"],
+                "group_read": self.group_reads / self.groups if self.groups else float("nan"),
                 "mean_candidates": self.reuse_candidates / reuse if reuse else float("nan"),
                 "scored_share": self.scored / self.length if self.length else float("nan")}
+
+
+MIX_KEYS = ("reuse", "fallback", "refresh", "promoted", "exact_path", "group_read", "mean_candidates", "scored_share")
+
+
+def mix_columns(suffix: str = "", header: str = "") -> list[tuple[str, str, str]]:
+    """Table columns of a PathMix summary (keys ``<name><suffix>``), the group-read rate beside the path mix."""
+    h = f" {header}" if header else ""
+    return [(f"reuse{suffix}", f"reuse{h}", "%"), (f"fallback{suffix}", f"fallback{h}", "%"),
+            (f"refresh{suffix}", f"refresh{h}", "%"), (f"promoted{suffix}", f"promoted{h}", "%"),
+            (f"group_read{suffix}", f"group reads{h}", "%"), (f"mean_candidates{suffix}", f"M_t{h}", ".1f"),
+            (f"scored_share{suffix}", f"scored/L{h}", "%")]
 
 
 # ---- shared prefill ------------------------------------------------------------------------------
@@ -228,40 +271,76 @@ def _can_share(runner) -> bool:
         hasattr(pool, "k") and hasattr(pool, "v") and hasattr(pool, "blocks_for")
 
 
-def prefill_all(runner, sessions: list, ids: list[int], share: bool = True) -> torch.Tensor:
+@dataclass
+class HeldPrefix:
+    """A dense prefix held in a donor session of the stateless "full" method, so that several
+    ``prefill_all`` calls on the same prompt (batches of methods) compute it once."""
+
+    session: object
+    ids: list
+
+
+@contextmanager
+def held_prefix(runner, ids: list[int], share: bool = True, tail: int = SHARE_TAIL):
+    """Prefill ids[:-tail] once into a donor session, closed on exit -> a HeldPrefix, or None when the
+    prompt is too short or the runner cannot share (``prefill_all`` then prefills on its own)."""
+    if not share or len(ids) <= 2 * tail or not _can_share(runner):
+        yield None
+        return
+    from retopk_server.runtime import MethodSpec
+
+    donor = runner.open_session(MethodSpec("full"))
+    try:
+        runner.prefill(donor, ids[:-tail])
+        yield HeldPrefix(donor, list(ids[:-tail]))
+    finally:
+        runner.close_session(donor)
+
+
+def _from_prefix(runner, sessions: list, held: HeldPrefix, ids: list[int]) -> torch.Tensor:
+    """Copy the held prefix's keys/values into every session's blocks, then let each prefill the rest."""
+    head = held.ids
+    n = runner.pool.blocks_for(len(head))
+    src = torch.tensor(held.session.blocks[:n], dtype=torch.long)
+    for s in sessions:
+        runner._reserve(s, len(head))
+        dst = torch.tensor(s.blocks[:n], dtype=torch.long)
+        for pools in (runner.pool.k, runner.pool.v):
+            for layer in range(len(pools)):
+                pools[layer][dst.to(pools[layer].device)] = pools[layer][src.to(pools[layer].device)]
+        s.token_ids.extend(head)
+    return torch.stack([runner.prefill(s, ids[len(head):]) for s in sessions])
+
+
+def prefill_all(runner, sessions: list, ids: list[int], share: bool = True,
+                held: HeldPrefix | None = None) -> torch.Tensor:
     """Prefill the same ids into every session -> (B, V) logits after the last id.
 
     With ``share`` the dense prefix ids[:-tail] is computed ONCE in a donor session of the stateless
-    "full" method and its keys/values are copied into every session's blocks; each session then
-    prefills the last ``tail`` ids itself (a later-turn prefill), so its method sees the prompt's last
-    queries with the whole prefix in its KV cache, as after a plain prefill (tests check that the
-    logits and decode steps equal a plain prefill's for every method). The copy uses the runner's
-    internals (KV pool, block reservation); without them, or for short prompts, each session
-    prefills everything.
+    "full" method (or taken from ``held``, a ``held_prefix`` of the same prompt) and its keys/values
+    are copied into every session's blocks; each session then prefills the last ``tail`` ids itself
+    (a later-turn prefill), so its method sees the prompt's last queries with the whole prefix in its
+    KV cache, as after a plain prefill (tests check that the logits and decode steps equal a plain
+    prefill's for every method). The copy uses the runner's internals (KV pool, block reservation);
+    without them, or for short prompts, each session prefills everything.
     """
     want = max([SHARE_TAIL] + [runner._groups[s.method].method.prefill_queries for s in sessions]
                if hasattr(runner, "_groups") else [SHARE_TAIL])
-    if not share or len(sessions) < 2 or len(ids) <= 2 * want or not _can_share(runner) \
-            or any(s.length for s in sessions):
+    if not share or len(ids) <= 2 * want or not _can_share(runner) or any(s.length for s in sessions):
         return torch.stack([runner.prefill(s, ids) for s in sessions])
-    from retopk_server.runtime import MethodSpec
+    if held is not None and len(ids) - len(held.ids) >= want and ids[:len(held.ids)] == held.ids:
+        return _from_prefix(runner, sessions, held, ids)
+    if len(sessions) < 2:
+        return torch.stack([runner.prefill(s, ids) for s in sessions])
+    with held_prefix(runner, ids, tail=want) as own:
+        return _from_prefix(runner, sessions, own, ids)
 
-    head, tail = ids[:-want], ids[-want:]
-    donor = runner.open_session(MethodSpec("full"))
-    try:
-        runner.prefill(donor, head)
-        n = runner.pool.blocks_for(len(head))
-        for s in sessions:
-            runner._reserve(s, len(head))
-            src = torch.tensor(donor.blocks[:n], dtype=torch.long)
-            dst = torch.tensor(s.blocks[:n], dtype=torch.long)
-            for pools in (runner.pool.k, runner.pool.v):
-                for layer in range(len(pools)):
-                    pools[layer][dst.to(pools[layer].device)] = pools[layer][src.to(pools[layer].device)]
-            s.token_ids.extend(head)
-    finally:
-        runner.close_session(donor)
-    return torch.stack([runner.prefill(s, tail) for s in sessions])
+
+def batches(runs: list, size: int | None) -> list[list]:
+    """The methods in consecutive batches of at most ``size`` (None or 0: one batch): every session holds
+    its own KV cache, so the batch size bounds memory at long contexts."""
+    size = size or len(runs) or 1
+    return [runs[i:i + size] for i in range(0, len(runs), size)]
 
 
 # ---- batched teacher forcing ---------------------------------------------------------------------
@@ -269,24 +348,25 @@ def prefill_all(runner, sessions: list, ids: list[int], share: bool = True) -> t
 class ForcedTrace:
     """One method's teacher-forced run: nll[j] = -log p(target j), plus its path mix."""
 
+    mix: PathMix
     nll: list = field(default_factory=list)
     top1: list = field(default_factory=list)  # argmax == target
-    mix: PathMix = field(default_factory=PathMix)
 
 
 @torch.inference_mode()
 def teacher_force(runner, runs: list[MethodRun], ids: list[int], prefix: int, progress=None,
-                  on_step=None, share: bool = True) -> dict[str, ForcedTrace]:
+                  on_step=None, share: bool = True, held: HeldPrefix | None = None) -> dict[str, ForcedTrace]:
     """Prefill ids[:prefix - 1] densely, then decode ids[prefix - 1 : -1] one token a step with every
     method in one batch; step j's logits predict ids[prefix + j], so all len(ids) - prefix scored
-    predictions come from sparse decode steps. ``on_step(j, logits (B, V), stats)`` is called per step.
+    predictions come from sparse decode steps. ``on_step(j, logits (B, V), stats)`` is called per step;
+    ``held``: a ``held_prefix`` of ids[:prefix - 1] shared with other batches of methods.
     """
     if not 1 < prefix < len(ids):
         raise ValueError(f"prefix must lie in (1, {len(ids)}), got {prefix}")
     sessions = [runner.open_session(r.spec) for r in runs]
-    traces = {r.label: ForcedTrace() for r in runs}
+    traces = {r.label: ForcedTrace(PathMix(runner.info.num_kv_heads)) for r in runs}
     try:
-        prefill_all(runner, sessions, ids[:prefix - 1], share)
+        prefill_all(runner, sessions, ids[:prefix - 1], share, held)
         for j in range(len(ids) - prefix):
             tok = ids[prefix - 1 + j]
             logits, stats = runner.decode(sessions, [tok] * len(sessions), with_stats=True)
@@ -314,17 +394,18 @@ def ppl(nll: list[float]) -> float:
 # ---- greedy answering ----------------------------------------------------------------------------
 @torch.inference_mode()
 def answer(runner, runs: list[MethodRun], context: list[int], question: list[int], max_new: int,
-           stop_ids: tuple[int, ...] = (), progress=None, share: bool = True) -> dict[str, dict]:
+           stop_ids: tuple[int, ...] = (), progress=None, share: bool = True,
+           held: HeldPrefix | None = None) -> dict[str, dict]:
     """Prefill ``context`` densely, decode ``question`` token by token with each method (so the
     question's attention is the method's, as in the paper), then greedy-generate up to max_new
-    tokens. -> label -> {"ids": generated ids, "mix": PathMix}."""
+    tokens. ``held``: a ``held_prefix`` of ``context``. -> label -> {"ids": generated ids, "mix": PathMix}."""
     if not context or not question:
         raise ValueError("context and question must be non-empty")
     sessions = [runner.open_session(r.spec) for r in runs]
-    mixes = [PathMix() for _ in runs]
+    mixes = [PathMix(runner.info.num_kv_heads) for _ in runs]
     out = [[] for _ in runs]
     try:
-        prefill_all(runner, sessions, context, share)
+        prefill_all(runner, sessions, context, share, held)
         logits = None
         for tok in question:
             logits, stats = runner.decode(sessions, [tok] * len(sessions), with_stats=True)

@@ -9,7 +9,8 @@ query and KV cache, recording
     output cosine    cosine of the head output with the full-attention output
 
 overall and on ReTopK's reuse-path steps, per (layer, head) as heatmaps, and binned by the max
-cached-query similarity. Documents are prefilled with L - S tokens, then S tokens are teacher-forced.
+cached-query similarity, beside each method's path mix and group-read rate. Documents are prefilled
+with L - S tokens, then S tokens are teacher-forced.
 
     python -m bench.eval.fidelity --length 4096 --docs 2 --suffix 128 --out results/fidelity
 """
@@ -21,8 +22,11 @@ import time
 from pathlib import Path
 
 from bench.eval.common import (
+    add_batch_arg,
     add_method_args,
     add_model_args,
+    batches,
+    held_prefix,
     load_corpus,
     make_runner,
     markdown_table,
@@ -46,6 +50,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_method_args(p, DEFAULT_METHODS)
+    add_batch_arg(p)
     p.add_argument("--length", type=int, default=4096, help="document length L")
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--suffix", type=int, default=128, help="teacher-forced decode steps per document")
@@ -69,10 +74,11 @@ def probed(runs, top_k: int, head_dim: int):
 
 
 REUSE = (int(StepPath.REUSE),)
-EXACT_PATHS = (int(StepPath.FALLBACK), int(StepPath.REFRESH))
 
 
-def summarize(recorders: dict) -> list[dict]:
+def summarize(recorders: dict, mixes: dict | None = None) -> list[dict]:
+    """One row per method: the fidelity means (overall and on reuse steps) and, from ``mixes`` (label ->
+    PathMix summary), its path mix and group-read rate."""
     rows = []
     for label, rec in recorders.items():
         row = {"method": label}
@@ -80,8 +86,39 @@ def summarize(recorders: dict) -> list[dict]:
             row[m] = rec.mean(m)
             row[f"{m}_reuse"] = rec.mean(m, REUSE)
         row["reuse_share"] = rec.share(REUSE)
+        row.update((mixes or {}).get(label, {}))
         rows.append(row)
     return rows
+
+
+def evaluate(runner, runs, docs: list[list[int]], suffix: int, top_k: int, desc: str = "fidelity",
+             batch: int | None = None) -> dict:
+    """Teacher-force the last ``suffix`` tokens of each document with every method wrapped in the probe,
+    in batches of at most ``batch`` methods sharing each document's dense prefill.
+    -> {"rows": summarize(...), "recorders": {label: FidelityRecorder}, "mix": {label: PathMix summary}}."""
+    probe_runs, recorders = probed(runs, top_k, runner.info.head_dim)
+    groups = batches(probe_runs, batch)
+    bar = progress_bar(len(docs) * suffix * len(groups), desc)
+    mixes = {}
+    for doc in docs:
+        with held_prefix(runner, doc[:len(doc) - suffix - 1]) as held:
+            traces = {}
+            for group in groups:
+                traces.update(teacher_force(runner, group, doc, len(doc) - suffix, progress=bar, held=held))
+        for label, tr in traces.items():
+            if label in mixes:
+                mixes[label].merge(tr.mix)
+            else:
+                mixes[label] = tr.mix
+    bar.close()
+    summaries = {label: m.summary() for label, m in mixes.items()}
+    return {"rows": summarize(recorders, summaries), "recorders": recorders, "mix": summaries}
+
+
+COLUMNS = [("method", "method", ""), ("recall", "recall", "%"), ("mass", "mass", "%"), ("cosine", "cosine", "%"),
+           ("recall_reuse", "recall (reuse)", "%"), ("mass_reuse", "mass (reuse)", "%"),
+           ("cosine_reuse", "cosine (reuse)", "%"), ("reuse", "reuse", "%"), ("fallback", "fallback", "%"),
+           ("refresh", "refresh", "%"), ("promoted", "promoted", "%"), ("group_read", "group reads", "%")]
 
 
 def main(argv=None, runner=None) -> dict:
@@ -89,20 +126,13 @@ def main(argv=None, runner=None) -> dict:
     args = parse_args(argv)
     started = time.time()
     runner = runner or make_runner(args)
-    head_dim = runner.info.head_dim
-    runs, recorders = probed(parse_methods(args.methods, args.top_k, head_dim), args.top_k, head_dim)
+    runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
     text = load_corpus(args.corpus)
     docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, args.length)
-    bar = progress_bar(args.docs * args.suffix, "fidelity")
-    for doc in docs:
-        teacher_force(runner, runs, doc, args.length - args.suffix, progress=bar)
-    bar.close()
-    rows = summarize(recorders)
-    cols = [("method", "method", ""), ("recall", "recall", "%"), ("mass", "mass", "%"), ("cosine", "cosine", "%"),
-            ("reuse_share", "reuse share", "%"), ("recall_reuse", "recall (reuse)", "%"),
-            ("mass_reuse", "mass (reuse)", "%"), ("cosine_reuse", "cosine (reuse)", "%")]
-    tables = [("Mean over every (step, layer, head); '(reuse)' = ReTopK's reuse-path steps only",
-               markdown_table(rows, cols))]
+    res = evaluate(runner, runs, docs, args.suffix, args.top_k, batch=args.batch)
+    rows, recorders = res["rows"], res["recorders"]
+    tables = [("Mean over every (step, layer, head); '(reuse)' = ReTopK's reuse-path steps only; path mix "
+               "over (step, layer, head), group reads over (step, layer, KV group)", markdown_table(rows, COLUMNS))]
     plots = []
     heat_label = args.heatmap_method if args.heatmap_method in recorders else next(iter(recorders))
     plots.append(plot_heatmaps(recorders[heat_label], heat_label, args.out / "fidelity_heatmap.png"))

@@ -25,6 +25,7 @@ from bench.eval.common import (
     make_runner,
     markdown_table,
     method_run,
+    mix_columns,
     prefill_all,
     progress_bar,
     pyplot,
@@ -66,9 +67,12 @@ def teacher_forced(runner, args, docs, head_dim: int) -> dict:
         traces = teacher_force(runner, runs, doc, args.prefill, progress=bar)
         for label, tr in traces.items():
             nll[label] += torch.tensor(tr.nll, dtype=torch.float64) / len(docs)
-            mixes.setdefault(label, []).append(tr.mix.summary())
+            if label in mixes:
+                mixes[label].merge(tr.mix)
+            else:
+                mixes[label] = tr.mix
     bar.close()
-    return {"nll": nll, "mix": {k: v[0] for k, v in mixes.items()}}
+    return {"nll": nll, "mix": {k: m.summary() for k, m in mixes.items()}}
 
 
 def delta_curve(nll: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -127,10 +131,10 @@ def main(argv=None, runner=None) -> dict:
     curves = {label: delta_curve(v, ref) for label, v in tf["nll"].items() if label != "exact_topk"}
     cps = checkpoints(args.continuation, args.windows)
     rows_a = [{"method": label, **{f"t{t}": float(c[t - 1]) for t in cps},
-               "reuse": tf["mix"][label]["reuse"], "refresh": tf["mix"][label]["refresh"]}
+               **{k: tf["mix"][label][k] for k in ("reuse", "fallback", "refresh", "promoted", "group_read")}}
               for label, c in curves.items()]
     cols_a = [("method", "method", "")] + [(f"t{t}", f"ΔPPL@{t}", "%") for t in cps] + \
-        [("reuse", "reuse", "%"), ("refresh", "refresh", "%")]
+        [c for c in mix_columns() if c[0] in ("reuse", "fallback", "refresh", "promoted", "group_read")]
     tables = [("(a) teacher-forced: cumulative ΔPPL against Exact Top-K after t continuation tokens",
                markdown_table(rows_a, cols_a))]
     data = {"delta_ppl": {k: v.tolist() for k, v in curves.items()}, "mix": tf["mix"]}

@@ -28,6 +28,7 @@ from bench.eval.common import (
     answer,
     make_runner,
     markdown_table,
+    mix_columns,
     parse_methods,
     progress_bar,
     pyplot,
@@ -152,7 +153,7 @@ def main(argv=None, runner=None) -> dict:
     data = {d: load_jsonl(args.data / f"{d}.jsonl", args.limit) for d in datasets}
     stop = tuple(runner.info.eos_token_ids)
     bar = progress_bar(sum(len(v) for v in data.values()), "longbench")
-    records = []
+    records, mixes = [], {}
     for d, examples in data.items():
         max_new = DATASETS[d][1]
         max_length = args.max_length or runner.max_context - max_new - 1
@@ -164,22 +165,28 @@ def main(argv=None, runner=None) -> dict:
                 records.append({"dataset": d, "index": i, "method": label, "prompt_tokens": len(ctx) + len(q),
                                 "prediction": pred, "answers": ex["answers"], "f1": best_f1(pred, ex["answers"]),
                                 "mix": res["mix"].summary()})
+                if label in mixes:
+                    mixes[label].merge(res["mix"])
+                else:
+                    mixes[label] = res["mix"]
     bar.close()
     rows = []
     for r in runs:
-        row = {"method": r.label}
+        row = {"method": r.label, **(mixes[r.label].summary() if r.label in mixes else {})}
         for d in datasets:
             s = [x["f1"] for x in records if x["method"] == r.label and x["dataset"] == d]
             row[d] = 100 * sum(s) / len(s) if s else None
         vals = [row[d] for d in datasets if row[d] is not None]
         row["avg"] = sum(vals) / len(vals) if vals else None
         rows.append(row)
-    cols = [("method", "method", "")] + [(d, LABELS[d], ".1f") for d in datasets] + [("avg", "Avg.", ".1f")]
+    cols = [("method", "method", "")] + [(d, LABELS[d], ".1f") for d in datasets] + [("avg", "Avg.", ".1f")] + \
+        [c for c in mix_columns() if c[0] in ("reuse", "fallback", "promoted", "group_read")]
     meta = run_meta(args, runner, started, corpus=None, data=str(args.data), datasets=datasets, limit=args.limit,
                     chat=chat, examples={d: len(v) for d, v in data.items()})
     plot = plot_f1(rows, datasets, args.out / "longbench.png")
     write_results(args.out, "longbench", f"LongBench QA F1, K={args.top_k}",
-                  [("F1 (%)", markdown_table(rows, cols))], meta, {"rows": rows, "records": records}, [plot])
+                  [("F1 (%); path mix over the question and answer steps, group reads over layer x KV group "
+                    "x step", markdown_table(rows, cols))], meta, {"rows": rows, "records": records}, [plot])
     return {"rows": rows, "records": records}
 
 

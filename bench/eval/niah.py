@@ -12,7 +12,8 @@ The queried needle (the first of the multi-value ones) sits at evenly spaced dep
 haystack; other needles at seeded random line positions. The context is prefilled densely; the
 question (and the chat template's assistant prompt and an answer prefix) is decoded token by token
 with the method, then the answer is generated greedily. Score (RULER's string match): the share of
-the expected values that appear verbatim in the answer, averaged over examples, in percent.
+the expected values that appear verbatim in the answer, averaged over examples, in percent. The
+path mix and group-read rate are counted over the question and answer decode steps.
 
     python -m bench.eval.niah --lengths 2048 4096 --depths 5 --out results/niah
 """
@@ -25,12 +26,16 @@ import time
 from pathlib import Path
 
 from bench.eval.common import (
+    add_batch_arg,
     add_method_args,
     add_model_args,
     answer,
+    batches,
+    held_prefix,
     load_corpus,
     make_runner,
     markdown_table,
+    mix_columns,
     parse_methods,
     progress_bar,
     pyplot,
@@ -62,6 +67,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_method_args(p, DEFAULT_METHODS)
+    add_batch_arg(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="context lengths in tokens")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--depths", type=int, default=5, help="evenly spaced depths per task and length")
@@ -133,6 +139,49 @@ def score(text: str, values: list[str]) -> float:
     return sum(v in text for v in values) / len(values)
 
 
+def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_depths: int, needles: int,
+             max_new: int = 0, chat: bool = True, seed: int = 0, desc: str = "niah", batch: int | None = None) -> dict:
+    """Every (length, task, depth) example answered by every method, in batches of at most ``batch``
+    methods sharing the example's dense prefill.
+    -> {"records": one per (example, method), "mix": {label: {L: PathMix}} over question + answer steps}."""
+    bad = set(tasks) - set(TASKS)
+    if bad:
+        raise SystemExit(f"unknown tasks {sorted(bad)}; choose from {TASKS}")
+    chat = chat and getattr(runner.tokenizer, "chat_template", None) is not None
+    encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
+    depths = [i / max(1, n_depths - 1) for i in range(n_depths)]
+    groups = batches(runs, batch)
+    bar = progress_bar(len(lengths) * len(tasks) * len(depths) * len(groups), desc)
+    records, mixes = [], {r.label: {} for r in runs}
+    stop = tuple(runner.info.eos_token_ids)
+    for L in lengths:
+        for task in tasks:
+            probe = {"context": "", "question": QUESTION[task].format(key=max(KEYS, key=len)),
+                     "prefix": ANSWER_PREFIX[task].format(key=max(KEYS, key=len))}
+            overhead = sum(map(len, prompt_ids(runner, probe, chat)))
+            for di, depth in enumerate(depths):
+                rng = random.Random(f"{seed}-{L}-{task}-{di}")
+                lines = haystack_lines(text, rng.random())
+                ex = build_example(task, depth, L, lines, encode, rng, needles, overhead)
+                ctx, q = prompt_ids(runner, ex, chat)
+                out = {}
+                with held_prefix(runner, ctx) as held:
+                    for group in groups:
+                        out.update(answer(runner, group, ctx, q, max_new or 12 * len(ex["values"]) + 4, stop,
+                                          progress=bar, held=held))
+                for label, res in out.items():
+                    text_out = runner.decode_tokens(res["ids"])
+                    records.append({"length": L, "task": task, "depth": depth, "method": label,
+                                    "context_tokens": len(ctx) + len(q), "values": ex["values"], "answer": text_out,
+                                    "score": score(text_out, ex["values"]), "mix": res["mix"].summary()})
+                    if L in mixes[label]:
+                        mixes[label][L].merge(res["mix"])
+                    else:
+                        mixes[label][L] = res["mix"]
+    bar.close()
+    return {"records": records, "mix": mixes, "chat": chat, "depths": depths}
+
+
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
@@ -141,49 +190,34 @@ def main(argv=None, runner=None) -> dict:
     runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
     text = load_corpus(args.corpus)
     tasks = [t for t in args.tasks.split(",") if t]
-    bad = set(tasks) - set(TASKS)
-    if bad:
-        raise SystemExit(f"unknown tasks {sorted(bad)}; choose from {TASKS}")
-    chat = not args.no_chat and getattr(runner.tokenizer, "chat_template", None) is not None
-    encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
-    depths = [i / max(1, args.depths - 1) for i in range(args.depths)]
-    n_ex = len(args.lengths) * len(tasks) * len(depths)
-    bar = progress_bar(n_ex, "niah")
-    records = []
-    stop = tuple(runner.info.eos_token_ids)
-    for L in args.lengths:
-        for task in tasks:
-            probe = {"context": "", "question": QUESTION[task].format(key=max(KEYS, key=len)),
-                     "prefix": ANSWER_PREFIX[task].format(key=max(KEYS, key=len))}
-            overhead = sum(map(len, prompt_ids(runner, probe, chat)))
-            for di, depth in enumerate(depths):
-                rng = random.Random(f"{args.seed}-{L}-{task}-{di}")
-                lines = haystack_lines(text, rng.random())
-                ex = build_example(task, depth, L, lines, encode, rng, args.needles, overhead)
-                ctx, q = prompt_ids(runner, ex, chat)
-                max_new = args.max_new or 12 * len(ex["values"]) + 4
-                out = answer(runner, runs, ctx, q, max_new, stop, progress=bar)
-                for label, res in out.items():
-                    text_out = runner.decode_tokens(res["ids"])
-                    records.append({"length": L, "task": task, "depth": depth, "method": label,
-                                    "context_tokens": len(ctx) + len(q), "values": ex["values"], "answer": text_out,
-                                    "score": score(text_out, ex["values"]), "mix": res["mix"].summary()})
-    bar.close()
-    rows = table_rows(records, runs, args.lengths, tasks)
+    res = evaluate(runner, runs, text, args.lengths, tasks, args.depths, args.needles, args.max_new,
+                   not args.no_chat, args.seed, batch=args.batch)
+    records = res["records"]
+    rows = table_rows(records, runs, args.lengths, tasks, res["mix"])
     cols = [("method", "method", "")] + [(f"avg_{L}", f"NIAH {L}", ".1f") for L in args.lengths] + \
         [(f"{t}_{L}", f"{t} {L}", ".1f") for L in args.lengths for t in tasks]
+    mix_cols = [("method", "method", "")] + [c for L in args.lengths for c in mix_columns(f"_{L}", str(L))]
     plot = plot_depth(records, runs, args.out / "niah.png")
-    meta = run_meta(args, runner, started, lengths=args.lengths, tasks=tasks, depths=len(depths), chat=chat)
-    write_results(args.out, "niah", f"Needle in a haystack (RULER style), {len(depths)} depths per task, "
+    meta = run_meta(args, runner, started, lengths=args.lengths, tasks=tasks, depths=len(res["depths"]),
+                    chat=res["chat"])
+    write_results(args.out, "niah", f"Needle in a haystack (RULER style), {len(res['depths'])} depths per task, "
                   f"K={args.top_k}", [("Score (% of expected values found; NIAH L = mean of the tasks)",
-                                       markdown_table(rows, cols))], meta, {"rows": rows, "records": records}, [plot])
+                                       markdown_table(rows, cols)),
+                                      ("Path mix over the question and answer steps (share of layer x head x step) "
+                                       "and group reads (share of layer x KV group x step)",
+                                       markdown_table(rows, mix_cols))],
+                  meta, {"rows": rows, "records": records}, [plot])
     return {"rows": rows, "records": records}
 
 
-def table_rows(records: list[dict], runs, lengths, tasks) -> list[dict]:
+def table_rows(records: list[dict], runs, lengths, tasks, mixes: dict | None = None) -> list[dict]:
+    """One row per method: score per task and length, their mean per length (``avg_L``) and, from
+    ``mixes`` (label -> {L: PathMix}), the path mix per length (``reuse_L``, ``group_read_L``, ...)."""
     rows = []
     for r in runs:
         row = {"method": r.label}
+        for L, mix in (mixes or {}).get(r.label, {}).items():
+            row.update({f"{k}_{L}": v for k, v in mix.summary().items()})
         for L in lengths:
             per_task = []
             for t in tasks:

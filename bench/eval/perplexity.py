@@ -4,9 +4,10 @@ For each of N fixed documents of L tokens (deterministic slices of the corpus) t
 are prefilled densely and the last S tokens are teacher-forced one decode step at a time with the
 method, every method in the same batch. PPL = exp(mean NLL over all N * S predictions); the change
 is reported against Exact Top-K (same K) as (PPL - PPL_exact) / PPL_exact, with the path mix:
-reuse / fallback / refresh shares over (step, layer, head), the mean candidate count M_t on reuse
-steps, and the scored share (keys scored with the exact query / context length, a hardware-free
-proxy of selector work: 1.0 for Exact Top-K).
+reuse / fallback / refresh / promoted shares over (step, layer, head), the group-read rate (share of
+(step, layer, sequence, KV group) whose keys were read in full: what a step costs under GQA), the
+mean candidate count M_t on reuse steps, and the scored share (keys scored with the exact query /
+context length, a hardware-free proxy of selector work: 1.0 for Exact Top-K).
 
     python -m bench.eval.perplexity --lengths 2048 4096 --docs 4 --suffix 256 --out results/ppl
 """
@@ -18,11 +19,15 @@ import time
 from pathlib import Path
 
 from bench.eval.common import (
+    add_batch_arg,
     add_method_args,
     add_model_args,
+    batches,
+    held_prefix,
     load_corpus,
     make_runner,
     markdown_table,
+    mix_columns,
     parse_methods,
     ppl,
     progress_bar,
@@ -41,6 +46,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_method_args(p, DEFAULT_METHODS)
+    add_batch_arg(p)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="document lengths L in tokens")
     p.add_argument("--docs", type=int, default=4, help="documents N per length (paper: 64)")
     p.add_argument("--suffix", type=int, default=256, help="teacher-forced suffix S (paper: 512)")
@@ -48,9 +54,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: int, desc: str = "ppl") -> dict:
-    """-> {L: {label: {"ppl", "nll": [...], "mix": summary, "top1"}}}."""
-    total = sum(len(d) for d in docs_by_length.values()) * suffix
+def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: int, desc: str = "ppl",
+             batch: int | None = None) -> dict:
+    """-> {L: {label: {"ppl", "nll": [...], "mix": summary, "top1"}}}. Methods decode in batches of at most
+    ``batch`` (None: all in one), every batch of a document sharing one dense prefill."""
+    groups = batches(runs, batch)
+    total = sum(len(d) for d in docs_by_length.values()) * suffix * len(groups)
     bar = progress_bar(total, desc)
     result = {}
     for L, docs in docs_by_length.items():
@@ -58,18 +67,17 @@ def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: i
         top1 = {r.label: [] for r in runs}
         mixes = {}
         for doc in docs:
-            traces = teacher_force(runner, runs, doc, L - suffix, progress=bar)
+            with held_prefix(runner, doc[:L - suffix - 1]) as held:
+                traces = {}
+                for group in groups:
+                    traces.update(teacher_force(runner, group, doc, L - suffix, progress=bar, held=held))
             for label, tr in traces.items():
                 nll[label] += tr.nll
                 top1[label] += tr.top1
-                m = mixes.setdefault(label, tr.mix)
-                if m is not tr.mix:
-                    for k in m.counts:
-                        m.counts[k] += tr.mix.counts[k]
-                    m.reuse_candidates += tr.mix.reuse_candidates
-                    m.scored += tr.mix.scored
-                    m.length += tr.mix.length
-                    m.steps += tr.mix.steps
+                if label in mixes:
+                    mixes[label].merge(tr.mix)
+                else:
+                    mixes[label] = tr.mix
         result[L] = {label: {"ppl": ppl(nll[label]), "nll": nll[label],
                              "top1": sum(top1[label]) / max(1, len(top1[label])),
                              "mix": mixes[label].summary()} for label in nll}
@@ -100,22 +108,22 @@ def main(argv=None, runner=None) -> dict:
     text = load_corpus(args.corpus)
     encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
     docs = {L: split_documents(text, encode, args.docs, L) for L in args.lengths}
-    result = evaluate(runner, runs, docs, args.suffix)
+    result = evaluate(runner, runs, docs, args.suffix, batch=args.batch)
     rows = rows_for(result, runs)
     Ls = list(result)
     main_cols = [("method", "method", "")] + [(f"ppl_{L}", f"PPL {L}", ".3f") for L in Ls] \
-        + [(f"dppl_{L}", f"ΔPPL {L} vs Exact", "%") for L in Ls]
+        + [(f"dppl_{L}", f"ΔPPL {L} vs Exact", "%") for L in Ls] \
+        + [(f"group_read_{L}", f"group reads {L}", "%") for L in Ls]
     mix_cols = [("method", "method", "")]
     for L in Ls:
-        mix_cols += [(f"reuse_{L}", f"reuse {L}", "%"), (f"fallback_{L}", f"fallback {L}", "%"),
-                     (f"refresh_{L}", f"refresh {L}", "%"), (f"mean_candidates_{L}", f"M_t {L}", ".1f"),
-                     (f"scored_share_{L}", f"scored/L {L}", "%")]
+        mix_cols += mix_columns(f"_{L}", str(L))
     plot = plot_ppl(result, runs, args.out / "perplexity.png")
     meta = run_meta(args, runner, started, docs=args.docs, suffix=args.suffix, lengths=Ls)
     write_results(args.out, "perplexity", f"Perplexity, last {args.suffix} of L tokens teacher-forced, "
                   f"{args.docs} documents, K={args.top_k}",
                   [("PPL and change against Exact Top-K", markdown_table(rows, main_cols)),
-                   ("Path mix (share of layer x head x step decisions)", markdown_table(rows, mix_cols))],
+                   ("Path mix (share of layer x head x step decisions) and group reads (share of layer x "
+                    "KV group x step)", markdown_table(rows, mix_cols))],
                   meta, {"rows": rows, "result": {str(k): v for k, v in result.items()}}, [plot])
     return {"rows": rows, "result": result}
 

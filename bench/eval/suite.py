@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.eval import fidelity, long_horizon, longbench, niah, perplexity, sweep
-from bench.eval.common import add_model_args, make_runner, markdown_table
+from bench.eval.common import MIX_KEYS, add_model_args, make_runner, markdown_table
 
 PARTS = ("perplexity", "niah", "fidelity", "sweep", "long_horizon", "longbench")
 METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,tokenselect"
@@ -103,15 +103,18 @@ def write_summary(args, results: dict, seconds: dict, total: float) -> None:
     if "longbench" in by:
         cols += [("lb_avg", "LongBench", ".1f")]
     if "perplexity" in by:
-        cols += [(f"reuse_{Ls[-1]}", f"reuse {Ls[-1]}", "%"), (f"exact_path_{Ls[-1]}", f"exact path {Ls[-1]}", "%"),
-                 (f"mean_candidates_{Ls[-1]}", f"M_t {Ls[-1]}", ".1f")]
+        L = Ls[-1]
+        cols += [(f"reuse_{L}", f"reuse {L}", "%"), (f"promoted_{L}", f"promoted {L}", "%"),
+                 (f"exact_path_{L}", f"exact path {L}", "%"), (f"group_read_{L}", f"group reads {L}", "%"),
+                 (f"mean_candidates_{L}", f"M_t {L}", ".1f")]
     for label in labels:
         row = {"method": label}
         for part, per in by.items():
             src = per.get(label, {})
             for k, v in src.items():
-                if k != "method":
-                    row["lb_avg" if (part == "longbench" and k == "avg") else k] = v
+                if k == "method" or (part != "perplexity" and (k in MIX_KEYS or k.rpartition("_")[0] in MIX_KEYS)):
+                    continue  # the path mix shown is the perplexity run's
+                row["lb_avg" if (part == "longbench" and k == "avg") else k] = v
         rows.append(row)
     times = [{"part": k, "seconds": v} for k, v in seconds.items()] + [{"part": "total", "seconds": total}]
     md = ["# Evaluation suite summary", "", f"K = {args.top_k}, lengths {Ls}, scale {args.scale}, model {args.model}",

@@ -4,8 +4,9 @@ One-at-a-time sweeps of K, C, R, W, tau and T_r around the defaults (every other
 its default), and the ablations: recent-R retrieval instead of similarity, no window (W=0), no
 fallback (tau=0), no refresh (T_r=0). Every configuration is teacher-forced on the same documents in
 one batch with Exact Top-K at each swept K. Reported per configuration: PPL, its change against
-Exact Top-K at the same K, the exact-path rate (fallback + refresh), the reuse share, the mean
-candidate count M_t, and the scored share (keys scored exactly / L; Exact Top-K = 100%, a
+Exact Top-K at the same K, the exact-path rate (fallback + refresh + promoted), the path mix, the
+group-read rate (share of layer x KV group x step read in full), the mean candidate count M_t, and
+the scored share (keys scored exactly / L; Exact Top-K = 100%, a
 hardware-free proxy of selector work, not a measured speedup).
 
     python -m bench.eval.sweep --length 4096 --docs 2 --suffix 128 --out results/sweep
@@ -23,6 +24,7 @@ from bench.eval.common import (
     make_runner,
     markdown_table,
     method_run,
+    mix_columns,
     pyplot,
     run_meta,
     save_figure,
@@ -116,8 +118,7 @@ def main(argv=None, runner=None) -> dict:
         rows.append({**i, "method": i["label"], "ppl": r["ppl"], "dppl": r["ppl"] / ref - 1.0 if ref else None,
                      **r["mix"]})
     cols = [("method", "configuration", ""), ("ppl", "PPL", ".3f"), ("dppl", "ΔPPL vs Exact (same K)", "%"),
-            ("exact_path", "exact-path rate", "%"), ("reuse", "reuse", "%"), ("fallback", "fallback", "%"),
-            ("refresh", "refresh", "%"), ("mean_candidates", "M_t", ".1f"), ("scored_share", "scored/L", "%")]
+            ("exact_path", "exact-path rate", "%")] + mix_columns()
     sens = [r for r in rows if r["group"] not in ("ablation",)]
     abl = [r for r in rows if r["group"] in ("reference", "default", "ablation") and r["k"] == args.top_k]
     plot = plot_sweeps(rows, args.out / "sweep.png")
