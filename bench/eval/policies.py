@@ -1,0 +1,413 @@
+"""ReTopK's GQA policies side by side: PPL, NIAH and fidelity with the group-read rate, and a Pareto plot.
+
+A ReTopK head on an exact path (fallback, refresh, promoted) reads every key of its KV group, so under
+GQA a step costs what its *group reads* cost: the (layer, sequence, KV group, decode step) whose keys
+were read in full (``retopk_core.methods.base.group_reads``). The group-read rate is their share; the
+per-head fallback share understates it. Each grid entry is a method spec in the --methods syntax of
+the other scripts, e.g. ``retopk:gqa_policy=group+tau=0.8+group_tau_min=0.5+cache_size=64+window=128``;
+Full and Exact Top-K (same K) are always added as references.
+
+Stages (--parts):
+  ppl       every grid method: PPL of the last S tokens of N documents per length, teacher-forced as in
+            bench.eval.perplexity, its change against Exact Top-K, the path mix, the group-read rate
+  niah      the --detail methods and both references: RULER-style needles as in bench.eval.niah, with the
+            group-read rate of the question and answer steps
+  fidelity  the --detail methods and Exact Top-K: support recall, retained mass, output cosine as in
+            bench.eval.fidelity, on the first --fidelity-docs documents of the longest length
+
+--detail front (default) takes the ReTopK rows of the ppl stage that no other row beats on both ΔPPL and
+group-read rate at every length. With --resume every (stage, method) already in <out>/policies.json under
+the same settings is kept, so the grid can grow, or the detail stages follow the ppl stage, without
+recomputing. The targets (--target-dppl, --target-group-read, NIAH >= Exact Top-K at every length) are
+checked per row. Writes policies.md, policies.json and policies_pareto.png into --out.
+
+    python -m bench.eval.policies --lengths 4096 8192 --docs 4 --suffix 128 --parts ppl --out results/policies
+    python -m bench.eval.policies --lengths 4096 8192 --docs 4 --suffix 128 --parts ppl,niah,fidelity \\
+        --resume --out results/policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from bench.eval import fidelity, niah, perplexity
+from bench.eval.common import (
+    MIX_KEYS,
+    add_model_args,
+    load_corpus,
+    make_runner,
+    markdown_table,
+    mix_columns,
+    parse_methods,
+    pyplot,
+    run_meta,
+    save_figure,
+    split_documents,
+    write_results,
+)
+
+REFERENCES = "full,exact_topk"
+EXACT, FULL = "exact_topk", "full"
+GRID = ",".join(
+    ["retopk:gqa_policy=head+tau=0.85", "retopk:gqa_policy=head+tau=0.9",
+     "retopk:gqa_policy=promote+tau=0.85", "retopk:gqa_policy=promote+tau=0.9"]
+    + [f"retopk:gqa_policy=group+tau={t}+group_tau_min={m}" for t in (0.75, 0.8, 0.85) for m in (0, 0.5)])
+NAME = "policies"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("grid")
+    g.add_argument("--methods", default=GRID, help="comma-separated method specs ('+' between parameters); Full "
+                                                   "and Exact Top-K are added as references")
+    g.add_argument("--top-k", type=int, default=64, help="shared active-token budget K")
+    g.add_argument("--batch", type=int, default=12, help="methods decoded per forward (memory bound; 0 = all)")
+    g.add_argument("--parts", default="ppl,niah,fidelity", help="comma-separated subset of ppl,niah,fidelity")
+    g.add_argument("--detail", default="front",
+                   help="methods of the niah and fidelity stages: 'front' (the ppl stage's Pareto front), 'all', "
+                        "or a comma-separated list of grid specs")
+    g.add_argument("--resume", action="store_true", help="keep results in <out>/policies.json with the same settings")
+    g = p.add_argument_group("perplexity")
+    g.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="document lengths L")
+    g.add_argument("--docs", type=int, default=4, help="documents per length")
+    g.add_argument("--suffix", type=int, default=128, help="teacher-forced steps per document")
+    g = p.add_argument_group("needle in a haystack")
+    g.add_argument("--niah-lengths", type=int, nargs="+", default=None, help="context lengths (default --lengths)")
+    g.add_argument("--tasks", default=",".join(niah.TASKS))
+    g.add_argument("--depths", type=int, default=3, help="evenly spaced needle depths per task and length")
+    g.add_argument("--needles", type=int, default=3, help="needles in multikey / values in multivalue")
+    g.add_argument("--max-new", type=int, default=0, help="answer tokens (default 12 per expected value + 4)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("fidelity")
+    g.add_argument("--fidelity-docs", type=int, default=2, help="first documents of the longest length")
+    g.add_argument("--fidelity-suffix", type=int, default=0, help="steps per document (default --suffix)")
+    g = p.add_argument_group("targets")
+    g.add_argument("--target-dppl", type=float, default=0.01, help="largest PPL change against Exact Top-K")
+    g.add_argument("--target-group-read", type=float, default=0.25, help="largest group-read rate")
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args(argv)
+
+
+# ---- labels -------------------------------------------------------------------------------------
+def describe(run) -> dict:
+    """The ReTopK hyperparameters of a run with the core's defaults filled in (empty for other methods)."""
+    if run.name != "retopk":
+        return {}
+    from retopk_core.config import ReTopKConfig
+
+    params = dict(run.spec.params)
+    fields = ReTopKConfig.__dataclass_fields__
+    cfg = ReTopKConfig(**{k: v for k, v in params.items() if k in fields})
+    return {k: getattr(cfg, k) for k in fields}
+
+
+def short_label(run) -> str:
+    """'group tau=0.8 min=0.5 C=64 W=128': the policy, tau, and the hyperparameters off the core's defaults."""
+    d = describe(run)
+    if not d:
+        return run.label
+    from retopk_core.config import ReTopKConfig
+
+    base = ReTopKConfig(top_k=d["top_k"])
+    parts = [d["gqa_policy"], f"tau={d['tau']:g}"]
+    if d["gqa_policy"] == "group":
+        parts.append(f"min={d['group_tau_min']:g}")
+    names = {"cache_size": "C", "window": "W", "recall": "R", "refresh_every": "T_r", "retrieval": "retrieval"}
+    parts += [f"{n}={d[k]}" for k, n in names.items() if d[k] != getattr(base, k)]
+    return " ".join(parts)
+
+
+def spec_key(run) -> str:
+    return json.dumps([run.name, [[k, v] for k, v in run.spec.params]])
+
+
+# ---- stored results -----------------------------------------------------------------------------
+def stage_settings(args, runner, stage: str) -> dict:
+    info = runner.info
+    base = {"model": info.name, "dtype": info.dtype, "backend": info.backend, "corpus": args.corpus,
+            "rope_scaling": args.rope_scaling, "top_k": args.top_k}
+    if stage == "ppl":
+        return {**base, "lengths": args.lengths, "docs": args.docs, "suffix": args.suffix}
+    if stage == "niah":
+        return {**base, "lengths": args.niah_lengths or args.lengths, "tasks": args.tasks, "depths": args.depths,
+                "needles": args.needles, "max_new": args.max_new, "seed": args.seed}
+    return {**base, "length": max(args.lengths), "docs": args.fidelity_docs, "of_docs": args.docs,
+            "suffix": args.fidelity_suffix or args.suffix}
+
+
+def load_store(args, runner) -> dict:
+    """{stage: {"settings", "seconds", "methods": {label: {"spec", ...}}}} from a previous run, or empty."""
+    path = args.out / f"{NAME}.json"
+    store = {s: {"settings": stage_settings(args, runner, s), "seconds": 0.0, "methods": {}}
+             for s in ("ppl", "niah", "fidelity")}
+    if not (args.resume and path.is_file()):
+        return store
+    old = json.loads(path.read_text()).get("stages", {})
+    for stage, cur in store.items():
+        prev = old.get(stage)
+        if prev and prev.get("settings") == cur["settings"]:
+            cur["methods"], cur["seconds"] = prev["methods"], prev.get("seconds", 0.0)
+        elif prev and prev.get("methods"):
+            print(f"   {stage}: stored results were made with other settings; recomputing", flush=True)
+    return store
+
+
+def missing(store: dict, stage: str, runs) -> list:
+    have = store[stage]["methods"]
+    return [r for r in runs if r.label not in have or have[r.label]["spec"] != spec_key(r)]
+
+
+# ---- stages -------------------------------------------------------------------------------------
+def run_ppl(args, runner, text: str, runs, store: dict) -> None:
+    todo = missing(store, "ppl", runs)
+    print(f"== ppl: {len(todo)} of {len(runs)} methods to run at L = {args.lengths}, {args.docs} documents x "
+          f"{args.suffix} steps", flush=True)
+    if not todo:
+        return
+    t = time.time()
+    encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
+    docs = {L: split_documents(text, encode, args.docs, L) for L in args.lengths}
+    result = perplexity.evaluate(runner, todo, docs, args.suffix, desc="policies ppl", batch=args.batch)
+    for r in todo:
+        store["ppl"]["methods"][r.label] = {"spec": spec_key(r), **{str(L): result[L][r.label] for L in result}}
+    store["ppl"]["seconds"] += time.time() - t
+
+
+def run_niah(args, runner, text: str, runs, store: dict) -> None:
+    todo = missing(store, "niah", runs)
+    lengths = args.niah_lengths or args.lengths
+    print(f"== niah: {len(todo)} of {len(runs)} methods to run at L = {lengths}, {args.depths} depths", flush=True)
+    if not todo:
+        return
+    t = time.time()
+    tasks = [x for x in args.tasks.split(",") if x]
+    res = niah.evaluate(runner, todo, text, lengths, tasks, args.depths, args.needles, args.max_new, True, args.seed,
+                        desc="policies niah", batch=args.batch)
+    rows = {r["method"]: r for r in niah.table_rows(res["records"], todo, lengths, tasks, res["mix"])}
+    for r in todo:
+        store["niah"]["methods"][r.label] = {"spec": spec_key(r), "row": rows[r.label], "records":
+                                             [x for x in res["records"] if x["method"] == r.label]}
+    store["niah"]["seconds"] += time.time() - t
+
+
+def run_fidelity(args, runner, text: str, runs, store: dict) -> None:
+    todo = missing(store, "fidelity", runs)
+    L, suffix = max(args.lengths), args.fidelity_suffix or args.suffix
+    print(f"== fidelity: {len(todo)} of {len(runs)} methods to run, {args.fidelity_docs} documents of L = {L} x "
+          f"{suffix} steps", flush=True)
+    if not todo:
+        return
+    t = time.time()
+    docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, L)
+    res = fidelity.evaluate(runner, todo, docs[:args.fidelity_docs], suffix, args.top_k, desc="policies fidelity",
+                            batch=args.batch)
+    rows = {r["method"]: r for r in res["rows"]}
+    for r in todo:
+        store["fidelity"]["methods"][r.label] = {"spec": spec_key(r), "row": rows[r.label]}
+    store["fidelity"]["seconds"] += time.time() - t
+
+
+# ---- rows, front, targets -----------------------------------------------------------------------
+def table(args, runs, store: dict) -> list[dict]:
+    """One row per method: hyperparameters, PPL and its change per length, the path mix and group-read
+    rate per length, NIAH per length, fidelity, and which targets it meets."""
+    ppl, nia, fid = (store[s]["methods"] for s in ("ppl", "niah", "fidelity"))
+    niah_lengths = args.niah_lengths or args.lengths
+    rows = []
+    for r in runs:
+        d = describe(r)
+        row = {"method": r.label, "policy": short_label(r), "gqa_policy": d.get("gqa_policy"), "tau": d.get("tau"),
+               "group_tau_min": d.get("group_tau_min"), "C": d.get("cache_size"), "W": d.get("window")}
+        for L in args.lengths:
+            per, ref = ppl.get(r.label, {}).get(str(L)), ppl.get(EXACT, {}).get(str(L))
+            if per is None:
+                continue
+            row[f"ppl_{L}"] = per["ppl"]
+            row[f"dppl_{L}"] = per["ppl"] / ref["ppl"] - 1.0 if ref else None
+            row.update({f"{k}_{L}": per["mix"][k] for k in MIX_KEYS})
+        if r.label in nia:
+            src = nia[r.label]["row"]
+            for L in niah_lengths:
+                row[f"niah_{L}"] = src.get(f"avg_{L}")
+                row[f"niah_group_read_{L}"] = src.get(f"group_read_{L}")
+            row["niah"] = _mean([row[f"niah_{L}"] for L in niah_lengths])
+        if r.label in fid:
+            src = fid[r.label]["row"]
+            row.update({f"fid_{k}": src.get(k) for k in ("recall", "mass", "cosine", "group_read")})
+        rows.append(row)
+    exact = next((x for x in rows if x["method"] == EXACT), {})
+    for row in rows:
+        row["meets"] = meets(args, row, exact)
+    return rows
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def meets(args, row: dict, exact: dict) -> str:
+    """'ppl,niah,reads' for the targets the row meets; '?' for a target not measured."""
+    got = []
+    dppl = [row.get(f"dppl_{L}") for L in args.lengths]
+    got.append("ppl" if all(v is not None and v <= args.target_dppl for v in dppl) else
+               ("?" if any(v is None for v in dppl) else ""))
+    Ls = args.niah_lengths or args.lengths
+    niah_ok = [row.get(f"niah_{L}") is not None and exact.get(f"niah_{L}") is not None
+               and row[f"niah_{L}"] >= exact[f"niah_{L}"] for L in Ls]
+    got.append("niah" if all(niah_ok) else ("?" if row.get("niah") is None or exact.get("niah") is None else ""))
+    reads = [row.get(f"group_read_{L}") for L in args.lengths]
+    got.append("reads" if all(v is not None and v <= args.target_group_read for v in reads) else
+               ("?" if any(v is None for v in reads) else ""))
+    return ",".join(g for g in got if g)
+
+
+def pareto_front(rows: list[dict], lengths: list[int]) -> list[dict]:
+    """ReTopK rows that no other ReTopK row matches or beats on both ΔPPL and group-read rate at every
+    length while beating it on one of them."""
+    cand = [r for r in rows if r.get("gqa_policy") and all(r.get(f"dppl_{L}") is not None for L in lengths)]
+
+    def vec(r):
+        return [r[f"{k}_{L}"] for L in lengths for k in ("dppl", "group_read")]
+
+    def dominates(a, b):
+        va, vb = vec(a), vec(b)
+        return all(x <= y for x, y in zip(va, vb, strict=True)) and va != vb
+
+    return [r for r in cand if not any(dominates(o, r) for o in cand if o is not r)]
+
+
+def detail_runs(args, grid, rows: list[dict]) -> list:
+    if args.detail == "all":
+        return list(grid)
+    if args.detail == "front":
+        front = {r["method"] for r in pareto_front(rows, args.lengths)}
+        return [r for r in grid if r.label in front]
+    wanted = [r.label for r in parse_methods(args.detail, args.top_k, 64)]
+    labels = {r.label: r for r in grid}
+    unknown = [w for w in wanted if w not in labels]
+    if unknown:
+        raise SystemExit(f"--detail names methods not in --methods: {unknown}")
+    return [labels[w] for w in wanted]
+
+
+# ---- output -------------------------------------------------------------------------------------
+def write(args, runner, started: float, runs, rows: list[dict], store: dict, details: list) -> None:
+    Ls, nLs = args.lengths, args.niah_lengths or args.lengths
+    per_length = [c for L in Ls for c in ((f"ppl_{L}", f"PPL {L}", ".3f"), (f"dppl_{L}", f"ΔPPL {L}", "%"),
+                                          (f"group_read_{L}", f"group reads {L}", "%"))]
+    main_cols = [("policy", "policy", "")] + per_length + [(f"niah_{L}", f"NIAH {L}", ".1f") for L in nLs] \
+        + [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("fid_cosine", "cosine", "%"),
+           ("meets", "targets met", "")]
+    mix_cols = [("policy", "policy", "")] + [c for L in Ls for c in mix_columns(f"_{L}", str(L))]
+    front = pareto_front(rows, Ls)
+    tables = [(f"PPL and its change against Exact Top-K, group-read rate (teacher-forced decode), NIAH (mean of "
+               f"{args.tasks.replace(',', ' / ')}), fidelity at L={max(Ls)}; targets: ΔPPL <= {args.target_dppl:.0%} "
+               f"('ppl'), NIAH >= Exact Top-K ('niah'), group reads <= {args.target_group_read:.0%} ('reads')",
+               markdown_table(rows, main_cols)),
+              ("Path mix (share of layer x head x step) and group reads (share of layer x KV group x step) of the "
+               "perplexity run", markdown_table(rows, mix_cols)),
+              ("Pareto front (ΔPPL and group reads at every length)",
+               markdown_table(front, [("policy", "policy", "")] + [c for L in Ls for c in (
+                   (f"dppl_{L}", f"ΔPPL {L}", "%"), (f"group_read_{L}", f"group reads {L}", "%"))]))]
+    if any(f"niah_group_read_{nLs[-1]}" in r for r in rows):
+        tables.append(("Group reads of the NIAH question and answer steps",
+                       markdown_table([r for r in rows if "niah" in r], [("policy", "policy", "")] +
+                                      [(f"niah_group_read_{L}", f"group reads {L}", "%") for L in nLs])))
+    plot = plot_pareto(rows, Ls, args, args.out / f"{NAME}_pareto.png") if any(f"dppl_{Ls[0]}" in r for r in rows) \
+        else None
+    seconds = {s: round(store[s]["seconds"], 1) for s in store}
+    meta = run_meta(args, runner, started, lengths=Ls, docs=args.docs, suffix=args.suffix, stage_seconds=seconds,
+                    detail=[r.label for r in details])
+    write_results(args.out, NAME, f"ReTopK GQA policies, K={args.top_k}, {args.docs} documents x {args.suffix} "
+                  f"teacher-forced steps at L = {', '.join(map(str, Ls))}", tables, meta,
+                  {"rows": rows, "front": [r["method"] for r in front], "stages": store},
+                  [plot] if plot else [])
+
+
+MARKERS = {"head": "o", "promote": "s", "group": "^"}
+
+
+def plot_pareto(rows: list[dict], lengths: list[int], args, path: Path) -> str:
+    """One panel per length: ΔPPL against Exact Top-K over the group-read rate, one marker per method,
+    the Pareto front as a line, the targets as dashed lines."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6.2 * len(lengths), 4.6), squeeze=False)
+    cmap = plt.get_cmap("viridis")
+    taus = sorted({r["tau"] for r in rows if r.get("tau") is not None}) or [0.0]
+    for ax, L in zip(axes[0], lengths, strict=True):
+        pts = [r for r in rows if r.get(f"dppl_{L}") is not None]
+        for r in pts:
+            x, y = 100 * r[f"group_read_{L}"], 100 * r[f"dppl_{L}"]
+            if r.get("gqa_policy"):
+                tuned = (r["C"], r["W"]) != (32, 32)
+                color = cmap(taus.index(r["tau"]) / max(1, len(taus) - 1))
+                ax.scatter(x, y, marker=MARKERS[r["gqa_policy"]], s=46, color=color if not tuned else "none",
+                           edgecolors=color, linewidths=1.5, zorder=3)
+            else:
+                ax.scatter(x, y, marker="X" if r["method"] == EXACT else "*", s=90, color="black", zorder=3)
+            ax.annotate(r["policy"], (x, y), fontsize=5.5, xytext=(3, 3), textcoords="offset points")
+        front = sorted(pareto_front(pts, [L]), key=lambda r: r[f"group_read_{L}"])
+        ax.plot([100 * r[f"group_read_{L}"] for r in front], [100 * r[f"dppl_{L}"] for r in front], color="tab:red",
+                lw=0.8, zorder=2, label="Pareto front at this length")
+        ax.axhline(100 * args.target_dppl, color="gray", ls="--", lw=0.7)
+        ax.axvline(100 * args.target_group_read, color="gray", ls="--", lw=0.7)
+        ax.axhline(0, color="gray", lw=0.4)
+        ax.set_xlabel("group-read rate (% of layer x KV group x step read in full)")
+        ax.set_ylabel("ΔPPL vs Exact Top-K (%)")
+        ax.set_title(f"L = {L}, K = {args.top_k}", fontsize=9)
+    handles = [plt.Line2D([], [], marker=m, ls="", color="gray", label=p) for p, m in MARKERS.items()]
+    handles += [plt.Line2D([], [], marker="o", ls="", mfc="none", color="gray", label="C, W off 32 (hollow)"),
+                plt.Line2D([], [], marker="X", ls="", color="black", label="Exact Top-K"),
+                plt.Line2D([], [], marker="*", ls="", color="black", label="Full")]
+    handles += [plt.Line2D([], [], marker="o", ls="", color=cmap(i / max(1, len(taus) - 1)), label=f"tau {t:g}")
+                for i, t in enumerate(taus)]
+    axes[0][-1].legend(handles=handles, fontsize=6.5, loc="upper right")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)
+
+
+def main(argv=None, runner=None) -> dict:
+    """Run the stages; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
+    args = parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = set(parts) - {"ppl", "niah", "fidelity"}
+    if bad:
+        raise SystemExit(f"unknown parts {sorted(bad)}; choose from ppl, niah, fidelity")
+    started = time.time()
+    runner = runner or make_runner(args)
+    head_dim = runner.info.head_dim
+    refs = parse_methods(REFERENCES, args.top_k, head_dim)
+    grid = [r for r in parse_methods(args.methods, args.top_k, head_dim) if r.label not in (EXACT, FULL)]
+    runs = refs + grid
+    if len({r.label for r in runs}) != len(runs):
+        raise SystemExit("--methods lists a method twice")
+    text = load_corpus(args.corpus)
+    store = load_store(args, runner)
+    details = []
+
+    def checkpoint():
+        write(args, runner, started, runs, table(args, runs, store), store, details)
+
+    if "ppl" in parts:
+        run_ppl(args, runner, text, runs, store)
+        checkpoint()
+    if {"niah", "fidelity"} & set(parts):
+        details = detail_runs(args, grid, table(args, runs, store))
+        print(f"   detail methods: {[short_label(r) for r in details]}", flush=True)
+    if "niah" in parts:
+        run_niah(args, runner, text, refs + details, store)
+        checkpoint()
+    if "fidelity" in parts:
+        run_fidelity(args, runner, text, [r for r in refs if r.label == EXACT] + details, store)
+    rows = table(args, runs, store)
+    write(args, runner, started, runs, rows, store, details)
+    return {"rows": rows, "front": [r["method"] for r in pareto_front(rows, args.lengths)], "store": store}
+
+
+if __name__ == "__main__":
+    main()
