@@ -24,6 +24,7 @@ import torch
 from bench.attention_cpu import Workload
 from retopk_core.kv import PagedKV
 from retopk_core.methods import make_method
+from retopk_core.methods.retopk import gqa_paths, head_paths
 from retopk_core.methods.sparse import Workspace, exact_select, indexed_scores, kv_heads, sparse_attend, topk_select
 
 
@@ -55,7 +56,9 @@ def reuse_stages(method, work: Workload, state, slots, q: torch.Tensor, acc: dic
     kv, scale, K = work.kv, d ** -0.5, method.config.top_k
     qn = _timed(lambda: q.float() / q.float().norm(dim=-1, keepdim=True), acc, "similarity+path")
     sim, max_sim = _timed(lambda: method._similarity(qn, state, slots), acc, "similarity+path")
-    _timed(lambda: method._choose_path(max_sim, state.step[slots]), acc, "similarity+path")
+    cfg = method.config
+    _timed(lambda: gqa_paths(head_paths(max_sim, state.step[slots], cfg), max_sim, kv.num_kv_heads, cfg), acc,
+           "similarity+path")
     b = torch.arange(B).repeat_interleave(H)
     h = torch.arange(H).repeat(B)
     cand = _timed(lambda: method._candidates(sim[b, h], state, slots[b], h, kv.lengths[b]), acc, "recall+candidates")
