@@ -66,7 +66,8 @@ def read_json(out, name) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
-@pytest.mark.parametrize("script", ["perplexity", "niah", "fidelity", "sweep", "long_horizon", "longbench", "suite"])
+@pytest.mark.parametrize("script", ["perplexity", "niah", "fidelity", "sweep", "long_horizon", "longbench", "suite",
+                                    "policies"])
 def test_every_script_has_help(script, capsys):
     import importlib
 
@@ -103,6 +104,13 @@ def test_perplexity_invariants_and_reference(tiny, tmp_path):
     assert 0 < mix["scored_share"] <= 1
     rows = {r["method"]: r for r in data["rows"]}
     assert rows["exact_topk"][f"dppl_{L}"] == 0.0
+    # group reads: Full and Exact Top-K read every KV group on every step, and so does tau = 1
+    for label in ("full", "exact_topk", "retopk tau=1.0"):
+        assert rows[label][f"group_read_{L}"] == 1.0
+    # per-head decisions: a group is read when one of its G = 2 heads is, so G x heads >= groups >= heads
+    r = rows["retopk"]
+    assert r[f"exact_path_{L}"] <= r[f"group_read_{L}"] <= min(1.0, 2 * r[f"exact_path_{L}"])
+    assert "group reads" in (tmp_path / "perplexity.md").read_text()
     # independent reference: transformers' own dense forward over each document
     model, tok = load_model(tiny[0])
     text = open(tiny[1]).read()
@@ -148,9 +156,35 @@ def test_parse_methods_scales_baselines_to_the_budget():
         parse_methods("retopk,retopk", 64, 64)
 
 
+# ---- path mix -------------------------------------------------------------------------------------
+def test_path_mix_counts_promoted_and_group_reads():
+    from types import SimpleNamespace
+
+    from bench.eval.common import PathMix
+
+    # 2 layers x 6 query heads over 3 KV groups (G = 2); codes: 0 reuse, 1 fallback, 2 refresh, 5 approx,
+    # 6 cached, 7 promoted
+    path = torch.tensor([[0, 0, 0, 1, 7, 0],   # groups: unread, read (fallback), read (promoted)
+                         [5, 6, 2, 2, 0, 0]], dtype=torch.int8)  # unread (approx, cached), read, unread
+    stats = SimpleNamespace(path=path, n_scored=torch.full((2, 6), 10, dtype=torch.int32))
+    mix = PathMix(kv_heads=3)
+    mix.add(stats, length=100)
+    s = mix.summary()
+    assert mix.counts["promoted"] == 1 and mix.counts["reuse"] == 6 and mix.counts["approx"] == 1
+    assert s["promoted"] == pytest.approx(1 / 12) and s["fallback"] == pytest.approx(1 / 12)
+    assert s["exact_path"] == pytest.approx(4 / 12)  # fallback + refresh + promoted
+    assert s["group_read"] == pytest.approx(3 / 6)  # (layer, KV group) pairs read, counted by hand above
+    other = PathMix(kv_heads=3)
+    other.add(SimpleNamespace(path=torch.zeros(2, 6, dtype=torch.int8), n_scored=stats.n_scored), length=100)
+    merged = mix.merge(other).summary()
+    assert merged["group_read"] == pytest.approx(3 / 12) and merged["reuse"] == pytest.approx(18 / 24)
+    with pytest.raises(ValueError):
+        mix.merge(PathMix(kv_heads=2))
+
+
 # ---- shared prefill -------------------------------------------------------------------------------
 def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
-    from bench.eval.common import method_defaults, prefill_all
+    from bench.eval.common import held_prefix, method_defaults, prefill_all
     from retopk_core.methods import method_names
     from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
@@ -165,10 +199,20 @@ def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
         ref = prefill_all(runner, plain, ids[:250], share=False)
         got = prefill_all(runner, shared, ids[:250], share=True)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+        # a prefix held once and shared by two batches of methods, as the scripts' --batch does
+        held = [runner.open_session(s) for s in specs]
+        with held_prefix(runner, ids[:250]) as prefix:
+            assert prefix is not None
+            half = len(held) // 2
+            got_held = torch.cat([prefill_all(runner, held[:half], ids[:250], held=prefix),
+                                  prefill_all(runner, held[half:], ids[:250], held=prefix)])
+        torch.testing.assert_close(got_held, ref, atol=1e-4, rtol=1e-4)
         for t in ids[250:260]:
             a, _ = runner.decode(plain, [t] * len(plain))
             b, _ = runner.decode(shared, [t] * len(shared))
+            c, _ = runner.decode(held, [t] * len(held))
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{names}: {m}")
+            torch.testing.assert_close(c, a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{names}: {m}")
 
 
 # ---- fidelity -------------------------------------------------------------------------------------
@@ -328,3 +372,79 @@ def test_longbench_on_a_hand_made_sample(tiny, tmp_path):
     assert {r["prompt_tokens"] for r in res["records"] if r["dataset"] == "multifieldqa_en"} == {500}
     assert {r["method"] for r in res["rows"]} == {"full", "retopk"}
     assert all(set(r) >= {"2wikimqa", "hotpotqa", "multifieldqa_en", "avg"} for r in res["rows"])
+
+
+# ---- GQA policies ---------------------------------------------------------------------------------
+POLICY_GRID = ("retopk:gqa_policy=head+tau=1.0,retopk:gqa_policy=head+tau=0.8,retopk:gqa_policy=promote+tau=0.8,"
+               "retopk:gqa_policy=group+tau=0.8+group_tau_min=0.5+cache_size=8")
+
+
+def test_policies_group_reads_front_targets_and_resume(tiny, tmp_path, capsys):
+    from bench.eval import perplexity, policies
+
+    L, S = 240, 16
+    base = common_args(tiny) + ["--top-k", "16", "--lengths", str(L), "--docs", "2", "--suffix", str(S),
+                                "--batch", "2", "--niah-lengths", "400", "--depths", "2", "--needles", "2",
+                                "--max-new", "4", "--fidelity-docs", "1", "--out", str(tmp_path)]
+    res = policies.main(base + ["--methods", POLICY_GRID, "--parts", "ppl,niah,fidelity"])
+    data = read_json(tmp_path, "policies")
+    assert (tmp_path / "policies_pareto.png").stat().st_size > 0
+    rows = {r["policy"]: r for r in res["rows"]}
+    assert list(rows) == ["full", "exact_topk", "head tau=1", "head tau=0.8", "promote tau=0.8",
+                          "group tau=0.8 min=0.5 C=8"]
+    # references: Exact Top-K is the zero of ΔPPL; both read every group on every step
+    assert rows["exact_topk"][f"dppl_{L}"] == 0.0
+    assert rows["full"][f"group_read_{L}"] == rows["exact_topk"][f"group_read_{L}"] == 1.0
+    # tau = 1: every head exact, so Exact Top-K's PPL and every group read
+    assert rows["head tau=1"][f"ppl_{L}"] == pytest.approx(rows["exact_topk"][f"ppl_{L}"], rel=1e-6)
+    assert rows["head tau=1"][f"group_read_{L}"] == 1.0
+    # promote and group: the heads of a group are all exact or all reuse, so the share of exact heads
+    # equals the share of groups read; per-head decisions read at least as many groups as heads
+    for label in ("promote tau=0.8", "group tau=0.8 min=0.5 C=8"):
+        assert rows[label][f"exact_path_{L}"] == pytest.approx(rows[label][f"group_read_{L}"], abs=1e-12)
+    assert rows["head tau=0.8"][f"promoted_{L}"] == 0.0
+    assert rows["head tau=0.8"][f"group_read_{L}"] >= rows["head tau=0.8"][f"exact_path_{L}"]
+    # the batched run (2 methods a forward, one held prefill) gives the PPL of a plain perplexity run
+    plain = perplexity.main(common_args(tiny) + ["--methods", "exact_topk,retopk:gqa_policy=promote+tau=0.8",
+                                                 "--top-k", "16", "--lengths", str(L), "--docs", "2", "--suffix",
+                                                 str(S), "--out", str(tmp_path / "plain")])["result"][L]
+    assert rows["exact_topk"][f"ppl_{L}"] == pytest.approx(plain["exact_topk"]["ppl"], rel=1e-5)
+    assert rows["promote tau=0.8"][f"ppl_{L}"] == pytest.approx(plain["retopk gqa_policy=promote tau=0.8"]["ppl"],
+                                                                 rel=1e-5)
+    # the detail stages ran on the Pareto front and the references
+    front = set(res["front"])
+    assert front and front == set(data["front"])
+    assert set(data["meta"]["detail"]) == front
+    niah_rows = [r for r in res["rows"] if "niah" in r]
+    assert {r["method"] for r in niah_rows} == front | {"full", "exact_topk"}
+    assert all(0 <= r["niah_400"] <= 100 and r["niah_group_read_400"] is not None for r in niah_rows)
+    fid = {r["method"] for r in res["rows"] if "fid_recall" in r}
+    assert fid == front | {"exact_topk"} and rows["exact_topk"]["fid_recall"] == 1.0
+    assert "ppl" in rows["exact_topk"]["meets"] and "reads" not in rows["exact_topk"]["meets"]
+    # resume: a grown grid computes only the new method and keeps the stored numbers
+    capsys.readouterr()
+    grown = policies.main(base + ["--methods", POLICY_GRID + ",retopk:gqa_policy=head+tau=0.9", "--parts", "ppl",
+                                  "--resume"])
+    assert "== ppl: 1 of 7 methods to run" in capsys.readouterr().out
+    again = {r["policy"]: r for r in grown["rows"]}
+    for label, r in rows.items():
+        assert again[label][f"ppl_{L}"] == r[f"ppl_{L}"] and again[label].get("niah") == r.get("niah")
+    assert f"ppl_{L}" in again["head tau=0.9"]
+
+
+def test_pareto_front_from_the_definition():
+    from bench.eval.policies import pareto_front
+
+    def row(name, d1, g1, d2, g2):
+        return {"method": name, "gqa_policy": "head", "dppl_1": d1, "group_read_1": g1, "dppl_2": d2,
+                "group_read_2": g2}
+
+    rows = [row("a", 0.01, 0.5, 0.02, 0.5), row("b", 0.02, 0.6, 0.03, 0.6),  # b: worse than a everywhere
+            row("c", 0.00, 0.9, 0.00, 0.9), row("d", 0.05, 0.2, 0.06, 0.2),
+            row("e", 0.01, 0.5, 0.01, 0.7),  # better than a at length 2 on ΔPPL, worse on reads: both stay
+            {"method": "exact_topk", "gqa_policy": None, "dppl_1": 0.0, "group_read_1": 1.0, "dppl_2": 0.0,
+             "group_read_2": 1.0}]
+    assert {r["method"] for r in pareto_front(rows, [1, 2])} == {"a", "c", "d", "e"}
+    assert {r["method"] for r in pareto_front(rows, [1])} == {"a", "c", "d", "e"}  # e ties a at length 1: both stay
+    rows[4]["group_read_1"] = 0.55  # now a beats e at length 1
+    assert {r["method"] for r in pareto_front(rows, [1])} == {"a", "c", "d"}
