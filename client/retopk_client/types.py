@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
@@ -197,13 +197,28 @@ class FinishReason(str, enum.Enum):
         return cls(name)
 
 
-# StepStats.path codes (proto comment): what each head did in one decode step.
-PATH_NAMES = {0: "reuse", 1: "fallback", 2: "refresh", 3: "exact", 4: "dense", 5: "approx", 6: "cached"}
+# StepStats.path codes (proto comment): what each head did in one decode step. The client's one copy of
+# retopk_core.methods.base.Path (the client installs without the core); tests/server checks they agree.
+PATH_NAMES = {0: "reuse", 1: "fallback", 2: "refresh", 3: "exact", 4: "dense", 5: "approx", 6: "cached",
+              7: "promoted"}
+
+
+def group_read_rate(steps: Iterable[StepStats]) -> float | None:
+    """Share of (layer, KV group, step) triples whose keys were read in full, over the given steps:
+    sum of true ``group_read`` entries / number of entries. None when no step carries ``group_read``
+    (a server older than the field)."""
+    reads = total = 0
+    for step in steps:
+        reads += sum(step.group_read)
+        total += len(step.group_read)
+    return reads / total if total else None
 
 
 @dataclass(frozen=True)
 class StepStats(_Dictable):
-    """One decode step of one sequence: per (layer, head) arrays, row-major ``[l * num_heads + h]``."""
+    """One decode step of one sequence: per (layer, head) arrays, row-major ``[l * num_heads + h]``, and
+    per (layer, KV group) ``group_read``, row-major ``[l * num_kv_heads + g]`` (True: the group's keys
+    were read in full on this step)."""
 
     token_index: int
     num_layers: int
@@ -212,6 +227,8 @@ class StepStats(_Dictable):
     max_sim: tuple[float, ...]
     n_scored: tuple[int, ...]
     attention_seconds: float
+    num_kv_heads: int = 0
+    group_read: tuple[bool, ...] = ()
 
     @classmethod
     def from_proto(cls, msg: pb.StepStats) -> StepStats:
@@ -223,6 +240,8 @@ class StepStats(_Dictable):
             max_sim=tuple(msg.max_sim),
             n_scored=tuple(msg.n_scored),
             attention_seconds=msg.attention_seconds,
+            num_kv_heads=msg.num_kv_heads,
+            group_read=tuple(msg.group_read),
         )
 
     def path_counts(self) -> dict[str, int]:
@@ -232,6 +251,10 @@ class StepStats(_Dictable):
             name = PATH_NAMES.get(code, str(code))
             counts[name] = counts.get(name, 0) + 1
         return counts
+
+    def group_read_rate(self) -> float | None:
+        """Share of this step's (layer, KV group) pairs whose keys were read in full (None without group_read)."""
+        return group_read_rate((self,))
 
 
 @dataclass(frozen=True)
@@ -308,6 +331,10 @@ class Completion(_Dictable):
     request_id: str
     session_id: str | None = None
     step_stats: tuple[StepStats, ...] = ()
+
+    def group_read_rate(self) -> float | None:
+        """The group-read rate over every step this completion carries stats for (see ``group_read_rate``)."""
+        return group_read_rate(self.step_stats)
 
 
 class CompletionBuilder:

@@ -6,19 +6,28 @@ are labels: the per-head counter has at most layers x heads x paths series per m
 
 Per-head ReTopK behaviour (one observation per head per decode step of each running request)
   retopk_attention_decisions_total{layer,head,path}  decode decisions; path is ``retopk_core.methods.base.Path``
-        by name: reuse / fallback / refresh for ReTopK (exact, dense, approx, cached for the other methods).
+        by name: reuse / fallback / refresh / promoted for ReTopK (exact, dense, approx, cached for the other
+        methods).
         reuse rate of each head:  sum by (layer, head) (rate(retopk_attention_decisions_total{path="reuse"}[5m]))
                                 / sum by (layer, head) (rate(retopk_attention_decisions_total[5m]))
-  retopk_exact_path_share            share of head decisions on an exact path (fallback, refresh, exact,
-                                     dense) in the latest decode step; the per-head share is a PromQL ratio
+  retopk_exact_path_share            share of head decisions on an exact path (fallback, refresh, promoted,
+                                     exact, dense) in the latest decode step; the per-head share is a PromQL ratio
   retopk_candidate_set_size          histogram of M_t, the keys scored with the exact query on the reuse path
   retopk_max_query_similarity        histogram of each head's max cosine to its cached queries (ReTopK)
+KV group reads per layer (GQA: a head on an exact path reads every key of its KV group, so the group read, not
+the per-head path, is what a step costs; ``retopk_core.methods.base.group_reads``; every method counts, Full
+and Exact Top-K read every group on every step)
+  retopk_kv_group_reads_total{layer}  (sequence, KV group, decode step) triples whose keys were read in full
+  retopk_kv_group_steps_total{layer}  (sequence, KV group, decode step) triples observed (batch x H_kv a step)
+        group-read rate per layer:  rate(retopk_kv_group_reads_total[5m]) / rate(retopk_kv_group_steps_total[5m]);
+        overall: the same with sum() on both sides
 Latency (seconds; buckets span 100 us .. 10 min so both CPU and GPU speeds resolve)
   retopk_time_to_first_token_seconds, retopk_time_per_output_token_seconds (interval between a request's
   tokens), retopk_e2e_request_seconds, retopk_queue_wait_seconds, retopk_prefill_seconds,
   retopk_decode_step_seconds (one batched step), retopk_attention_step_seconds{path} (attention core time of
   one decode step of one method group, summed over layers; path = refresh if any head refreshed, else
-  fallback if any head fell back, else the most frequent path, e.g. reuse)
+  fallback if any head fell back, else promoted if any head was promoted, else the most frequent path,
+  e.g. reuse)
 Traffic and load
   retopk_prompt_tokens_total, retopk_generation_tokens_total, retopk_requests_finished_total{finish_reason},
   retopk_request_errors_total{code}, retopk_rpcs_total{rpc,code}, retopk_decode_batch_size,
@@ -27,9 +36,10 @@ Traffic and load
   query-support FIFOs and the other methods' state), retopk_model_info{architecture,layers,heads,...} = 1
 
 Cost on the engine thread: a step's (batch, layers, heads) path tensor becomes per-(layer, head, path)
-counts with one ``np.bincount`` added to a numpy array; the two distributions are bucketed the same way
-(``np.searchsorted`` + ``np.bincount``). Custom collectors expose those arrays at scrape time, so no
-per-head Python loop runs per step (about 0.1 ms of CPU per step for 30 layers x 9 heads, batch 1).
+counts with one ``np.bincount`` added to a numpy array, and its (batch, layers, H_kv) group reads become
+per-layer counts with one sum; the two distributions are bucketed the same way (``np.searchsorted`` +
+``np.bincount``). Custom collectors expose those arrays at scrape time, so no per-head Python loop runs per
+step (about 0.1 ms of CPU per step for 30 layers x 9 heads, batch 1).
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from retopk_core.methods.base import PATH_NAMES, Path
+from retopk_core.methods.base import FULL_READ_PATHS, PATH_NAMES, Path
 from retopk_server.engine.observer import EngineObserver
 from retopk_server.engine.requests import ErrorCode, FinishReason
 
@@ -66,8 +76,10 @@ SIMILARITY_BUCKETS = (0.0, 0.25, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.9
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 NUM_PATHS = max(p.value for p in Path) + 1
-RETOPK_PATHS = (Path.REUSE, Path.FALLBACK, Path.REFRESH)
-EXACT_PATHS = (Path.FALLBACK, Path.REFRESH, Path.EXACT, Path.DENSE)
+# The paths a ReTopK head can take (their series exist from the start).
+RETOPK_PATHS = (Path.REUSE, Path.FALLBACK, Path.REFRESH, Path.PROMOTED)
+# A head on an exact path scores every key of its KV group: the core's full-read paths.
+EXACT_PATHS = FULL_READ_PATHS
 
 
 def model_label(name: str) -> str:
@@ -76,24 +88,19 @@ def model_label(name: str) -> str:
     return os.path.basename(trimmed) if ("/" in trimmed or os.sep in trimmed) else trimmed
 
 
-class HeadPathCounts:
-    """Collector of retopk_attention_decisions_total: per model a (layers, heads, paths) int64 array.
+class ArrayCounts:
+    """Per model one int64 count array, added to under a lock (a new shape restarts it); subclasses
+    expose it as a counter family in ``collect``."""
 
-    Exposes, for every (layer, head), each path seen anywhere in the model, and always the three ReTopK
-    paths once the model's shape is known (``on_start`` adds zeros): a head that never reused reads 0
-    rather than missing, and every series exists before the first request, so rate() over it works
-    even when a burst of traffic falls between two scrapes.
-    """
-
-    name = PREFIX + "attention_decisions"
-    doc = "Attention decode decisions per layer, head and path (retopk_core Path names)."
+    name = doc = ""
+    labels: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[str, np.ndarray] = {}
 
     def add(self, model: str, counts: np.ndarray) -> None:
-        """counts (layers, heads, NUM_PATHS) int64 added to the model's totals (a new shape restarts them)."""
+        """counts (the subclass's shape) int64 added to the model's totals (a new shape restarts them)."""
         with self._lock:
             current = self._counts.get(model)
             if current is None or current.shape != counts.shape:
@@ -106,14 +113,47 @@ class HeadPathCounts:
             c = self._counts.get(model)
             return None if c is None else c.copy()
 
+    def _snapshot(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            return {m: c.copy() for m, c in self._counts.items()}
+
     def describe(self) -> Iterable[CounterMetricFamily]:
-        yield CounterMetricFamily(self.name, self.doc, labels=["model", "layer", "head", "path"])
+        yield CounterMetricFamily(self.name, self.doc, labels=["model", *self.labels])
+
+
+class LayerCounts(ArrayCounts):
+    """Collector of one per-layer counter: per model a (layers,) int64 array, a series per layer."""
+
+    labels = ("layer",)
+
+    def __init__(self, name: str, doc: str) -> None:
+        super().__init__()
+        self.name, self.doc = name, doc
 
     def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.doc, labels=["model", "layer", "head", "path"])
-        with self._lock:
-            snapshot = {m: c.copy() for m, c in self._counts.items()}
-        for model, c in snapshot.items():
+        family = CounterMetricFamily(self.name, self.doc, labels=["model", *self.labels])
+        for model, c in self._snapshot().items():
+            for layer, n in enumerate(c.tolist()):
+                family.add_metric([model, str(layer)], float(n))
+        yield family
+
+
+class HeadPathCounts(ArrayCounts):
+    """Collector of retopk_attention_decisions_total: per model a (layers, heads, paths) int64 array.
+
+    Exposes, for every (layer, head), each path seen anywhere in the model, and always the ReTopK paths
+    (``RETOPK_PATHS``) once the model's shape is known (``on_start`` adds zeros): a head that never reused
+    reads 0 rather than missing, and every series exists before the first request, so rate() over it works
+    even when a burst of traffic falls between two scrapes.
+    """
+
+    name = PREFIX + "attention_decisions"
+    doc = "Attention decode decisions per layer, head and path (retopk_core Path names)."
+    labels = ("layer", "head", "path")
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=["model", *self.labels])
+        for model, c in self._snapshot().items():
             layers, heads, _ = c.shape
             seen = c.sum(axis=(0, 1)) > 0  # (paths,)
             seen[list(RETOPK_PATHS)] = True
@@ -191,10 +231,19 @@ class Metrics:
         self.max_similarity = BulkHistogram(PREFIX + "max_query_similarity",
                                             "Max cosine of a head's query to its cached queries, per head and step.",
                                             SIMILARITY_BUCKETS)
-        for collector in (self.decisions, self.candidate_size, self.max_similarity):
+        # KV group reads per layer: reads / steps is the group-read rate
+        self.group_reads = LayerCounts(PREFIX + "kv_group_reads", "(sequence, KV group, decode step) triples "
+                                       "whose keys were read in full, per layer (a head of the group took an "
+                                       "exact path).")
+        self.group_steps = LayerCounts(PREFIX + "kv_group_steps", "(sequence, KV group, decode step) triples "
+                                       "observed, per layer; kv_group_reads / kv_group_steps is the group-read "
+                                       "rate.")
+        for collector in (self.decisions, self.candidate_size, self.max_similarity, self.group_reads,
+                          self.group_steps):
             r.register(collector)
-        self.exact_share = Gauge(PREFIX + "exact_path_share", "Share of head decisions on an exact path "
-                                 "(fallback, refresh, exact, dense) in the latest decode step.", m, registry=r)
+        exact = ", ".join(PATH_NAMES[p] for p in EXACT_PATHS)
+        self.exact_share = Gauge(PREFIX + "exact_path_share", f"Share of head decisions on an exact path "
+                                 f"({exact}) in the latest decode step.", m, registry=r)
         # latency
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", REQUEST_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Interval between consecutive tokens of a request.",
@@ -242,9 +291,9 @@ class MetricsObserver(EngineObserver):
 
     memory_interval_s  how often (at most) ``on_load`` re-reads the runner's cache sizes
     per_head           ask the engine for every step's per-head statistics, the source of the decision,
-                       candidate, similarity, exact-share and attention-time metrics; on a GPU they cost
-                       a device synchronisation per layer, so a deployment may turn them off (those
-                       metrics then stay empty)
+                       candidate, similarity, exact-share, KV-group-read and attention-time metrics; on a
+                       GPU they cost a device synchronisation per layer, so a deployment may turn them off
+                       (those metrics then stay empty)
     """
 
     def __init__(self, model: str, metrics: Metrics | None = None, memory_interval_s: float = 0.5,
@@ -279,8 +328,10 @@ class MetricsObserver(EngineObserver):
         info = getattr(runner, "info", None)
         if info is not None:
             if self.wants_step_stats:  # the series exist at 0 from the start, so rates are defined
-                self.metrics.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS),
-                                                                np.int64))
+                m = self.metrics
+                m.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS), np.int64))
+                for counter in (m.group_reads, m.group_steps):
+                    counter.add(self.model, np.zeros(info.num_layers, np.int64))
             method = info.default_method
             self.metrics.model_info.labels(
                 self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),
@@ -319,6 +370,10 @@ class MetricsObserver(EngineObserver):
         flat = offsets + path  # (B, layers, heads): index of (layer, head, path)
         counts = np.bincount(flat.reshape(-1), minlength=layers * heads * NUM_PATHS).reshape(layers, heads, NUM_PATHS)
         m.decisions.add(model, counts)
+        group_read = _stack([s.group_read for s in stats])  # (B, layers, H_kv) bool
+        batch, _, kv_heads = group_read.shape
+        m.group_reads.add(model, group_read.sum(axis=(0, 2), dtype=np.int64))  # (layers,)
+        m.group_steps.add(model, np.full(layers, batch * kv_heads, np.int64))
         per_path = counts.sum(axis=(0, 1))  # (paths,)
         total = int(per_path.sum())
         if total:
@@ -396,11 +451,11 @@ def _stack(tensors: list) -> np.ndarray:
 
 
 def step_path_label(per_path: np.ndarray) -> str:
-    """One label for a step's mix of head paths (counts per Path code): refresh > fallback > the most frequent."""
-    if per_path[Path.REFRESH]:
-        return "refresh"
-    if per_path[Path.FALLBACK]:
-        return "fallback"
+    """One label for a step's mix of head paths (counts per Path code): refresh > fallback > promoted > the
+    most frequent (the first three are ReTopK's exact passes, which read whole KV groups)."""
+    for p in (Path.REFRESH, Path.FALLBACK, Path.PROMOTED):
+        if per_path[p]:
+            return PATH_NAMES[p]
     top = int(np.argmax(per_path))
     return PATH_NAMES.get(top, str(top))
 

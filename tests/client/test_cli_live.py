@@ -40,8 +40,14 @@ def test_generate_json_is_one_parseable_summary(run_cli):
     assert out["timings"]["total_seconds"] >= out["timings"]["time_to_first_token_seconds"] >= 0
     # path statistics summarised: every (layer, head) of every reported step took one known path
     assert 1 <= out["steps"] <= 2
-    assert set(out["path_counts"]) <= {"reuse", "fallback", "refresh", "exact", "dense", "approx", "cached"}
+    assert set(out["path_counts"]) <= {"reuse", "fallback", "refresh", "exact", "dense", "approx", "cached",
+                                       "promoted"}
     assert sum(out["path_counts"].values()) == out["steps"] * 30 * 9
+    # group-read rate over (layer, KV group, step), 30 x 3 a step: each read group holds 1..3 full-read heads
+    reads = out["group_read_rate"] * out["steps"] * 30 * 3
+    assert reads == pytest.approx(round(reads))
+    full_heads = sum(n for p, n in out["path_counts"].items() if p != "reuse")
+    assert -(-full_heads // 3) <= round(reads) <= full_heads
 
 
 def test_server_errors_print_one_line_and_exit_1(run_cli):

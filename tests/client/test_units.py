@@ -12,10 +12,11 @@ from retopk_client import errors
 from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client._requests import generate_request, tokenize_request
 from retopk_client.addresses import is_loopback
+from retopk_client.cli.generate import summary
 from retopk_client.loadgen import BenchConfig, BenchReport, RequestResult
 from retopk_client.retry import RetryPolicy, call_with_retry
 from retopk_client.stats import LatencySummary, percentile
-from retopk_client.types import Chunk, FinishReason, Method, ModelInfo, StepStats
+from retopk_client.types import Chunk, Completion, FinishReason, Method, ModelInfo, StepStats, group_read_rate
 
 
 class FakeRpcError(grpc.RpcError):
@@ -192,6 +193,28 @@ def test_final_chunk_carries_reason_usage_timings_and_path_counts():
     assert chunk.session_id is None
     middle = Chunk.from_proto(pb.GenerateResponse(request_id="r", token_ids=[1], text="a"))
     assert not middle.is_final and middle.usage is None and middle.timings is None
+
+
+def test_group_read_rate_is_the_share_of_layer_group_step_triples_read():
+    """Per step: true group_read entries / entries; over a completion: pooled over its steps (not a mean of
+    per-step rates, which would weigh a step by nothing); None when the server sent no group reads."""
+    def step(i: int, reads: tuple[bool, ...]) -> StepStats:
+        return StepStats(i, 2, 4, (0,) * 8, (0.5,) * 8, (1,) * 8, 0.0, num_kv_heads=len(reads) // 2,
+                         group_read=reads)
+
+    a = step(1, (True, False, False, False))  # 2 layers x 2 groups, 1 read
+    b = step(2, (True, True, False, True))  # 3 of 4 read
+    c = step(3, (True, False))  # 2 layers x 1 group (one KV group a layer), 1 of 2 read
+    assert a.group_read_rate() == 0.25 and b.group_read_rate() == 0.75 and c.group_read_rate() == 0.5
+    assert group_read_rate([a, b, c]) == pytest.approx((1 + 3 + 1) / (4 + 4 + 2))
+    completion = Completion("", (), None, None, None, "r", step_stats=(a, b, c))
+    assert completion.group_read_rate() == pytest.approx(0.5)
+    assert summary(completion)["group_read_rate"] == pytest.approx(0.5)
+    assert StepStats(0, 1, 1, (0,), (0.5,), (1,), 0.0).group_read_rate() is None  # an older server
+    assert Completion("", (), None, None, None, "r").group_read_rate() is None
+    wire = pb.StepStats(num_layers=1, num_heads=3, num_kv_heads=1, path=[0, 7, 0], group_read=[True])
+    assert StepStats.from_proto(wire).group_read_rate() == 1.0
+    assert StepStats.from_proto(wire).path_counts() == {"reuse": 2, "promoted": 1}
 
 
 def test_to_dict_is_json_ready():

@@ -13,6 +13,7 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from retopk_core.methods.base import Path as CorePath
 from retopk_server.engine.requests import Timings, Usage
 from retopk_server.metrics import MetricsObserver
 from retopk_server.runtime.stats import StepStats
@@ -47,7 +48,7 @@ def exported_sample_names() -> set[str]:
     observer.on_token(request)
     path = torch.tensor([[0, 1]], dtype=torch.int8)
     observer.on_step([request], 0.01, [StepStats(path, torch.tensor([[0.9, 0.2]]),
-                                                 torch.tensor([[20, 50]], dtype=torch.int32), 0.001)])
+                                                 torch.tensor([[20, 50]], dtype=torch.int32), 0.001, num_kv_heads=1)])
     observer.on_load(0, 1, 0)
     observer.on_finish(request, "LENGTH", Usage(5, 2, 7), Timings(total_s=0.1))
     observer.on_error(None, "INVALID_ARGUMENT")
@@ -87,3 +88,23 @@ def test_heatmaps_group_a_layer_by_head_matrix():
         assert "sum by (layer, head)" in panel["targets"][0]["expr"]
         matrix = next(t for t in panel["transformations"] if t["id"] == "groupingToMatrix")["options"]
         assert (matrix["rowField"], matrix["columnField"]) == ("layer", "head")
+
+
+def test_exact_share_panels_count_every_path_that_reads_a_kv_group():
+    """The dashboard's exact-path regex names exactly the paths that read a whole KV group (listed here:
+    fallback, refresh, promoted, exact, dense), so promoted heads are not counted as reuse."""
+    full_read = {CorePath.FALLBACK, CorePath.REFRESH, CorePath.PROMOTED, CorePath.EXACT, CorePath.DENSE}
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
+    for title in ("Exact-path share", "Exact-path share, layer x head"):
+        (regex,) = re.findall(r'path=~"([^"]+)"', panels[title]["targets"][0]["expr"])
+        assert set(regex.split("|")) == {p.name.lower() for p in full_read}, title
+
+
+def test_group_read_panels_divide_reads_by_steps_overall_and_per_layer():
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
+    reads = 'rate(retopk_kv_group_reads_total{model=~"$model"}[$__rate_interval])'
+    steps = 'rate(retopk_kv_group_steps_total{model=~"$model"}[$__rate_interval])'
+    overall = f"sum({reads}) / sum({steps})"
+    assert [t["expr"] for t in panels["Group-read rate"]["targets"]] == [overall]
+    by_layer = [t["expr"] for t in panels["Group-read rate by layer"]["targets"]]
+    assert by_layer == [f"sum by (layer) ({reads}) / sum by (layer) ({steps})", overall]

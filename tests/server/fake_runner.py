@@ -144,5 +144,5 @@ class FakeRunner:
             stats = [StepStats(path=torch.full((LAYERS, HEADS), 3, dtype=torch.int8),
                                max_sim=torch.full((LAYERS, HEADS), float("nan")),
                                n_scored=torch.full((LAYERS, HEADS), s.length, dtype=torch.int32),
-                               attention_s=0.001) for s in sessions]
+                               attention_s=0.001, num_kv_heads=self.info.num_kv_heads) for s in sessions]
         return torch.stack(rows), stats

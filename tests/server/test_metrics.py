@@ -2,7 +2,9 @@
 parser, against counts written from the definitions here (plain loops over the inputs).
 
 The engine tests drive the real scheduler over tests/server/fake_runner.py (every head takes the
-"exact" path there); the per-step tests feed hand-made StepStats with a mix of ReTopK paths.
+"exact" path there); the per-step tests feed hand-made StepStats with a mix of ReTopK paths. A KV group
+counts as read, here as in the issue, when any of its query heads took fallback, refresh, promoted, exact
+or dense (written out as READ_CODES, not taken from the core).
 """
 
 from __future__ import annotations
@@ -29,12 +31,24 @@ from retopk_server.metrics import (
     MetricsServer,
     create_observer,
     model_label,
+    step_path_label,
 )
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.stats import StepStats
 from tests.server.fake_runner import HEADS, LAYERS, FakeRunner
 
 pytestmark = pytest.mark.timeout(60)
+
+READ_CODES = {1, 2, 3, 4, 7}  # fallback, refresh, exact, dense, promoted
+RETOPK_CODES = (0, 1, 2, 7)  # reuse, fallback, refresh, promoted
+
+
+def group_read_loops(path: torch.Tensor, kv_heads: int) -> list[list[bool]]:
+    """(layers, heads) path codes -> [layer][group] read, by plain loops over the heads of each group."""
+    layers, heads = path.shape
+    size = heads // kv_heads
+    return [[any(int(path[layer, g * size + i]) in READ_CODES for i in range(size)) for g in range(kv_heads)]
+            for layer in range(layers)]
 
 
 def scrape(metrics: Metrics) -> dict[str, list]:
@@ -56,21 +70,26 @@ def bucket_counts(samples: dict, name: str) -> dict[float, float]:
     return {float(lab["le"]): v for lab, v in samples[name + "_bucket"]}
 
 
-def random_stats(gen: torch.Generator, layers: int, heads: int, attention_s: float = 0.002) -> StepStats:
-    path = torch.randint(0, 3, (layers, heads), generator=gen).to(torch.int8)  # reuse / fallback / refresh
+def random_stats(gen: torch.Generator, layers: int, heads: int, attention_s: float = 0.002, kv_heads: int = 1,
+                 reuse_weight: int = 1) -> StepStats:
+    """ReTopK paths (reuse / fallback / refresh / promoted), reuse drawn reuse_weight times as often."""
+    codes = torch.tensor([RETOPK_CODES[0]] * (reuse_weight - 1) + list(RETOPK_CODES), dtype=torch.int8)
+    path = codes[torch.randint(0, len(codes), (layers, heads), generator=gen)]
     max_sim = torch.rand(layers, heads, generator=gen) * 2 - 1
     max_sim[0, 0] = float("nan")
     n_scored = torch.randint(1, 5000, (layers, heads), generator=gen).to(torch.int32)
-    return StepStats(path, max_sim, n_scored, attention_s)
+    return StepStats(path, max_sim, n_scored, attention_s, num_kv_heads=kv_heads)
 
 
 def test_step_counts_per_head_and_distributions_match_plain_loops():
     gen = torch.Generator().manual_seed(0)
-    layers, heads = 4, 5
+    layers, heads, kv_heads = 4, 6, 3
     observer = MetricsObserver("/models/My-Model/")
     assert observer.model == "My-Model" == model_label("My-Model")
     requests = [SimpleNamespace(method=MethodSpec("retopk")) for _ in range(3)]
-    steps = [[random_stats(gen, layers, heads) for _ in requests] for _ in range(6)]
+    # reuse 4x as likely, so that some groups (2 heads) stay unread and the read counts are not trivial
+    steps = [[random_stats(gen, layers, heads, kv_heads=kv_heads, reuse_weight=4) for _ in requests]
+             for _ in range(6)]
     for stats in steps:
         observer.on_step(requests, 0.01, stats)
 
@@ -91,10 +110,24 @@ def test_step_counts_per_head_and_distributions_match_plain_loops():
     got = {(int(lab["layer"]), int(lab["head"]), lab["path"]): v
            for lab, v in samples["retopk_attention_decisions_total"]}
     assert {lab["model"] for lab, _ in samples["retopk_attention_decisions_total"]} == {"My-Model"}
-    assert len(got) == layers * heads * 3  # bounded: layers x heads x 3 paths
+    assert len(got) == layers * heads * 4  # bounded: layers x heads x 4 ReTopK paths
     for key in got:
         assert got[key] == expected.get(key, 0), key
     assert sum(got.values()) == layers * heads * len(requests) * len(steps)
+
+    # KV group reads per layer: each step's group_read is the plain-loop definition, and the counters add it up
+    reads_expected = [0] * layers
+    for stats in steps:
+        for s in stats:
+            loops = group_read_loops(s.path, kv_heads)
+            assert s.group_read.tolist() == loops
+            for layer in range(layers):
+                reads_expected[layer] += sum(loops[layer])
+    reads = {int(lab["layer"]): v for lab, v in samples["retopk_kv_group_reads_total"]}
+    group_steps = {int(lab["layer"]): v for lab, v in samples["retopk_kv_group_steps_total"]}
+    assert reads == dict(enumerate(reads_expected))
+    assert group_steps == {layer: kv_heads * len(requests) * len(steps) for layer in range(layers)}
+    assert 0 < sum(reads_expected) < layers * kv_heads * len(requests) * len(steps)  # a real mix
 
     for name, values, bounds in (("retopk_candidate_set_size", reuse_sizes, CANDIDATE_BUCKETS),
                                  ("retopk_max_query_similarity", sims, SIMILARITY_BUCKETS)):
@@ -105,21 +138,35 @@ def test_step_counts_per_head_and_distributions_match_plain_loops():
         assert value(samples, name + "_sum", model="My-Model") == pytest.approx(sum(values), rel=1e-9)
 
     last = [int(p) for s in steps[-1] for p in s.path.reshape(-1)]
-    share = sum(p in (Path.FALLBACK, Path.REFRESH) for p in last) / len(last)
+    share = sum(p in READ_CODES for p in last) / len(last)  # an exact path is one that reads the group
     assert value(samples, "retopk_exact_path_share", model="My-Model") == pytest.approx(share)
     # one attention-time observation per step (one method group), labelled by the step's path mix
     assert value(samples, "retopk_attention_step_seconds_count", model="My-Model", path="refresh") == len(steps)
 
 
+def test_step_path_label_names_the_costliest_path_of_the_mix():
+    def label(**counts) -> str:
+        per_path = [0] * 8
+        for name, n in counts.items():
+            per_path[Path[name.upper()]] = n
+        return step_path_label(per_path)
+
+    assert label(reuse=9, refresh=1, fallback=5, promoted=3) == "refresh"
+    assert label(reuse=9, fallback=1, promoted=3) == "fallback"
+    assert label(reuse=9, promoted=1) == "promoted"  # gqa_policy "group" can read a group with no head below tau
+    assert label(reuse=9, dense=2) == "reuse" and label(exact=4) == "exact"
+
+
 def test_attention_time_is_one_observation_per_method_group_and_labelled_by_its_paths():
     observer = MetricsObserver("m")
     reuse = StepStats(torch.zeros(2, 3, dtype=torch.int8), torch.ones(2, 3), torch.full((2, 3), 40, dtype=torch.int32),
-                      0.004)
+                      0.004, num_kv_heads=3)
     fallback_path = torch.zeros(2, 3, dtype=torch.int8)
     fallback_path[1, 2] = Path.FALLBACK
-    mixed = StepStats(fallback_path, torch.ones(2, 3), torch.full((2, 3), 40, dtype=torch.int32), 0.004)
+    mixed = StepStats(fallback_path, torch.ones(2, 3), torch.full((2, 3), 40, dtype=torch.int32), 0.004,
+                      num_kv_heads=3)
     exact = StepStats(torch.full((2, 3), Path.EXACT, dtype=torch.int8), torch.full((2, 3), float("nan")),
-                      torch.full((2, 3), 100, dtype=torch.int32), 0.001)
+                      torch.full((2, 3), 100, dtype=torch.int32), 0.001, num_kv_heads=3)
     a, b = MethodSpec("retopk"), MethodSpec("exact_topk")
     requests = [SimpleNamespace(method=a), SimpleNamespace(method=a), SimpleNamespace(method=b)]
     observer.on_step(requests, 0.01, [reuse, reuse, exact])
@@ -177,11 +224,16 @@ def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
     assert bad[0][1] is not None and bad[0][1].code.value == "INVALID_ARGUMENT"
     decode_steps = sum(n - 1 for n in generated)  # the first token of each request comes from its prefill
     paths = samples["retopk_attention_decisions_total"]
-    # the three ReTopK paths exist from the start at 0 (so rate() works); only "exact" moved here
-    assert {lab["path"] for lab, _ in paths} == {"exact", "reuse", "fallback", "refresh"}
+    # the four ReTopK paths exist from the start at 0 (so rate() works); only "exact" moved here
+    assert {lab["path"] for lab, _ in paths} == {"exact", "reuse", "fallback", "refresh", "promoted"}
     assert {lab["path"] for lab, v in paths if v > 0} == {"exact"}
     assert sum(v for _, v in paths) == LAYERS * HEADS * decode_steps
-    assert len(paths) == LAYERS * HEADS * 4
+    assert len(paths) == LAYERS * HEADS * 5
+    # every head exact: the fake model's one KV group is read on every decode step of every request
+    kv_heads = runner.info.num_kv_heads
+    for name in ("retopk_kv_group_reads_total", "retopk_kv_group_steps_total"):
+        assert {int(lab["layer"]): v for lab, v in samples[name]} == {
+            layer: kv_heads * decode_steps for layer in range(LAYERS)}, name
     assert value(samples, "retopk_generation_tokens_total", model="fake") == sum(generated)
     assert value(samples, "retopk_prompt_tokens_total", model="fake") == sum(len(s["text"]) for s in specs)
     assert value(samples, "retopk_time_to_first_token_seconds_count", model="fake") == len(specs)
@@ -201,11 +253,22 @@ def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
     assert value(samples, "retopk_kv_cache_bytes", model="fake", kind="used") == 0
 
 
+def test_per_layer_and_per_head_series_exist_at_zero_from_startup():
+    observer = MetricsObserver("m")
+    observer.on_start(FakeRunner())
+    samples = scrape(observer.metrics)
+    for name in ("retopk_kv_group_reads_total", "retopk_kv_group_steps_total"):
+        assert sorted((int(lab["layer"]), v) for lab, v in samples[name]) == [(layer, 0.0) for layer in range(LAYERS)]
+    decisions = samples["retopk_attention_decisions_total"]
+    assert {lab["path"] for lab, _ in decisions} == {"reuse", "fallback", "refresh", "promoted"}
+    assert len(decisions) == LAYERS * HEADS * 4 and not any(v for _, v in decisions)
+
+
 def test_every_metric_has_the_prefix_and_a_model_label():
     observer = MetricsObserver("m")
     observer.on_step([SimpleNamespace(method=None)], 0.001,
                      [StepStats(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1, 1),
-                                torch.ones(1, 1, dtype=torch.int32))])
+                                torch.ones(1, 1, dtype=torch.int32), num_kv_heads=1)])
     observer.on_rpc("Generate", "OK", 0.1)
     families = list(text_string_to_metric_families(generate_latest(observer.metrics.registry).decode()))
     assert len(families) >= 20
@@ -260,5 +323,7 @@ def test_per_head_off_asks_for_no_stats_and_ignores_stats_a_client_asked_for():
     assert sum(v for _, v in got_on["retopk_attention_decisions_total"]) == LAYERS * HEADS
     assert "retopk_attention_decisions_total" not in got_off
     assert "retopk_candidate_set_size_count" not in got_off
+    assert "retopk_kv_group_reads_total" not in got_off and "retopk_kv_group_steps_total" not in got_off
+    assert sum(v for _, v in got_on["retopk_kv_group_steps_total"]) == LAYERS * runner.info.num_kv_heads
     for samples in (got_on, got_off):  # the step itself is still timed
         assert value(samples, "retopk_decode_step_seconds_count", model=on.model) == 1

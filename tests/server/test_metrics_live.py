@@ -3,7 +3,8 @@ text parser and by a real Prometheus server.
 
 One server process with its exporter on a free port serves the whole module. Requests ask for their
 per-step statistics in the stream, so the path counts the exporter reports are checked against an
-independent record: the paths the stream itself carried, summed per (layer, head, path).
+independent record: the paths the stream itself carried, summed per (layer, head, path), and likewise
+the KV group reads per layer. The server's ReTopK runs gqa_policy "promote", so promoted heads can occur.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_client.types import PATH_NAMES
 from tests._live_server import free_port, launch_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "docker" / "grafana" / "dashboards" / "retopk.json"
-PATH_NAMES = {0: "reuse", 1: "fallback", 2: "refresh", 3: "exact", 4: "dense", 5: "approx", 6: "cached"}
+RETOPK_PATHS = {"reuse", "fallback", "refresh", "promoted"}
 PROMPT = ("The river ran past the old mill and the miller counted the sacks of grain one by one, "
           "while the children watched the water turn the great wooden wheel.")
 MAX_NEW = 6
@@ -64,9 +66,10 @@ class Live:
 @pytest.fixture(scope="module")
 def live():
     metrics_port = free_port()
-    # Small K and T_r so that a short prompt and a few steps take all three ReTopK paths.
+    # Small K and T_r so that a short prompt and a few steps take reuse, fallback and refresh.
     server = launch_server("--metrics-port", str(metrics_port), "--method", "retopk",
-                           "--method-params", "top_k=16,window=4,cache_size=4,recall=2,refresh_every=3",
+                           "--method-params",
+                           "top_k=16,window=4,cache_size=4,recall=2,refresh_every=3,gqa_policy=promote",
                            "--max-running", "4")
     live = Live(server, metrics_port)
     try:
@@ -125,6 +128,7 @@ def driven(live, prometheus):
         live.generate(token_ids=pb.TokenIds(ids=[10 ** 8]), max_new_tokens=2)
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     stream_paths: Counter = Counter()
+    stream_reads: Counter = Counter()  # layer -> KV groups the streams reported read in full
     decode_steps = generated = 0
     for responses in results:
         assert responses is not None and responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
@@ -134,6 +138,9 @@ def driven(live, prometheus):
                 decode_steps += 1
                 for i, code in enumerate(st.path):
                     stream_paths[i // st.num_heads, i % st.num_heads, PATH_NAMES[code]] += 1
+                assert st.num_kv_heads == info.num_kv_heads and len(st.group_read) == st.num_layers * st.num_kv_heads
+                for i, read in enumerate(st.group_read):
+                    stream_reads[i // st.num_kv_heads] += read
 
     def both_recorded():
         s = live.samples()
@@ -143,7 +150,7 @@ def driven(live, prometheus):
 
     after = wait_for(both_recorded)
     assert after is not None, "the exporter never reported both requests finished"
-    return Driven(info, before, after, stream_paths, decode_steps, generated)
+    return Driven(info, before, after, stream_paths, stream_reads, decode_steps, generated)
 
 
 @dataclass
@@ -152,6 +159,7 @@ class Driven:
     before: dict  # samples before the requests
     after: dict  # samples after them
     stream_paths: Counter  # (layer, head, path name) -> decisions the streams reported
+    stream_reads: Counter  # layer -> KV groups read in full, as the streams reported
     decode_steps: int
     generated: int
 
@@ -163,13 +171,13 @@ def test_path_counts_per_layer_and_head_add_up_and_histograms_moved(driven):
     decisions = after["retopk_attention_decisions_total"]
     assert {lab["model"] for lab, _ in decisions} == {"smollm2-135m"}
     counts = {(int(lab["layer"]), int(lab["head"]), lab["path"]): v for lab, v in decisions}
-    assert {p for _, _, p in counts} == {"reuse", "fallback", "refresh"}
-    assert len(counts) == layers * heads * 3  # bounded: layers x heads x 3 paths
+    assert {p for _, _, p in counts} == RETOPK_PATHS
+    assert len(counts) == layers * heads * 4  # bounded: layers x heads x 4 ReTopK paths
     # every head decides once per decode step: the counts add up to layers x heads x decode steps
     assert sum(counts.values()) == layers * heads * driven.decode_steps
     for layer in range(layers):
         for head in range(heads):
-            assert sum(counts[layer, head, p] for p in ("reuse", "fallback", "refresh")) == driven.decode_steps
+            assert sum(counts[layer, head, p] for p in RETOPK_PATHS) == driven.decode_steps
     # ... and match, per (layer, head, path), what the streams reported step by step
     for key, n in counts.items():
         assert n == driven.stream_paths.get(key, 0), key
@@ -198,6 +206,21 @@ def test_path_counts_per_layer_and_head_add_up_and_histograms_moved(driven):
     assert total(after, "retopk_kv_cache_bytes", kind="reserved") > 0
     assert total(after, "retopk_query_cache_bytes", kind="reserved") > 0
     assert total(after, "retopk_model_info", layers=str(layers), heads=str(heads)) == 1
+
+
+def test_kv_group_read_counters_add_up_and_match_the_streams(driven):
+    """Per layer: steps = KV groups x decode steps (of both requests), reads = what the streams' group_read
+    said; a read group holds 1..G full-read heads, which bounds the total reads by the head counts."""
+    info, after = driven.info, driven.after
+    layers, kv_heads = info.num_layers, info.num_kv_heads
+    reads = {int(lab["layer"]): v for lab, v in after["retopk_kv_group_reads_total"]}
+    steps = {int(lab["layer"]): v for lab, v in after["retopk_kv_group_steps_total"]}
+    assert steps == {layer: kv_heads * driven.decode_steps for layer in range(layers)}
+    assert reads == {layer: driven.stream_reads[layer] for layer in range(layers)}
+    full_heads = sum(n for (_, _, p), n in driven.stream_paths.items() if p != "reuse")
+    group = info.num_heads // kv_heads
+    assert -(-full_heads // group) <= sum(reads.values()) <= min(full_heads, sum(steps.values()))
+    assert sum(reads.values()) > 0  # refresh_every=3: every group is read on a refresh step
 
 
 # ---- the dashboard against the live exposition --------------------------------------------------------
@@ -248,7 +271,8 @@ def test_every_dashboard_query_refers_only_to_exported_metrics(live, driven):
     titles = " | ".join(p.get("title", "") for p in dashboard["panels"]).lower()
     for words in ("request rate", "errors", "time to first token", "time per output token", "end-to-end",
                   "waiting", "sessions", "cache memory", "tokens per second", "reuse rate, layer x head",
-                  "exact-path share, layer x head", "candidate-set size", "similarity"):
+                  "exact-path share, layer x head", "candidate-set size", "similarity", "group-read rate",
+                  "group-read rate by layer"):
         assert words in titles, words
 
 

@@ -10,11 +10,17 @@ import threading
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_client.types import PATH_NAMES as CLIENT_PATH_NAMES
+from retopk_client.types import StepStats as ClientStepStats
+from retopk_core.methods.base import PATH_NAMES
 from retopk_server.cli import config_from
+from retopk_server.runtime.stats import StepStats
+from retopk_server.service.convert import step_stats_message
 from tests.server.fake_runner import EOS, FakeRunner, greedy_reference
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,6 +58,32 @@ def test_generate_streams_tokens_text_usage_and_stats(fake_server):
     stats = [s for r in out for s in r.step_stats]
     assert [s.token_index for s in stats] == [1, 2, 3, 4]  # token 0 comes from prefill
     assert all(s.num_layers == 2 and s.num_heads == 3 and len(s.path) == 6 and set(s.path) == {3} for s in stats)
+    # one KV group per layer, read on every step (every head exact)
+    assert all(s.num_kv_heads == 1 and list(s.group_read) == [True, True] for s in stats)
+
+
+def test_step_stats_cross_the_wire_with_their_group_reads():
+    """Runtime StepStats -> wire message (serialised) -> the client's StepStats: arrays row-major, group reads
+    as written out by hand (a group of two heads is read when one of them took a full-read path)."""
+    path = torch.tensor([[0, 0, 1, 0, 7, 2],  # groups: (reuse, reuse) (fallback, reuse) (promoted, refresh)
+                         [0, 7, 0, 0, 3, 4]], dtype=torch.int8)  # (reuse, promoted) (reuse, reuse) (exact, dense)
+    max_sim = torch.linspace(-1, 1, 12).reshape(2, 6)
+    n_scored = torch.arange(12, dtype=torch.int32).reshape(2, 6)
+    stats = StepStats(path, max_sim, n_scored, 0.25, num_kv_heads=3)
+    msg = pb.StepStats.FromString(step_stats_message(stats, 4).SerializeToString())
+    got = ClientStepStats.from_proto(msg)
+    assert (got.token_index, got.num_layers, got.num_heads, got.num_kv_heads) == (4, 2, 6, 3)
+    assert got.path == tuple(path.reshape(-1).tolist()) and got.n_scored == tuple(range(12))
+    assert got.max_sim == pytest.approx(max_sim.reshape(-1).tolist())
+    assert got.group_read == (False, True, True, True, False, True)
+    assert got.group_read_rate() == pytest.approx(4 / 6)
+    assert got.path_counts() == {"reuse": 6, "fallback": 1, "refresh": 1, "promoted": 2, "exact": 1, "dense": 1}
+    assert got.attention_seconds == 0.25
+
+
+def test_client_path_names_are_the_cores():
+    """The client keeps its own copy of the path codes (it installs without the core): the same table."""
+    assert CLIENT_PATH_NAMES == PATH_NAMES
 
 
 def test_token_ids_and_stop_conditions(fake_server):

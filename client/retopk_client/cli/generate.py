@@ -21,7 +21,8 @@ def register(sub, parents) -> None:
     p.add_argument("--session", default=None, metavar="ID", help="continue this session (see 'retopk sessions')")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--step-stats", action="store_true",
-                   help="ask for per-step attention path statistics (summarised in --json output)")
+                   help="ask for per-step attention path statistics (summarised in --json output; --usage "
+                        "adds the group-read rate)")
     p.add_argument("--request-id", default=None, help="an id for this request, echoed by the server")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true",
@@ -55,7 +56,9 @@ def request_kwargs(args: argparse.Namespace, prompt: str) -> dict:
 
 
 def summary(completion) -> dict:
-    """The --json object: the completion without the bulky step stats, which are summarised."""
+    """The --json object: the completion without the bulky step stats, which are summarised as path_counts
+    ((layer, head) decisions per path name), group_read_rate (share of (layer, KV group, step) triples whose
+    keys were read in full) and steps."""
     out = completion.to_dict()
     stats = out.pop("step_stats")
     if stats:
@@ -64,8 +67,14 @@ def summary(completion) -> dict:
             for name, n in step.path_counts().items():
                 counts[name] = counts.get(name, 0) + n
         out["path_counts"] = counts
+        out["group_read_rate"] = completion.group_read_rate()
         out["steps"] = len(stats)
     return out
+
+
+def _group_reads(completion) -> str:
+    rate = completion.group_read_rate()
+    return "" if rate is None else f"; group-read rate {100 * rate:.1f}% (KV groups read in full)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +99,6 @@ def run(args: argparse.Namespace) -> int:
         common.stderr(
             f"[{completion.finish_reason.value if completion.finish_reason else '?'}] prompt {u.prompt_tokens} "
             f"+ generated {u.generated_tokens} tokens; ttft {t.time_to_first_token_seconds * 1000:.0f} ms, "
-            f"total {t.total_seconds:.2f} s"
+            f"total {t.total_seconds:.2f} s{_group_reads(completion)}"
         )
     return 0

@@ -251,8 +251,7 @@ class ModelRunner:
             s.token_ids.append(int(t))
         return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)
 
-    @staticmethod
-    def _collect_stats(ctx: StepContext, by_spec: dict, batch: int) -> list[StepStats]:
+    def _collect_stats(self, ctx: StepContext, by_spec: dict, batch: int) -> list[StepStats]:
         out: list[StepStats | None] = [None] * batch
         for gi, rows in enumerate(by_spec.values()):
             per_layer = ctx.stats[gi]
@@ -260,5 +259,6 @@ class ModelRunner:
             max_sim = torch.stack([m for _, m, _ in per_layer]).float().cpu()
             n_scored = torch.stack([n for _, _, n in per_layer]).to(torch.int32).cpu()
             for j, row in enumerate(rows):
-                out[row] = StepStats(path[:, j], max_sim[:, j], n_scored[:, j], ctx.attention_s[gi])
+                out[row] = StepStats(path[:, j], max_sim[:, j], n_scored[:, j], ctx.attention_s[gi],
+                                     num_kv_heads=self.info.num_kv_heads)
         return out

@@ -178,11 +178,13 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
 
 
 def step_stats_message(stats, token_index: int) -> pb.StepStats:
+    """A runtime StepStats as the wire message: (layers, heads) and (layers, H_kv) arrays flattened row-major."""
     layers, heads = stats.path.shape
     return pb.StepStats(token_index=token_index, num_layers=layers, num_heads=heads,
                         path=stats.path.reshape(-1).to(dtype=stats.n_scored.dtype).tolist(),
                         max_sim=stats.max_sim.reshape(-1).tolist(), n_scored=stats.n_scored.reshape(-1).tolist(),
-                        attention_seconds=float(stats.attention_s))
+                        attention_seconds=float(stats.attention_s), num_kv_heads=stats.num_kv_heads,
+                        group_read=stats.group_read.reshape(-1).tolist())
 
 
 def generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:

@@ -57,6 +57,37 @@ def test_step_stats_report_each_sessions_paths():
     assert (stats[2].path == Path.REFRESH).all()
 
 
+def test_step_stats_group_read_marks_the_kv_groups_with_a_full_read():
+    """group_read[l, g] is True iff a query head of KV group g (heads 2g, 2g + 1 here) took fallback, refresh,
+    promoted, exact or dense, written out here by loops; under gqa_policy 'promote' a read group holds no
+    reusing head (its would-be reusers are promoted), under the paper's per-head policy it may."""
+    model = tiny_model("llama", layers=2)  # 4 query heads, 2 KV heads
+    runner = runner_for(model)
+    params = dict(top_k=8, cache_size=4, window=2, recall=2, tau=0.3, refresh_every=0)  # tau 0.3: a mix of paths
+    specs = [MethodSpec.of("retopk", **params, gqa_policy="promote"), MethodSpec.of("retopk", **params)]
+    sessions = [runner.open_session(spec) for spec in specs]
+    toks = [int(runner.prefill(s, prompt_ids(40, seed=3)).argmax()) for s in sessions]
+    read_codes = {Path.FALLBACK, Path.REFRESH, Path.PROMOTED, Path.EXACT, Path.DENSE}
+    seen: set[int] = set()
+    reads = 0
+    for _ in range(8):
+        logits, stats = runner.decode(sessions, toks, with_stats=True)
+        toks = logits.argmax(-1).tolist()
+        for policy, st in zip(("promote", "head"), stats, strict=True):
+            assert st.num_kv_heads == 2 and st.group_read.shape == (2, 2) and st.group_read.dtype == torch.bool
+            for layer in range(2):
+                for g in range(2):
+                    codes = [int(st.path[layer, h]) for h in (2 * g, 2 * g + 1)]
+                    read = any(c in read_codes for c in codes)
+                    assert bool(st.group_read[layer, g]) == read, (policy, layer, g, codes)
+                    if policy == "promote" and read:
+                        assert Path.REUSE not in codes
+                    reads += read
+            seen |= set(st.path.unique().tolist())
+    assert Path.PROMOTED in seen and Path.REUSE in seen and Path.FALLBACK in seen
+    assert 0 < reads < 8 * 2 * 2 * 2  # steps x sessions x layers x groups: some groups read, some not
+
+
 def test_retopk_reuses_after_prefill_with_low_tau():
     """tau = 0 accepts any cached query of non-negative cosine; a reusing head scores at most R*K + W keys."""
     model = tiny_model("qwen2")
