@@ -3,8 +3,10 @@
 For each context length L the same prompt (the first L tokens of a text) is prefilled once per
 method, then the methods take turns decoding N tokens each, greedily through the runtime, for a few
 rounds (the machine's speed drifts; turns spread the drift over every method). Reported are
-ms/token, the share of it spent in the attention core (from the runtime's per-step stats), ReTopK's
-path mix and the share of layer-steps with an exact pass, and transformers' own
+ms/token, the share of it spent in the attention core (from the runtime's per-step stats), the path
+mix, for ReTopK the share of layer-steps with an exact pass (some head of the layer read its KV
+group's keys in full), for every method the group-read rate (the share of (layer, KV group, step)
+triples whose keys were read in full: under GQA, what a step costs), and transformers' own
 ``generate`` on the same model and prompt as the outside baseline (its per-token time is
 (t(N+1 tokens) - t(1 token)) / N, so its prefill cancels). All in one process.
 
@@ -25,7 +27,6 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 import torch
 
 from bench.eval.common import load_corpus, progress_bar
-from retopk_core.methods.base import Path
 from retopk_server.cli import parse_params
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
@@ -55,15 +56,16 @@ def parse_args(argv=None):
 class TimedSession:
     """One method's session on one prompt: prefilled once, then decoded greedily a few tokens at a
     time (``decode``), so that methods can take turns. Accumulates per-token wall time, the attention
-    core's share, the path mix over heads, and the layer-steps in which some head took an exact path
-    (ReTopK's fallback or refresh: that layer then reads the keys of at least one KV group)."""
+    core's share, the path mix over heads, the layer-steps in which some KV group was read in full
+    (some head took an exact path: ReTopK's fallback, refresh or promoted), and the (layer, KV group,
+    step) triples read in full (the step stats' ``group_read``)."""
 
     def __init__(self, runner: ModelRunner, spec: MethodSpec, prompt: list[int]) -> None:
         self.runner, self.spec = runner, spec
         self.session = runner.open_session(spec)
         self.tok = int(runner.prefill(self.session, prompt).argmax())
         self.decode(1, timed=False)  # warm-up step
-        self.steps, self.total, self.attn, self.exact_layers = 0, 0.0, 0.0, 0
+        self.steps, self.total, self.attn, self.exact_layers, self.group_reads = 0, 0.0, 0.0, 0, 0
         self.paths: dict[str, int] = {}
 
     def decode(self, n: int, timed: bool = True) -> None:
@@ -79,17 +81,21 @@ class TimedSession:
             self.attn += stats[0].attention_s
             for k, v in stats[0].counts().items():
                 self.paths[k] = self.paths.get(k, 0) + v
-            path = stats[0].path  # (layers, heads)
-            self.exact_layers += int(((path == Path.FALLBACK) | (path == Path.REFRESH)).any(-1).sum())
+            read = stats[0].group_read  # (layers, H_kv) bool
+            self.exact_layers += int(read.any(-1).sum())
+            self.group_reads += int(read.sum())
 
     def close(self) -> None:
         self.runner.close_session(self.session)
 
     def result(self) -> dict:
+        """layer_steps_with_exact: share of (layer, step) pairs with an exact pass (ReTopK only, else None);
+        group_read_rate: share of (layer, KV group, step) triples whose keys were read in full."""
         layer_steps = self.steps * self.runner.info.num_layers
         return {"ms_per_token": 1e3 * self.total / self.steps, "attention_share": self.attn / self.total,
                 "paths": self.paths, "tokens": self.steps,
-                "layer_steps_with_exact": self.exact_layers / layer_steps if self.spec.name == "retopk" else None}
+                "layer_steps_with_exact": self.exact_layers / layer_steps if self.spec.name == "retopk" else None,
+                "group_read_rate": self.group_reads / (layer_steps * self.runner.info.num_kv_heads)}
 
 
 def time_generate(model, prompt: list[int], n: int) -> float:
@@ -137,7 +143,7 @@ def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: l
         if with_generate:
             rows.append({"L": L, "method": {"method": "transformers.generate"}, "label": "transformers generate",
                          "ms_per_token": sum(generate_ms) / rounds, "attention_share": None, "paths": {},
-                         "tokens": n * rounds})
+                         "tokens": n * rounds, "group_read_rate": None})
         exact = [r for r in rows if r["L"] == L and r["method"]["method"] == "exact_topk"]
         for r in rows:
             if r["L"] == L:
@@ -170,16 +176,22 @@ def _label(spec: MethodSpec) -> str:
     return spec.name + (f"({params})" if params else "")
 
 
+def _percent(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.0f}%"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| L | method | ms/token | attention share | vs Exact Top-K | paths |", "|---|---|---|---|---|---|"]
+    """Markdown table. "layer-steps with an exact pass": ReTopK's (layer, step) pairs in which some KV group
+    was read in full; "KV groups read": the group-read rate, over (layer, KV group, step) triples."""
+    lines = ["| L | method | ms/token | attention share | vs Exact Top-K | paths | layer-steps with an exact pass "
+             "| KV groups read (of layer x group x step) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        share = "" if r["attention_share"] is None else f"{100 * r['attention_share']:.0f}%"
         ratio = "" if r.get("speedup_vs_exact") is None else f"{r['speedup_vs_exact']:.2f}x"
         total = sum(r["paths"].values()) or 1
         mix = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(r["paths"].items()))
-        if r.get("layer_steps_with_exact") is not None:
-            mix += f"; exact pass in {100 * r['layer_steps_with_exact']:.0f}% of layer-steps"
-        lines.append(f"| {r['L']} | {r['label']} | {r['ms_per_token']:.1f} | {share} | {ratio} | {mix} |")
+        lines.append(f"| {r['L']} | {r['label']} | {r['ms_per_token']:.1f} | {_percent(r['attention_share'])} "
+                     f"| {ratio} | {mix} | {_percent(r.get('layer_steps_with_exact'))} "
+                     f"| {_percent(r.get('group_read_rate'))} |")
     return "\n".join(lines)
 
 
