@@ -11,6 +11,7 @@ triples whose keys were read in full: under GQA, what a step costs), and transfo
 (t(N+1 tokens) - t(1 token)) / N, so its prefill cancels). All in one process.
 
     python -m bench.e2e_cpu --lengths 1024 2048 4096 8000 --new-tokens 16 --rounds 3
+    python -m bench.e2e_cpu --lengths 16384 32768 --rope-scaling linear:4 --threads 2   # past the 8K positions
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 import torch
 
 from bench.eval.common import load_corpus, progress_bar
-from retopk_server.cli import parse_params
+from retopk_server.cli import parse_params, parse_rope_scaling
+from retopk_server.config import ServerConfig
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
-DEFAULT_METHODS = ["full", "exact_topk:top_k=64", "retopk:top_k=64"]
+DEFAULT_METHODS = ["full", "exact_topk:top_k=64", "retopk:top_k=64", "default"]
 
 
 def parse_method(text: str) -> MethodSpec:
-    """"name" or "name:key=value,key=value" -> MethodSpec (values parsed as the server's CLI does)."""
+    """"name" or "name:key=value,key=value" -> MethodSpec (values parsed as the server's CLI does);
+    "default" is the method a server started without --method uses."""
+    if text == "default":
+        return ServerConfig().method_spec()
     name, _, rest = text.partition(":")
     return MethodSpec.of(name, **parse_params(rest))
 
@@ -49,6 +54,9 @@ def parse_args(argv=None):
                    help='method specs "name[:key=value,...]" (default: %(default)s)')
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--no-generate", action="store_true", help="skip transformers' generate baseline")
+    p.add_argument("--rope-scaling", type=parse_rope_scaling, default=None,
+                   help='extend the context by RoPE scaling, e.g. "linear:4" (lengths past the trained positions)')
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json and <out>.png")
     return p.parse_args(argv)
 
@@ -153,13 +161,15 @@ def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: l
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     specs = [parse_method(m) for m in args.methods]
-    runner = ModelRunner(RuntimeConfig(model=args.model, default_method=specs[0]))
+    runner = ModelRunner(RuntimeConfig(model=args.model, default_method=specs[0], rope_scaling=args.rope_scaling))
     ids = runner.encode(load_corpus(args.corpus)[:8 * max(args.lengths)], add_special_tokens=False)  # ~4 chars a token
     if len(ids) < max(args.lengths):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the longest length {max(args.lengths)}")
     print(f"# e2e_cpu: {args.model}, {runner.info.num_layers} layers, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds of {args.new_tokens} tokens per point", flush=True)
+          f"{args.rounds} rounds of {args.new_tokens} tokens per point, rope scaling {args.rope_scaling}", flush=True)
     bar = progress_bar(len(args.lengths) * args.rounds * (len(specs) + (not args.no_generate)), "e2e_cpu")
     with bar:
         rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds, bar)

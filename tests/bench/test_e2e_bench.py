@@ -65,3 +65,11 @@ def test_e2e_rows_for_every_method_and_length():
     r = rows[2]
     line = next(x for x in text.splitlines() if x.startswith(f"| {r['L']} | {r['label']} |"))
     assert line.endswith(f"| {100 * r['layer_steps_with_exact']:.0f}% | {100 * r['group_read_rate']:.0f}% |")
+
+
+def test_default_method_and_rope_scaling_flags():
+    from retopk_server.config import ServerConfig
+
+    assert e2e_cpu.parse_method("default") == ServerConfig().method_spec()
+    args = e2e_cpu.parse_args(["--rope-scaling", "linear:4", "--threads", "1"])
+    assert args.rope_scaling == {"rope_type": "linear", "factor": 4.0} and args.threads == 1
