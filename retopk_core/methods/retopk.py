@@ -105,8 +105,8 @@ class ReTopK(AttentionMethod):
         if config is not None and params:
             raise ValueError(f"give a config or keyword hyperparameters, not both (got {', '.join(params)})")
         self.config = config or ReTopKConfig(**params)
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+        if backend not in ("torch", "triton", "cpu"):  # cpu: the fused C++ kernel (retopk_core/cpu), else torch
+            raise ValueError(f"backend must be 'torch', 'triton' or 'cpu', got {backend!r}")
         self.backend = backend
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
@@ -188,6 +188,10 @@ class ReTopK(AttentionMethod):
         if self.backend == "triton":
             from retopk_core.kernels.launch import retopk_decode
             return retopk_decode(self, q, kv, state, slots, scale)
+        if self.backend == "cpu" and q.device.type == "cpu":
+            from retopk_core.cpu import launch
+            if launch.available():
+                return launch.retopk_decode(self, q, kv, state, slots, scale)
         cfg = self.config
         B, H, d = q.shape
         qn = _unit(q)  # (B, H, d) float32

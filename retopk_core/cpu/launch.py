@@ -1,0 +1,76 @@
+"""The launcher of ReTopK's fused CPU decode step (retopk_cpu.cpp): one call per layer for the whole batch.
+
+    retopk_decode(method, q, kv, state, slots, scale) -> StepOutput
+
+The same step as the torch reference ``ReTopK._sparse_step`` (retopk_core/methods/retopk.py), eq. 6-13
+and the GQA policy of ``gqa_paths``, for every (sequence, head) of the batch: similarity to the cached
+queries and the path, Top-R recall (or the "recent" ablation), candidates = recalled supports ∪ window
+(deduplicated), their exact scores through the block table, Top-K rerank, softmax-value, and the exact
+Top-K over the whole history for the heads whose path is not REUSE (the group's keys read once for all
+of them); then the FIFO write and the ptr / fill / step advance of ``state``. The source's header
+states the math. The kernel's entry checks shapes, strides, dtypes and devices and raises ValueError
+naming the culprit; this launcher only passes the config along.
+
+``extension()`` loads the library built by ``retopk_core.cpu.build`` once per process; when it is
+missing, stale (built from another source or torch) or fails to load, it logs one warning and returns
+None, and ReTopK runs its torch code.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+from retopk_core.cpu import build
+from retopk_core.kv import PagedKV
+from retopk_core.methods.base import Path, StepOutput
+
+log = logging.getLogger(__name__)
+
+# Path codes the kernel writes, in its argument order (reuse, fallback, refresh, promoted).
+_CODES = [int(Path.REUSE), int(Path.FALLBACK), int(Path.REFRESH), int(Path.PROMOTED)]
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None (one warning in the log) when it cannot be used."""
+    fallback = "ReTopK backend 'cpu' runs the torch code"
+    if not build.LIBRARY.exists():
+        log.warning("fused CPU kernel not built (%s missing; run `make install` or `python -m retopk_core.cpu.build`):"
+                    " %s", build.LIBRARY, fallback)
+        return None
+    stamp = build.STAMP.read_text().strip() if build.STAMP.exists() else ""
+    if stamp != build.build_key():
+        log.warning("fused CPU kernel %s is stale (built from another source or torch; rerun `python -m "
+                    "retopk_core.cpu.build`): %s", build.LIBRARY, fallback)
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(build.NAME, build.LIBRARY)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:  # an ABI mismatch, a missing shared library: any failure means the torch code
+        log.warning("fused CPU kernel %s failed to load (%s): %s", build.LIBRARY, e, fallback)
+        return None
+    return module
+
+
+def available() -> bool:
+    """Whether the fused kernel is built and loads in this process."""
+    return extension() is not None
+
+
+def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tensor, scale: float) -> StepOutput:
+    """One ReTopK decode step (``method.config``) for q (B, H, d) over ``kv``, updating ``state`` in place.
+
+    Needs ``available()``. Returns what the torch path returns: out (B, H, d_v) in q.dtype, path (B, H) int8,
+    max_sim (B, H) float32, n_scored (B, H) int32, selected (B, H, K) int64 -1 padded (in no particular order).
+    """
+    cfg = method.config
+    out, path, max_sim, n_scored, selected = extension().decode(
+        q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, state.queries, state.support, state.fill, state.ptr,
+        state.step, slots, cfg.top_k, cfg.recall, cfg.window, float(cfg.tau), cfg.refresh_every, cfg.retrieval,
+        cfg.gqa_policy, float(cfg.group_tau_min), float(scale), _CODES)
+    return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=selected)

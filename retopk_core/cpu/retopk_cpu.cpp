@@ -1,0 +1,609 @@
+// ReTopK's decode step for a whole batch in one call on the CPU: the fused twin of the torch reference
+// ReTopK._sparse_step (retopk_core/methods/retopk.py), built by retopk_core/cpu/build.py and called
+// through retopk_core/cpu/launch.py.
+//
+// One task per (sequence b, KV group g), G = H / H_kv query heads h each (at::parallel_for over tasks):
+//   q̄_h   = q_h / max(||q_h||, 1e-12)                                  (float32)
+//   ρ_hc  = q̄_h · q̄_c for the fill valid FIFO entries c, ρ_max = max_c ρ_hc (-inf when empty)  eq. 6, 7
+//   path_h: REFRESH when T_r > 0, t_dec > 0, t_dec % T_r == 0; else FALLBACK when ρ_max < tau; else REUSE
+//           (eq. 13), then the GQA policy over the group's heads (as gqa_paths):
+//             head     unchanged
+//             promote  read_g = any_h path_h == FALLBACK
+//             group    read_g = mean_h ρ_max < tau or min_h ρ_max < tau_min
+//           a read group's heads take FALLBACK (own ρ_max < tau) or PROMOTED, an unread one's REUSE;
+//           REFRESH stays.
+//   REUSE:  R_h = TopR_c ρ_hc (retrieval "recent": the R newest entries), A_h = Unique(∪_{c∈R_h} Ŝ_c ∪
+//           {L-W..L-1}) (eq. 8, 9), e_i = (q_h * scale) · k_i for i ∈ A_h (eq. 10), Ŝ = TopK_{A_h} e (eq. 11)
+//   others: e_i for every i < L (the group's keys read once for all its exact heads), Ŝ = TopK e (eq. 1)
+//   o_h    = Σ_{i∈Ŝ} softmax(e_Ŝ)_i v_i (eq. 12); FIFO row ptr of (slot, h) <- (q̄_h, Ŝ -1 padded)
+// Then, per sequence: ptr <- (ptr + 1) % C, fill <- min(fill + 1, C), step <- step + 1.
+// Keys and values are read through the block table: position i of (b, g) is row
+// (block_table[b, i / P] * H_kv + g) * P + i % P of the pool viewed as (N_blocks * H_kv * P, d).
+// Scores accumulate in float32; Ŝ is returned in no particular order; n_scored = |A_h| or L.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Hot loops are compiled twice, for x86-64-v3 (AVX2 + FMA + F16C) and the baseline, and picked at load
+// time by the CPU's features (GCC function multiversioning), so one binary runs on any x86-64 machine.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RETOPK_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define RETOPK_CLONES
+#endif
+// Helpers of the cloned loops are forced inline so that each clone compiles them for its own target.
+#define RETOPK_INLINE inline __attribute__((always_inline))
+
+RETOPK_INLINE float to_float(float x) { return x; }
+RETOPK_INLINE float to_float(c10::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+RETOPK_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// out[j] = q · rows[off[j] .. off[j] + d), four rows at a time for independent accumulators.
+template <typename T>
+RETOPK_CLONES void dot_gather(const float* q, const T* pool, const int64_t* off, int64_t n, int64_t d, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* r0 = pool + off[j];
+    const T* r1 = pool + off[j + 1];
+    const T* r2 = pool + off[j + 2];
+    const T* r3 = pool + off[j + 3];
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t i = 0; i < d; ++i) {
+      a0 += q[i] * to_float(r0[i]);
+      a1 += q[i] * to_float(r1[i]);
+      a2 += q[i] * to_float(r2[i]);
+      a3 += q[i] * to_float(r3[i]);
+    }
+    out[j] = a0;
+    out[j + 1] = a1;
+    out[j + 2] = a2;
+    out[j + 3] = a3;
+  }
+  for (; j < n; ++j) {
+    const T* r = pool + off[j];
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t i = 0; i < d; ++i) a += q[i] * to_float(r[i]);
+    out[j] = a;
+  }
+}
+
+// out[j] = q · rows[j] for n consecutive rows of d elements.
+template <typename T>
+RETOPK_CLONES void dot_block(const float* q, const T* rows, int64_t n, int64_t d, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* r0 = rows + j * d;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+    for (int64_t i = 0; i < d; ++i) {
+      a0 += q[i] * to_float(r0[i]);
+      a1 += q[i] * to_float(r0[d + i]);
+      a2 += q[i] * to_float(r0[2 * d + i]);
+      a3 += q[i] * to_float(r0[3 * d + i]);
+    }
+    out[j] = a0;
+    out[j + 1] = a1;
+    out[j + 2] = a2;
+    out[j + 3] = a3;
+  }
+  for (; j < n; ++j) {
+    const T* r = rows + j * d;
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t i = 0; i < d; ++i) a += q[i] * to_float(r[i]);
+    out[j] = a;
+  }
+}
+
+// GCC vector extensions: 8 floats, lowered to AVX2 in the x86-64-v3 clones and to SSE pairs otherwise.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+RETOPK_INLINE v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+RETOPK_INLINE v8f load8(const c10::BFloat16* p) {  // bf16 -> float32 is a 16-bit left shift
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  v8u u = __builtin_convertvector(h, v8u) << 16;
+  v8f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+RETOPK_INLINE v8f load8(const c10::Half* p) {
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+  return v;
+}
+
+// The four lane sums of a, b, c, d: (Σa, Σb, Σc, Σd).
+RETOPK_INLINE void sum4(v8f a, v8f b, v8f c, v8f d, float* out) {
+  v8f x = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  v8f y = __builtin_shufflevector(c, d, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(c, d, 2, 3, 10, 11, 6, 7, 14, 15);
+  v8f z = __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  for (int i = 0; i < 4; ++i) out[i] = z[i] + z[i + 4];
+}
+
+// out[e * ostride + j] = q_e · rows[j] for NH query rows (d floats each, d % 8 == 0) and m consecutive
+// key rows: each key vector is loaded once for the NH heads, four rows at a time.
+template <typename T, int NH>
+RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride) {
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) {
+    v8f acc[NH][4] = {};
+    const T* r = rows + j * d;
+    for (int64_t c = 0; c < d; c += 8) {
+      for (int i = 0; i < 4; ++i) {  // one key vector live at a time: 4 NH accumulators + 1 fit the registers
+        const v8f k = load8(r + i * d + c);
+        for (int e = 0; e < NH; ++e) acc[e][i] += load8(q + e * d + c) * k;
+      }
+    }
+    for (int e = 0; e < NH; ++e) sum4(acc[e][0], acc[e][1], acc[e][2], acc[e][3], out + e * ostride + j);
+  }
+  for (; j < m; ++j) {
+    v8f acc[NH] = {};
+    const T* r = rows + j * d;
+    for (int64_t c = 0; c < d; c += 8) {
+      const v8f k = load8(r + c);
+      for (int e = 0; e < NH; ++e) acc[e] += load8(q + e * d + c) * k;
+    }
+    for (int e = 0; e < NH; ++e) {
+      float t[4];
+      sum4(acc[e], v8f{}, v8f{}, v8f{}, t);
+      out[e * ostride + j] = t[0];
+    }
+  }
+}
+
+// out[e * ostride + j] = q_e · rows[j] for nq query rows and m consecutive key rows of d elements.
+template <typename T>
+RETOPK_CLONES void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out,
+                             int64_t ostride) {
+  for (int64_t e = 0; e < nq;) {
+    const int64_t n = std::min<int64_t>(3, nq - e);
+    if (d % 8 != 0) {
+      dot_block(q + e * d, rows, m, d, out + e * ostride);
+      e += 1;
+      continue;
+    }
+    if (n == 3) dot_heads_v<T, 3>(q + e * d, rows, m, d, out + e * ostride, ostride);
+    else if (n == 2) dot_heads_v<T, 2>(q + e * d, rows, m, d, out + e * ostride, ostride);
+    else dot_heads_v<T, 1>(q + e * d, rows, m, d, out + e * ostride, ostride);
+    e += n;
+  }
+}
+
+// acc[0..dv) += Σ_j w[j] * rows[off[j] .. off[j] + dv)
+template <typename T>
+RETOPK_CLONES void weighted_sum(const float* w, const T* pool, const int64_t* off, int64_t n, int64_t dv, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* r = pool + off[j];
+    const float wj = w[j];
+#pragma omp simd
+    for (int64_t i = 0; i < dv; ++i) acc[i] += wj * to_float(r[i]);
+  }
+}
+
+void read_row(const at::Tensor& t, const void* p, int64_t stride, int64_t d, float* out) {
+  switch (t.scalar_type()) {
+    case at::kFloat: for (int64_t i = 0; i < d; ++i) out[i] = static_cast<const float*>(p)[i * stride]; break;
+    case at::kBFloat16:
+      for (int64_t i = 0; i < d; ++i) out[i] = to_float(static_cast<const c10::BFloat16*>(p)[i * stride]);
+      break;
+    default:
+      for (int64_t i = 0; i < d; ++i) out[i] = to_float(static_cast<const c10::Half*>(p)[i * stride]);
+  }
+}
+
+void write_row(at::ScalarType dt, const float* x, int64_t d, void* p) {
+  switch (dt) {
+    case at::kFloat: std::memcpy(p, x, d * sizeof(float)); break;
+    case at::kBFloat16:
+      for (int64_t i = 0; i < d; ++i) static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(x[i]);
+      break;
+    default:
+      for (int64_t i = 0; i < d; ++i) static_cast<c10::Half*>(p)[i] = c10::Half(x[i]);
+  }
+}
+
+struct Codes {
+  int8_t reuse, fallback, refresh, promoted;
+};
+
+struct Params {
+  int64_t B, H, H_kv, G, d, dv, C, K, R, W, P, P_shift, T_r, bt_stride;  // P_shift = log2 P, or -1
+  float tau, tau_min, scale;
+  bool recent;
+  int64_t policy;  // 0 head, 1 promote, 2 group
+  Codes code;
+};
+
+using Scored = std::pair<float, int64_t>;  // (score, position)
+
+// Per-thread scratch, grown on demand and reused across calls (no page faults on the steady state).
+struct Scratch {
+  std::vector<uint64_t> seen;  // candidate bitmap over positions, all zero between uses
+  std::vector<int64_t> rec, cand, off;
+  std::vector<float> scores, qe, w, acc;
+  std::vector<Scored> top;
+  std::vector<std::vector<Scored>> heaps;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+struct GreaterScore {  // a functor, so the sorts and heaps inline the comparison
+  bool operator()(const Scored& a, const Scored& b) const { return a.first > b.first; }
+};
+constexpr GreaterScore greater_score{};
+
+// Keep the k largest of `top` (in no particular order).
+void keep_topk(std::vector<Scored>& top, int64_t k) {
+  if (static_cast<int64_t>(top.size()) > k) {
+    std::nth_element(top.begin(), top.begin() + (k - 1), top.end(), greater_score);
+    top.resize(k);
+  }
+}
+
+template <typename KV>
+struct Task {
+  const Params& p;
+  const KV* k_pool;
+  const KV* v_pool;
+  const int64_t* bt;  // this sequence's block-table row
+  int64_t b, g, L, slot;
+  float* queries;    // (S, H, C, d)
+  int64_t* support;  // (S, H, C, K)
+  int64_t fill, ptr, t_dec;
+
+  int64_t row(int64_t pos) const {  // pool row of (b, g, pos); shifts for the usual power-of-two block size
+    if (p.P_shift >= 0) return ((bt[pos >> p.P_shift] * p.H_kv + g) << p.P_shift) + (pos & (p.P - 1));
+    return (bt[pos / p.P] * p.H_kv + g) * p.P + pos % p.P;
+  }
+  int64_t key_off(int64_t pos) const { return row(pos) * p.d; }  // element offsets in k_pool / v_pool
+  int64_t val_off(int64_t pos) const { return row(pos) * p.dv; }
+  float* fifo_q(int64_t h, int64_t c) const { return queries + ((slot * p.H + h) * p.C + c) * p.d; }
+  int64_t* fifo_s(int64_t h, int64_t c) const { return support + ((slot * p.H + h) * p.C + c) * p.K; }
+
+  // Recall (eq. 7), candidates (eq. 8, 9), exact scores (eq. 10), rerank (eq. 11) into `top`.
+  int64_t reuse(int64_t h, const float* sims, const float* qs, std::vector<Scored>& top) const {
+    Scratch& s = scratch();
+    std::vector<int64_t>& recalled = s.rec;
+    recalled.clear();
+    if (p.recent) {
+      for (int64_t age = 1; age <= std::min(p.R, fill); ++age) recalled.push_back(((ptr - age) % p.C + p.C) % p.C);
+    } else if (fill <= p.R) {
+      for (int64_t c = 0; c < fill; ++c) recalled.push_back(c);
+    } else {
+      std::vector<Scored>& by = s.top;
+      by.clear();
+      for (int64_t c = 0; c < fill; ++c) by.emplace_back(sims[c], c);
+      std::nth_element(by.begin(), by.begin() + (p.R - 1), by.end(), greater_score);
+      for (int64_t r = 0; r < p.R; ++r) recalled.push_back(by[r].second);
+    }
+    const int64_t words = (L + 63) / 64;
+    if (static_cast<int64_t>(s.seen.size()) < words) s.seen.resize(words, 0);
+    uint64_t* seen = s.seen.data();
+    std::vector<int64_t>& cand = s.cand;
+    cand.clear();
+    auto add = [&](int64_t pos) {
+      if (pos < 0 || pos >= L) return;  // -1 padding (and, defensively, positions past the history)
+      uint64_t bit = uint64_t(1) << (pos & 63);
+      if (!(seen[pos >> 6] & bit)) {
+        seen[pos >> 6] |= bit;
+        cand.push_back(pos);
+      }
+    };
+    for (int64_t c : recalled) {
+      const int64_t* sup = fifo_s(h, c);
+      for (int64_t j = 0; j < p.K; ++j) add(sup[j]);
+    }
+    for (int64_t pos = std::max<int64_t>(0, L - p.W); pos < L; ++pos) add(pos);
+    for (int64_t pos : cand) seen[pos >> 6] = 0;  // back to all-zero for the next use
+    const int64_t M = static_cast<int64_t>(cand.size());
+    s.off.resize(M);
+    s.scores.resize(M);
+    for (int64_t j = 0; j < M; ++j) s.off[j] = key_off(cand[j]);
+    dot_gather<KV>(qs, k_pool, s.off.data(), M, p.d, s.scores.data());
+    top.clear();
+    for (int64_t j = 0; j < M; ++j) top.emplace_back(s.scores[j], cand[j]);
+    keep_topk(top, p.K);
+    return M;
+  }
+
+  // Exact Top-K over every position for the heads in `heads` (eq. 1): one pass over the group's keys.
+  void exact(const std::vector<int64_t>& heads, const float* qs_all, std::vector<std::vector<Scored>>& tops) const {
+    Scratch& s = scratch();
+    const int64_t n = static_cast<int64_t>(heads.size());
+    s.scores.resize(n * p.P);
+    s.qe.resize(n * p.d);
+    for (int64_t e = 0; e < n; ++e) {
+      std::memcpy(s.qe.data() + e * p.d, qs_all + heads[e] * p.d, p.d * sizeof(float));
+      tops[e].clear();
+      tops[e].reserve(p.K);
+    }
+    const int64_t nblocks = (L + p.P - 1) / p.P;
+    for (int64_t j = 0; j < nblocks; ++j) {
+      const int64_t first = j * p.P, rows = std::min(p.P, L - first);
+      const KV* keys = k_pool + ((bt[j] * p.H_kv + g) * p.P) * p.d;
+      dot_heads<KV>(s.qe.data(), n, keys, rows, p.d, s.scores.data(), p.P);  // (n, rows) scores
+      for (int64_t e = 0; e < n; ++e) {
+        const float* sc = s.scores.data() + e * p.P;
+        std::vector<Scored>& heap = tops[e];  // min-heap of the K best so far (front = the K-th best)
+        int64_t i = 0;
+        for (; i < rows && static_cast<int64_t>(heap.size()) < p.K; ++i) {
+          heap.emplace_back(sc[i], first + i);
+          std::push_heap(heap.begin(), heap.end(), greater_score);
+        }
+        float kth = heap.empty() ? kNegInf : heap.front().first;
+        for (; i < rows; ++i) {
+          if (sc[i] > kth) {  // rare past the first blocks: about K ln(L / K) replacements in all
+            std::pop_heap(heap.begin(), heap.end(), greater_score);
+            heap.back() = Scored(sc[i], first + i);
+            std::push_heap(heap.begin(), heap.end(), greater_score);
+            kth = heap.front().first;
+          }
+        }
+      }
+    }
+  }
+
+  // Softmax over the selected scores and the weighted sum of their values (eq. 12) -> acc (dv floats).
+  void attend(const std::vector<Scored>& top, float* acc) const {
+    Scratch& s = scratch();
+    const int64_t n = static_cast<int64_t>(top.size());
+    std::fill(acc, acc + p.dv, 0.f);
+    if (n == 0) return;
+    s.w.resize(n);
+    s.off.resize(n);
+    float m = kNegInf, sum = 0.f;
+    for (const Scored& t : top) m = std::max(m, t.first);
+    for (int64_t j = 0; j < n; ++j) {
+      s.w[j] = std::exp(top[j].first - m);
+      sum += s.w[j];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      s.w[j] /= sum;
+      s.off[j] = val_off(top[j].second);
+    }
+    weighted_sum<KV>(s.w.data(), v_pool, s.off.data(), n, p.dv, acc);
+  }
+};
+
+struct Outputs {
+  at::Tensor out, path, max_sim, n_scored, selected;
+};
+
+template <typename KV>
+void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+               const int64_t* bt, const int64_t* lengths, const int64_t* slots, at::Tensor& queries,
+               at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, Outputs& o,
+               int64_t task) {
+  const int64_t b = task / p.H_kv, g = task % p.H_kv, G = p.G, h0 = g * G;
+  const int64_t slot = slots[b];
+  Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
+             queries.data_ptr<float>(), support.data_ptr<int64_t>(), fill[slot], ptr[slot], step[slot]};
+  Scratch& s = scratch();
+  std::vector<float> qn(G * p.d), qs(G * p.d), sims(G * p.C), ms(G);
+  std::vector<int8_t> path(G);
+  const bool refresh = p.T_r > 0 && t.t_dec > 0 && t.t_dec % p.T_r == 0;
+  const char* qbase = static_cast<const char*>(q.data_ptr());
+  const int64_t qe = q.element_size();
+  for (int64_t j = 0; j < G; ++j) {
+    const int64_t h = h0 + j;
+    float* x = qn.data() + j * p.d;
+    read_row(q, qbase + (b * q.stride(0) + h * q.stride(1)) * qe, q.stride(2), p.d, x);
+    double nrm = 0.0;
+    for (int64_t i = 0; i < p.d; ++i) nrm += static_cast<double>(x[i]) * x[i];
+    const float denom = std::max(static_cast<float>(std::sqrt(nrm)), 1e-12f);
+    for (int64_t i = 0; i < p.d; ++i) {
+      qs[j * p.d + i] = x[i] * p.scale;
+      x[i] = x[i] / denom;
+    }
+    float* sj = sims.data() + j * p.C;
+    dot_block<float>(x, t.fifo_q(h, 0), t.fill, p.d, sj);
+    float mx = kNegInf;
+    for (int64_t c = 0; c < t.fill; ++c) mx = std::max(mx, sj[c]);
+    ms[j] = mx;
+    path[j] = refresh ? p.code.refresh : (mx < p.tau ? p.code.fallback : p.code.reuse);
+  }
+  if (p.policy != 0 && !refresh) {
+    bool read = false;
+    if (p.policy == 1) {
+      for (int64_t j = 0; j < G; ++j) read |= path[j] == p.code.fallback;
+    } else {
+      float sum = 0.f, mn = std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < G; ++j) {
+        sum += ms[j];
+        mn = std::min(mn, ms[j]);
+      }
+      read = sum / static_cast<float>(G) < p.tau || mn < p.tau_min;
+    }
+    for (int64_t j = 0; j < G; ++j)
+      path[j] = !read ? p.code.reuse : (path[j] == p.code.fallback ? p.code.fallback : p.code.promoted);
+  }
+  if (static_cast<int64_t>(s.heaps.size()) < G) s.heaps.resize(G);
+  std::vector<int64_t> exact_heads;
+  int32_t* n_scored = o.n_scored.data_ptr<int32_t>() + b * p.H + h0;
+  for (int64_t j = 0; j < G; ++j) {
+    if (path[j] == p.code.reuse) {
+      n_scored[j] = static_cast<int32_t>(t.reuse(h0 + j, sims.data() + j * p.C, qs.data() + j * p.d, s.heaps[j]));
+    } else {
+      exact_heads.push_back(j);
+      n_scored[j] = static_cast<int32_t>(t.L);
+    }
+  }
+  if (!exact_heads.empty()) {
+    std::vector<std::vector<Scored>> tops(exact_heads.size());
+    t.exact(exact_heads, qs.data(), tops);
+    for (size_t e = 0; e < exact_heads.size(); ++e) s.heaps[exact_heads[e]].swap(tops[e]);
+  }
+  s.acc.resize(p.dv);
+  const at::ScalarType out_dt = o.out.scalar_type();
+  char* out_base = static_cast<char*>(o.out.data_ptr());
+  int64_t* sel = o.selected.data_ptr<int64_t>();
+  for (int64_t j = 0; j < G; ++j) {
+    const int64_t h = h0 + j;
+    const std::vector<Scored>& top = s.heaps[j];
+    t.attend(top, s.acc.data());
+    write_row(out_dt, s.acc.data(), p.dv, out_base + ((b * p.H + h) * p.dv) * o.out.element_size());
+    int64_t* sel_row = sel + (b * p.H + h) * p.K;
+    int64_t* fifo = t.fifo_s(h, t.ptr);
+    const int64_t n = static_cast<int64_t>(top.size());
+    for (int64_t k = 0; k < p.K; ++k) sel_row[k] = fifo[k] = k < n ? top[k].second : -1;
+    std::memcpy(t.fifo_q(h, t.ptr), qn.data() + j * p.d, p.d * sizeof(float));
+    o.path.data_ptr<int8_t>()[b * p.H + h] = path[j];
+    o.max_sim.data_ptr<float>()[b * p.H + h] = ms[j];
+  }
+}
+
+#define CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "retopk_cpu.decode: ", __VA_ARGS__)
+
+void check_int64_vector(const at::Tensor& t, const char* name, int64_t n) {
+  CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
+  CHECK_VALUE(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  CHECK_VALUE(t.dim() == 1 && t.size(0) == n && t.is_contiguous(), name, " must be a contiguous (", n,
+              ",) tensor, got shape ", t.sizes());
+}
+
+bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+}  // namespace
+
+std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                               const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
+                               at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
+                               const at::Tensor& slots, int64_t top_k, int64_t recall, int64_t window, double tau,
+                               int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
+                               double group_tau_min, double scale, std::vector<int64_t> path_codes) {
+  // ---- the launcher's checks: shapes, strides, dtypes, devices, and the block table's reach --------
+  CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got ", q.device());
+  CHECK_VALUE(q.dim() == 3, "q must be (B, H, d), got shape ", q.sizes());
+  CHECK_VALUE(float_type(q.scalar_type()), "q must be float32, bfloat16 or float16, got ", q.scalar_type());
+  const int64_t B = q.size(0), H = q.size(1), d = q.size(2);
+  for (auto [t, name] : {std::pair{&k_pool, "k_pool"}, std::pair{&v_pool, "v_pool"}}) {
+    CHECK_VALUE(t->device().is_cpu(), name, " must be on the CPU, got ", t->device());
+    CHECK_VALUE(t->dim() == 4 && t->is_contiguous(), name, " must be a contiguous (N_blocks, H_kv, P, d) tensor");
+  }
+  CHECK_VALUE(float_type(k_pool.scalar_type()), "k_pool must be float32, bfloat16 or float16, got ",
+              k_pool.scalar_type());
+  CHECK_VALUE(v_pool.scalar_type() == k_pool.scalar_type(), "v_pool dtype ", v_pool.scalar_type(),
+              " differs from k_pool's ", k_pool.scalar_type());
+  const int64_t N = k_pool.size(0), H_kv = k_pool.size(1), P = k_pool.size(2), dv = v_pool.size(3);
+  CHECK_VALUE(k_pool.size(3) == d, "k_pool head dim ", k_pool.size(3), " != q head dim ", d);
+  CHECK_VALUE(v_pool.sizes().slice(0, 3) == k_pool.sizes().slice(0, 3), "v_pool shape ", v_pool.sizes(),
+              " disagrees with k_pool's ", k_pool.sizes());
+  CHECK_VALUE(H_kv > 0 && H % H_kv == 0, "num_heads (", H, ") must be a multiple of num_kv_heads (", H_kv, ")");
+  CHECK_VALUE(block_table.device().is_cpu() && block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
+                  block_table.size(0) == B && block_table.stride(1) == 1,
+              "block_table must be a CPU int64 (B=", B, ", max_blocks) tensor with unit stride along blocks");
+  check_int64_vector(lengths, "lengths", B);
+  check_int64_vector(slots, "slots", B);
+  CHECK_VALUE(queries.device().is_cpu() && queries.scalar_type() == at::kFloat && queries.dim() == 4 &&
+                  queries.is_contiguous() && queries.size(1) == H && queries.size(3) == d,
+              "state.queries must be a contiguous float32 (S, H=", H, ", C, d=", d, ") tensor, got ",
+              queries.scalar_type(), " ", queries.sizes());
+  const int64_t S = queries.size(0), C = queries.size(2);
+  CHECK_VALUE(support.device().is_cpu() && support.scalar_type() == at::kLong && support.is_contiguous() &&
+                  support.dim() == 4 && support.size(0) == S && support.size(1) == H && support.size(2) == C &&
+                  support.size(3) == top_k,
+              "state.support must be a contiguous int64 (S, H, C, K=", top_k, ") tensor, got ",
+              support.scalar_type(), " ", support.sizes());
+  check_int64_vector(fill, "state.fill", S);
+  check_int64_vector(ptr, "state.ptr", S);
+  check_int64_vector(step, "state.step", S);
+  CHECK_VALUE(top_k > 0 && recall > 0 && recall <= C && window >= 0 && refresh_every >= 0,
+              "top_k, recall (<= C), window, refresh_every out of range: ", top_k, ", ", recall, ", ", window, ", ",
+              refresh_every);
+  CHECK_VALUE(retrieval == "similarity" || retrieval == "recent", "retrieval must be 'similarity' or 'recent', got '",
+              retrieval, "'");
+  const int64_t policy = gqa_policy == "head" ? 0 : gqa_policy == "promote" ? 1 : gqa_policy == "group" ? 2 : -1;
+  CHECK_VALUE(policy >= 0, "gqa_policy must be 'head', 'promote' or 'group', got '", gqa_policy, "'");
+  CHECK_VALUE(path_codes.size() == 4, "path_codes must be (reuse, fallback, refresh, promoted)");
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t *fl = fill.data_ptr<int64_t>(), *pt = ptr.data_ptr<int64_t>();
+  const int64_t max_blocks = block_table.size(1), bt_stride = block_table.stride(0);
+  for (int64_t b = 0; b < B; ++b) {
+    CHECK_VALUE(len[b] >= 1 && len[b] <= max_blocks * P, "lengths[", b, "] = ", len[b], " outside [1, ",
+                max_blocks * P, "] (max_blocks x block size)");
+    CHECK_VALUE(sl[b] >= 0 && sl[b] < S, "slots[", b, "] = ", sl[b], " outside the state's ", S, " slots");
+    for (int64_t a = 0; a < b; ++a) CHECK_VALUE(sl[a] != sl[b], "slots[", a, "] and slots[", b, "] are both ", sl[b]);
+    CHECK_VALUE(fl[sl[b]] >= 0 && fl[sl[b]] <= C && pt[sl[b]] >= 0 && pt[sl[b]] < C, "state.fill / state.ptr of slot ",
+                sl[b], " outside [0, C=", C, "]");
+    for (int64_t j = 0; j < (len[b] + P - 1) / P; ++j) {
+      const int64_t blk = bt[b * bt_stride + j];
+      CHECK_VALUE(blk >= 0 && blk < N, "block_table[", b, ", ", j, "] = ", blk, " outside the pool's ", N, " blocks");
+    }
+  }
+
+  const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
+  Params p{B, H, H_kv, H / H_kv, d, dv, C, top_k, recall, window, P, P_shift, refresh_every, bt_stride,
+           static_cast<float>(tau), static_cast<float>(group_tau_min), static_cast<float>(scale), retrieval == "recent", policy,
+           Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
+                 static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])}};
+  auto i8 = at::TensorOptions().dtype(at::kChar);
+  Outputs o{at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous)),
+            at::empty({B, H}, i8), at::empty({B, H}, at::TensorOptions().dtype(at::kFloat)),
+            at::empty({B, H}, at::TensorOptions().dtype(at::kInt)),
+            at::empty({B, H, top_k}, at::TensorOptions().dtype(at::kLong))};
+  const int64_t* st = step.data_ptr<int64_t>();
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      switch (k_pool.scalar_type()) {
+        case at::kFloat:
+          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, o, task);
+          break;
+        case at::kBFloat16:
+          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, o, task);
+          break;
+        default:
+          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, o, task);
+      }
+    }
+  };
+  at::parallel_for(0, B * H_kv, 1, body);
+  int64_t *fw = fill.data_ptr<int64_t>(), *pw = ptr.data_ptr<int64_t>(), *sw = step.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = sl[b];
+    pw[s] = (pw[s] + 1) % C;
+    fw[s] = std::min(fw[s] + 1, C);
+    sw[s] += 1;
+  }
+  return {o.out, o.path, o.max_sim, o.n_scored, o.selected};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ReTopK's fused CPU decode step (see retopk_core/cpu/launch.py)";
+  m.def("decode", &decode, "One ReTopK decode step for every (sequence, head) of a batch; updates the FIFO state");
+}

@@ -1,0 +1,234 @@
+"""ReTopK's fused CPU kernel (backend "cpu") against the torch path and the per-head reference loop.
+
+Both backends start from the same prefilled state and decode the same trace; after every step the
+outputs (paths, max_sim, n_scored, selected sets, attention output) and the whole FIFO state (queries,
+support sets, ptr, fill, step) must agree. The traces are those of tests/core/test_retopk.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+
+from retopk_core.cpu import build, launch
+from retopk_core.kv import PagedKV
+from retopk_core.methods import Path, make_method
+from tests.core._scenario import make_trace, paged
+from tests.core.test_retopk import CASES, POLICIES, run_both
+
+needs_kernel = pytest.mark.skipif(not launch.available(),
+                                  reason="fused CPU kernel not built: run `python -m retopk_core.cpu.build`")
+
+
+def twin_run(cfg: dict, trace, H: int, H_kv: int, use_paged=False, dtype=torch.float32, no_prefill=False,
+             strided_q=False):
+    """Yield per step (torch StepOutput, cpu StepOutput, torch state, cpu state) over the same trace."""
+    B, d = len(trace.prompt_lens), trace.keys.shape[-1]
+    methods = {name: make_method("retopk", backend=name, **cfg) for name in ("torch", "cpu")}
+    state = methods["torch"].init_state(H, H_kv, d, capacity=1)  # grows while allocating B slots
+    slots = torch.tensor([state.alloc() for _ in range(B)])
+    keys, values = trace.keys.to(dtype), trace.values.to(dtype)
+    T = trace.prompt_queries.shape[2]
+    for b, P in enumerate(trace.prompt_lens):
+        if not no_prefill:
+            kv_b = PagedKV.contiguous(keys[b:b + 1], values[b:b + 1], torch.tensor([P]))
+            methods["torch"].prefill(state, int(slots[b]), trace.prompt_queries[b].to(dtype),
+                                     torch.arange(P - T, P).clamp(min=0), kv_b)
+    states = {"torch": state, "cpu": copy.deepcopy(state)}
+    for t in range(trace.queries.shape[0]):
+        lengths = trace.lengths_at(t)
+        if use_paged:  # shuffled 8-position blocks (paged() builds float32 pools: cast the rounded values back)
+            kv = paged(keys.float(), values.float(), lengths, block=8, seed=t)
+            kv = PagedKV(kv.k_pool.to(dtype), kv.v_pool.to(dtype), kv.block_table, kv.lengths)
+        else:
+            kv = PagedKV.contiguous(keys, values, lengths)
+        q = trace.queries[t].to(dtype)
+        if strided_q:  # as the runner passes it: a view into (B, H, 1, d) with padding around
+            q = torch.zeros(B, H, 3, d, dtype=dtype).index_copy(2, torch.tensor([1]), q.unsqueeze(2))[:, :, 1]
+        outs = {name: methods[name].decode(q, kv, states[name], slots) for name in ("torch", "cpu")}
+        yield outs["torch"], outs["cpu"], states["torch"], states["cpu"]
+
+
+def assert_same_step(a, b, sa, sb, tol: float = 1e-5) -> None:
+    """Two StepOutputs and the states after them agree (selected and supports as sets)."""
+    assert torch.equal(a.path, b.path), (a.path, b.path)
+    assert a.max_sim.dtype == b.max_sim.dtype == torch.float32
+    assert torch.equal(torch.isinf(a.max_sim), torch.isinf(b.max_sim))
+    finite = torch.isfinite(a.max_sim)
+    torch.testing.assert_close(b.max_sim[finite], a.max_sim[finite], atol=1e-5, rtol=1e-5)
+    assert b.n_scored.dtype == torch.int32 and torch.equal(a.n_scored, b.n_scored), (a.n_scored, b.n_scored)
+    assert b.selected.dtype == torch.int64
+    assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
+    assert b.out.dtype == a.out.dtype and b.out.shape == a.out.shape
+    torch.testing.assert_close(b.out.float(), a.out.float(), atol=tol, rtol=tol)
+    for name in ("fill", "ptr", "step"):
+        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
+    torch.testing.assert_close(sb.queries, sa.queries, atol=1e-6, rtol=1e-6)
+    assert torch.equal(sa.support.sort(-1).values, sb.support.sort(-1).values)
+
+
+@needs_kernel
+@pytest.mark.parametrize("use_paged", [False, True])
+@pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_torch_path(case, policy, use_paged):
+    H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
+    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy=policy[0],
+               group_tau_min=policy[1])
+    trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
+    seen = set()
+    for a, b, sa, sb in twin_run(cfg, trace, H, H_kv, use_paged):
+        assert_same_step(a, b, sa, sb)
+        seen |= set(b.path.flatten().tolist())
+    assert {Path.REUSE, Path.FALLBACK} <= seen  # the trace exercised both decisions
+    if T_r:
+        assert Path.REFRESH in seen
+    if policy[0] != "head" and H != H_kv:
+        assert Path.PROMOTED in seen
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_loop(case, policy):
+    """The kernel against the per-head reference written from the paper (no code shared with either backend)."""
+    H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
+    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy=policy[0],
+               group_tau_min=policy[1], backend="cpu")
+    trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
+    for out, rows in run_both(cfg, trace, H, H_kv, use_paged=True):
+        for b, row in enumerate(rows):
+            for h, (path, max_sim, cand, support, ref_out) in enumerate(row):
+                assert int(out.path[b, h]) == path, (b, h)
+                assert float(out.max_sim[b, h]) == pytest.approx(max_sim, abs=1e-5) or max_sim == -math.inf
+                sel = out.selected[b, h]
+                assert sorted(sel[sel >= 0].tolist()) == sorted(support)
+                if path == Path.REUSE:
+                    assert int(out.n_scored[b, h]) == len(cand)
+                torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_paged", [False, True])
+def test_half_precision_kv_matches_torch_path(dtype, use_paged):
+    cfg = dict(top_k=16, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=5, gqa_policy="promote")
+    trace = make_trace(B=3, H=6, H_kv=2, d=32, prompt_lens=(40, 20, 9), steps=10, T=6)
+    for a, b, sa, sb in twin_run(cfg, trace, 6, 2, use_paged, dtype=dtype):
+        assert b.out.dtype == dtype
+        assert_same_step(a, b, sa, sb, tol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("retrieval", ["similarity", "recent"])
+def test_recent_retrieval_and_strided_query(retrieval):
+    cfg = dict(top_k=8, cache_size=5, window=4, recall=2, tau=0.85, refresh_every=4, retrieval=retrieval)
+    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(30, 17), steps=10, T=7)
+    for a, b, sa, sb in twin_run(cfg, trace, 4, 2, use_paged=True, strided_q=True):
+        assert_same_step(a, b, sa, sb)
+
+
+@needs_kernel
+def test_empty_cache_then_reuse_and_head_dim_not_a_multiple_of_8():
+    """No prefill: every head falls back first (max_sim = -inf); d = 12 takes the scalar dot products."""
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0)
+    trace = make_trace(B=2, H=6, H_kv=3, d=12, prompt_lens=(30, 17), steps=8, outlier_p=0.0)
+    outs = []
+    for a, b, sa, sb in twin_run(cfg, trace, 6, 3, no_prefill=True):
+        assert_same_step(a, b, sa, sb)
+        outs.append(b)
+    assert (outs[0].path == Path.FALLBACK).all() and (outs[0].max_sim == -math.inf).all()
+    assert (torch.stack([o.path for o in outs[1:]]) == Path.REUSE).any()
+
+
+@needs_kernel
+def test_dense_floor_rows_and_sparse_rows_in_one_batch():
+    """dense_below splits the batch: short rows attend densely (torch), the others go through the kernel."""
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0, dense_below=24)
+    trace = make_trace(B=3, H=4, H_kv=2, prompt_lens=(40, 10, 25), steps=8, T=6)
+    seen = set()
+    for a, b, sa, sb in twin_run(cfg, trace, 4, 2, use_paged=True):
+        assert_same_step(a, b, sa, sb)
+        seen |= set(b.path.flatten().tolist())
+    assert Path.DENSE in seen and Path.REUSE in seen
+
+
+@needs_kernel
+def test_long_history_many_blocks_and_threads():
+    """A few hundred positions over 16-position blocks, batch 4 x 3 groups on every thread torch has."""
+    torch.manual_seed(0)
+    cfg = dict(top_k=32, cache_size=8, window=16, recall=4, tau=0.5, refresh_every=3, gqa_policy="group",
+               group_tau_min=0.2)
+    trace = make_trace(B=4, H=9, H_kv=3, d=64, prompt_lens=(300, 200, 64, 33), steps=6, T=8)
+    B, d = 4, 64
+    methods = {name: make_method("retopk", backend=name, **cfg) for name in ("torch", "cpu")}
+    state = methods["torch"].init_state(9, 3, d, capacity=B)
+    slots = torch.tensor([state.alloc() for _ in range(B)])
+    for b, P in enumerate(trace.prompt_lens):
+        kv_b = PagedKV.contiguous(trace.keys[b:b + 1], trace.values[b:b + 1], torch.tensor([P]))
+        methods["torch"].prefill(state, int(slots[b]), trace.prompt_queries[b], torch.arange(P - 8, P), kv_b)
+    states = {"torch": state, "cpu": copy.deepcopy(state)}
+    with torch.inference_mode():
+        for t in range(6):
+            kv = paged(trace.keys, trace.values, trace.lengths_at(t), block=16, seed=t)
+            a, b = (methods[n].decode(trace.queries[t], kv, states[n], slots) for n in ("torch", "cpu"))
+            assert_same_step(a, b, states["torch"], states["cpu"])
+
+
+@needs_kernel
+def test_launcher_checks_name_the_culprit():
+    method = make_method("retopk", backend="cpu", top_k=4, cache_size=2, window=2, recall=1)
+    state = method.init_state(4, 2, 8, capacity=2)
+    slots = torch.tensor([state.alloc(), state.alloc()])
+    k, v = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    kv = PagedKV.contiguous(k, v)
+    q = torch.randn(2, 4, 8)
+    run = launch.retopk_decode
+    with pytest.raises(ValueError, match="k_pool must be float32"):
+        run(method, q, PagedKV.contiguous(k.to(torch.int32), v.to(torch.int32)), state, slots, 0.3)
+    with pytest.raises(ValueError, match="v_pool dtype"):
+        run(method, q, PagedKV.contiguous(k, v.to(torch.bfloat16)), state, slots, 0.3)
+    with pytest.raises(ValueError, match="head dim"):
+        run(method, torch.randn(2, 4, 6), kv, state, slots, 0.3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        run(method, torch.randn(2, 3, 8), kv, state, slots, 0.3)
+    with pytest.raises(ValueError, match=r"slots\[0\] and slots\[1\]"):
+        run(method, q, kv, state, torch.tensor([slots[0], slots[0]]), 0.3)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
+        run(method, q, PagedKV(kv.k_pool, kv.v_pool, torch.tensor([[0], [7]]), kv.lengths), state, slots, 0.3)
+    with pytest.raises(ValueError, match="lengths"):
+        run(method, q, PagedKV(kv.k_pool, kv.v_pool, kv.block_table, torch.tensor([10, 11])), state, slots, 0.3)
+    other = make_method("retopk", backend="cpu", top_k=5, cache_size=2, window=2, recall=1)
+    with pytest.raises(ValueError, match="state.support"):
+        run(other, q, kv, state, slots, 0.3)
+
+
+@pytest.fixture
+def fresh_extension(monkeypatch):
+    """Forget the loaded extension before and after the test (its monkeypatches undone first)."""
+    launch.extension.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    launch.extension.cache_clear()
+
+
+@pytest.mark.parametrize("how", ["missing", "stale"])
+def test_unusable_extension_logs_once_and_runs_the_torch_code(fresh_extension, tmp_path, caplog, how):
+    if how == "missing":
+        fresh_extension.setattr(build, "LIBRARY", tmp_path / "nothing.so")
+    else:
+        fresh_extension.setattr(build, "build_key", lambda: "another source")
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=3)
+    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(30, 17), steps=4, T=6)
+    with caplog.at_level(logging.WARNING, logger="retopk_core.cpu.launch"):
+        for a, b, _, _ in twin_run(cfg, trace, 4, 2):
+            assert torch.equal(a.selected, b.selected)  # the same torch code, so the same order too
+            torch.testing.assert_close(b.out, a.out, atol=0, rtol=0)
+    lines = [r for r in caplog.records if r.name == "retopk_core.cpu.launch"]
+    assert len(lines) == 1 and "runs the torch code" in lines[0].getMessage()
+    assert ("not built" if how == "missing" else "stale") in lines[0].getMessage()
+    assert not launch.available()
