@@ -3,7 +3,9 @@
 #   make test    the same install plus test extras and system packages, then ruff and pytest
 #   make lint | make proto | make install | make install-test | make clean
 # An existing .venv is used as it is (VENV=path picks another). Installs are skipped while a stamp
-# keyed on the packaging files' hash exists, so the second run is quick.
+# keyed on the packaging files' hash exists, so the second run is quick. Each of them also compiles ReTopK's
+# fused CPU kernel (retopk_core/cpu; g++ with OpenMP), a no-op while its build stamp matches; install and
+# serve go on without it (ReTopK then runs its torch code and logs one line), test stops.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -22,6 +24,9 @@ PYTEST_ARGS ?=
 INSTALL_HASH := $(shell cat pyproject.toml setup.py client/pyproject.toml client/setup.py | sha256sum | cut -c1-16)
 SERVE_STAMP := $(VENV)/.retopk-install-serve-$(INSTALL_HASH)
 TEST_STAMP := $(VENV)/.retopk-install-test-$(INSTALL_HASH)
+
+# Compile retopk_core/cpu/retopk_cpu.cpp into retopk_core/cpu/_build (see retopk_core/cpu/build.py).
+CPU_KERNEL := $(PY) -m retopk_core.cpu.build
 
 .PHONY: help serve test lint proto install install-test system-deps clean
 
@@ -49,15 +54,18 @@ $(TEST_STAMP): | $(PY)
 	$(call install_project,$@,[test])
 
 install: $(SERVE_STAMP)
+	-$(CPU_KERNEL)
 
 # The test install includes everything the serve install has.
 install-test: $(TEST_STAMP)
+	$(CPU_KERNEL)
 
 # Regenerate the gRPC stubs (a no-op when proto/ is unchanged); editable installs read them in place.
 proto: | $(PY)
 	$(PY) scripts/gen_proto.py
 
 serve: $(if $(wildcard $(TEST_STAMP)),$(TEST_STAMP),$(SERVE_STAMP)) proto
+	-$(CPU_KERNEL)
 	exec $(VENV)/bin/retopk-server $(SERVE_ARGS)
 
 system-deps:
@@ -67,8 +75,9 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects no test; make treats that as the failure it is.
-test: $(TEST_STAMP) proto system-deps lint
+test: install-test proto system-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_client/_proto .pytest_cache .ruff_cache
+	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_client/_proto .pytest_cache .ruff_cache \
+		retopk_core/cpu/_build

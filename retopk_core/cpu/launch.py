@@ -42,8 +42,7 @@ def extension():
         log.warning("fused CPU kernel not built (%s missing; run `make install` or `python -m retopk_core.cpu.build`):"
                     " %s", build.LIBRARY, fallback)
         return None
-    stamp = build.STAMP.read_text().strip() if build.STAMP.exists() else ""
-    if stamp != build.build_key():
+    if not build.up_to_date():
         log.warning("fused CPU kernel %s is stale (built from another source or torch; rerun `python -m "
                     "retopk_core.cpu.build`): %s", build.LIBRARY, fallback)
         return None
