@@ -107,7 +107,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", str, "embedded model name (smollm2-135m) or a local transformers checkpoint directory"),
     Option("device", str, "torch device: cpu, cuda, cuda:1, ..."),
     Option("dtype", str, "float32, bfloat16 or float16"),
-    Option("backend", str, "attention backend: torch (reference, CPU) or triton (GPU)"),
+    Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
+                           "torch (reference code), triton (GPU) or cpu"),
     Option("method", str, "default attention method: full, exact_topk, retopk or a baseline "
                           "(changing it without --method-params starts from that method's own defaults)"),
     Option("method_params", parse_params, "default method's hyperparameters, e.g. top_k=64,tau=0.85,window=32",

@@ -32,7 +32,8 @@ class ServerConfig:
                           statistics cost a GPU a synchronisation per layer, so false turns them off
     model                 embedded model name (e.g. "smollm2-135m") or a local checkpoint directory
     device, dtype         where and in which precision the model, KV cache and method state live
-    backend               attention backend: "torch" (reference, CPU) or "triton" (GPU)
+    backend               attention backend: "auto" (ReTopK's fused CPU kernel on a CPU where it was built, else
+                          torch), "torch" (the reference code), "triton" (GPU) or "cpu" (see RuntimeConfig)
     method, method_params default attention method of requests and sessions that name none
     max_context           longest session context (None: the model's trained positions)
     rope_scaling          RoPE parameters that extend the context past the trained positions, e.g.
@@ -58,7 +59,7 @@ class ServerConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     dtype: str = "float32"
-    backend: str = "torch"
+    backend: str = "auto"
     method: str = "retopk"
     method_params: dict = field(default_factory=_default_method_params)
     max_context: int | None = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from retopk_server.runtime.method_spec import MethodSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 # "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
 ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 
@@ -24,7 +24,9 @@ class RuntimeConfig:
 
     model           a name known to ``retopk_core.models`` (e.g. "smollm2-135m") or a local checkpoint path
     device, dtype   where the weights, KV cache and method state live
-    backend         "torch" (reference, CPU) or "triton" (GPU); passed to every method that takes a backend
+    backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK through its
+                    fused C++ kernel, retopk_core/cpu, the other methods' torch code) or "auto": "cpu" on a CPU
+                    device where that kernel was built and loads, else "torch"; see ``method_backend``
     default_method  the method of a session opened without one
     max_context     longest context a session may hold; default the model's max_position_embeddings
                     (times the RoPE scaling factor when ``rope_scaling`` is set). Larger than the trained
@@ -40,7 +42,7 @@ class RuntimeConfig:
     model: str = "smollm2-135m"
     device: str = "cpu"
     dtype: str = "float32"
-    backend: str = "torch"
+    backend: str = "auto"
     default_method: MethodSpec = field(default_factory=_default_method)
     max_context: int | None = None
     rope_scaling: dict | None = None
@@ -69,6 +71,18 @@ class RuntimeConfig:
             factor = rs.get("factor")
             if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1.0:
                 raise ValueError(f"rope_scaling factor must be a number >= 1, got {factor!r}")
+
+    def method_backend(self, method: str) -> str:
+        """The backend handed to method ``method`` (a registry name): only ReTopK has a fused CPU kernel."""
+        backend = self.backend
+        if backend == "auto":
+            import torch
+
+            from retopk_core.cpu import launch
+
+            cpu = torch.device(self.device).type == "cpu"
+            backend = "cpu" if cpu and method == "retopk" and launch.available() else "torch"
+        return "torch" if backend == "cpu" and method != "retopk" else backend
 
     @property
     def torch_dtype(self):

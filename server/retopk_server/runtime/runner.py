@@ -98,7 +98,8 @@ class ModelRunner:
             name=config.model, architecture=type(model).__name__, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_context=self.max_context,
             vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(dict.fromkeys(eos)), dtype=config.dtype,
-            device=str(self.device), backend=config.backend, default_method=config.default_method)
+            device=str(self.device), backend=config.method_backend(config.default_method.name),
+            default_method=config.default_method)
         self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, config.torch_dtype, self.device)
         self._groups: dict[MethodSpec, MethodGroup] = {}
         self.sessions: dict[str, Session] = {}
@@ -127,7 +128,7 @@ class ModelRunner:
     def _group(self, spec: MethodSpec) -> MethodGroup:
         group = self._groups.get(spec)
         if group is None:
-            method = spec.build(backend=self.config.backend)
+            method = spec.build(backend=self.config.method_backend(spec.name))
             num_layers, num_heads, num_kv_heads, head_dim = self._shape
             group = MethodGroup(method, num_layers, num_heads, num_kv_heads, head_dim, self.device)
             self._groups[spec] = group
