@@ -154,7 +154,8 @@ def test_build_installs_the_project_as_the_readme_does(kind):
         assert "ARG CUDA_IMAGE=nvidia/cuda:" in text and "whl/cu" in text
         assert env_of(stages(IMAGES[kind])[-1])["RETOPK_BACKEND"] == "triton"
     else:
-        assert "whl/cpu" in text and env_of(stages(IMAGES[kind])[-1])["RETOPK_BACKEND"] == "torch"
+        assert "whl/cpu" in text and env_of(stages(IMAGES[kind])[-1])["RETOPK_BACKEND"] == "auto"
+        assert "python -m retopk_core.cpu.build" in joined and "g++" in joined  # ReTopK's fused CPU kernel
 
 
 def split_volume(volume: str) -> tuple[str, str]:
