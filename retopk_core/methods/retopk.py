@@ -269,7 +269,11 @@ class ReTopK(AttentionMethod):
         return _unique_rows(torch.cat([supports, window], dim=1), int(length.max()) + 1)  # (P, R*K + W) -> (P, M)
 
     def describe(self) -> dict:
-        return {"method": self.name, **dataclasses.asdict(self.config), "backend": self.backend}
+        backend = self.backend
+        if backend == "cpu":
+            from retopk_core.cpu import launch
+            backend = "cpu" if launch.available() else "torch (cpu kernel not built)"
+        return {"method": self.name, **dataclasses.asdict(self.config), "backend": backend}
 
 
 def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
