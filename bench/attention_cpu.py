@@ -115,6 +115,10 @@ def parse_args(argv=None):
     p.add_argument("--replay", type=FsPath, default=DEFAULT_REPLAY,
                    help="replay pattern: a recording of bench/record_paths.py (default: %(default)s)")
     p.add_argument("--baselines", action="store_true", help="also time the baselines that are registered")
+    p.add_argument("--backend", choices=["torch", "cpu"], default="torch",
+                   help="ReTopK's implementation: the torch reference or the fused CPU kernel (retopk_core/cpu); "
+                        "with cpu, Exact Top-K also runs in that kernel (ReTopK at tau = 1: every step exact) "
+                        "and the ratio against it is shown beside the one against the torch Exact Top-K")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json and <out>.png")
     args = p.parse_args(argv)
@@ -327,10 +331,13 @@ class Timed:
 
 def methods_at(args) -> list[tuple[dict, object]]:
     """(row fields, method) of every row of one length, in table order."""
-    K = args.top_k
+    K, backend = args.top_k, args.backend
     rows = [({"method": "full"}, make_method("full")),
-            ({"method": "exact_topk"}, make_method("exact_topk", top_k=K)),
-            ({"method": "retopk_reuse"}, make_method("retopk", top_k=K, tau=0.0, refresh_every=0))]
+            ({"method": "exact_topk"}, make_method("exact_topk", top_k=K))]
+    if backend == "cpu":  # the same kernel with every head on the exact path: the same-implementation baseline
+        rows.append(({"method": "exact_topk_cpu"}, make_method("retopk", top_k=K, tau=1.0, refresh_every=1,
+                                                               backend="cpu")))
+    rows.append(({"method": "retopk_reuse"}, make_method("retopk", top_k=K, tau=0.0, refresh_every=0, backend=backend)))
     if args.baselines:
         rows += [({"method": name}, make_method(name, **params))
                  for name, params in baseline_params(K, args.head_dim).items() if name in method_names()]
@@ -338,14 +345,15 @@ def methods_at(args) -> list[tuple[dict, object]]:
         for policy in args.policies:
             rows.append(({"method": "retopk", "pattern": pattern, "policy": policy},
                          make_method("retopk", top_k=K, tau=args.tau, group_tau_min=args.group_tau_min,
-                                     gqa_policy=policy)))
+                                     gqa_policy=policy, backend=backend)))
     return rows
 
 
 def label(r: dict) -> str:
     if r.get("pattern"):
         return f"retopk {r['policy']} / {r['pattern']}"
-    return "retopk reuse only (floor)" if r["method"] == "retopk_reuse" else r["method"]
+    return {"retopk_reuse": "retopk reuse only (floor)",
+            "exact_topk_cpu": "exact top-k (fused cpu kernel)"}.get(r["method"], r["method"])
 
 
 def run(args, replay: Replay | None = None) -> list[dict]:
@@ -366,25 +374,31 @@ def run(args, replay: Replay | None = None) -> list[dict]:
                 t.run(trace.steps[slice(*span)], timed=True)
         at_L = [{"L": L, **fields, **t.row(args.layers, args.kv_heads)} for _, t, fields in timers]
         exact_ms = next(r["ms"] for r in at_L if r["method"] == "exact_topk")
+        same_ms = next((r["ms"] for r in at_L if r["method"] == "exact_topk_cpu"), None)
         for r in at_L:
             r["label"] = label(r)
+            r["backend"] = args.backend if r["method"].startswith("retopk") or r["method"] == "exact_topk_cpu" \
+                else "torch"
             r["speedup_vs_exact"] = exact_ms / r["ms"]
+            r["speedup_vs_exact_same_kernel"] = None if same_ms is None else same_ms / r["ms"]
         rows += at_L
         del works, timers, traces
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| L | method | pattern | ms per layer-step (mean) | median | vs Exact Top-K (mean) | heads exact "
-             "| groups read | keys scored (mean/head) | paths |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| L | method | pattern | ms per layer-step (mean) | median | vs Exact Top-K (mean) "
+             "| vs Exact Top-K, same kernel | heads exact | groups read | keys scored (mean/head) | paths |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         total = sum(r["paths"].values()) or 1
         mix = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(r["paths"].items()))
         pattern = {None: "", "whole-step": "whole-step (kindest)"}.get(r.get("pattern"), r.get("pattern"))
         name = f"retopk {r['policy']}" if r.get("policy") else label(r)
+        same = r.get("speedup_vs_exact_same_kernel")
         lines.append(f"| {r['L']} | {name} | {pattern} | {r['ms']:.2f} | {r['median_ms']:.2f} | "
-                     f"{r['speedup_vs_exact']:.2f}x | {100 * r['head_exact_share']:.0f}% | "
+                     f"{r['speedup_vs_exact']:.2f}x | {'' if same is None else f'{same:.2f}x'} | "
+                     f"{100 * r['head_exact_share']:.0f}% | "
                      f"{100 * r['group_read_rate']:.0f}% | {r['mean_scored']:.0f} | {mix} |")
     return "\n".join(lines)
 

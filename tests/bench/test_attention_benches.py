@@ -140,3 +140,21 @@ def test_attention_stages_tiny(tmp_path, capsys):
                                     "sparse attend", "cache update"}
     assert 8 <= res["mean_candidates"] <= 4 * 8 + 32
     assert "Exact Top-K / ReTopK reuse" in capsys.readouterr().out
+
+
+def test_attention_cpu_fused_kernel_rows(tmp_path):
+    """--backend cpu: ReTopK rows run the fused kernel, and the kernel's own exact-every-step row is there
+    as the same-implementation baseline (every group read on every step)."""
+    from retopk_core.cpu import launch
+
+    if not launch.available():
+        import pytest
+        pytest.skip("the fused CPU kernel is not built (make install builds it)")
+    out = tmp_path / "attn"
+    attention_cpu.main(["--lengths", "128", *TINY, "--pattern", "per-head", "--policies", "head", "--backend", "cpu",
+                        "--out", str(out)])
+    by = rows_by(json.loads(out.with_suffix(".json").read_text())["rows"])
+    same = by[(128, "exact_topk_cpu", None, None)]
+    assert same["group_read_rate"] == 1 and same["backend"] == "cpu" and same["speedup_vs_exact_same_kernel"] == 1
+    assert by[(128, "retopk", "per-head", "head")]["backend"] == "cpu"
+    assert by[(128, "exact_topk", None, None)]["backend"] == "torch"
