@@ -44,7 +44,6 @@ from bench.eval.common import (
     parse_methods,
     pyplot,
     run_meta,
-    save_figure,
     split_documents,
     write_results,
 )
@@ -221,13 +220,15 @@ def table(args, runs, store: dict) -> list[dict]:
     for r in runs:
         d = describe(r)
         row = {"method": r.label, "policy": short_label(r), "gqa_policy": d.get("gqa_policy"), "tau": d.get("tau"),
-               "group_tau_min": d.get("group_tau_min"), "C": d.get("cache_size"), "W": d.get("window")}
+               "group_tau_min": d.get("group_tau_min"), "C": d.get("cache_size"), "W": d.get("window"),
+               "R": d.get("recall")}
         for L in args.lengths:
             per, ref = ppl.get(r.label, {}).get(str(L)), ppl.get(EXACT, {}).get(str(L))
             if per is None:
                 continue
             row[f"ppl_{L}"] = per["ppl"]
             row[f"dppl_{L}"] = per["ppl"] / ref["ppl"] - 1.0 if ref else None
+            row[f"dppl_se_{L}"] = document_se(per["nll"], ref["nll"], args.suffix) if ref else None
             row.update({f"{k}_{L}": per["mix"][k] for k in MIX_KEYS})
         if r.label in nia:
             src = nia[r.label]["row"]
@@ -243,6 +244,19 @@ def table(args, runs, store: dict) -> list[dict]:
     for row in rows:
         row["meets"] = meets(args, row, exact)
     return rows
+
+
+def document_se(nll: list[float], ref: list[float], suffix: int) -> float | None:
+    """Standard error over documents of the mean per-token NLL difference against the reference (both
+    lists hold ``suffix`` predictions per document, in the same order). ΔPPL = exp(mean difference) - 1,
+    so this is about its standard error; tokens of one document are correlated, documents are not."""
+    n = len(nll) // suffix
+    if n < 2 or len(ref) != len(nll):
+        return None
+    d = [sum(a - b for a, b in zip(nll[i * suffix:(i + 1) * suffix], ref[i * suffix:(i + 1) * suffix], strict=True))
+         / suffix for i in range(n)]
+    mean = sum(d) / n
+    return (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
 
 
 def _mean(values):
@@ -299,13 +313,15 @@ def detail_runs(args, grid, rows: list[dict]) -> list:
 def write(args, runner, started: float, runs, rows: list[dict], store: dict, details: list) -> None:
     Ls, nLs = args.lengths, args.niah_lengths or args.lengths
     per_length = [c for L in Ls for c in ((f"ppl_{L}", f"PPL {L}", ".3f"), (f"dppl_{L}", f"ΔPPL {L}", "%"),
+                                          (f"dppl_se_{L}", "± (docs)", "%"),
                                           (f"group_read_{L}", f"group reads {L}", "%"))]
     main_cols = [("policy", "policy", "")] + per_length + [(f"niah_{L}", f"NIAH {L}", ".1f") for L in nLs] \
         + [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("fid_cosine", "cosine", "%"),
            ("meets", "targets met", "")]
     mix_cols = [("policy", "policy", "")] + [c for L in Ls for c in mix_columns(f"_{L}", str(L))]
     front = pareto_front(rows, Ls)
-    tables = [(f"PPL and its change against Exact Top-K, group-read rate (teacher-forced decode), NIAH (mean of "
+    tables = [(f"PPL and its change against Exact Top-K (± one standard error over the documents of the paired "
+               f"per-token NLL difference), group-read rate (teacher-forced decode), NIAH (mean of "
                f"{args.tasks.replace(',', ' / ')}), fidelity at L={max(Ls)}; targets: ΔPPL <= {args.target_dppl:.0%} "
                f"('ppl'), NIAH >= Exact Top-K ('niah'), group reads <= {args.target_group_read:.0%} ('reads')",
                markdown_table(rows, main_cols)),
@@ -318,8 +334,8 @@ def write(args, runner, started: float, runs, rows: list[dict], store: dict, det
         tables.append(("Group reads of the NIAH question and answer steps",
                        markdown_table([r for r in rows if "niah" in r], [("policy", "policy", "")] +
                                       [(f"niah_group_read_{L}", f"group reads {L}", "%") for L in nLs])))
-    plot = plot_pareto(rows, Ls, args, args.out / f"{NAME}_pareto.png") if any(f"dppl_{Ls[0]}" in r for r in rows) \
-        else None
+    plot = plot_pareto(rows, Ls, args, args.out / f"{NAME}_pareto.png", {r.label for r in details}) \
+        if any(f"dppl_{Ls[0]}" in r for r in rows) else None
     seconds = {s: round(store[s]["seconds"], 1) for s in store}
     meta = run_meta(args, runner, started, lengths=Ls, docs=args.docs, suffix=args.suffix, stage_seconds=seconds,
                     detail=[r.label for r in details])
@@ -332,43 +348,58 @@ def write(args, runner, started: float, runs, rows: list[dict], store: dict, det
 MARKERS = {"head": "o", "promote": "s", "group": "^"}
 
 
-def plot_pareto(rows: list[dict], lengths: list[int], args, path: Path) -> str:
+def plot_pareto(rows: list[dict], lengths: list[int], args, path: Path, named: set | None = None) -> str:
     """One panel per length: ΔPPL against Exact Top-K over the group-read rate, one marker per method,
-    the Pareto front as a line, the targets as dashed lines."""
+    the Pareto front as a line, the targets as dashed lines. Front points, the references and ``named``
+    labels carry their label; a reference below the ReTopK points' range is drawn at the lower edge."""
+    from retopk_core.config import ReTopKConfig
+
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6.2 * len(lengths), 4.6), squeeze=False)
+    base = ReTopKConfig()
+    fig, axes = plt.subplots(1, len(lengths), figsize=(7 * len(lengths), 5.2), squeeze=False)
     cmap = plt.get_cmap("viridis")
     taus = sorted({r["tau"] for r in rows if r.get("tau") is not None}) or [0.0]
+    named = named or set()
     for ax, L in zip(axes[0], lengths, strict=True):
         pts = [r for r in rows if r.get(f"dppl_{L}") is not None]
+        front = sorted(pareto_front(pts, [L]), key=lambda r: r[f"group_read_{L}"])
+        ys = [100 * r[f"dppl_{L}"] for r in pts if r.get("gqa_policy") or r["method"] == EXACT]
+        lo, hi = min(ys + [-1.0]) - 1.0, max(ys + [1.0]) + 1.0
         for r in pts:
             x, y = 100 * r[f"group_read_{L}"], 100 * r[f"dppl_{L}"]
+            label = r["policy"]
             if r.get("gqa_policy"):
-                tuned = (r["C"], r["W"]) != (32, 32)
+                tuned = (r["C"], r["W"], r["R"]) != (base.cache_size, base.window, base.recall)
                 color = cmap(taus.index(r["tau"]) / max(1, len(taus) - 1))
-                ax.scatter(x, y, marker=MARKERS[r["gqa_policy"]], s=46, color=color if not tuned else "none",
+                ax.scatter(x, y, marker=MARKERS[r["gqa_policy"]], s=46, color="none" if tuned else color,
                            edgecolors=color, linewidths=1.5, zorder=3)
             else:
+                if y < lo:
+                    label, y = f"{label} ({y:+.1f}%, off scale)", lo + 0.3
                 ax.scatter(x, y, marker="X" if r["method"] == EXACT else "*", s=90, color="black", zorder=3)
-            ax.annotate(r["policy"], (x, y), fontsize=5.5, xytext=(3, 3), textcoords="offset points")
-        front = sorted(pareto_front(pts, [L]), key=lambda r: r[f"group_read_{L}"])
+            if r in front or not r.get("gqa_policy") or r["method"] in named:
+                ax.annotate(label, (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")
         ax.plot([100 * r[f"group_read_{L}"] for r in front], [100 * r[f"dppl_{L}"] for r in front], color="tab:red",
-                lw=0.8, zorder=2, label="Pareto front at this length")
+                lw=0.8, zorder=2)
         ax.axhline(100 * args.target_dppl, color="gray", ls="--", lw=0.7)
         ax.axvline(100 * args.target_group_read, color="gray", ls="--", lw=0.7)
         ax.axhline(0, color="gray", lw=0.4)
+        ax.set_ylim(lo, hi)
         ax.set_xlabel("group-read rate (% of layer x KV group x step read in full)")
         ax.set_ylabel("ΔPPL vs Exact Top-K (%)")
-        ax.set_title(f"L = {L}, K = {args.top_k}", fontsize=9)
+        ax.set_title(f"L = {L}, K = {args.top_k}; red: Pareto front, dashed: targets", fontsize=9)
     handles = [plt.Line2D([], [], marker=m, ls="", color="gray", label=p) for p, m in MARKERS.items()]
-    handles += [plt.Line2D([], [], marker="o", ls="", mfc="none", color="gray", label="C, W off 32 (hollow)"),
+    handles += [plt.Line2D([], [], marker="o", ls="", mfc="none", color="gray", label="C, W or R retuned (hollow)"),
                 plt.Line2D([], [], marker="X", ls="", color="black", label="Exact Top-K"),
                 plt.Line2D([], [], marker="*", ls="", color="black", label="Full")]
     handles += [plt.Line2D([], [], marker="o", ls="", color=cmap(i / max(1, len(taus) - 1)), label=f"tau {t:g}")
                 for i, t in enumerate(taus)]
-    axes[0][-1].legend(handles=handles, fontsize=6.5, loc="upper right")
+    fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
+    return str(path)
 
 
 def main(argv=None, runner=None) -> dict:

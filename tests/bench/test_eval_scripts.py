@@ -448,3 +448,11 @@ def test_pareto_front_from_the_definition():
     assert {r["method"] for r in pareto_front(rows, [1])} == {"a", "c", "d", "e"}  # e ties a at length 1: both stay
     rows[4]["group_read_1"] = 0.55  # now a beats e at length 1
     assert {r["method"] for r in pareto_front(rows, [1])} == {"a", "c", "d"}
+
+
+def test_document_standard_error_from_the_definition():
+    from bench.eval.policies import document_se
+
+    # per-document mean differences 1 and 2: mean 1.5, sample variance 0.5, standard error sqrt(0.5 / 2)
+    assert document_se([1.0, 1.0, 2.5, 1.5], [0.0, 0.0, 0.0, 0.0], 2) == pytest.approx(0.5)
+    assert document_se([1.0, 2.0], [0.0, 0.0], 2) is None  # one document: no spread
