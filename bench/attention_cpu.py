@@ -72,6 +72,7 @@ from retopk_core.config import GQA_POLICIES, ReTopKConfig
 from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method, method_names
 from retopk_core.methods.base import FULL_READ_PATHS, group_reads
+from retopk_server.cli import parse_params  # the server's key=value grammar
 
 PATTERNS = {"per-head": "each head alone gets an unrelated query with probability --head-p",
             "replay": "each head's max cached-query similarity replayed from a recording of the embedded model",
@@ -115,6 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--replay", type=FsPath, default=DEFAULT_REPLAY,
                    help="replay pattern: a recording of bench/record_paths.py (default: %(default)s)")
     p.add_argument("--baselines", action="store_true", help="also time the baselines that are registered")
+    p.add_argument("--params", type=parse_params, default={},
+                   help='more ReTopK hyperparameters for the policy rows, e.g. "cache_size=64,window=128"')
     p.add_argument("--backend", choices=["torch", "cpu"], default="torch",
                    help="ReTopK's implementation: the torch reference or the fused CPU kernel (retopk_core/cpu); "
                         "with cpu, Exact Top-K also runs in that kernel (ReTopK at tau = 1: every step exact) "
@@ -344,8 +347,8 @@ def methods_at(args) -> list[tuple[dict, object]]:
     for pattern in args.pattern:
         for policy in args.policies:
             rows.append(({"method": "retopk", "pattern": pattern, "policy": policy},
-                         make_method("retopk", top_k=K, tau=args.tau, group_tau_min=args.group_tau_min,
-                                     gqa_policy=policy, backend=backend)))
+                         make_method("retopk", **{"top_k": K, "tau": args.tau, "group_tau_min": args.group_tau_min,
+                                                  "gqa_policy": policy, "backend": backend, **args.params})))
     return rows
 
 
