@@ -280,6 +280,12 @@ class HeldPrefix:
     ids: list
 
 
+def prefill_tail(runs: list[MethodRun]) -> int:
+    """Tokens each session must prefill itself so that every method's prefill hook sees the prompt's last
+    queries it asks for (ReTopK: C): ``held_prefix``'s tail for a set of methods."""
+    return max([SHARE_TAIL] + [r.spec.build().prefill_queries for r in runs])
+
+
 @contextmanager
 def held_prefix(runner, ids: list[int], share: bool = True, tail: int = SHARE_TAIL):
     """Prefill ids[:-tail] once into a donor session, closed on exit -> a HeldPrefix, or None when the

@@ -32,6 +32,7 @@ from bench.eval.common import (
     markdown_table,
     method_defaults,
     parse_methods,
+    prefill_tail,
     progress_bar,
     pyplot,
     run_meta,
@@ -97,11 +98,11 @@ def evaluate(runner, runs, docs: list[list[int]], suffix: int, top_k: int, desc:
     in batches of at most ``batch`` methods sharing each document's dense prefill.
     -> {"rows": summarize(...), "recorders": {label: FidelityRecorder}, "mix": {label: PathMix summary}}."""
     probe_runs, recorders = probed(runs, top_k, runner.info.head_dim)
-    groups = batches(probe_runs, batch)
+    groups, tail = batches(probe_runs, batch), prefill_tail(probe_runs)
     bar = progress_bar(len(docs) * suffix * len(groups), desc)
     mixes = {}
     for doc in docs:
-        with held_prefix(runner, doc[:len(doc) - suffix - 1]) as held:
+        with held_prefix(runner, doc[:len(doc) - suffix - 1], tail=tail) as held:
             traces = {}
             for group in groups:
                 traces.update(teacher_force(runner, group, doc, len(doc) - suffix, progress=bar, held=held))

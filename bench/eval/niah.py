@@ -37,6 +37,7 @@ from bench.eval.common import (
     markdown_table,
     mix_columns,
     parse_methods,
+    prefill_tail,
     progress_bar,
     pyplot,
     run_meta,
@@ -150,7 +151,7 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
     chat = chat and getattr(runner.tokenizer, "chat_template", None) is not None
     encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
     depths = [i / max(1, n_depths - 1) for i in range(n_depths)]
-    groups = batches(runs, batch)
+    groups, tail = batches(runs, batch), prefill_tail(runs)
     bar = progress_bar(len(lengths) * len(tasks) * len(depths) * len(groups), desc)
     records, mixes = [], {r.label: {} for r in runs}
     stop = tuple(runner.info.eos_token_ids)
@@ -165,7 +166,7 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
                 ex = build_example(task, depth, L, lines, encode, rng, needles, overhead)
                 ctx, q = prompt_ids(runner, ex, chat)
                 out = {}
-                with held_prefix(runner, ctx) as held:
+                with held_prefix(runner, ctx, tail=tail) as held:
                     for group in groups:
                         out.update(answer(runner, group, ctx, q, max_new or 12 * len(ex["values"]) + 4, stop,
                                           progress=bar, held=held))

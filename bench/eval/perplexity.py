@@ -30,6 +30,7 @@ from bench.eval.common import (
     mix_columns,
     parse_methods,
     ppl,
+    prefill_tail,
     progress_bar,
     pyplot,
     run_meta,
@@ -58,7 +59,7 @@ def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: i
              batch: int | None = None) -> dict:
     """-> {L: {label: {"ppl", "nll": [...], "mix": summary, "top1"}}}. Methods decode in batches of at most
     ``batch`` (None: all in one), every batch of a document sharing one dense prefill."""
-    groups = batches(runs, batch)
+    groups, tail = batches(runs, batch), prefill_tail(runs)
     total = sum(len(d) for d in docs_by_length.values()) * suffix * len(groups)
     bar = progress_bar(total, desc)
     result = {}
@@ -67,7 +68,7 @@ def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: i
         top1 = {r.label: [] for r in runs}
         mixes = {}
         for doc in docs:
-            with held_prefix(runner, doc[:L - suffix - 1]) as held:
+            with held_prefix(runner, doc[:L - suffix - 1], tail=tail) as held:
                 traces = {}
                 for group in groups:
                     traces.update(teacher_force(runner, group, doc, L - suffix, progress=bar, held=held))

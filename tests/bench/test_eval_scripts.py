@@ -145,7 +145,7 @@ def test_default_corpus_strips_verse_references():
 
 
 def test_parse_methods_scales_baselines_to_the_budget():
-    from bench.eval.common import parse_methods
+    from bench.eval.common import SHARE_TAIL, parse_methods, prefill_tail
 
     runs = parse_methods("full,retopk:tau=0.9+refresh_every=32,streaming_llm,loki", 64, 64)
     assert [r.label for r in runs] == ["full", "retopk tau=0.9 refresh_every=32", "streaming_llm", "loki"]
@@ -154,6 +154,9 @@ def test_parse_methods_scales_baselines_to_the_budget():
     assert dict(runs[3].spec.params) == {"top_k": 64, "rank": 32}
     with pytest.raises(SystemExit):
         parse_methods("retopk,retopk", 64, 64)
+    # a held prefix leaves each session the prompt's last C queries to prefill itself (ReTopK's FIFO)
+    assert prefill_tail(parse_methods("full,exact_topk", 64, 64)) == SHARE_TAIL
+    assert prefill_tail(parse_methods("exact_topk,retopk:cache_size=128", 64, 64)) == 128
 
 
 # ---- path mix -------------------------------------------------------------------------------------
