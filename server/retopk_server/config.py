@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 
 from retopk_core.methods.registry import serving_method_names
 from retopk_server.engine.requests import EngineConfig
-from retopk_server.runtime.config import RuntimeConfig
+from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS, RuntimeConfig
 from retopk_server.runtime.method_spec import MethodSpec
 
 
 def _default_method_params() -> dict:
-    # K = 64 for the embedded 8K-position model (see retopk_server.runtime.config); other methods
-    # start from their own defaults.
-    return {"top_k": 64}
+    # the runtime's default ReTopK (see retopk_server.runtime.config); other methods start from their own
+    return dict(DEFAULT_METHOD_PARAMS)
 
 
 @dataclass

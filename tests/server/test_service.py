@@ -19,6 +19,7 @@ from retopk_client.types import PATH_NAMES as CLIENT_PATH_NAMES
 from retopk_client.types import StepStats as ClientStepStats
 from retopk_core.methods.base import PATH_NAMES
 from retopk_server.cli import config_from
+from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
 from retopk_server.runtime.stats import StepStats
 from retopk_server.service.convert import step_stats_message
 from tests.server.fake_runner import EOS, FakeRunner, greedy_reference
@@ -312,7 +313,7 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(fake_server):
 def test_flags_override_env_override_defaults():
     config = config_from([], {})
     assert (config.port, config.metrics_port, config.model, config.method_params) == (50051, 9464, "smollm2-135m",
-                                                                                       {"top_k": 64})
+                                                                                       DEFAULT_METHOD_PARAMS)
     env = {"RETOPK_PORT": "6000", "RETOPK_MAX_QUEUE": "3", "RETOPK_METHOD": "exact_topk", "RETOPK_API_KEY": "k"}
     config = config_from(["--port", "7000"], env)
     assert (config.port, config.max_queue, config.method, config.method_params, config.api_key) == (

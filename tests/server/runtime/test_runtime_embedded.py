@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig, Sampler, SamplingParams, StopChecker
+from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,8 @@ def test_model_info(runner):
     info = runner.info
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
     assert info.max_context == 8192 and info.vocab_size == 49152 and 2 in info.eos_token_ids
-    assert info.default_method == MethodSpec.of("retopk", top_k=64)
+    assert info.default_method == MethodSpec.of("retopk", **DEFAULT_METHOD_PARAMS)
+    assert dict(info.default_method.params)["top_k"] == 64
 
 
 def test_capital_of_france_is_paris_with_the_default_method(runner):
