@@ -201,3 +201,11 @@ def test_unknown_method_and_bad_parameter():
         make_method("retopk", top_k=0)
     with pytest.raises(ValueError, match="bad parameters"):
         make_method("exact_topk", tau=0.5)
+
+
+def test_long_prompt_seeding_group_by_group_matches_reference(monkeypatch):
+    """Prefill scores long prompts one KV group at a time (memory bound); force that branch on a small case."""
+    import retopk_core.methods.retopk as retopk_module
+
+    monkeypatch.setattr(retopk_module, "SHORT_BATCH_KEYS", 0)
+    test_matches_reference_loop(CASES[1], POLICIES[0], use_paged=True)
