@@ -11,7 +11,8 @@ and a 7-digit value (seeded). Tasks:
 The queried needle (the first of the multi-value ones) sits at evenly spaced depths 0..1 of the
 haystack; other needles at seeded random line positions. The context is prefilled densely; the
 question (and the chat template's assistant prompt and an answer prefix) is decoded token by token
-with the method, then the answer is generated greedily. Score (RULER's string match): the share of
+with the method, then the answer is generated greedily. The prompt fills the context length, less
+the answer tokens where that length reaches the model's positions. Score (RULER's string match): the share of
 the expected values that appear verbatim in the answer, averaged over examples, in percent. The
 path mix and group-read rate are counted over the question and answer decode steps.
 
@@ -160,16 +161,18 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
             probe = {"context": "", "question": QUESTION[task].format(key=max(KEYS, key=len)),
                      "prefix": ANSWER_PREFIX[task].format(key=max(KEYS, key=len))}
             overhead = sum(map(len, prompt_ids(runner, probe, chat)))
+            n_answer = max_new or 12 * (needles if task == "multivalue" else 1) + 4
+            # the prompt fills L tokens, less the answer's where L reaches the model's positions
+            budget = min(L, runner.max_context - n_answer)
             for di, depth in enumerate(depths):
                 rng = random.Random(f"{seed}-{L}-{task}-{di}")
                 lines = haystack_lines(text, rng.random())
-                ex = build_example(task, depth, L, lines, encode, rng, needles, overhead)
+                ex = build_example(task, depth, budget, lines, encode, rng, needles, overhead)
                 ctx, q = prompt_ids(runner, ex, chat)
                 out = {}
                 with held_prefix(runner, ctx, tail=tail) as held:
                     for group in groups:
-                        out.update(answer(runner, group, ctx, q, max_new or 12 * len(ex["values"]) + 4, stop,
-                                          progress=bar, held=held))
+                        out.update(answer(runner, group, ctx, q, n_answer, stop, progress=bar, held=held))
                 for label, res in out.items():
                     text_out = runner.decode_tokens(res["ids"])
                     records.append({"length": L, "task": task, "depth": depth, "method": label,

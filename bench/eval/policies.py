@@ -132,8 +132,8 @@ def stage_settings(args, runner, stage: str) -> dict:
     if stage == "ppl":
         return {**base, "lengths": args.lengths, "docs": args.docs, "suffix": args.suffix}
     if stage == "niah":
-        return {**base, "lengths": args.niah_lengths or args.lengths, "tasks": args.tasks, "depths": args.depths,
-                "needles": args.needles, "max_new": args.max_new, "seed": args.seed}
+        return {**base, "tasks": args.tasks, "depths": args.depths, "needles": args.needles, "max_new": args.max_new,
+                "seed": args.seed}  # stored per length
     return {**base, "length": max(args.lengths), "docs": args.fidelity_docs, "of_docs": args.docs,
             "suffix": args.fidelity_suffix or args.suffix}
 
@@ -176,21 +176,32 @@ def run_ppl(args, runner, text: str, runs, store: dict) -> None:
     store["ppl"]["seconds"] += time.time() - t
 
 
-def run_niah(args, runner, text: str, runs, store: dict) -> None:
-    todo = missing(store, "niah", runs)
-    lengths = args.niah_lengths or args.lengths
-    print(f"== niah: {len(todo)} of {len(runs)} methods to run at L = {lengths}, {args.depths} depths", flush=True)
-    if not todo:
-        return
-    t = time.time()
-    tasks = [x for x in args.tasks.split(",") if x]
-    res = niah.evaluate(runner, todo, text, lengths, tasks, args.depths, args.needles, args.max_new, True, args.seed,
-                        desc="policies niah", batch=args.batch)
-    rows = {r["method"]: r for r in niah.table_rows(res["records"], todo, lengths, tasks, res["mix"])}
-    for r in todo:
-        store["niah"]["methods"][r.label] = {"spec": spec_key(r), "row": rows[r.label], "records":
-                                             [x for x in res["records"] if x["method"] == r.label]}
-    store["niah"]["seconds"] += time.time() - t
+def run_niah(args, runner, text: str, runs, store: dict, checkpoint=None) -> None:
+    """One length at a time, stored (and ``checkpoint()`` called) after each, so a stopped run loses one length."""
+    lengths, tasks = args.niah_lengths or args.lengths, [x for x in args.tasks.split(",") if x]
+    have = store["niah"]["methods"]
+    for L in lengths:
+        todo = [r for r in runs if str(L) not in niah_entry(have, r).get("lengths", {})]
+        print(f"== niah L={L}: {len(todo)} of {len(runs)} methods to run, {len(tasks)} tasks x {args.depths} depths",
+              flush=True)
+        if not todo:
+            continue
+        t = time.time()
+        res = niah.evaluate(runner, todo, text, [L], tasks, args.depths, args.needles, args.max_new, True, args.seed,
+                            desc=f"policies niah {L}", batch=args.batch)
+        for r in todo:
+            if not niah_entry(have, r):
+                have[r.label] = {"spec": spec_key(r), "lengths": {}}
+            have[r.label]["lengths"][str(L)] = {"records": [x for x in res["records"] if x["method"] == r.label],
+                                                "mix": res["mix"][r.label][L].summary()}
+        store["niah"]["seconds"] += time.time() - t
+        if checkpoint is not None:
+            checkpoint()
+
+
+def niah_entry(have: dict, run) -> dict:
+    entry = have.get(run.label)
+    return entry if entry and entry["spec"] == spec_key(run) else {}
 
 
 def run_fidelity(args, runner, text: str, runs, store: dict) -> None:
@@ -215,7 +226,7 @@ def table(args, runs, store: dict) -> list[dict]:
     """One row per method: hyperparameters, PPL and its change per length, the path mix and group-read
     rate per length, NIAH per length, fidelity, and which targets it meets."""
     ppl, nia, fid = (store[s]["methods"] for s in ("ppl", "niah", "fidelity"))
-    niah_lengths = args.niah_lengths or args.lengths
+    niah_lengths, tasks = args.niah_lengths or args.lengths, [x for x in args.tasks.split(",") if x]
     rows = []
     for r in runs:
         d = describe(r)
@@ -230,12 +241,13 @@ def table(args, runs, store: dict) -> list[dict]:
             row[f"dppl_{L}"] = per["ppl"] / ref["ppl"] - 1.0 if ref else None
             row[f"dppl_se_{L}"] = document_se(per["nll"], ref["nll"], args.suffix) if ref else None
             row.update({f"{k}_{L}": per["mix"][k] for k in MIX_KEYS})
-        if r.label in nia:
-            src = nia[r.label]["row"]
-            for L in niah_lengths:
-                row[f"niah_{L}"] = src.get(f"avg_{L}")
-                row[f"niah_group_read_{L}"] = src.get(f"group_read_{L}")
-            row["niah"] = _mean([row[f"niah_{L}"] for L in niah_lengths])
+        got = {L: niah_entry(nia, r).get("lengths", {}).get(str(L)) for L in niah_lengths}
+        for L, entry in got.items():
+            if entry is not None:
+                row[f"niah_{L}"] = niah.table_rows(entry["records"], [r], [L], tasks)[0][f"avg_{L}"]
+                row[f"niah_group_read_{L}"] = entry["mix"]["group_read"]
+        if any(got.values()):
+            row["niah"] = _mean([row.get(f"niah_{L}") for L in niah_lengths])
         if r.label in fid:
             src = fid[r.label]["row"]
             row.update({f"fid_{k}": src.get(k) for k in ("recall", "mass", "cosine", "group_read")})
@@ -431,8 +443,7 @@ def main(argv=None, runner=None) -> dict:
         details = detail_runs(args, grid, table(args, runs, store))
         print(f"   detail methods: {[short_label(r) for r in details]}", flush=True)
     if "niah" in parts:
-        run_niah(args, runner, text, refs + details, store)
-        checkpoint()
+        run_niah(args, runner, text, refs + details, store, checkpoint)
     if "fidelity" in parts:
         run_fidelity(args, runner, text, [r for r in refs if r.label == EXACT] + details, store)
     rows = table(args, runs, store)

@@ -387,7 +387,7 @@ def test_policies_group_reads_front_targets_and_resume(tiny, tmp_path, capsys):
 
     L, S = 240, 16
     base = common_args(tiny) + ["--top-k", "16", "--lengths", str(L), "--docs", "2", "--suffix", str(S),
-                                "--batch", "2", "--niah-lengths", "400", "--depths", "2", "--needles", "2",
+                                "--batch", "2", "--niah-lengths", "400", "1024", "--depths", "2", "--needles", "2",
                                 "--max-new", "4", "--fidelity-docs", "1", "--out", str(tmp_path)]
     res = policies.main(base + ["--methods", POLICY_GRID, "--parts", "ppl,niah,fidelity"])
     data = read_json(tmp_path, "policies")
@@ -420,7 +420,11 @@ def test_policies_group_reads_front_targets_and_resume(tiny, tmp_path, capsys):
     assert set(data["meta"]["detail"]) == front
     niah_rows = [r for r in res["rows"] if "niah" in r]
     assert {r["method"] for r in niah_rows} == front | {"full", "exact_topk"}
-    assert all(0 <= r["niah_400"] <= 100 and r["niah_group_read_400"] is not None for r in niah_rows)
+    assert all(0 <= r[f"niah_{n}"] <= 100 and r[f"niah_group_read_{n}"] is not None for r in niah_rows
+               for n in (400, 1024))
+    # at the model's 1024 positions the prompt leaves room for the answer (4 tokens here)
+    at_max = data["stages"]["niah"]["methods"]["exact_topk"]["lengths"]["1024"]["records"]
+    assert len(at_max) == 3 * 2 and all(x["context_tokens"] <= 1024 - 4 for x in at_max)
     fid = {r["method"] for r in res["rows"] if "fid_recall" in r}
     assert fid == front | {"exact_topk"} and rows["exact_topk"]["fid_recall"] == 1.0
     assert "ppl" in rows["exact_topk"]["meets"] and "reads" not in rows["exact_topk"]["meets"]
