@@ -158,8 +158,9 @@ def test_dense_floor_rows_and_sparse_rows_in_one_batch():
 
 
 @needs_kernel
-def test_long_history_many_blocks_and_threads():
-    """A few hundred positions over 16-position blocks, batch 4 x 3 groups on every thread torch has."""
+@pytest.mark.parametrize("block", [16, 100])  # 100: blocks longer than the exact pass's 64-row tile, not a multiple
+def test_long_history_many_blocks_and_threads(block):
+    """A few hundred positions over paged blocks, batch 4 x 3 groups on every thread torch has."""
     torch.manual_seed(0)
     cfg = dict(top_k=32, cache_size=8, window=16, recall=4, tau=0.5, refresh_every=3, gqa_policy="group",
                group_tau_min=0.2)
@@ -174,7 +175,7 @@ def test_long_history_many_blocks_and_threads():
     states = {"torch": state, "cpu": copy.deepcopy(state)}
     with torch.inference_mode():
         for t in range(6):
-            kv = paged(trace.keys, trace.values, trace.lengths_at(t), block=16, seed=t)
+            kv = paged(trace.keys, trace.values, trace.lengths_at(t), block=block, seed=t)
             a, b = (methods[n].decode(trace.queries[t], kv, states[n], slots) for n in ("torch", "cpu"))
             assert_same_step(a, b, states["torch"], states["cpu"])
 
