@@ -79,5 +79,5 @@ test: install-test proto system-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_client/_proto .pytest_cache .ruff_cache \
+	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_proto .pytest_cache .ruff_cache \
 		retopk_core/cpu/_build

@@ -1,8 +1,9 @@
 """Build hook of the root distribution: generate the gRPC stubs from proto/ before packaging.
 
 All metadata lives in pyproject.toml; this file only swaps in a build_py that runs
-scripts/gen_proto.py into client/retopk_client/_proto (gitignored) and packages the result. It runs
-for wheels, sdists and editable installs alike.
+scripts/gen_proto.py into client/retopk_proto (gitignored: the public wire package ``retopk_proto``
+that the server and the client both import) and packages the result. It runs for wheels, sdists and
+editable installs alike.
 """
 
 import importlib.util
@@ -14,7 +15,7 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 GEN_SCRIPT = HERE / "scripts" / "gen_proto.py"
 PROTO_DIR = HERE / "proto"
-OUT_DIR = HERE / "client" / "retopk_client" / "_proto"
+OUT_DIR = HERE / "client" / "retopk_proto"
 
 
 def _gen_proto():
@@ -25,12 +26,14 @@ def _gen_proto():
 
 
 class BuildPyWithProto(build_py):
-    """build_py that first (re)generates retopk_client._proto and adds its packages."""
+    """build_py that first (re)generates retopk_proto and adds its packages."""
 
     def run(self):
         gen = _gen_proto()
         gen.generate(PROTO_DIR, OUT_DIR)
-        for name in gen.generated_packages(OUT_DIR, "retopk_client._proto"):
+        # A fresh tree has no client/retopk_proto when pyproject's package search runs: map it here.
+        self.package_dir.setdefault("retopk_proto", OUT_DIR.relative_to(HERE).as_posix())
+        for name in gen.generated_packages(OUT_DIR, "retopk_proto"):
             if name not in self.packages:
                 self.packages.append(name)
         super().run()

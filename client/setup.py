@@ -16,7 +16,7 @@ from setuptools.command.sdist import sdist
 HERE = Path(__file__).resolve().parent
 GEN_SCRIPT = HERE.parent / "scripts" / "gen_proto.py"
 PROTO_DIR = HERE.parent / "proto"
-OUT_DIR = HERE / "retopk_client" / "_proto"
+OUT_DIR = HERE / "retopk_proto"
 
 
 def _gen_proto():
@@ -31,16 +31,16 @@ def _can_generate() -> bool:
 
 
 class BuildPyWithProto(build_py):
-    """build_py that first (re)generates retopk_client._proto and adds its packages."""
+    """build_py that first (re)generates retopk_proto and adds its packages."""
 
     def run(self):
         if _can_generate():
             gen = _gen_proto()
             gen.generate(PROTO_DIR, OUT_DIR)
-            packages = gen.generated_packages(OUT_DIR, "retopk_client._proto")
+            packages = gen.generated_packages(OUT_DIR, "retopk_proto")
         elif (OUT_DIR / "__init__.py").is_file():
             packages = sorted(
-                "retopk_client._proto" + "".join("." + part for part in p.parent.relative_to(OUT_DIR).parts)
+                "retopk_proto" + "".join("." + part for part in p.parent.relative_to(OUT_DIR).parts)
                 for p in OUT_DIR.rglob("__init__.py")
             )
         else:

@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO / "proto"
-STUB_DIR = REPO / "client" / "retopk_client" / "_proto"
+STUB_DIR = REPO / "client" / "retopk_proto"
 
 
 def _load_gen_proto():
@@ -57,11 +57,11 @@ def test_package_stubs_equal_a_fresh_generation(tmp_path):
         assert installed[rel] == data, f"{rel} differs from what proto/ generates: run python scripts/gen_proto.py"
 
 
-def test_every_proto_has_importable_stubs_under_retopk_client():
+def test_every_proto_has_importable_stubs_in_retopk_proto():
     for proto in gen_proto.find_protos(PROTO_DIR):
         dotted = ".".join(proto.relative_to(PROTO_DIR).with_suffix("").parts)
-        messages = importlib.import_module(f"retopk_client._proto.{dotted}_pb2")
-        services = importlib.import_module(f"retopk_client._proto.{dotted}_pb2_grpc")
+        messages = importlib.import_module(f"retopk_proto.{dotted}_pb2")
+        services = importlib.import_module(f"retopk_proto.{dotted}_pb2_grpc")
         assert messages.DESCRIPTOR.name == proto.relative_to(PROTO_DIR).as_posix()
         for service in messages.DESCRIPTOR.services_by_name:
             assert hasattr(services, f"{service}Stub")
@@ -227,12 +227,13 @@ def test_client_imports_without_torch():
                 if name.split(".")[0] in BLOCKED:
                     raise ImportError(f"{name} must not be imported by the client")
         sys.meta_path.insert(0, Block())
-        import retopk_client
+        import retopk_client, retopk_proto
         names = [m.name for m in pkgutil.walk_packages(retopk_client.__path__, "retopk_client.")]
+        names += [m.name for m in pkgutil.walk_packages(retopk_proto.__path__, "retopk_proto.")]
         for name in names:
             if not name.endswith(".__main__"):  # running it is the command, not an import
                 importlib.import_module(name)
-        assert "retopk_client.cli" in names and "retopk_client._proto" in names, names
+        assert "retopk_client.cli" in names and "retopk_proto.retopk.v1.retopk_pb2" in names, names
         """
     )
     env_path = str(REPO / "client")
@@ -245,9 +246,20 @@ def test_client_imports_without_torch():
     assert done.returncode == 0, done.stderr
 
 
+def test_nothing_imports_a_private_module_of_the_client():
+    """The wire package is public (retopk_proto); no code outside the client reaches into retopk_client._*."""
+    offenders = [
+        path.relative_to(REPO).as_posix()
+        for folder in ("server", "retopk_core", "bench")
+        for path in (REPO / folder).rglob("*.py")
+        if re.search(r"^\s*(from|import) retopk_client\._", path.read_text(), re.M)
+    ]
+    assert not offenders, offenders
+
+
 # ---- the wheels -----------------------------------------------------------------------------------
 
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "_proto", "*.pyc")
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "retopk_proto", "*.pyc")
 
 
 def _build_wheel(source: Path, out: Path) -> zipfile.ZipFile:
@@ -282,12 +294,12 @@ def _copy_sources(dest: Path, parts: list[str]) -> None:
 def test_client_wheel_generates_stubs_and_holds_only_the_client(tmp_path):
     src = tmp_path / "src"
     _copy_sources(src, ["client", "proto", "scripts/gen_proto.py"])
-    assert not (src / "client" / "retopk_client" / "_proto").exists()
+    assert not (src / "client" / "retopk_proto").exists()
     wheel = _build_wheel(src / "client", tmp_path / "wheel")
     names = wheel.namelist()
-    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"retopk_client"}
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"retopk_client", "retopk_proto"}
     for proto in gen_proto.find_protos(PROTO_DIR):
-        stem = "retopk_client/_proto/" + proto.relative_to(PROTO_DIR).with_suffix("").as_posix()
+        stem = "retopk_proto/" + proto.relative_to(PROTO_DIR).with_suffix("").as_posix()
         for suffix in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"):
             assert stem + suffix in names
     requires = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)", _metadata(wheel, "METADATA"), re.M)
@@ -303,13 +315,13 @@ def test_root_wheel_holds_core_server_and_client(tmp_path):
     wheel = _build_wheel(src, tmp_path / "wheel")
     names = wheel.namelist()
     top_level = {n.split("/")[0] for n in names if ".dist-info/" not in n}
-    assert top_level == {"retopk_core", "retopk_server", "retopk_client"}
+    assert top_level == {"retopk_core", "retopk_server", "retopk_client", "retopk_proto"}
     for folder, package in [(".", "retopk_core"), ("server", "retopk_server"), ("client", "retopk_client")]:
         for path in (REPO / folder / package).rglob("*.py"):
             rel = path.relative_to(REPO / folder).as_posix()
-            if "_proto" not in rel and "__pycache__" not in rel:
+            if "__pycache__" not in rel:
                 assert rel in names, rel
-    assert "retopk_client/_proto/retopk/v1/retopk_pb2_grpc.py" in names
+    assert "retopk_proto/retopk/v1/retopk_pb2_grpc.py" in names
     entry_points = _metadata(wheel, "entry_points.txt")
     assert "retopk-server = retopk_server.cli:main" in entry_points
     assert "retopk = retopk_client.cli:main" in entry_points

@@ -6,8 +6,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client.types import SAMPLING_FIELDS, ChatMessage, Method, Sampling, as_chat_message
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
 MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
 

@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 
 from retopk_client import _requests
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_client.channel import DEFAULT, ClientConfig
 from retopk_client.errors import NotFound, RetopkError, from_rpc_error
 from retopk_client.health import HealthCheckRequest, check_method, status_name
 from retopk_client.retry import Attempts, RetryPolicy, call_with_retry
 from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 
 
 class GenerateStream:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
 # The named ReTopK fields of AttentionMethod, in proto order (K, C, W, R, tau, T_r).
 RETOPK_FIELDS = ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")

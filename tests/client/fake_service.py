@@ -13,8 +13,8 @@ from concurrent import futures
 
 import grpc
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 
 
 class FakeService(pb_grpc.ReTopKServiceServicer):

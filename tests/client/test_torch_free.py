@@ -47,7 +47,7 @@ def _clean_env() -> dict[str, str]:
 
 def test_client_installs_without_torch_and_talks_to_the_server(tmp_path, live_server):
     src = tmp_path / "src"  # a copy, so the in-tree build writes nothing into the repository
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "_proto")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", "dist", "retopk_proto")
     shutil.copytree(REPO / "client", src / "client", ignore=ignore)
     shutil.copytree(REPO / "proto", src / "proto", ignore=ignore)
     (src / "scripts").mkdir()

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from retopk_client import errors
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client._requests import generate_request, tokenize_request
 from retopk_client.addresses import is_loopback
 from retopk_client.cli.generate import summary
@@ -17,6 +16,7 @@ from retopk_client.loadgen import BenchConfig, BenchReport, RequestResult
 from retopk_client.retry import RetryPolicy, call_with_retry
 from retopk_client.stats import LatencySummary, percentile
 from retopk_client.types import Chunk, Completion, FinishReason, Method, ModelInfo, StepStats, group_read_rate
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
 
 class FakeRpcError(grpc.RpcError):

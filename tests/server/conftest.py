@@ -16,7 +16,7 @@ import threading
 import grpc
 import pytest
 
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine
 from retopk_server.service.server import start

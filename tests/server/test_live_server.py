@@ -15,9 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_core.methods.base import Path
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from tests._live_server import launch_server
 from tests.server.test_service import INVALID, code_of, ids
 

@@ -27,9 +27,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_client.types import PATH_NAMES
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from tests._live_server import free_port, launch_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -14,10 +14,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_client.types import PATH_NAMES as CLIENT_PATH_NAMES
 from retopk_client.types import StepStats as ClientStepStats
 from retopk_core.methods.base import PATH_NAMES
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.cli import config_from
 from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
 from retopk_server.runtime.stats import StepStats

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import uuid
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
 from retopk_core.methods.registry import serving_method_names
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.requests import FinishReason, GenerationRequest, TokenEvent
 from retopk_server.engine.scheduler import EngineStatus, SessionSnapshot
 from retopk_server.runtime.method_spec import MethodSpec

@@ -21,8 +21,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineObserver
 from retopk_server.service.servicer import ReTopKServicer

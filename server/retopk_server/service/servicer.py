@@ -15,9 +15,9 @@ import time
 
 import grpc
 
-from retopk_client._proto.retopk.v1 import retopk_pb2 as pb
-from retopk_client._proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_core.methods.registry import serving_method_names
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream
 from retopk_server.service import convert
