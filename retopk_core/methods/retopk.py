@@ -137,11 +137,14 @@ class ReTopK(AttentionMethod):
         pos = torch.arange(L, device=q.device)
         causal = pos.view(1, L) <= positions.view(T, 1)  # (T, L): query at p sees keys 0..p
         H_kv = kv.num_kv_heads
-        if H * T * L <= SHORT_BATCH_KEYS:  # a short prompt: every group in one matmul and one Top-K
+        if L <= K:  # every visible key is in the Top-K: the supports are the causal masks, no scores needed
+            support = torch.where(causal, pos.view(1, L), -1)  # (T, L)
+            support = torch.cat([support, support.new_full((T, K - L), -1)], dim=1).expand(H, T, K)
+        elif H * T * L <= SHORT_BATCH_KEYS:  # a short prompt: every group in one matmul and one Top-K
             qs = q.float().reshape(H_kv, G * T, d) * scale  # (H_kv, G*T, d)
             scores = group_scores(qs, kv, 0, L).view(H, T, L).masked_fill(~causal, NEG_INF)  # (H, T, L)
             support = topk_select(scores.view(H * T, L), None, K)[0].view(H, T, K)
-        for g in range(H_kv if H * T * L > SHORT_BATCH_KEYS else 0):  # one group's (G*T, L) scores at a time
+        for g in range(H_kv if L > K and H * T * L > SHORT_BATCH_KEYS else 0):  # one group's (G*T, L) scores at a time
             qs = q[g * G:(g + 1) * G].float().reshape(1, G * T, d) * scale  # (1, G*T, d)
             scores = group_scores(qs, kv, 0, L, group=g)[0].view(G, T, L).masked_fill(~causal, NEG_INF)
             sel, _ = topk_select(scores.view(G * T, L), None, K)  # (G*T, K)

@@ -209,3 +209,28 @@ def test_long_prompt_seeding_group_by_group_matches_reference(monkeypatch):
 
     monkeypatch.setattr(retopk_module, "SHORT_BATCH_KEYS", 0)
     test_matches_reference_loop(CASES[1], POLICIES[0], use_paged=True)
+
+
+@pytest.mark.parametrize("length", [12, 16, 40])  # K = 16: fewer keys than K, exactly K, more (three branches)
+@pytest.mark.parametrize("short", [True, False])  # every group in one matmul, or one group at a time
+def test_prefill_fifo_holds_exact_causal_supports(length, short, monkeypatch):
+    """After prefill the FIFO holds each prompt query with its exact causal Top-K (equation 5): the
+    query at position p never names a key after p, whatever the branch."""
+    import retopk_core.methods.retopk as retopk_module
+
+    if not short:
+        monkeypatch.setattr(retopk_module, "SHORT_BATCH_KEYS", 0)
+    H, H_kv, d, K, C = 6, 2, 16, 16, 8
+    trace = make_trace(B=1, H=H, H_kv=H_kv, d=d, prompt_lens=(length,), steps=1, T=C)
+    method = make_method("retopk", top_k=K, cache_size=C, window=4, recall=2)
+    state = method.init_state(H, H_kv, d, capacity=1)
+    slot = state.alloc()
+    pos = torch.arange(length - C, length).clamp(min=0)
+    kv = PagedKV.contiguous(trace.keys, trace.values, torch.tensor([length]))
+    method.prefill(state, slot, trace.prompt_queries[0], pos, kv)
+    for h in range(H):
+        ref = RefHead(C, K, 4, 2, 0.85, 0)
+        ref.prefill(trace.prompt_queries[0, h].double(), pos.tolist(), trace.keys[0, h // (H // H_kv)].double(),
+                    1 / math.sqrt(d))
+        got = [sorted(s[s >= 0].tolist()) for s in state.support[slot, h]]
+        assert got == [sorted(sup) for _, sup in ref.fifo], h
