@@ -302,7 +302,7 @@ class MetricsObserver(EngineObserver):
         self.model = model_label(model)
         self.metrics = metrics or Metrics()
         self.memory_interval_s = memory_interval_s
-        self._runner = None
+        self._memory = None  # the runner's memory() once started
         self._last_memory = -float("inf")
         self._offsets: dict[tuple[int, int], np.ndarray] = {}
         self._last_token: dict[int, float] = {}  # id(request) -> monotonic time of its latest token
@@ -323,19 +323,16 @@ class MetricsObserver(EngineObserver):
         self._one = {name: getattr(m, name).labels(model) for name in _MODEL_ONLY}
 
     # ---- engine thread --------------------------------------------------------------------------------
-    def on_start(self, runner) -> None:
-        self._runner = runner
-        info = getattr(runner, "info", None)
-        if info is not None:
-            if self.wants_step_stats:  # the series exist at 0 from the start, so rates are defined
-                m = self.metrics
-                m.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS), np.int64))
-                for counter in (m.group_reads, m.group_steps):
-                    counter.add(self.model, np.zeros(info.num_layers, np.int64))
-            method = info.default_method
-            self.metrics.model_info.labels(
-                self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),
-                str(info.head_dim), str(info.device), str(info.backend), getattr(method, "name", str(method))).set(1)
+    def on_start(self, info, memory) -> None:
+        self._memory = memory
+        if self.wants_step_stats:  # the series exist at 0 from the start, so rates are defined
+            m = self.metrics
+            m.decisions.add(self.model, np.zeros((info.num_layers, info.num_heads, NUM_PATHS), np.int64))
+            for counter in (m.group_reads, m.group_steps):
+                counter.add(self.model, np.zeros(info.num_layers, np.int64))
+        self.metrics.model_info.labels(
+            self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),
+            str(info.head_dim), str(info.device), str(info.backend), info.default_method.name).set(1)
 
     def on_queue_wait(self, request, seconds: float) -> None:
         self._one["queue_wait"].observe(seconds)
@@ -385,7 +382,7 @@ class MetricsObserver(EngineObserver):
         # One attention time per method group: rows of a group share it (their requests share a MethodSpec).
         groups: dict[object, list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault(getattr(r, "method", None), []).append(i)
+            groups.setdefault(r.method, []).append(i)
         for rows in groups.values():
             mix = per_path if len(groups) == 1 else np.bincount(path[rows].reshape(-1), minlength=NUM_PATHS)
             m.attention.labels(model, step_path_label(mix)).observe(stats[rows[0]].attention_s)
@@ -403,20 +400,16 @@ class MetricsObserver(EngineObserver):
         self._open["named"] = sessions
         m.sessions.labels(model, "named").set(sessions)
         now = time.monotonic()
-        if self._runner is not None and now - self._last_memory >= self.memory_interval_s:
+        if self._memory is not None and now - self._last_memory >= self.memory_interval_s:
             self._last_memory = now
-            self._record_memory(self._runner)
+            self._record_memory()
 
-    def _record_memory(self, runner) -> None:
-        m, model = self.metrics, self.model
-        used = [s.nbytes() for s in list(getattr(runner, "sessions", {}).values())]
-        m.kv_bytes.labels(model, "used").set(sum(int(u.get("kv", 0)) for u in used))
-        m.query_bytes.labels(model, "used").set(sum(int(u.get("method_state", 0)) for u in used))
-        memory = getattr(runner, "memory", None)
-        if memory is not None:
-            reserved = memory()
-            m.kv_bytes.labels(model, "reserved").set(int(reserved.get("kv_pool", 0)))
-            m.query_bytes.labels(model, "reserved").set(int(reserved.get("method_state", 0)))
+    def _record_memory(self) -> None:
+        m, model, usage = self.metrics, self.model, self._memory()
+        m.kv_bytes.labels(model, "used").set(usage.kv_used)
+        m.query_bytes.labels(model, "used").set(usage.method_state_used)
+        m.kv_bytes.labels(model, "reserved").set(usage.kv_reserved)
+        m.query_bytes.labels(model, "reserved").set(usage.method_state_reserved)
 
     def on_session_opened(self, session_id: str, ephemeral: bool) -> None:
         self._count_session(ephemeral, +1)
@@ -430,8 +423,8 @@ class MetricsObserver(EngineObserver):
         kind = "ephemeral" if ephemeral else "named"
         self._open[kind] = max(0, self._open[kind] + delta)
         self.metrics.sessions.labels(self.model, kind).set(self._open[kind])
-        if self._runner is not None:
-            self._record_memory(self._runner)
+        if self._memory is not None:
+            self._record_memory()
 
     # ---- engine or asyncio thread -------------------------------------------------------------------
     def on_error(self, request, code: str) -> None:

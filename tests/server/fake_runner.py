@@ -1,4 +1,4 @@
-"""A tiny deterministic stand-in for runtime.ModelRunner (same API), for fast engine and service tests.
+"""A tiny deterministic stand-in for runtime.ModelRunner (the engine's Runner protocol), for fast tests.
 
 Tokens are ASCII characters (id = code point, vocabulary 128, id 0 = end of sequence). The "model"
 predicts from the whole context, so a batched step gives each row exactly what it would get alone:
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats
@@ -107,6 +108,10 @@ class FakeRunner:
         session = Session(session_id or f"s{len(self.sessions)}", method, [0] * LAYERS, 64, 32)
         self.sessions[session.id] = session
         return session
+
+    def memory(self) -> MemoryUsage:
+        used = [s.nbytes() for s in self.sessions.values()]
+        return MemoryUsage(kv_used=sum(u["kv"] for u in used), method_state_used=sum(u["method_state"] for u in used))
 
     def close_session(self, session: Session) -> None:
         self._touch()

@@ -255,7 +255,8 @@ def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
 
 def test_per_layer_and_per_head_series_exist_at_zero_from_startup():
     observer = MetricsObserver("m")
-    observer.on_start(FakeRunner())
+    runner = FakeRunner()
+    observer.on_start(runner.info, runner.memory)
     samples = scrape(observer.metrics)
     for name in ("retopk_kv_group_reads_total", "retopk_kv_group_steps_total"):
         assert sorted((int(lab["layer"]), v) for lab, v in samples[name]) == [(layer, 0.0) for layer in range(LAYERS)]
@@ -317,7 +318,7 @@ def test_per_head_off_asks_for_no_stats_and_ignores_stats_a_client_asked_for():
     runner = FakeRunner()
     requests = [SimpleNamespace(method=MethodSpec("retopk"))]
     for observer in (on, off):
-        observer.on_start(runner)
+        observer.on_start(runner.info, runner.memory)
         observer.on_step(requests, 0.01, [random_stats(gen, LAYERS, HEADS)])
     got_on, got_off = scrape(on.metrics), scrape(off.metrics)
     assert sum(v for _, v in got_on["retopk_attention_decisions_total"]) == LAYERS * HEADS

@@ -1,10 +1,13 @@
 """The engine: one thread that owns the model runner and runs the continuous-batching scheduler.
 
-    requests.py   what a Generate call asks for, what comes back (events), error codes
-    observer.py   EngineObserver: no-op hooks the metrics module overrides
-    stream.py     RequestStream: hands events from the engine thread to an asyncio consumer
-    sessions.py   SessionRecord: a runtime session plus the conversation bookkeeping between turns
-    scheduler.py  Engine: admission queue, sessions, the decode loop
+    scheduler.py        Engine: the thread and its loop (schedule, run, postprocess), submission, commands
+    runner_protocol.py  Runner: what the engine asks of a model runner (runtime.ModelRunner implements it)
+    sessions.py         SessionTable: named and ephemeral sessions (SessionRecord), their commands and snapshots
+    turn.py             ActiveRequest: one request's input tokens (chat re-render diff), stop/finish, timings
+    commands.py         CommandQueue: work for the engine thread from other threads, answered by futures
+    requests.py         what a Generate call asks for, what comes back (events), error codes
+    observer.py         EngineObserver: no-op hooks the metrics module overrides
+    stream.py           RequestStream: hands events from the engine thread to an asyncio consumer
 """
 
 from retopk_server.engine.observer import EngineObserver
@@ -16,6 +19,7 @@ from retopk_server.engine.requests import (
     GenerationRequest,
     TokenEvent,
 )
+from retopk_server.engine.runner_protocol import Runner
 from retopk_server.engine.scheduler import Engine
 from retopk_server.engine.stream import RequestStream
 
@@ -28,5 +32,6 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "RequestStream",
+    "Runner",
     "TokenEvent",
 ]

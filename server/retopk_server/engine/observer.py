@@ -19,9 +19,9 @@ class EngineObserver:
     #: (``on_step`` then receives them even when no request asked for them).
     wants_step_stats: bool = False
 
-    def on_start(self, runner) -> None:
-        """The runner is built (engine thread, before any request); an observer may keep it to read
-        ``runner.info`` and, from later hooks on the engine thread, its memory."""
+    def on_start(self, info, memory) -> None:
+        """The runner is built (engine thread, before any request): ``info`` its ModelInfo, ``memory()``
+        its cache bytes (a ``runtime.memory.MemoryUsage``; call it only from hooks on the engine thread)."""
 
     def on_queue_wait(self, request, seconds: float) -> None:
         """A request left the admission queue after ``seconds`` of waiting."""

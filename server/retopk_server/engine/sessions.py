@@ -1,9 +1,29 @@
-"""SessionRecord: a runtime session plus what the engine remembers about its conversation."""
+"""The engine's sessions: SessionRecord (a runtime session plus its conversation) and SessionTable.
+
+Named sessions live until closed (or idle past ``session_idle_timeout_s``) and serve one request at
+a time; an ephemeral session is a request's own, opened at admission and closed when it ends.
+
+Threading: ``reserve`` / ``unreserve`` run on the asyncio thread (from ``Engine.submit``) and touch
+only membership and busy flags, under the table's lock; everything else runs on the engine thread,
+the only one that adds or removes sessions.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode
+from retopk_server.engine.runner_protocol import Runner
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.session import Session
+
+log = logging.getLogger("retopk_server.engine")
 
 
 @dataclass
@@ -18,7 +38,7 @@ class SessionRecord:
     ephemeral   opened for one request and closed when it ends
     """
 
-    session: object
+    session: Session
     ephemeral: bool = False
     pending: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
@@ -44,12 +64,191 @@ class SessionRecord:
     def num_tokens(self) -> int:
         return self.session.length + len(self.pending)
 
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.session.nbytes().get("kv", 0))
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+
+@dataclass
+class SessionSnapshot:
+    """A session's state as reported to callers (taken on the engine thread)."""
+
+    session_id: str
+    method: MethodSpec
+    method_params: dict
+    num_tokens: int
+    kv_bytes: int
+    method_state_bytes: int
+    busy: bool
+    turns: int
+    created_unix: float
+    last_used_unix: float
+
+
+@functools.lru_cache(maxsize=256)
+def _described(method: MethodSpec) -> tuple:
+    described = dict(method.build().describe())
+    described.pop("method", None)
+    described.pop("backend", None)
+    return tuple(described.items())
+
+
+def describe_method(method: MethodSpec) -> dict:
+    """Every hyperparameter of ``method`` (building it once per spec), without name and backend.
+
+    Raises ValueError for an unknown method or bad hyperparameters. Safe on any thread: it builds
+    a method object but touches no runner state.
+    """
+    return dict(_described(method))
+
+
+def _not_found(session_id: str) -> EngineError:
+    return EngineError(ErrorCode.NOT_FOUND, f"session_id: no session {session_id!r}")
+
+
+class SessionTable:
+    """Named and ephemeral sessions of one runner.
+
+    hook(name, *args)  reports ``on_session_opened`` / ``on_session_closed`` to the engine's observer
+    """
+
+    def __init__(self, config: EngineConfig, hook: Callable[..., None]) -> None:
+        self.config = config
+        self.runner: Runner | None = None  # bound by the engine thread once the runner is built
+        self._hook = hook
+        self._lock = threading.Lock()
+        self._named: dict[str, SessionRecord] = {}
+        self._ephemeral: dict[str, SessionRecord] = {}
+
+    def __len__(self) -> int:
+        """Open named sessions."""
+        return len(self._named)
+
+    @property
+    def ephemeral(self) -> int:
+        return len(self._ephemeral)
+
+    # ---- asyncio thread (Engine.submit) --------------------------------------------------------------
+    def reserve(self, session_id: str) -> None:
+        """Mark a named session busy for a queued request; NOT_FOUND or FAILED_PRECONDITION."""
+        with self._lock:
+            self._idle(session_id, "another request").busy = True
+
+    def unreserve(self, session_id: str) -> None:
+        """Free a named session whose request ended before admission."""
+        with self._lock:
+            record = self._named.get(session_id)
+            if record is not None:
+                record.busy = False
+
+    # ---- engine thread -------------------------------------------------------------------------------
+    def take(self, session_id: str) -> SessionRecord:
+        """The reserved named session of an admitted request (busy, so nobody closed it)."""
+        return self._named[session_id]
+
+    def open_ephemeral(self, method: MethodSpec) -> SessionRecord:
+        record = SessionRecord(self._open(method, f"ephemeral-{uuid.uuid4().hex[:12]}"), ephemeral=True)
+        self._ephemeral[record.id] = record
+        self._hook("on_session_opened", record.id, True)
+        return record
+
+    def release(self, record: SessionRecord) -> None:
+        """A request's hold on the session ended: close an ephemeral session, free a named one."""
+        record.last_used_unix = time.time()
+        if record.ephemeral:
+            del self._ephemeral[record.id]
+            try:
+                self.runner.close_session(record.session)
+            finally:
+                self._hook("on_session_closed", record.id, True)
+        else:
+            with self._lock:
+                record.busy = False
+
+    def create(self, session_id: str | None, method: MethodSpec | None) -> SessionSnapshot:
+        if session_id is not None and session_id in self._named:
+            raise EngineError(ErrorCode.ALREADY_EXISTS, f"session_id: session {session_id!r} already exists")
+        if len(self._named) >= self.config.max_sessions:
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
+                              f"too many sessions (max_sessions {self.config.max_sessions}); close one first")
+        session_id = session_id or uuid.uuid4().hex
+        record = SessionRecord(self._open(method or self.runner.info.default_method, session_id))
+        with self._lock:
+            self._named[session_id] = record
+        self._hook("on_session_opened", session_id, False)
+        return self.snapshot(record)
+
+    def close(self, session_id: str) -> SessionSnapshot:
+        with self._lock:
+            record = self._idle(session_id, "a request")
+            del self._named[session_id]
+        snapshot = self.snapshot(record)
+        self.runner.close_session(record.session)
+        self._hook("on_session_closed", session_id, False)
+        return snapshot
+
+    def get(self, session_id: str) -> SessionSnapshot:
+        record = self._named.get(session_id)
+        if record is None:
+            raise _not_found(session_id)
+        return self.snapshot(record)
+
+    def snapshots(self) -> list[SessionSnapshot]:
+        return [self.snapshot(r) for r in list(self._named.values())]
+
+    def kv_bytes(self) -> int:
+        """KV bytes held by every open session, named and ephemeral."""
+        return sum(r.kv_bytes for r in [*self._named.values(), *self._ephemeral.values()])
+
+    def expire_idle(self) -> None:
+        """Close named sessions nobody used for ``session_idle_timeout_s`` (a client that vanished
+        without closing them would otherwise hold their KV cache until max_sessions refuses everyone)."""
+        timeout = self.config.session_idle_timeout_s
+        if timeout is None:
+            return
+        cutoff = time.time() - timeout
+        with self._lock:
+            idle = [r for r in self._named.values() if not r.busy and r.last_used_unix < cutoff]
+            for record in idle:
+                del self._named[record.id]
+        for record in idle:
+            self.runner.close_session(record.session)
+            self._hook("on_session_closed", record.id, False)
+            log.info("session %s closed after %.0f s unused", record.id, timeout)
+
+    def close_all(self) -> None:
+        """Shutdown: close every named session (ephemeral ones close with their requests)."""
+        for session_id in list(self._named):
+            try:
+                self.runner.close_session(self._named.pop(session_id).session)
+            except Exception:
+                log.exception("closing session %s at shutdown failed", session_id)
+
+    def snapshot(self, record: SessionRecord) -> SessionSnapshot:
+        nbytes = record.session.nbytes()
+        method = record.session.method
+        try:
+            params = describe_method(method)
+        except ValueError:
+            params = dict(method.params)
+        return SessionSnapshot(session_id=record.id, method=method, method_params=params,
+                               num_tokens=record.num_tokens, kv_bytes=int(nbytes.get("kv", 0)),
+                               method_state_bytes=int(nbytes.get("method_state", 0)), busy=record.busy,
+                               turns=record.turns, created_unix=record.created_unix,
+                               last_used_unix=record.last_used_unix)
+
+    def _idle(self, session_id: str, holder: str) -> SessionRecord:
+        """The named session nobody holds (call under the lock); NOT_FOUND or FAILED_PRECONDITION."""
+        record = self._named.get(session_id)
+        if record is None:
+            raise _not_found(session_id)
+        if record.busy:
+            raise EngineError(ErrorCode.FAILED_PRECONDITION,
+                              f"session_id: session {session_id!r} is busy with {holder}")
+        return record
+
+    def _open(self, method: MethodSpec, session_id: str) -> Session:
+        try:
+            return self.runner.open_session(method, session_id)
+        except ValueError as e:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"method: {e}") from None

@@ -10,7 +10,8 @@
 Files: config.py (RuntimeConfig), method_spec.py (MethodSpec), runner.py (ModelRunner, ModelInfo,
 ContextTooLong), session.py, kv_pool.py (per-layer KV block pools), attention.py (the attention function
 registered with transformers, grouping a batch by method), cache.py (the Cache subclass that writes k/v to
-the pool), sampling.py (SamplingParams, Sampler, StopChecker), stats.py (StepStats), loading.py.
+the pool), sampling.py (SamplingParams, Sampler, StopChecker), stats.py (StepStats), memory.py (MemoryUsage),
+loading.py. ModelRunner is the engine's ``Runner`` (retopk_server/engine/runner_protocol.py).
 
 Contexts longer than the model's trained positions are refused (ContextTooLong) unless
 RuntimeConfig.rope_scaling is set, e.g. {"rope_type": "linear", "factor": 4.0} for 4x the positions.

@@ -25,6 +25,7 @@ from retopk_server.runtime.cache import RuntimeCache
 from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.loading import apply_rope_scaling, load
+from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats
@@ -165,10 +166,12 @@ class ModelRunner:
         need = self.pool.blocks_for(length) - len(session.blocks)
         session.blocks.extend(self.pool.alloc(need, after=session.blocks[-1] if session.blocks else None))
 
-    def memory(self) -> dict[str, int]:
-        """Bytes reserved by the runner: the KV pool (all blocks) and every method-state pool."""
+    def memory(self) -> MemoryUsage:
+        """Cache bytes held by the open sessions, and reserved by the KV pool and the method-state pools."""
+        used = [s.nbytes() for s in self.sessions.values()]
         states = sum(s.capacity * s.nbytes_per_slot() for g in self._groups.values() for s in g.states)
-        return {"kv_pool": self.pool.nbytes(), "method_state": states}
+        return MemoryUsage(kv_used=sum(u["kv"] for u in used), kv_reserved=self.pool.nbytes(),
+                           method_state_used=sum(u["method_state"] for u in used), method_state_reserved=states)
 
     # ---- steps -------------------------------------------------------------------------------------
     def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
-from retopk_server.engine import Engine, EngineObserver
+from retopk_server.engine import Engine, EngineObserver, Runner
 from retopk_server.service.servicer import ReTopKServicer
 
 log = logging.getLogger("retopk_server")
@@ -57,7 +57,7 @@ def make_observer(config: ServerConfig) -> EngineObserver:
     return factory(config) if factory is not None else EngineObserver()
 
 
-def default_runner_factory(config: ServerConfig) -> Callable[[], object]:
+def default_runner_factory(config: ServerConfig) -> Callable[[], Runner]:
     def build():
         from retopk_server.runtime.runner import ModelRunner
 
@@ -104,7 +104,7 @@ async def start(config: ServerConfig, engine: Engine) -> RunningServer:
     return RunningServer(config, server, engine, health_servicer, port)
 
 
-async def serve(config: ServerConfig, runner_factory: Callable[[], object] | None = None,
+async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | None = None,
                 observer: EngineObserver | None = None) -> int:
     """Run the server until SIGTERM / SIGINT, then drain; returns the process exit code."""
     loop = asyncio.get_running_loop()

@@ -158,28 +158,17 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidArgument("input", "set one of text, chat")
-        runner = self.engine.runner
         if which == "text":
-            text = request.text
-            ids = await self._engine(self.engine.call(lambda: runner.encode(text)))
+            ids = await self._engine(self.engine.encode(request.text))
         else:
-            messages = convert.chat_messages(request.chat)
-
-            def encode_chat():
-                try:
-                    return runner.encode_chat(messages)
-                except Exception as e:
-                    raise InvalidArgument("chat", f"the chat template rejected the messages: {e}") from None
-
-            ids = await self._engine(self.engine.call(encode_chat))
-        pieces = await self._engine(self.engine.call(lambda: runner.tokenizer.convert_ids_to_tokens(ids)))
+            ids = await self._engine(self.engine.encode_chat(convert.chat_messages(request.chat)))
+        pieces = await self._engine(self.engine.token_pieces(ids))
         return pb.TokenizeResponse(token_ids=ids, tokens=[str(p) for p in pieces])
 
     @_unary
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         ids = convert.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
-        skip, tokenizer = request.skip_special_tokens, self.engine.runner.tokenizer
-        text = await self._engine(self.engine.call(lambda: tokenizer.decode(ids, skip_special_tokens=skip)))
+        text = await self._engine(self.engine.detokenize(ids, request.skip_special_tokens))
         return pb.DetokenizeResponse(text=text)
 
     # ------------------------------------------------------------------------------------ model, status

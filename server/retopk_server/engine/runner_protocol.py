@@ -1,0 +1,60 @@
+"""Runner: what the engine asks of a model runner, typed, so the engine -> runtime step can be followed.
+
+``retopk_server.runtime.ModelRunner`` implements it (structurally: the runtime does not import the
+engine), and so does the tests' ``FakeRunner``. Every call comes from the engine thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from retopk_server.runtime.memory import MemoryUsage
+    from retopk_server.runtime.method_spec import MethodSpec
+    from retopk_server.runtime.runner import ModelInfo
+    from retopk_server.runtime.session import Session
+    from retopk_server.runtime.stats import StepStats
+
+
+class Tokenizer(Protocol):
+    """The part of a transformers tokenizer the engine uses (stop strings, token pieces, detokenizing)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]: ...
+
+
+class Runner(Protocol):
+    """A model with sessions: text <-> tokens, prefill one session, decode many in one batched step."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation in the model's chat template, ending with the assistant prompt."""
+        ...
+
+    def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
+        """A new empty session of ``method``; ValueError for an unknown method or bad hyperparameters."""
+        ...
+
+    def close_session(self, session: Session) -> None: ...
+
+    def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
+        """Append ``token_ids`` to the session -> (vocab,) logits after the last one; ValueError (nothing
+        done) when they do not fit."""
+        ...
+
+    def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
+               ) -> tuple[torch.Tensor, list[StepStats] | None]:
+        """Feed one token to each session in one forward -> ((B, vocab) logits, per-row stats or None)."""
+        ...
+
+    def memory(self) -> MemoryUsage:
+        """Cache bytes in use by open sessions and reserved by the runner."""
+        ...

@@ -1,0 +1,167 @@
+"""One request's turn inside the engine: its state, the tokens it feeds, and how it ends.
+
+Input: text is encoded (special tokens only at the start of a conversation), token ids are range
+checked, and chat input of a named session re-renders the whole conversation and feeds only what the
+cache lacks. The feed is the session's pending token (the previous turn's last sample) plus the new
+tokens. Finish: a stop token / string, max_new_tokens or the context length ends the turn; the turn's
+tokens and reply are remembered in the session for the next one.
+"""
+
+from __future__ import annotations
+
+import time
+
+from retopk_server.engine.requests import (
+    EngineError,
+    ErrorCode,
+    FinishReason,
+    GenerationRequest,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from retopk_server.engine.runner_protocol import Runner
+from retopk_server.engine.sessions import SessionRecord
+from retopk_server.engine.stream import RequestStream
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.sampling import Sampler, StopChecker
+
+
+class ActiveRequest:
+    """A request inside the engine: its spec, its stream and the state of its generation."""
+
+    def __init__(self, spec: GenerationRequest, stream: RequestStream, max_new_tokens: int) -> None:
+        self.spec = spec
+        self.stream = stream
+        # None: the session's method (named session) or the default (resolved at admission)
+        self.method: MethodSpec | None = spec.method
+        self.max_new_tokens = max_new_tokens
+        self.arrived = time.monotonic()
+        self.admitted = self.prefilled = self.first_token_at = 0.0
+        self.record: SessionRecord | None = None
+        self.prompt_ids: list[int] = []  # this request's new input tokens
+        self.context_ids: list[int] = []  # everything in the cache after prefill (for the penalties)
+        self.generated: list[int] = []
+        self.text_parts: list[str] = []
+        self.last_token = -1
+        self.prefill_s = 0.0
+        self.sampler: Sampler | None = None
+        self.stop: StopChecker | None = None
+        self.done = False
+
+    @property
+    def session_id(self) -> str | None:
+        return self.spec.session_id
+
+    @property
+    def ephemeral(self) -> bool:
+        return self.spec.session_id is None
+
+    def expired(self, now: float) -> bool:
+        return self.spec.deadline is not None and now >= self.spec.deadline
+
+    # ---- input ---------------------------------------------------------------------------------------
+    def feed(self, runner: Runner, max_prompt_tokens: int | None) -> list[int]:
+        """The tokens to prefill (pending + new input), checked against the limits; sets ``prompt_ids``."""
+        field, info, record = self.spec.input_field, runner.info, self.record
+        new_ids = self._input_ids(runner)
+        if not new_ids:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: the input has no tokens")
+        limit = max_prompt_tokens or info.max_context
+        if len(new_ids) > limit:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT,
+                              f"{field}: prompt too long: {len(new_ids)} tokens, the limit is {limit}")
+        feed = record.pending + new_ids
+        if record.session.length + len(feed) > info.max_context:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT,
+                              f"{field}: prompt too long: {len(feed)} new tokens after {record.session.length} "
+                              f"in the session exceed the context length {info.max_context}")
+        self.prompt_ids = new_ids
+        return feed
+
+    def _input_ids(self, runner: Runner) -> list[int]:
+        """This request's new tokens (the session's pending token excluded)."""
+        spec, record = self.spec, self.record
+        if spec.text is not None:  # special tokens (a BOS) only at the start of a conversation
+            return list(runner.encode(spec.text, add_special_tokens=record.num_tokens == 0))
+        if spec.token_ids is not None:
+            vocab = runner.info.vocab_size
+            bad = [t for t in spec.token_ids if not 0 <= t < vocab]
+            if bad:
+                raise EngineError(ErrorCode.INVALID_ARGUMENT,
+                                  f"token_ids: {bad[0]} is not a token id (vocab_size {vocab})")
+            return list(spec.token_ids)
+        if record.ephemeral:
+            return encode_chat(runner, spec.chat)
+        # The session remembers the conversation: render all of it and feed what the cache lacks.
+        # Chat templates render earlier turns the same way, so the seen tokens are normally a prefix.
+        full = encode_chat(runner, record.messages + spec.chat)
+        # When the rendering differs from what was fed (a template that renders replies differently),
+        # feed from the first difference on; the cache cannot be rewound.
+        return full[common_prefix(full, record.seen_ids):]
+
+    def start_sampling(self, runner: Runner) -> None:
+        """After prefill: the sampler and the stop conditions of this request."""
+        spec = self.spec
+        eos = set() if spec.ignore_eos else set(runner.info.eos_token_ids)
+        self.sampler = Sampler(spec.sampling)
+        self.stop = StopChecker(runner.tokenizer, sorted(eos | set(spec.stop_token_ids)), list(spec.stop))
+
+    # ---- finish --------------------------------------------------------------------------------------
+    def push(self, token: int, max_context: int, step_stats) -> TokenEvent:
+        """Record one sampled token -> its event; ``finish_reason`` is set when the turn ends with it."""
+        self.generated.append(token)
+        self.last_token = token
+        text, stopped = self.stop.push(token)
+        reason = None
+        if stopped:
+            why = self.stop.stop_reason
+            reason = (FinishReason.STOP_SEQUENCE if isinstance(why, str)
+                      else FinishReason.STOP_TOKEN if why in self.spec.stop_token_ids else FinishReason.EOS_TOKEN)
+        elif len(self.generated) >= self.max_new_tokens:
+            reason = FinishReason.LENGTH
+        elif self.record.session.length >= max_context:  # no room to feed this token
+            reason = FinishReason.CONTEXT_LENGTH
+        if reason is not None and not stopped:
+            text += self.stop.flush()
+        self.text_parts.append(text)
+        return TokenEvent([token], text, token_index=len(self.generated) - 1,
+                          step_stats=step_stats if self.spec.return_step_stats else None, finish_reason=reason)
+
+    def timings(self, end: float) -> Timings:
+        return Timings(queue_s=self.admitted - self.arrived, prefill_s=self.prefill_s,
+                       time_to_first_token_s=self.first_token_at - self.arrived,
+                       decode_s=end - self.first_token_at, total_s=end - self.arrived)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt_ids), generated_tokens=len(self.generated),
+                     session_tokens=self.record.num_tokens)
+
+    def remember_turn(self) -> None:
+        """Keep what the next turn needs in the session: the unfed last token, the chat, the turn count."""
+        record = self.record
+        if self.generated:
+            record.pending = [self.last_token]
+        if self.prefilled and self.spec.chat is not None and not record.ephemeral:
+            record.messages = record.messages + list(self.spec.chat) + [
+                {"role": "assistant", "content": "".join(self.text_parts)}]
+        if self.prefilled:
+            record.turns += 1
+
+
+def encode_chat(runner: Runner, messages: list[dict]) -> list[int]:
+    """The conversation's token ids; INVALID_ARGUMENT naming ``chat`` when the template rejects it."""
+    try:
+        return list(runner.encode_chat(messages))
+    except Exception as e:  # a template that rejects the messages (e.g. a bad role order)
+        raise EngineError(ErrorCode.INVALID_ARGUMENT, f"chat: the chat template rejected the messages: {e}") from None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
