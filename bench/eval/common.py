@@ -265,12 +265,6 @@ def mix_columns(suffix: str = "", header: str = "") -> list[tuple[str, str, str]
 SHARE_TAIL = 64  # tokens each session prefills itself after the shared prefix (>= every method's C)
 
 
-def _can_share(runner) -> bool:
-    pool = getattr(runner, "pool", None)
-    return all(hasattr(runner, a) for a in ("_reserve", "_groups")) and pool is not None and \
-        hasattr(pool, "k") and hasattr(pool, "v") and hasattr(pool, "blocks_for")
-
-
 @dataclass
 class HeldPrefix:
     """A dense prefix held in a donor session of the stateless "full" method, so that several
@@ -289,8 +283,8 @@ def prefill_tail(runs: list[MethodRun]) -> int:
 @contextmanager
 def held_prefix(runner, ids: list[int], share: bool = True, tail: int = SHARE_TAIL):
     """Prefill ids[:-tail] once into a donor session, closed on exit -> a HeldPrefix, or None when the
-    prompt is too short or the runner cannot share (``prefill_all`` then prefills on its own)."""
-    if not share or len(ids) <= 2 * tail or not _can_share(runner):
+    prompt is too short (``prefill_all`` then prefills on its own)."""
+    if not share or len(ids) <= 2 * tail:
         yield None
         return
     from retopk_server.runtime import MethodSpec
@@ -304,17 +298,9 @@ def held_prefix(runner, ids: list[int], share: bool = True, tail: int = SHARE_TA
 
 
 def _from_prefix(runner, sessions: list, held: HeldPrefix, ids: list[int]) -> torch.Tensor:
-    """Copy the held prefix's keys/values into every session's blocks, then let each prefill the rest."""
+    """Fork the held prefix into every session, then let each prefill the rest."""
     head = held.ids
-    n = runner.pool.blocks_for(len(head))
-    src = torch.tensor(held.session.blocks[:n], dtype=torch.long)
-    for s in sessions:
-        runner._reserve(s, len(head))
-        dst = torch.tensor(s.blocks[:n], dtype=torch.long)
-        for pools in (runner.pool.k, runner.pool.v):
-            for layer in range(len(pools)):
-                pools[layer][dst.to(pools[layer].device)] = pools[layer][src.to(pools[layer].device)]
-        s.token_ids.extend(head)
+    runner.fork_prefix(held.session, sessions, len(head))
     return torch.stack([runner.prefill(s, ids[len(head):]) for s in sessions])
 
 
@@ -327,12 +313,11 @@ def prefill_all(runner, sessions: list, ids: list[int], share: bool = True,
     are copied into every session's blocks; each session then prefills the last ``tail`` ids itself
     (a later-turn prefill), so its method sees the prompt's last queries with the whole prefix in its
     KV cache, as after a plain prefill (tests check that the logits and decode steps equal a plain
-    prefill's for every method). The copy uses the runner's internals (KV pool, block reservation);
-    without them, or for short prompts, each session prefills everything.
+    prefill's for every method). The copy is the runner's ``fork_prefix``; for short prompts each session
+    prefills everything.
     """
-    want = max([SHARE_TAIL] + [runner._groups[s.method].method.prefill_queries for s in sessions]
-               if hasattr(runner, "_groups") else [SHARE_TAIL])
-    if not share or len(ids) <= 2 * want or not _can_share(runner) or any(s.length for s in sessions):
+    want = max([SHARE_TAIL] + [runner.prefill_queries(s) for s in sessions])
+    if not share or len(ids) <= 2 * want or any(s.length for s in sessions):
         return torch.stack([runner.prefill(s, ids) for s in sessions])
     if held is not None and len(ids) - len(held.ids) >= want and ids[:len(held.ids)] == held.ids:
         return _from_prefix(runner, sessions, held, ids)

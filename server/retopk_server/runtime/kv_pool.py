@@ -77,6 +77,12 @@ class KVPool:
                 return list(range(start, i + 1))
         return None
 
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src`` onto blocks ``dst`` (same length) in every layer, keys and values."""
+        for pools in (self.k, self.v):
+            for t in pools:
+                t[torch.tensor(dst, device=t.device)] = t[torch.tensor(src, device=t.device)]
+
     def release(self, blocks: list[int]) -> None:
         self._free.update(blocks)
 

@@ -166,6 +166,30 @@ class ModelRunner:
         need = self.pool.blocks_for(length) - len(session.blocks)
         session.blocks.extend(self.pool.alloc(need, after=session.blocks[-1] if session.blocks else None))
 
+    def fork_prefix(self, source: Session, targets: list[Session], length: int) -> None:
+        """Give each empty target session the source's first ``length`` tokens, their keys and values copied.
+
+        Nothing is computed, and the targets' methods observe none of these tokens: prefill the rest of
+        a prompt into each target afterwards (at least its method's ``prefill_queries`` tokens, so that
+        its prefill sees the prompt's last queries). The evaluation computes a long prompt's dense
+        prefix once this way for many methods' sessions.
+        """
+        self._check_open(source)
+        if not 0 < length <= source.length:
+            raise ValueError(f"length must lie in [1, {source.length}] (the source's tokens), got {length}")
+        n = self.pool.blocks_for(length)
+        for target in targets:
+            self._check_open(target)
+            if target.length or target is source:
+                raise ValueError(f"session {target.id!r} must be empty to receive a prefix")
+            self._reserve(target, length)
+            self.pool.copy(source.blocks[:n], target.blocks[:n])
+            target.token_ids.extend(source.token_ids[:length])
+
+    def prefill_queries(self, session: Session) -> int:
+        """How many of a prompt's last queries the session's method observes at prefill (ReTopK: C)."""
+        return self._groups[session.method].method.prefill_queries
+
     def memory(self) -> MemoryUsage:
         """Cache bytes held by the open sessions, and reserved by the KV pool and the method-state pools."""
         used = [s.nbytes() for s in self.sessions.values()]
