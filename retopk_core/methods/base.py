@@ -10,6 +10,7 @@ counts it. GQA: query head h reads KV head h // (H // H_kv).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -131,6 +132,9 @@ class AttentionMethod:
     name: str = ""
     # How many of the prompt's last queries ``prefill`` wants (ReTopK: C); 0 = none.
     prefill_queries: int = 0
+    # Timing hook: when set, the torch code of a sparse ``decode`` step calls it with each stage's name as the
+    # stage ends (bench/attention_stages.py times the real step so); unset, it costs one test per stage.
+    on_stage: Callable[[str], None] | None = None
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> SlotPool:

@@ -35,7 +35,11 @@ class ExactTopK(AttentionMethod):
             out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
         else:
             sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale, ws=self._ws)  # (B, H, K)
+            if self.on_stage:
+                self.on_stage("full QK + top-K")
             out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
+            if self.on_stage:
+                self.on_stage("sparse attend")
         n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
         path = torch.full((B, H), Path.EXACT, dtype=torch.int8, device=q.device)
         return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
