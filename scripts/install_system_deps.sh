@@ -2,11 +2,13 @@
 # Install the Debian packages that tests and evaluation use, only if missing:
 #   prometheus  promtool validates docker/'s Prometheus config; a real scraper for the metrics tests
 #   bible-kjv   `bible -f "Gen1:1-Rev22:21"` prints the default long evaluation text
+#   nginx       the gRPC router with session affinity that tests/deploy/test_nginx_affinity.py runs on
+#               loopback in front of real server processes (its service is not started or enabled)
 # Non-interactive as root (CI); anyone else gets a message saying what to install, and exit 0 so the
 # tests that need these packages skip with their own reason.
 set -euo pipefail
 
-PACKAGES=(prometheus bible-kjv)
+PACKAGES=(prometheus bible-kjv nginx)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
@@ -30,5 +32,12 @@ fi
 
 echo "install_system_deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# Keep maintainer scripts from starting services (nginx would take port 80): policy-rc.d says no
+# for the length of the install, unless the system already has a policy of its own.
+policy=/usr/sbin/policy-rc.d
+if [[ ! -e "$policy" ]]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT
+fi
 apt-get update -q
 apt-get install -y -q --no-install-recommends "${missing[@]}"
