@@ -6,18 +6,18 @@ once in OPTIONS below. Flags override the environment; the environment overrides
 
 from __future__ import annotations
 
-from retopk_core.hugepages import enable_transparent_hugepages
-
-enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
-
 import argparse
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-from retopk_server.config import ServerConfig
+from retopk_core.hugepages import enable_transparent_hugepages
+
+if TYPE_CHECKING:  # imported where used: it imports torch, which main() must precede (huge pages)
+    from retopk_server.config import ServerConfig
 
 
 def parse_optional_int(text: str) -> int | None:
@@ -136,6 +136,8 @@ OPTIONS: tuple[Option, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from retopk_server.config import ServerConfig
+
     defaults = ServerConfig.__dataclass_fields__
     parser = argparse.ArgumentParser(
         prog="retopk-server",
@@ -154,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServerConfig:
     """The ServerConfig of this command line and environment (flags > environment > defaults)."""
+    from retopk_server.config import ServerConfig
+
     environ = os.environ if environ is None else environ
     parser = build_parser()
     args = vars(parser.parse_args(argv))
@@ -181,6 +185,7 @@ def config_from(argv: list[str] | None = None, environ: Mapping[str, str] | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
     config = config_from(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import asyncio
