@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -70,6 +71,11 @@ def generate_request(
     if meth is not None:
         req.method.CopyFrom(meth.to_proto())
     return req
+
+
+def new_session_id() -> str:
+    """A session id chosen by the client, so that CreateSession already carries the routers' affinity key."""
+    return uuid.uuid4().hex
 
 
 def create_session_request(method: Method | str | Mapping[str, Any] | None, session_id: str | None):

@@ -164,17 +164,17 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _unary(self, method, request, timeout, idempotent: bool = True):
+    async def _unary(self, method, request, timeout, idempotent: bool = True, session_id: str | None = None):
         timeout = self.config.call_timeout(timeout)
         policy = self.config.retry if idempotent else RetryPolicy(max_attempts=1)
-        metadata = self.config.metadata()
+        metadata = self.config.metadata(session_id)
         return await acall_with_retry(lambda left: method(request, timeout=left, metadata=metadata), policy, timeout)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None | object = DEFAULT,
                  **kwargs: Any) -> AsyncGenerateStream:
         """Stream a completion (same arguments as ``Client.generate``); iterate with ``async for``."""
         request = _requests.generate_request(prompt, **kwargs)
-        metadata = self.config.metadata()
+        metadata = self.config.metadata(kwargs.get("session_id"))
         return AsyncGenerateStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
             self.config.retry,
@@ -187,8 +187,10 @@ class AsyncClient:
 
     async def create_session(self, method=None, *, session_id: str | None = None,
                              timeout: float | None | object = DEFAULT) -> SessionInfo:
+        session_id = _requests.new_session_id() if session_id is None else session_id  # see Client.create_session
         req = _requests.create_session_request(method, session_id)
-        return SessionInfo.from_proto(await self._unary(self._stub.CreateSession, req, timeout, idempotent=False))
+        return SessionInfo.from_proto(await self._unary(self._stub.CreateSession, req, timeout, idempotent=False,
+                                                        session_id=session_id))
 
     def session(self, method=None, *, session_id: str | None = None) -> AsyncSession:
         """A session opened on ``async with`` entry and closed on exit."""
@@ -196,7 +198,7 @@ class AsyncClient:
 
     async def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.GetSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto(await self._unary(self._stub.GetSession, req, timeout))
+        return SessionInfo.from_proto(await self._unary(self._stub.GetSession, req, timeout, session_id=session_id))
 
     async def list_sessions(self, *, timeout: float | None | object = DEFAULT) -> list[SessionInfo]:
         resp = await self._unary(self._stub.ListSessions, pb.ListSessionsRequest(), timeout)
@@ -204,7 +206,8 @@ class AsyncClient:
 
     async def close_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.CloseSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto((await self._unary(self._stub.CloseSession, req, timeout)).session)
+        reply = await self._unary(self._stub.CloseSession, req, timeout, session_id=session_id)
+        return SessionInfo.from_proto(reply.session)
 
     async def tokenize(self, text: str | None = None, *, messages=None,
                        timeout: float | None | object = DEFAULT) -> Tokenized:

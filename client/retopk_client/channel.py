@@ -9,6 +9,10 @@ import grpc
 from retopk_client.addresses import DEFAULT_ADDRESS
 from retopk_client.retry import RetryPolicy
 
+# gRPC metadata naming the session a call acts on: the affinity key routers hash to keep a session on the
+# replica holding its caches (docs/deploy.md). Sent on every rpc that names a session, on no other.
+SESSION_METADATA = "x-session-id"
+
 # Step statistics of long generations can be large; the gRPC default receive limit is 4 MiB.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -48,8 +52,10 @@ class ClientConfig:
             address=address or DEFAULT_ADDRESS, api_key=api_key, timeout=timeout, retry=retry or RetryPolicy()
         )
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+    def metadata(self, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: the API key when set, and ``x-session-id`` when the call names a session."""
+        auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        return (*auth, (SESSION_METADATA, session_id)) if session_id else auth
 
     def channel_options(self) -> list[tuple[str, object]]:
         return [

@@ -24,6 +24,7 @@ from retopk_client.channel import DEFAULT, ClientConfig
 from retopk_client.errors import NotFound, RetopkError, from_rpc_error
 from retopk_client.health import HealthCheckRequest, check_method, status_name
 from retopk_client.retry import Attempts, RetryPolicy, call_with_retry
+from retopk_client.transcript import REPLAYABLE, Transcript, materialized
 from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
@@ -102,22 +103,56 @@ class Session:
 
     Closed on leaving a ``with`` block (or by ``close()``); calls take the same arguments as the
     client's, without ``session_id`` and ``method`` (fixed at creation).
+
+    With ``replay=True`` the session keeps its transcript on the client, and when a turn fails with
+    NOT_FOUND or UNAVAILABLE before any token arrived (the replica holding it is gone), it opens a new
+    session with the same method (a new id: ``id`` changes, ``replays`` counts) and sends the whole
+    conversation plus that turn there (retopk_client.transcript). Off by default: the transcript costs
+    client memory and the replayed turn re-prefills everything.
     """
 
-    def __init__(self, client: Client, info: SessionInfo) -> None:
+    def __init__(self, client: Client, info: SessionInfo, replay: bool = False) -> None:
         self._client = client
         self.info = info
         self.closed = False
+        self.transcript = Transcript() if replay else None
+        self.replays = 0
 
     @property
     def id(self) -> str:
         return self.info.session_id
 
-    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateStream:
-        return self._client.generate(prompt, session_id=self.id, **kwargs)
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateStream | Iterator[Chunk]:
+        if self.transcript is None:
+            return self._client.generate(prompt, session_id=self.id, **kwargs)
+        return self._replaying_stream(prompt, materialized(kwargs))
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        return self._client.complete(prompt, session_id=self.id, **kwargs)
+        if self.transcript is None:
+            return self._client.complete(prompt, session_id=self.id, **kwargs)
+        builder = CompletionBuilder()
+        for chunk in self._replaying_stream(prompt, materialized(kwargs)):
+            builder.add(chunk)
+        return builder.build()
+
+    def _replaying_stream(self, prompt: str | None, kwargs: dict[str, Any]) -> Iterator[Chunk]:
+        builder, stream = CompletionBuilder(), self._client.generate(prompt, session_id=self.id, **kwargs)
+        try:
+            first = next(stream, None)
+        except REPLAYABLE as err:
+            replayed_prompt, replayed = self.transcript.replay_input(prompt, kwargs, err)
+            self.info = self._client.create_session(self.info.method)
+            self.replays += 1
+            stream = self._client.generate(replayed_prompt, session_id=self.id, **replayed)
+            first = next(stream, None)
+        with stream:  # leaving (or close() of this generator) cancels the call
+            if first is not None:
+                builder.add(first)
+                yield first
+            for chunk in stream:
+                builder.add(chunk)
+                yield chunk
+        self.transcript.record(prompt, kwargs, builder.build())
 
     def refresh(self) -> SessionInfo:
         self.info = self._client.get_session(self.id)
@@ -171,11 +206,12 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _unary(self, method, request, timeout, idempotent: bool = True):
-        """Call a unary rpc with the key's metadata, the deadline and (when idempotent) retries."""
+    def _unary(self, method, request, timeout, idempotent: bool = True, session_id: str | None = None):
+        """Call a unary rpc with the key's (and the session's) metadata, the deadline and (when idempotent)
+        retries."""
         timeout = self.config.call_timeout(timeout)
         policy = self.config.retry if idempotent else RetryPolicy(max_attempts=1)
-        metadata = self.config.metadata()
+        metadata = self.config.metadata(session_id)
         return call_with_retry(lambda left: method(request, timeout=left, metadata=metadata), policy, timeout)
 
     # ---- generation -----------------------------------------------------------------------
@@ -192,7 +228,7 @@ class Client:
         ``timeout`` bounds the whole stream.
         """
         request = _requests.generate_request(prompt, **kwargs)
-        metadata = self.config.metadata()
+        metadata = self.config.metadata(kwargs.get("session_id"))
         return GenerateStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
             self.config.retry,
@@ -208,18 +244,22 @@ class Client:
 
     def create_session(self, method=None, *, session_id: str | None = None,
                        timeout: float | None | object = DEFAULT) -> SessionInfo:
-        """Open a session (not retried: a lost reply could otherwise open two)."""
+        """Open a session (not retried: a lost reply could otherwise open two). Without ``session_id`` the
+        client picks a random one, so that a router sees the session's affinity key from its first call."""
+        session_id = _requests.new_session_id() if session_id is None else session_id
         req = _requests.create_session_request(method, session_id)
-        return SessionInfo.from_proto(self._unary(self._stub.CreateSession, req, timeout, idempotent=False))
+        return SessionInfo.from_proto(self._unary(self._stub.CreateSession, req, timeout, idempotent=False,
+                                                  session_id=session_id))
 
-    def session(self, method=None, *, session_id: str | None = None,
+    def session(self, method=None, *, session_id: str | None = None, replay: bool = False,
                 timeout: float | None | object = DEFAULT) -> Session:
-        """Open a session now and return it; use it in a ``with`` block so that it is closed."""
-        return Session(self, self.create_session(method, session_id=session_id, timeout=timeout))
+        """Open a session now and return it; use it in a ``with`` block so that it is closed.
+        ``replay=True``: continue in a new session when this one's replica is gone (see ``Session``)."""
+        return Session(self, self.create_session(method, session_id=session_id, timeout=timeout), replay)
 
     def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.GetSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto(self._unary(self._stub.GetSession, req, timeout))
+        return SessionInfo.from_proto(self._unary(self._stub.GetSession, req, timeout, session_id=session_id))
 
     def list_sessions(self, *, timeout: float | None | object = DEFAULT) -> list[SessionInfo]:
         resp = self._unary(self._stub.ListSessions, pb.ListSessionsRequest(), timeout)
@@ -227,7 +267,7 @@ class Client:
 
     def close_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.CloseSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto(self._unary(self._stub.CloseSession, req, timeout).session)
+        return SessionInfo.from_proto(self._unary(self._stub.CloseSession, req, timeout, session_id=session_id).session)
 
     # ---- tokenizer, model, server ---------------------------------------------------------
 

@@ -45,6 +45,10 @@ class FakeService(pb_grpc.ReTopKServiceServicer):
         self._enter("CreateSession", context)
         return pb.SessionInfo(session_id=request.session_id or "s-1", method=request.method)
 
+    def GetSession(self, request, context):
+        self._enter("GetSession", context)
+        return pb.SessionInfo(session_id=request.session_id)
+
     def CloseSession(self, request, context):
         self._enter("CloseSession", context)
         return pb.CloseSessionResponse(session=pb.SessionInfo(session_id=request.session_id))

@@ -259,6 +259,32 @@ def test_api_key(fake_server):
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_session_metadata_must_match_the_session_the_body_names(fake_server):
+    """x-session-id (the routers' affinity key) is optional; when sent it must name the body's session."""
+    stub = fake_server().stub
+    key = lambda sid: (("x-session-id", sid),)  # noqa: E731
+    assert stub.CreateSession(pb.CreateSessionRequest(session_id="a"), metadata=key("a")).session_id == "a"
+    stub.CreateSession(pb.CreateSessionRequest(session_id="b"))  # no metadata: still accepted (direct clients)
+    turn = pb.GenerateRequest(text="x", session_id="a", max_new_tokens=1)
+    assert len(list(stub.Generate(turn, metadata=key("a")))) == 1
+    assert stub.GetSession(pb.GetSessionRequest(session_id="a"), metadata=key("a")).turns == 1
+    refused = [
+        lambda: stub.CreateSession(pb.CreateSessionRequest(session_id="c"), metadata=key("a")),
+        lambda: stub.CreateSession(pb.CreateSessionRequest(), metadata=key("c")),  # the server would pick another id
+        lambda: stub.Generate(turn, metadata=key("b")),
+        lambda: stub.Generate(pb.GenerateRequest(text="x", max_new_tokens=1), metadata=key("a")),
+        lambda: stub.Generate(turn, metadata=(("x-session-id", "a"), ("x-session-id", "b"))),
+        lambda: stub.GetSession(pb.GetSessionRequest(session_id="a"), metadata=key("b")),
+        lambda: stub.CloseSession(pb.CloseSessionRequest(session_id="a"), metadata=key("b")),
+    ]
+    for call in refused:
+        code, details = code_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("x-session-id:"), details
+    assert sorted(s.session_id for s in stub.ListSessions(pb.ListSessionsRequest()).sessions) == ["a", "b"]
+    assert stub.GetSession(pb.GetSessionRequest(session_id="a")).turns == 1  # the refused turn never ran
+    assert stub.CloseSession(pb.CloseSessionRequest(session_id="a"), metadata=key("a")).session.session_id == "a"
+
+
 def test_tokenize_detokenize_and_model_info(fake_server):
     server = fake_server()
     stub = server.stub
@@ -367,3 +393,24 @@ def test_session_idle_timeout_reaches_the_engine():
     assert config_from([], {}).engine_config().session_idle_timeout_s == 3600.0
     assert config_from(["--session-idle-timeout-s", "none"], {}).engine_config().session_idle_timeout_s is None
     assert config_from([], {"RETOPK_SESSION_IDLE_TIMEOUT_S": "90"}).session_idle_timeout_s == 90.0
+
+
+def test_wire_field_names_come_from_the_proto_and_the_config():
+    from retopk_core.config import ReTopKConfig
+    from retopk_server.runtime.sampling import SamplingParams
+    from retopk_server.service.convert import NAMED_PARAMS, SAMPLING_FIELDS
+
+    assert set(NAMED_PARAMS) <= set(ReTopKConfig.names())  # each named wire field is a ReTopKConfig field
+    assert set(SAMPLING_FIELDS) == set(SamplingParams.__dataclass_fields__)
+
+
+@pytest.mark.parametrize("method, field", [(_method(top_k=0), "method.top_k"), (_method(recall=8, cache_size=4),
+                         "method.recall"), (_method(params={"bogus": pb.ParamValue(int_value=1)}),
+                         "method.params['bogus']"), (_method(name="magic"), "method.name")])
+def test_a_bad_method_names_its_field(method, field):
+    from retopk_server.runtime.config import _default_method
+    from retopk_server.service.convert import InvalidArgument, method_spec
+
+    with pytest.raises(InvalidArgument) as info:
+        method_spec(method, _default_method())
+    assert info.value.field == field

@@ -3,6 +3,11 @@
 Status codes: INVALID_ARGUMENT (bad input, message names the field), NOT_FOUND (unknown session),
 ALREADY_EXISTS (session id in use), FAILED_PRECONDITION (session busy), RESOURCE_EXHAUSTED (queue
 full, too many sessions), UNAVAILABLE (draining), DEADLINE_EXCEEDED, UNAUTHENTICATED (API key).
+
+Session affinity: a router keeps a session on its replica by hashing the gRPC metadata
+``x-session-id`` (SESSION_METADATA), which clients send on every rpc that names a session. When that
+metadata is present it must equal the session the body names (and a body must name one), else
+INVALID_ARGUMENT: a request routed by one id must not act on another session.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from retopk_server.service import convert
 from retopk_server.service.convert import InvalidArgument
 
 log = logging.getLogger("retopk_server.service")
+
+SESSION_METADATA = "x-session-id"  # the affinity key routers hash (docs/deploy.md)
 
 
 class Fail(Exception):
@@ -93,6 +100,16 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise Fail(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata "
                                                         "'authorization: Bearer <key>'")
 
+    def _check_affinity(self, context, session_id: str | None) -> None:
+        """The x-session-id metadata, when sent, must name the body's session (``session_id``)."""
+        sent = [v for k, v in (context.invocation_metadata() or ()) if k == SESSION_METADATA]
+        if not sent:
+            return
+        if len(sent) > 1 or sent[0] != session_id:
+            body = f"session_id {session_id!r}" if session_id else "no session_id"
+            raise InvalidArgument(SESSION_METADATA, f"metadata {', '.join(map(repr, sent))} does not match the "
+                                  f"request, which names {body}; send the session's id (or no {SESSION_METADATA})")
+
     async def _engine(self, future):
         return await asyncio.wrap_future(future)
 
@@ -102,6 +119,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         stream = None
         try:
             self._authenticate(context)
+            self._check_affinity(context, request.session_id if request.HasField("session_id") else None)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             info = self.engine.info
@@ -132,6 +150,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     @_unary
     async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.SessionInfo:
         session_id = convert._identifier("session_id", request.session_id) if request.HasField("session_id") else None
+        self._check_affinity(context, session_id)
         method = (convert.method_spec(request.method, self.engine.info.default_method)
                   if request.HasField("method") else None)
         return convert.session_info(await self._engine(self.engine.create_session(session_id, method)))
@@ -139,6 +158,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     @_unary
     async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.SessionInfo:
         session_id = convert._identifier("session_id", request.session_id)
+        self._check_affinity(context, session_id)
         return convert.session_info(await self._engine(self.engine.get_session(session_id)))
 
     @_unary
@@ -149,6 +169,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     @_unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
         session_id = convert._identifier("session_id", request.session_id)
+        self._check_affinity(context, session_id)
         snapshot = await self._engine(self.engine.close_session(session_id))
         return pb.CloseSessionResponse(session=convert.session_info(snapshot))
 
