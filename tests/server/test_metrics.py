@@ -253,6 +253,27 @@ def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
     assert value(samples, "retopk_kv_cache_bytes", model="fake", kind="used") == 0
 
 
+
+def test_router_load_gauges_follow_the_engines_load_and_the_kv_pool():
+    """requests waiting / running and the KV utilisation (used / reserved pool bytes, 0..1) that a picker scores."""
+    from retopk_server.runtime.memory import MemoryUsage
+
+    usage = [MemoryUsage()]
+    observer = MetricsObserver("m", per_head=False, memory_interval_s=0.0)
+    info = SimpleNamespace(architecture="A", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, device="cpu",
+                           backend="torch", default_method=SimpleNamespace(name="full"))
+    observer.on_start(info, lambda: usage[0])
+    observer.on_load(0, 0, 0)
+    samples = scrape(observer.metrics)
+    assert value(samples, "retopk_kv_cache_utilization_ratio", model="m") == 0  # nothing reserved yet
+    usage[0] = MemoryUsage(kv_used=3 * 1024, kv_reserved=4 * 1024)
+    observer.on_load(5, 2, 1)
+    samples = scrape(observer.metrics)
+    assert value(samples, "retopk_requests_waiting", model="m") == 5
+    assert value(samples, "retopk_requests_running", model="m") == 2
+    assert value(samples, "retopk_kv_cache_utilization_ratio", model="m") == 0.75
+    assert value(samples, "retopk_kv_cache_bytes", model="m", kind="reserved") == 4 * 1024
+
 def test_per_layer_and_per_head_series_exist_at_zero_from_startup():
     observer = MetricsObserver("m")
     runner = FakeRunner()
