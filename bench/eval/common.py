@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from retopk_client.params import parse_params
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
 
@@ -142,15 +143,6 @@ def method_defaults(name: str, top_k: int, head_dim: int) -> dict:
             }.get(name, {"top_k": K})
 
 
-def _value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 @dataclass(frozen=True)
 class MethodRun:
     """A method as one row of a result table: its label and the runtime spec."""
@@ -178,12 +170,10 @@ def parse_methods(text: str, top_k: int, head_dim: int) -> list[MethodRun]:
     runs = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, rest = item.partition(":")
-        params = {}
-        for kv in filter(None, rest.split("+")):
-            k, sep, v = kv.partition("=")
-            if not sep:
-                raise SystemExit(f"method parameter {kv!r} of {item!r} must be name=value")
-            params[k.strip()] = _value(v.strip())
+        try:
+            params = parse_params(rest, sep="+")  # the one NAME=VALUE grammar; "+" since "," separates methods
+        except ValueError as e:
+            raise SystemExit(f"method parameters of {item!r}: {e}") from None
         runs.append(method_run(name.strip(), top_k, head_dim, **params))
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):

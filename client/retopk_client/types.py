@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
-# The named ReTopK fields of AttentionMethod, in proto order (K, C, W, R, tau, T_r).
-RETOPK_FIELDS = ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")
-SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-)
+# From the proto's descriptors (the wire contract defines them once): the named ReTopK fields of
+# AttentionMethod in proto order (K, C, W, R, tau, T_r), and the fields of SamplingParameters.
+RETOPK_FIELDS = tuple(f.name for f in pb.AttentionMethod.DESCRIPTOR.fields if f.name not in ("name", "params"))
+SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParameters.DESCRIPTOR.fields)
 
 
 def _jsonable(value):

@@ -17,6 +17,7 @@ from enum import IntEnum
 import torch
 
 from retopk_core.kv import PagedKV
+from retopk_core.params import MethodConfig, ParamError
 
 
 class Path(IntEnum):
@@ -127,14 +128,35 @@ class NoState(SlotPool):
 
 
 class AttentionMethod:
-    """Base class: subclasses set ``name`` and implement ``decode`` (and ``prefill`` if stateful)."""
+    """Base class: subclasses set ``name`` and implement ``decode`` (and ``prefill`` if stateful).
+
+    A method is built from its config (an instance of ``config_class``, whose fields are its hyperparameters:
+    ``retopk_core.params``) and a backend; ``make_method`` builds one by name from keyword hyperparameters.
+    """
 
     name: str = ""
+    # The dataclass of the method's hyperparameters (MethodConfig itself: none); None for a wrapper that
+    # takes keywords of its own (fidelity_probe).
+    config_class: type[MethodConfig] | None = MethodConfig
+    config: MethodConfig | None = None
+    backends: tuple[str, ...] = ("torch", "triton")
+    backend: str = "torch"
     # How many of the prompt's last queries ``prefill`` wants (ReTopK: C); 0 = none.
     prefill_queries: int = 0
     # Timing hook: when set, the torch code of a sparse ``decode`` step calls it with each stage's name as the
     # stage ends (bench/attention_stages.py times the real step so); unset, it costs one test per stage.
     on_stage: Callable[[str], None] | None = None
+
+    def __init__(self, config: MethodConfig | None = None, backend: str = "torch") -> None:
+        if config is None:
+            config = self.config_class()
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} takes a {self.config_class.__name__}, got {config!r}")
+        if backend not in self.backends:
+            choices = ", ".join(repr(b) for b in self.backends[:-1]) + f" or {self.backends[-1]!r}"
+            raise ParamError("backend", f"backend must be {choices}, got {backend!r}")
+        self.config = config
+        self.backend = backend
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> SlotPool:
@@ -157,5 +179,6 @@ class AttentionMethod:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        """Name and hyperparameters, for logs, model info and result tables."""
-        return {"method": self.name}
+        """Name, every config field and the backend, for logs, model info, session info and result tables."""
+        return {"method": self.name, **(self.config.as_dict() if self.config is not None else {}),
+                "backend": self.backend}

@@ -7,24 +7,32 @@ two methods differ only in how the support is discovered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import Workspace, exact_select, resolve_scale, sparse_attend
+from retopk_core.params import MethodConfig, param
+
+
+@dataclass(frozen=True)
+class ExactTopKConfig(MethodConfig):
+    top_k: int = param(512, "K: tokens attended per head and step (the global Top-K)", low=1)
 
 
 class ExactTopK(AttentionMethod):
     name = "exact_topk"
+    config_class = ExactTopKConfig
 
-    def __init__(self, top_k: int = 512, backend: str = "torch") -> None:
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
-        self.top_k = top_k
-        self.backend = backend
+    def __init__(self, config: ExactTopKConfig | None = None, backend: str = "torch") -> None:
+        super().__init__(config, backend)
         self._ws = Workspace()  # score rows and selected values, reused across steps
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -44,6 +52,3 @@ class ExactTopK(AttentionMethod):
         path = torch.full((B, H), Path.EXACT, dtype=torch.int8, device=q.device)
         return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
                           n_scored=n.clone(), selected=sel_pos)
-
-    def describe(self) -> dict:
-        return {"method": self.name, "top_k": self.top_k, "backend": self.backend}

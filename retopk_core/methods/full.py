@@ -10,12 +10,7 @@ from retopk_core.methods.sparse import dense_attend, resolve_scale
 
 
 class FullAttention(AttentionMethod):
-    name = "full"
-
-    def __init__(self, backend: str = "torch") -> None:
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
-        self.backend = backend
+    name = "full"  # no hyperparameters: its config is the empty MethodConfig
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -30,6 +25,3 @@ class FullAttention(AttentionMethod):
         path = torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device)
         return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
                           n_scored=n.clone(), selected=None)
-
-    def describe(self) -> dict:
-        return {"method": self.name, "backend": self.backend}

@@ -126,6 +126,7 @@ class ProbeState(SlotPool):
 
 class FidelityProbe(AttentionMethod):
     name = "fidelity_probe"
+    config_class = None  # its keywords: inner=, recorder= and the inner method's hyperparameters
 
     def __init__(self, inner: str = "retopk", recorder: FidelityRecorder | None = None, backend: str = "torch",
                  **params) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 
 from retopk_core.methods.base import AttentionMethod
+from retopk_core.params import ParamError
 
-# name -> "module:factory"; the factory takes the method's keyword hyperparameters.
+# name -> "module:class"; the class's ``config_class`` declares its hyperparameters.
 _METHODS: dict[str, str] = {
     "full": "retopk_core.methods.full:FullAttention",
     "exact_topk": "retopk_core.methods.exact:ExactTopK",
@@ -25,7 +26,7 @@ _EVALUATION_ONLY = frozenset({"fidelity_probe"})
 
 
 def register(name: str, target: str) -> None:
-    """Add a method: ``target`` is "module:callable" taking keyword hyperparameters."""
+    """Add a method: ``target`` is "module:class", an AttentionMethod subclass."""
     _METHODS[name] = target
 
 
@@ -38,15 +39,25 @@ def serving_method_names() -> list[str]:
     return [name for name in method_names() if name not in _EVALUATION_ONLY]
 
 
-def make_method(name: str, **params) -> AttentionMethod:
-    """Build a method by name; unknown names and bad hyperparameters raise ValueError."""
+def method_class(name: str) -> type[AttentionMethod]:
+    """The class registered under ``name``; an unknown name is a ParamError on field "name"."""
     try:
         target = _METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
+        raise ParamError("name", f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
     module, attr = target.split(":")
-    factory = getattr(importlib.import_module(module), attr)
-    try:
-        return factory(**params)
-    except TypeError as e:  # an unexpected keyword: name it for the caller
-        raise ValueError(f"bad parameters for method {name!r}: {e}") from None
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_method(name: str, backend: str = "torch", **params) -> AttentionMethod:
+    """Build a method by name from its keyword hyperparameters (the fields of its config).
+
+    Unknown names and bad hyperparameters raise ``ParamError`` (a ValueError) whose ``field`` names them.
+    """
+    cls = method_class(name)
+    if cls.config_class is None:  # a wrapper with keywords of its own (fidelity_probe)
+        try:
+            return cls(backend=backend, **params)
+        except TypeError as e:
+            raise ParamError("params", f"bad parameters for method {name!r}: {e}") from None
+    return cls(cls.config_class.from_params(params, name), backend=backend)

@@ -25,8 +25,6 @@ Positions are 0-based here (the paper's window {L-W+1..L} in 1-based positions).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from retopk_core.config import ReTopKConfig
@@ -100,15 +98,12 @@ class QuerySupportCache(SlotPool):
 
 class ReTopK(AttentionMethod):
     name = "retopk"
+    config_class = ReTopKConfig
+    backends = ("torch", "triton", "cpu")  # cpu: the fused C++ kernel (retopk_core/cpu), else the torch code
 
-    def __init__(self, config: ReTopKConfig | None = None, backend: str = "torch", **params) -> None:
-        """``config`` or its fields as keywords (``ReTopK(top_k=64, gqa_policy="group")``), not both."""
-        if config is not None and params:
-            raise ValueError(f"give a config or keyword hyperparameters, not both (got {', '.join(params)})")
-        self.config = config or ReTopKConfig(**params)
-        if backend not in ("torch", "triton", "cpu"):  # cpu: the fused C++ kernel (retopk_core/cpu), else torch
-            raise ValueError(f"backend must be 'torch', 'triton' or 'cpu', got {backend!r}")
-        self.backend = backend
+    def __init__(self, config: ReTopKConfig | None = None, backend: str = "torch") -> None:
+        """``ReTopK(ReTopKConfig(top_k=64, gqa_policy="group"))``; by name: ``make_method("retopk", top_k=64)``."""
+        super().__init__(config, backend)
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
 
@@ -294,11 +289,11 @@ class ReTopK(AttentionMethod):
         return _unique_rows(torch.cat([supports, window], dim=1), int(length.max()) + 1)  # (P, R*K + W) -> (P, M)
 
     def describe(self) -> dict:
-        backend = self.backend
-        if backend == "cpu":
+        described = super().describe()
+        if self.backend == "cpu":
             from retopk_core.cpu import launch
-            backend = "cpu" if launch.available() else "torch (cpu kernel not built)"
-        return {"method": self.name, **dataclasses.asdict(self.config), "backend": backend}
+            described["backend"] = "cpu" if launch.available() else "torch (cpu kernel not built)"
+        return described
 
 
 def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:

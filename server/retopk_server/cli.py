@@ -14,7 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from retopk_client.params import format_params, parse_params, parse_value  # the one NAME=VALUE grammar
+from retopk_core.config import ReTopKConfig  # torch-free, as the huge pages ask
 from retopk_core.hugepages import enable_transparent_hugepages
+
+__all__ = ["OPTIONS", "build_parser", "config_from", "main", "parse_params", "parse_rope_scaling", "parse_value"]
 
 if TYPE_CHECKING:  # imported where used: it imports torch, which main() must precede (huge pages)
     from retopk_server.config import ServerConfig
@@ -44,19 +48,6 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected true or false, got {text!r}")
 
 
-def parse_value(text: str):
-    """A hyperparameter value: int, float, bool (true/false) or else the string itself."""
-    lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_rope_scaling(text: str) -> dict | None:
     """"linear:4" or "rope_type=linear,factor=4" -> {"rope_type": "linear", "factor": 4.0}; "" / "none" -> None."""
     if text.strip().lower() in ("", "none"):
@@ -67,17 +58,6 @@ def parse_rope_scaling(text: str) -> dict | None:
     params = parse_params(text)
     if "factor" in params:
         params["factor"] = float(params["factor"])
-    return params
-
-
-def parse_params(text: str) -> dict:
-    """"top_k=64,tau=0.9" -> {"top_k": 64, "tau": 0.9} ("" -> {})."""
-    params = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"expected name=value, got {item!r}")
-        params[key.strip()] = parse_value(value.strip())
     return params
 
 
@@ -111,7 +91,8 @@ OPTIONS: tuple[Option, ...] = (
                            "torch (reference code), triton (GPU) or cpu"),
     Option("method", str, "default attention method: full, exact_topk, retopk or a baseline "
                           "(changing it without --method-params starts from that method's own defaults)"),
-    Option("method_params", parse_params, "default method's hyperparameters, e.g. top_k=64,tau=0.85,window=32",
+    Option("method_params", parse_params, "default method's hyperparameters NAME=VALUE,... (ReTopK's: "
+                                          f"{', '.join(ReTopKConfig.names())}; a baseline's: its config fields)",
            "K=V,..."),
     Option("max_context", parse_optional_int, "longest session context in tokens (none = the model's)", "N"),
     Option("rope_scaling", parse_rope_scaling, "extend the context past the model's trained positions by RoPE "
@@ -148,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         f = defaults[opt.field]
         default = f.default_factory() if callable(f.default_factory) else f.default
         if isinstance(default, dict):
-            default = ",".join(f"{k}={v}" for k, v in default.items())
+            default = format_params(default)
         parser.add_argument(opt.flag, dest=opt.field, default=argparse.SUPPRESS, metavar=opt.metavar,
                             help=f"{opt.help} [env {opt.env}; default {default}]")
     return parser

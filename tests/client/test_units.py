@@ -296,3 +296,37 @@ def test_bench_config_refuses_remote_targets_unless_allowed():
     assert BenchConfig(address="10.0.0.1:50051", allow_remote=True).address == "10.0.0.1:50051"
     with pytest.raises(ValueError, match="exactly one"):
         BenchConfig(duration=1.0, requests=3)
+
+
+@pytest.mark.parametrize("argv", [["--address", "h:1", "--timeout", "5", "health"],
+                                  ["health", "--address", "h:1", "--timeout", "5"],
+                                  ["--address", "h:1", "health", "--timeout", "5"]])
+def test_connection_options_go_before_or_after_the_subcommand(argv):
+    from retopk_client.cli import build_parser
+
+    args = build_parser({"RETOPK_API_KEY": "k"}).parse_args(argv)
+    assert (args.command, args.address, args.timeout, args.api_key) == ("health", "h:1", 5.0, "k")
+    args = build_parser({"RETOPK_ADDRESS": "env:2"}).parse_args(["health"])
+    assert (args.address, args.timeout, args.api_key) == ("env:2", None, None)
+
+
+def test_one_name_value_grammar():
+    from retopk_client.params import format_params, parse_params
+
+    params = parse_params(" top_k=64, tau=0.9 ,retrieval=recent,reallocate=TRUE,")
+    assert params == {"top_k": 64, "tau": 0.9, "retrieval": "recent", "reallocate": True}
+    assert parse_params(format_params(params)) == params
+    assert parse_params("tau=0.9+window=64", sep="+") == {"tau": 0.9, "window": 64}
+    assert parse_params("") == {}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_params("top_k")
+
+
+def test_named_method_fields_are_the_protos():
+    from dataclasses import fields
+
+    from retopk_client.types import RETOPK_FIELDS, SAMPLING_FIELDS, Sampling
+
+    assert RETOPK_FIELDS == ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")
+    assert tuple(f.name for f in fields(Method) if f.name not in ("name", "params")) == RETOPK_FIELDS
+    assert tuple(f.name for f in fields(Sampling)) == SAMPLING_FIELDS

@@ -234,3 +234,21 @@ def test_prefill_fifo_holds_exact_causal_supports(length, short, monkeypatch):
                     1 / math.sqrt(d))
         got = [sorted(s[s >= 0].tolist()) for s in state.support[slot, h]]
         assert got == [sorted(sup) for _, sup in ref.fifo], h
+
+
+@pytest.mark.parametrize("name,params,field", [("retopk", {"top_k": 0}, "top_k"), ("retopk", {"recall": 40}, "recall"),
+                                               ("exact_topk", {"tau": 0.5}, "tau"), ("nope", {}, "name"),
+                                               ("quest", {"top_k": 8, "page_size": 16}, "page_size"),
+                                               ("retopk", {"backend": "cuda"}, "backend")])
+def test_bad_parameters_carry_their_field_as_data(name, params, field):
+    from retopk_core.params import ParamError
+
+    with pytest.raises(ParamError) as info:
+        make_method(name, **params)
+    assert info.value.field == field
+
+
+def test_describe_lists_the_config_fields():
+    method = make_method("retopk", top_k=8)
+    assert method.describe() == {"method": "retopk", **ReTopKConfig(top_k=8).as_dict(), "backend": "torch"}
+    assert ReTopKConfig() == ReTopKConfig(top_k=512, cache_size=32, window=32, recall=4, tau=0.85, refresh_every=128)

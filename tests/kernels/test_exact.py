@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from retopk_core.methods.exact import ExactTopK
+from retopk_core.methods.exact import ExactTopK, ExactTopKConfig
 from tests.kernels._helpers import DEVICE, assert_topk_support, make_kv, ref_attend, ref_scores
 
 CASES = [  # (B, H_kv, G, d, lengths, block, K, chunk, fan)
@@ -39,8 +39,8 @@ def test_exact_topk_decode_selects_topk_and_attends(B, H_kv, G, d, lengths, bloc
 def test_exact_method_triton_equals_torch_backend(dtype):
     kv, _, _ = make_kv(2, 2, 500, 64, [500, 260], dtype, 32, seed=9)
     q = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
-    a = ExactTopK(top_k=32).decode(q, kv, None, None)
-    b = ExactTopK(top_k=32, backend="triton").decode(q, kv, None, None)
+    a = ExactTopK(ExactTopKConfig(top_k=32)).decode(q, kv, None, None)
+    b = ExactTopK(ExactTopKConfig(top_k=32), backend="triton").decode(q, kv, None, None)
     assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(b.out.float(), a.out.float(), atol=tol, rtol=tol)

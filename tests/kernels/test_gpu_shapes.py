@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from retopk_core.config import ReTopKConfig
 from retopk_core.kv import PagedKV
-from retopk_core.methods.exact import ExactTopK
+from retopk_core.methods.exact import ExactTopK, ExactTopKConfig
 from retopk_core.methods.full import FullAttention
 from retopk_core.methods.retopk import ReTopK
 from tests.kernels._helpers import assert_topk_support, paged_from_dense, ref_scores
@@ -34,7 +35,8 @@ def test_full_and_exact_at_qwen_shapes(lengths, block):
     q = torch.randn(len(lengths), 28, 128, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
     a, b = FullAttention().decode(q, kv, None, None), FullAttention(backend="triton").decode(q, kv, None, None)
     torch.testing.assert_close(b.out.float(), a.out.float(), atol=2e-2, rtol=2e-2)
-    a, b = ExactTopK(512).decode(q, kv, None, None), ExactTopK(512, backend="triton").decode(q, kv, None, None)
+    exact = ExactTopKConfig(512)
+    a, b = ExactTopK(exact).decode(q, kv, None, None), ExactTopK(exact, backend="triton").decode(q, kv, None, None)
     assert_topk_support(b.selected, ref_scores(q.float().cpu(), k, lengths, 1 / math.sqrt(128)), 512, tol=1e-2)
     same = (a.selected.sort(-1).values == b.selected.sort(-1).values).float().mean()
     assert same > 0.99, same  # bf16 products summed in another order may swap near-tied boundary keys
@@ -46,7 +48,7 @@ def test_retopk_at_qwen_shapes_mixed_paths():
     kv_all, _, _ = _qwen_kv([x + 4 for x in lengths], 64)
     B, H = 2, 28
     params = dict(top_k=512, cache_size=32, window=32, recall=4, tau=0.85, refresh_every=3)
-    ref, tri = ReTopK(**params), ReTopK(**params, backend="triton")
+    ref, tri = ReTopK(ReTopKConfig(**params)), ReTopK(ReTopKConfig(**params), backend="triton")
     st = ref.init_state(H, 4, 128, device="cuda", capacity=B)
     gen = torch.Generator().manual_seed(3)
     prompt_q = torch.randn(B, H, 32, 128, generator=gen).bfloat16().cuda()

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from retopk_core.config import ReTopKConfig
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path
@@ -33,7 +34,7 @@ def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=
     kv_all, _, _ = make_kv(B, H_kv, cap, d, [cap] * B, torch.float32, block, seed=seed + 1)
     params = dict(top_k=K, cache_size=C, window=W, recall=R, tau=policy[2], refresh_every=3, retrieval=retrieval,
                   gqa_policy=policy[0], group_tau_min=policy[1])
-    ref, tri = ReTopK(**params), ReTopK(**params, backend="triton")
+    ref, tri = ReTopK(ReTopKConfig(**params)), ReTopK(ReTopKConfig(**params), backend="triton")
     st = ref.init_state(H, H_kv, d, device=DEVICE, capacity=B)
     T = min(C, min(lengths))
     prompt_q = torch.randn(B, H, T, d, generator=gen).to(DEVICE)

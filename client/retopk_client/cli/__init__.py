@@ -33,6 +33,7 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
         epilog="Exit status: 0 ok, 1 server error, 2 usage error, 3 server unreachable or deadline exceeded, "
                "130 interrupted. Environment: RETOPK_ADDRESS, RETOPK_API_KEY.",
     )
+    common.add_connection_args(parser, environ)  # before the subcommand, or after it (each one takes them too)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parents = [common.connection_parent(environ)]
     for module in (generate, chat, sessions, info, bench):

@@ -10,43 +10,45 @@ from collections.abc import Mapping
 
 from retopk_client.addresses import DEFAULT_ADDRESS
 from retopk_client.client import Client
-from retopk_client.types import RETOPK_FIELDS, Method
+from retopk_client.params import parse_params
+from retopk_client.types import RETOPK_FIELDS, SAMPLING_FIELDS, Method
+
+
+def add_connection_args(p: argparse.ArgumentParser, environ: Mapping[str, str], suppress: bool = False) -> None:
+    """--address, --api-key, --timeout, with RETOPK_ADDRESS / RETOPK_API_KEY as defaults.
+
+    Both the top-level parser and each subcommand take them, so they go before or after the subcommand;
+    the subcommand's copy is ``suppress``ed (absent from the namespace unless given), so that it does
+    not overwrite a value given before the subcommand with its default.
+    """
+    defaults = {"address": environ.get("RETOPK_ADDRESS", DEFAULT_ADDRESS), "api_key": environ.get("RETOPK_API_KEY"),
+                "timeout": None}
+
+    def default(name):
+        return argparse.SUPPRESS if suppress else defaults[name]
+
+    g = p.add_argument_group("connection")
+    g.add_argument("--address", default=default("address"),
+                   help=f"server address host:port (env RETOPK_ADDRESS; default {defaults['address']})")
+    g.add_argument("--api-key", default=default("api_key"),
+                   help="API key, sent as 'authorization: Bearer <key>' (env RETOPK_API_KEY)")
+    g.add_argument("--timeout", type=float, default=default("timeout"), metavar="SECONDS",
+                   help="deadline of each call in seconds (default: none)")
 
 
 def connection_parent(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """--address, --api-key, --timeout, with RETOPK_ADDRESS / RETOPK_API_KEY as defaults."""
+    """The connection options of a subcommand (see ``add_connection_args``)."""
     p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("connection")
-    g.add_argument("--address", default=environ.get("RETOPK_ADDRESS", DEFAULT_ADDRESS),
-                   help="server address host:port (env RETOPK_ADDRESS; default %(default)s)")
-    g.add_argument("--api-key", default=environ.get("RETOPK_API_KEY"),
-                   help="API key, sent as 'authorization: Bearer <key>' (env RETOPK_API_KEY)")
-    g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="deadline of each call in seconds (default: none)")
+    add_connection_args(p, environ, suppress=True)
     return p
 
 
-def parse_value(text: str):
-    """A hyperparameter value: int, float, true/false, or else the string itself."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_params(text: str) -> dict:
-    """'top_k=64,tau=0.9' -> {'top_k': 64, 'tau': 0.9}."""
-    params = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE...], got {item!r}")
-        params[key.strip()] = parse_value(value.strip())
-    return params
+def method_params_arg(text: str) -> dict:
+    """``--method-params`` in the shared NAME=VALUE grammar (retopk_client.params), as an argparse type."""
+    try:
+        return parse_params(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +56,7 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", default=None,
                    help="attention method: full, exact_topk, retopk or a baseline (see 'retopk info'); "
                         "default: the server's")
-    g.add_argument("--method-params", type=parse_params, default={}, metavar="K=V,...",
+    g.add_argument("--method-params", type=method_params_arg, default={}, metavar="K=V,...",
                    help="method hyperparameters, e.g. top_k=64,cache_size=32,window=32,recall=4,tau=0.85,"
                         "refresh_every=128 (ReTopK's K, C, W, R, tau, T_r) or a baseline's keywords")
 
@@ -82,13 +84,9 @@ def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens_default: int | 
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
-SAMPLING_ARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed")
-
-
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """The Client.generate keyword arguments selected by the sampling flags."""
-    kwargs = {name: getattr(args, name) for name in SAMPLING_ARGS if getattr(args, name) is not None}
+    kwargs = {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
     if args.max_new_tokens is not None:
         kwargs["max_new_tokens"] = args.max_new_tokens
     if args.stop:

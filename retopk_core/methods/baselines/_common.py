@@ -10,27 +10,21 @@ from __future__ import annotations
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import Path, StepOutput
+from retopk_core.methods.base import AttentionMethod, Path, StepOutput
 from retopk_core.methods.sparse import indexed_scores, kv_heads, sparse_attend
+from retopk_core.params import MethodConfig
 
 
-def check_positive_int(name: str, value, allow_zero: bool = False) -> None:
-    """ValueError naming ``name`` unless value is a (non-negative when allow_zero) integer."""
-    low = 0 if allow_zero else 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        kind = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} must be a {kind} integer, got {value!r}")
-
-
-def check_backend(backend: str) -> str:
-    """The backend a baseline actually runs: "torch" for both "torch" and "triton".
+class Baseline(AttentionMethod):
+    """A baseline: built from its config; ``backend`` "torch" or "triton" both run the torch code.
 
     The baselines have no Triton kernels; their torch code runs on whatever device the tensors live on
     (a GPU included), so a server configured with backend="triton" can still select them by name.
     """
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
-    return "torch"
+
+    def __init__(self, config: MethodConfig | None = None, backend: str = "torch") -> None:
+        super().__init__(config, backend)
+        self.backend = "torch"
 
 
 def attend_positions(q: torch.Tensor, kv: PagedKV, sel_pos: torch.Tensor, scale: float,

@@ -30,28 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import (
-    attend_positions,
-    check_backend,
-    check_positive_int,
-    full_path,
-    lengths_bh,
-    step_output,
-)
+from retopk_core.methods.base import Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import Baseline, attend_positions, full_path, lengths_bh, step_output
 from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale, topk_select
+from retopk_core.params import MethodConfig, param
 
 
 @dataclass(frozen=True)
-class LokiConfig:
-    """top_k: tokens attended; rank: PCA components r (clamped to head_dim)."""
-
-    top_k: int = 512
-    rank: int = 64
-
-    def __post_init__(self) -> None:
-        check_positive_int("top_k", self.top_k)
-        check_positive_int("rank", self.rank)
+class LokiConfig(MethodConfig):
+    top_k: int = param(512, "tokens attended per head and step", low=1)
+    rank: int = param(64, "PCA components r (clamped to head_dim)", low=1)
 
 
 def pca_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
@@ -119,13 +107,9 @@ class LokiState(SlotPool):
         self.n_tokens[slots] = L
 
 
-class Loki(AttentionMethod):
+class Loki(Baseline):
     name = "loki"
-
-    def __init__(self, top_k: int = 512, rank: int = 64, backend: str = "torch",
-                 config: LokiConfig | None = None) -> None:
-        self.config = config or LokiConfig(top_k=top_k, rank=rank)
-        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
+    config_class = LokiConfig
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> LokiState:
@@ -156,7 +140,3 @@ class Loki(AttentionMethod):
         sel = sel.view(B, H, -1)  # (B, H, K)
         out, n_valid = attend_positions(q, kv, sel, scale)  # (B, H, d_v), (B, H)
         return step_output(out, full_path(B, H, Path.APPROX, q.device), n_valid, sel, lengths_bh(kv, H))
-
-    def describe(self) -> dict:
-        c = self.config
-        return {"method": self.name, "top_k": c.top_k, "rank": c.rank, "backend": self.backend}

@@ -29,31 +29,23 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import (
-    attend_positions,
-    check_backend,
-    check_positive_int,
-    full_path,
-    step_output,
-)
+from retopk_core.methods.base import Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import Baseline, attend_positions, full_path, step_output
 from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale
+from retopk_core.params import MethodConfig, ParamError, param
 
 _INF = float("inf")
 
 
 @dataclass(frozen=True)
-class QuestConfig:
-    """top_k: token budget per head and step; page_size: tokens per page (P, <= top_k)."""
+class QuestConfig(MethodConfig):
+    top_k: int = param(512, "token budget per head and step", low=1)
+    page_size: int = param(16, "tokens per page (P, <= top_k)", low=1)
 
-    top_k: int = 512
-    page_size: int = 16
-
-    def __post_init__(self) -> None:
-        check_positive_int("top_k", self.top_k)
-        check_positive_int("page_size", self.page_size)
+    def validate(self) -> None:
         if self.page_size > self.top_k:
-            raise ValueError(f"page_size must be <= top_k ({self.top_k}) so one full page fits, got {self.page_size}")
+            raise ParamError("page_size", f"page_size must be <= top_k ({self.top_k}) so one full page fits, "
+                                          f"got {self.page_size}")
 
 
 class QuestPageState(SlotPool):
@@ -118,13 +110,9 @@ class QuestPageState(SlotPool):
         self.n_tokens[slots] = L
 
 
-class Quest(AttentionMethod):
+class Quest(Baseline):
     name = "quest"
-
-    def __init__(self, top_k: int = 512, page_size: int = 16, backend: str = "torch",
-                 config: QuestConfig | None = None) -> None:
-        self.config = config or QuestConfig(top_k=top_k, page_size=page_size)
-        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
+    config_class = QuestConfig
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> QuestPageState:
@@ -166,7 +154,3 @@ class Quest(AttentionMethod):
         out, n_valid = attend_positions(q, kv, sel, scale)  # (B, H, d_v), (B, H)
         n_approx = n_pages.to(torch.int32).view(B, 1).expand(B, H)
         return step_output(out, full_path(B, H, Path.APPROX, q.device), n_valid, sel, n_approx)
-
-    def describe(self) -> dict:
-        c = self.config
-        return {"method": self.name, "top_k": c.top_k, "page_size": c.page_size, "backend": self.backend}

@@ -32,45 +32,25 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import (
-    attend_positions,
-    check_backend,
-    check_positive_int,
-    full_path,
-    lengths_bh,
-    step_output,
-)
+from retopk_core.methods.base import Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import Baseline, attend_positions, full_path, lengths_bh, step_output
 from retopk_core.methods.sparse import resolve_scale, topk_select
+from retopk_core.params import MethodConfig, param
 
 
 @dataclass(frozen=True)
-class SparQConfig:
-    """top_k: tokens attended; r: query components used (None = head_dim // 8, at least 1);
-    reallocate: SparQ's mean-value reallocation of the dropped attention mass."""
-
-    top_k: int = 512
-    r: int | None = None
-    reallocate: bool = False
-
-    def __post_init__(self) -> None:
-        check_positive_int("top_k", self.top_k)
-        if self.r is not None:
-            check_positive_int("r", self.r)
-        if not isinstance(self.reallocate, bool):
-            raise ValueError(f"reallocate must be a bool, got {self.reallocate!r}")
+class SparQConfig(MethodConfig):
+    top_k: int = param(512, "tokens attended per head and step", low=1)
+    r: int | None = param(None, "query components used (None = head_dim // 8, at least 1)", low=1)
+    reallocate: bool = param(False, "SparQ's mean-value reallocation of the dropped attention mass")
 
     def components(self, head_dim: int) -> int:
         return min(head_dim, self.r if self.r is not None else max(1, head_dim // 8))
 
 
-class SparQ(AttentionMethod):
+class SparQ(Baseline):
     name = "sparq"
-
-    def __init__(self, top_k: int = 512, r: int | None = None, reallocate: bool = False, backend: str = "torch",
-                 config: SparQConfig | None = None) -> None:
-        self.config = config or SparQConfig(top_k=top_k, r=r, reallocate=reallocate)
-        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
+    config_class = SparQConfig
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -105,7 +85,8 @@ class SparQ(AttentionMethod):
         return step_output(out, full_path(B, H, Path.APPROX, q.device), n_valid, sel, lengths_bh(kv, H))
 
     def describe(self) -> dict:
-        c = self.config
-        return {"method": self.name, "top_k": c.top_k, "r": c.r if c.r is not None else "head_dim/8",
-                "reallocate": c.reallocate, "backend": self.backend}
+        described = super().describe()
+        if self.config.r is None:
+            described["r"] = "head_dim/8"
+        return described
 

@@ -24,30 +24,21 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import (
-    attend_positions,
-    check_backend,
-    check_positive_int,
-    full_path,
-    step_output,
-)
+from retopk_core.methods.base import Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import Baseline, attend_positions, full_path, step_output
 from retopk_core.methods.sparse import resolve_scale
+from retopk_core.params import MethodConfig, ParamError, param
 
 
 @dataclass(frozen=True)
-class StreamingLLMConfig:
-    """top_k: tokens attended per step (S + W); sinks: S initial tokens, the rest (W) is the recent window."""
+class StreamingLLMConfig(MethodConfig):
+    top_k: int = param(512, "tokens attended per step (S + W)", low=1)
+    sinks: int = param(64, "S initial tokens; the rest (W = top_k - S) is the recent window", low=0)
 
-    top_k: int = 512
-    sinks: int = 64
-
-    def __post_init__(self) -> None:
-        check_positive_int("top_k", self.top_k)
-        check_positive_int("sinks", self.sinks, allow_zero=True)
+    def validate(self) -> None:
         if self.sinks >= self.top_k:
-            raise ValueError(f"sinks must be < top_k ({self.top_k}) so the recent window holds the current token, "
-                             f"got {self.sinks}")
+            raise ParamError("sinks", f"sinks must be < top_k ({self.top_k}) so the recent window holds the current "
+                                      f"token, got {self.sinks}")
 
     @property
     def recent(self) -> int:
@@ -65,13 +56,9 @@ def sink_window_positions(lengths: torch.Tensor, sinks: int, recent: int) -> tor
     return torch.cat([sink, rec], dim=1)
 
 
-class StreamingLLM(AttentionMethod):
+class StreamingLLM(Baseline):
     name = "streaming_llm"
-
-    def __init__(self, top_k: int = 512, sinks: int = 64, backend: str = "torch",
-                 config: StreamingLLMConfig | None = None) -> None:
-        self.config = config or StreamingLLMConfig(top_k=top_k, sinks=sinks)
-        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
+    config_class = StreamingLLMConfig
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -83,5 +70,4 @@ class StreamingLLM(AttentionMethod):
         return step_output(out, full_path(B, H, Path.APPROX, q.device), n_valid, sel)
 
     def describe(self) -> dict:
-        c = self.config
-        return {"method": self.name, "top_k": c.top_k, "sinks": c.sinks, "recent": c.recent, "backend": self.backend}
+        return {**super().describe(), "recent": self.config.recent}

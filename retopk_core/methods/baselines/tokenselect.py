@@ -31,34 +31,24 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import (
-    attend_positions,
-    check_backend,
-    check_positive_int,
-    step_output,
-)
+from retopk_core.methods.base import Path, SlotPool, StepOutput
+from retopk_core.methods.baselines._common import Baseline, attend_positions, step_output
 from retopk_core.methods.sparse import kv_heads, resolve_scale, topk_select
+from retopk_core.params import MethodConfig, ParamError, param
 
 
 @dataclass(frozen=True)
-class TokenSelectConfig:
-    """top_k: tokens attended (initial + selected + local); initial, local: fixed ranges; threshold:
-    cosine of consecutive queries at or above which the previous selection is reused."""
+class TokenSelectConfig(MethodConfig):
+    top_k: int = param(512, "tokens attended (initial + selected + local)", low=1)
+    initial: int = param(64, "initial tokens always attended", low=0)
+    local: int = param(32, "most recent tokens always attended", low=1)
+    threshold: float = param(0.9, "cosine of consecutive queries at or above which the previous selection is "
+                                  "reused", low=-1.0, high=1.0)
 
-    top_k: int = 512
-    initial: int = 64
-    local: int = 32
-    threshold: float = 0.9
-
-    def __post_init__(self) -> None:
-        check_positive_int("top_k", self.top_k)
-        check_positive_int("initial", self.initial, allow_zero=True)
-        check_positive_int("local", self.local)
+    def validate(self) -> None:
         if self.initial + self.local > self.top_k:
-            raise ValueError(f"initial + local must be <= top_k ({self.top_k}), got {self.initial + self.local}")
-        if not -1.0 <= float(self.threshold) <= 1.0:
-            raise ValueError(f"threshold must lie in [-1, 1], got {self.threshold!r}")
+            raise ParamError("initial", f"initial + local must be <= top_k ({self.top_k}), "
+                                        f"got {self.initial + self.local}")
 
     @property
     def selected(self) -> int:
@@ -89,13 +79,9 @@ class TokenSelectCache(SlotPool):
         self.sel[slot] = -1
 
 
-class TokenSelect(AttentionMethod):
+class TokenSelect(Baseline):
     name = "tokenselect"
-
-    def __init__(self, top_k: int = 512, initial: int = 64, local: int = 32, threshold: float = 0.9,
-                 backend: str = "torch", config: TokenSelectConfig | None = None) -> None:
-        self.config = config or TokenSelectConfig(top_k=top_k, initial=initial, local=local, threshold=threshold)
-        self.backend = check_backend(backend)  # "triton" runs the torch code: no baseline kernels
+    config_class = TokenSelectConfig
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> TokenSelectCache:
@@ -164,6 +150,4 @@ class TokenSelect(AttentionMethod):
         return sel
 
     def describe(self) -> dict:
-        c = self.config
-        return {"method": self.name, "top_k": c.top_k, "initial": c.initial, "selected": c.selected,
-                "local": c.local, "threshold": c.threshold, "backend": self.backend}
+        return {**super().describe(), "selected": self.config.selected}

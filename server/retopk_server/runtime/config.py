@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from retopk_core.params import check_int
 from retopk_server.runtime.method_spec import MethodSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -66,12 +67,9 @@ class RuntimeConfig:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not isinstance(self.default_method, MethodSpec):
             raise ValueError(f"default_method must be a MethodSpec, got {self.default_method!r}")
-        for name in ("prefill_chunk", "kv_block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context <= 0):
-            raise ValueError(f"max_context must be a positive integer or None, got {self.max_context!r}")
+        check_int("prefill_chunk", self.prefill_chunk)
+        check_int("kv_block_size", self.kv_block_size)
+        check_int("max_context", self.max_context, optional=True)
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             if not isinstance(rs, dict) or rs.get("rope_type") not in ROPE_TYPES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retopk_core.methods.base import AttentionMethod
-from retopk_core.methods.registry import make_method, method_names
+from retopk_core.methods.registry import make_method, method_class
 
 
 @dataclass(frozen=True)
@@ -38,24 +38,17 @@ class MethodSpec:
     def of(cls, name: str, **params) -> MethodSpec:
         return cls(name, tuple(params.items()))
 
-    def build(self, **defaults) -> AttentionMethod:
-        """The method object; ``defaults`` (e.g. backend) apply where the spec does not set them.
+    def build(self, backend: str = "torch", **defaults) -> AttentionMethod:
+        """The method object on ``backend``; ``defaults`` apply to the config fields the spec does not set.
 
-        A default the method does not accept is dropped; unknown names and bad hyperparameters of the
-        spec itself raise ValueError.
+        A default that is not a field of the method's config is dropped; unknown names and bad
+        hyperparameters of the spec itself raise ``retopk_core.params.ParamError`` naming the field.
         """
-        if self.name not in method_names():
-            raise ValueError(f"unknown method {self.name!r}; choose one of {', '.join(method_names())}")
+        config_class = method_class(self.name).config_class
+        fields = config_class.names() if config_class is not None else ()
         params = dict(self.params)
-        extra = {k: v for k, v in defaults.items() if k not in params}
-        while True:
-            try:
-                return make_method(self.name, **params, **extra)
-            except ValueError as e:
-                dropped = next((k for k in extra if repr(k) in str(e) or f"'{k}'" in str(e)), None)
-                if dropped is None:
-                    raise
-                del extra[dropped]
+        params.update({k: v for k, v in defaults.items() if k in fields and k not in params})
+        return make_method(self.name, backend=backend, **params)
 
     def describe(self) -> dict:
         return {"method": self.name, **dict(self.params)}

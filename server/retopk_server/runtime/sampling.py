@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from retopk_core.params import ParamError, check_int, check_number
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,29 +32,21 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
 
-    def __post_init__(self) -> None:
-        def number(name: str) -> float:
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            return float(value)
-
-        if number("temperature") < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < number("top_p") <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
-        if not 0.0 <= number("min_p") <= 1.0:
-            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p!r}")
-        if number("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+    def __post_init__(self) -> None:  # every failure is a ParamError naming its field
+        check_number("temperature", self.temperature, low=0)
+        check_number("top_p", self.top_p, high=1)
+        if not self.top_p > 0:
+            raise ParamError("top_p", f"top_p must lie in (0, 1], got {self.top_p!r}")
+        check_int("top_k", self.top_k, low=0)  # 0 = off
+        check_number("min_p", self.min_p, 0, 1)
+        check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= number(name) <= 2.0:
-                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative 64-bit integer or None, got {self.seed!r}")
+            check_number(name, getattr(self, name), -2, 2)
+        check_int("seed", self.seed, low=0, optional=True)
+        if self.seed is not None and self.seed >= 2**63:
+            raise ParamError("seed", f"seed must be a non-negative 64-bit integer or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,7 @@ import math
 import uuid
 
 from retopk_core.methods.registry import serving_method_names
+from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.requests import FinishReason, GenerationRequest, TokenEvent
 from retopk_server.engine.scheduler import EngineStatus, SessionSnapshot
@@ -19,10 +20,10 @@ from retopk_server.runtime.sampling import SamplingParams
 ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
 MAX_STOP = 16
-# AttentionMethod's named fields, in proto order (ReTopK's K, C, W, R, tau, T_r).
-NAMED_PARAMS = ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "seed")
+# Read from the proto's descriptors (the wire contract is their one definition): AttentionMethod's named
+# hyperparameters in proto order (ReTopK's K, C, W, R, tau, T_r; each a ReTopKConfig field) and the sampling fields.
+NAMED_PARAMS = tuple(f.name for f in pb.AttentionMethod.DESCRIPTOR.fields if f.name not in ("name", "params"))
+SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParameters.DESCRIPTOR.fields)
 
 
 class InvalidArgument(ValueError):
@@ -77,9 +78,11 @@ def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
     try:
         spec = MethodSpec(name, tuple(params.items()))
         spec.build()
+    except ParamError as e:  # names the hyperparameter: a named field of method, or one of its params
+        field = e.field if e.field == "name" or e.field in NAMED_PARAMS else f"params[{e.field!r}]"
+        raise InvalidArgument(f"method.{field}", str(e)) from None
     except ValueError as e:
-        field = "method.name" if "unknown method" in str(e) else "method"
-        raise InvalidArgument(field, str(e)) from None
+        raise InvalidArgument("method", str(e)) from None
     return spec
 
 
@@ -109,11 +112,8 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
             values[key] = _float32(value) if isinstance(value, float) else value
     try:
         return SamplingParams(**values)
-    except ValueError as e:  # SamplingParams names the field first: "top_p must lie in (0, 1], got 0.0"
-        name, _, rest = str(e).partition(" ")
-        if name in SAMPLING_FIELDS:
-            raise InvalidArgument(f"sampling.{name}", rest) from None
-        raise InvalidArgument("sampling", str(e)) from None
+    except ParamError as e:
+        raise InvalidArgument(f"sampling.{e.field}", str(e)) from None
 
 
 def chat_messages(message: pb.ChatMessages, field: str = "chat") -> list[dict]:
