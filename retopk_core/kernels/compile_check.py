@@ -35,7 +35,7 @@ def kernel_specs(small: bool) -> list[tuple]:
                       dict(q_ptr=p[dt], k_ptr=p[dt], table_ptr=p["i64"], len_ptr=p["i64"], path_ptr=p["i8"],
                            sc_ptr=p["f32"], scale="fp32"),
                       dict(G=3, BLOCK_G=16, D=D, BLOCK_D=D, BLOCK_N=64, HAS_PATH=not dot_f32, DOT_F32=dot_f32), 4))
-    specs.append((dense._lse_merge_kernel, dict(po_ptr=p["f32"], pl_ptr=p["f32"], out_ptr=p["bf16"]),
+    specs.append((dense._lse_merge_kernel, dict(po_ptr=p["f32"], pl_ptr=p["f32"], out_ptr=p["bf16"], len_ptr=p["i64"]),
                   dict(DV=D, BLOCK_DV=D, BLOCK_S=64), 4))
     for has_path in (False, True):
         specs.append((exact._chunk_topk_kernel,

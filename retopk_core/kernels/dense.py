@@ -7,6 +7,10 @@ For query head h (KV head g = h // G) of sequence b with L_b keys, split s cover
 and the merge returns  o = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M),  M = max_s lse_s,
 which equals softmax(e) V over all L_b positions. A split program serves all G query heads of one
 KV head (GQA: each key is read once per group), as a (G x d) @ (d x BLOCK_N) product.
+
+With a length limit L_lim > 0 (ReTopK's dense floor, rows with L_b < L_lim), sequences with
+L_b >= L_lim are skipped (their output rows are left unwritten) and the splits cover only
+[0, min(L_cap, L_lim)): a step where no row is below the floor costs B * H_kv programs that exit.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from retopk_core.kv import PagedKV
 
 @triton.jit
 def _dense_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, po_ptr, pl_ptr, scale,
-                        stride_qb, stride_qh, stride_tb, H_KV, P, SPLIT, N_SPLIT,
+                        stride_qb, stride_qh, stride_tb, H_KV, P, SPLIT, N_SPLIT, L_LIM,
                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
     L = tl.load(len_ptr + b)
+    if (L_LIM > 0) & (L >= L_LIM):  # above the dense floor: this row is not attended densely
+        return
     hs = tl.arange(0, BLOCK_G)
     hmask = hs < G
     heads = g * G + hs
@@ -75,10 +81,12 @@ def _dense_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, po_ptr, pl_ptr,
 
 
 @triton.jit
-def _lse_merge_kernel(po_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, H, N_SPLIT,
+def _lse_merge_kernel(po_ptr, pl_ptr, out_ptr, len_ptr, stride_ob, stride_oh, H, N_SPLIT, L_LIM,
                       DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if (L_LIM > 0) & (tl.load(len_ptr + b) >= L_LIM):
+        return
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
     base = (b * H + h) * N_SPLIT
@@ -102,16 +110,20 @@ def _lse_merge_kernel(po_ptr, pl_ptr, out_ptr, stride_ob, stride_oh, H, N_SPLIT,
 
 
 def dense_attention(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace, target_programs: int | None = None,
-                    block_n: int = 64) -> torch.Tensor:
+                    block_n: int = 64, below: int = 0) -> torch.Tensor:
     """softmax(q K^T * scale) V over each sequence's whole history. q (B, H, d) -> (B, H, d_v) in q.dtype.
 
     Splits: about ``target_programs`` (B * H_kv * n_split) programs over the length capacity
-    L_cap = max_blocks * P (known without reading the lengths back from the device).
+    L_cap = max_blocks * P (known without reading the lengths back from the device), or over
+    min(L_cap, below) when ``below`` > 0: then only rows with L_b < below are computed, the others'
+    output rows are unspecified (the caller selects the rows it wants on the device).
     """
     B, H, D = q.shape
     H_kv, P, DV = kv.num_kv_heads, kv.block_size, kv.v_pool.shape[-1]
     G = H // H_kv
     L_cap = kv.block_table.shape[1] * P
+    if below > 0:
+        L_cap = min(L_cap, below)  # a row computed here has L_b < below
     if target_programs is None:
         target_programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count \
             if q.is_cuda else 4
@@ -127,9 +139,9 @@ def dense_attention(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace, t
     dot_f32 = not q.is_cuda or not half
     _dense_split_kernel[(B, H_kv, n_split)](
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, part_out, part_lse, float(scale),
-        q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, split, n_split,
+        q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, split, n_split, below,
         G=G, BLOCK_G=next_pow2(G, 16), D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
         BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=4)
-    _lse_merge_kernel[(B, H)](part_out, part_lse, out, out.stride(0), out.stride(1), H, n_split,
+    _lse_merge_kernel[(B, H)](part_out, part_lse, out, kv.lengths, out.stride(0), out.stride(1), H, n_split, below,
                               DV=DV, BLOCK_DV=next_pow2(DV, 16), BLOCK_S=min(next_pow2(n_split), 64))
     return out

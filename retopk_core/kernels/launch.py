@@ -7,7 +7,10 @@
 Same semantics as the torch path. ReTopK runs a fixed sequence of launches whatever the paths of
 its heads (no host synchronisation): selector -> indexed QK (reuse heads) -> exact QK / chunk Top-K /
 merge (non-reuse heads) -> select + attend + FIFO write (each head reads its path's scores), then the
-FIFO pointer, fill and step counters advance with three tensor ops on the device.
+FIFO pointer, fill and step counters advance with three tensor ops on the device. The dense floor
+(``dense_below``) is decided on the device too: rows below it take path DENSE, get the exact Top-K
+for their FIFO entry from the exact kernels, and their output from the dense kernel (whose launch
+covers positions < dense_below only).
 """
 
 from __future__ import annotations
@@ -126,6 +129,13 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg)
         count.masked_fill_(path != Path.REUSE, 0)
         n_scored = torch.where(path == Path.REUSE, count, kv.lengths.to(torch.int32).view(B, 1))
+    dense = None
+    if cfg.dense_below:  # the dense floor, decided on the device: rows with L < L_min take path DENSE
+        dense = (kv.lengths < cfg.dense_below).view(B, 1)  # (B, 1)
+        path = torch.where(dense, torch.tensor(Path.DENSE, dtype=torch.int8, device=dev), path)
+        count.masked_fill_(dense, 0)  # no candidates: the exact kernels give the FIFO its exact Top-K
+        n_scored = torch.where(dense, kv.lengths.to(torch.int32).view(B, 1), n_scored)
+        max_sim = max_sim.masked_fill(dense, float("nan"))
     block_m = 64
     _indexed_qk_kernel[(B, H, N_pad // block_m if N_pad >= block_m else 1)](
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,
@@ -133,6 +143,8 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
     keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
     out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, state))
+    if dense is not None:  # dense rows attend to every position; their FIFO entry is the exact Top-K above
+        out = torch.where(dense.unsqueeze(-1), dense_attention(q, kv, scale, ws, below=cfg.dense_below), out)
     state.advance(slots)
     state.step[slots] += 1
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel)

@@ -150,6 +150,9 @@ class ReTopK(AttentionMethod):
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
         scale = resolve_scale(scale, q.shape[-1])
+        if self.backend == "triton":  # the whole step, dense floor included, on the device (no host sync)
+            from retopk_core.kernels.launch import retopk_decode
+            return retopk_decode(self, q, kv, state, slots, scale)
         if self.config.dense_below:
             dense = kv.lengths < self.config.dense_below  # (B,) below the floor: attend to everything
             if bool(dense.any()):
@@ -188,10 +191,7 @@ class ReTopK(AttentionMethod):
 
     def _sparse_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                      scale: float) -> StepOutput:
-        """ReTopK's step proper (eq. 6-13) on the backend's implementation."""
-        if self.backend == "triton":
-            from retopk_core.kernels.launch import retopk_decode
-            return retopk_decode(self, q, kv, state, slots, scale)
+        """ReTopK's step proper (eq. 6-13) on the backend's implementation (triton: see ``decode``)."""
         if self.backend == "cpu" and q.device.type == "cpu":
             from retopk_core.cpu import launch
             if launch.available():

@@ -52,3 +52,18 @@ def test_dense_decode_many_splits_merge():
     q = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
     out = dense_attention(q.to(DEVICE), kv, 0.125, Workspace(DEVICE), target_programs=40, block_n=16)
     torch.testing.assert_close(out.double().cpu(), ref_attend(q, k, v, [600, 70], 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_dense_decode_below_a_length_limit_computes_only_the_short_rows():
+    """below = L_lim (ReTopK's dense floor): the splits cover positions < L_lim only, rows with L_b < L_lim
+    equal softmax attention, rows at or above it are left alone (not written)."""
+    from retopk_core.kernels.dense import dense_attention
+    from retopk_core.kernels.workspace import Workspace
+
+    kv, k, v = make_kv(3, 1, 600, 64, [600, 70, 99], torch.float32, 16, seed=6)
+    q = torch.randn(3, 3, 64, generator=torch.Generator().manual_seed(5))
+    ws = Workspace(DEVICE)
+    out = dense_attention(q.to(DEVICE), kv, 0.125, ws, target_programs=40, block_n=16, below=100)
+    ref = ref_attend(q, k, v, [600, 70, 99], 0.125)
+    torch.testing.assert_close(out[1:].double().cpu(), ref[1:], atol=1e-5, rtol=1e-5)
+    assert ws._bufs["dense_lse"].numel() <= 3 * 3 * 7  # splits over 100 positions, not 600

@@ -26,14 +26,15 @@ STEPS = 4
 
 
 def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=STEPS, seed=0,
-         policy=("head", 0.0, 0.8)):
-    """Yield (torch StepOutput, triton StepOutput, torch state, triton state) for each decode step."""
+         policy=("head", 0.0, 0.8), **extra):
+    """Yield (torch StepOutput, triton StepOutput, torch state, triton state) for each decode step;
+    ``extra``: further ReTopKConfig fields."""
     B, H = len(lengths), H_kv * G
     gen = torch.Generator().manual_seed(seed)
     cap = max(lengths) + steps
     kv_all, _, _ = make_kv(B, H_kv, cap, d, [cap] * B, torch.float32, block, seed=seed + 1)
     params = dict(top_k=K, cache_size=C, window=W, recall=R, tau=policy[2], refresh_every=3, retrieval=retrieval,
-                  gqa_policy=policy[0], group_tau_min=policy[1])
+                  gqa_policy=policy[0], group_tau_min=policy[1], **extra)
     ref, tri = ReTopK(ReTopKConfig(**params)), ReTopK(ReTopKConfig(**params), backend="triton")
     st = ref.init_state(H, H_kv, d, device=DEVICE, capacity=B)
     T = min(C, min(lengths))
@@ -95,6 +96,30 @@ def test_retopk_triton_matches_torch_reference(H_kv, G, d, K, C, W, R, lengths, 
             assert Path.FALLBACK in seen, seen
         else:  # odd heads get fresh queries, even heads near ones: groups are read for part of their heads
             assert Path.PROMOTED in seen or policy[:2] == ("group", 0.0), seen
+
+
+@pytest.mark.parametrize("policy", [("head", 0.0, 0.8), ("group", 0.0, 0.8)], ids=lambda p: p[0])
+def test_dense_floor_on_the_device_matches_torch(policy):
+    """dense_below decided on the device: the short row takes path DENSE (full attention, an exact FIFO
+    entry) until it crosses the floor mid-run, the long row the sparse step, as in the torch code."""
+    seen = set()
+    for a, b, st, sk, (_, kv, *_rest) in _run(1, 3, 64, 8, 4, 4, 2, [120, 60], 16, "similarity", (0, 1), steps=4,
+                                              policy=policy, dense_below=62):
+        lengths = kv.lengths.tolist()
+        assert torch.equal(a.path, b.path), (a.path, b.path)
+        seen |= set(a.path.flatten().tolist())
+        dense = a.path == Path.DENSE
+        assert torch.equal(b.max_sim.isnan(), dense)
+        torch.testing.assert_close(b.max_sim[~dense], a.max_sim[~dense], atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.n_scored, b.n_scored), (a.n_scored, b.n_scored)
+        assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
+        torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sk.queries, st.queries, atol=1e-6, rtol=1e-6)
+        assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+        for name in ("fill", "ptr", "step"):
+            assert torch.equal(getattr(sk, name), getattr(st, name)), name
+    assert Path.DENSE in seen and Path.REUSE in seen, seen
+    assert lengths[1] >= 62  # the short row crossed the floor during the run
 
 
 def test_selector_candidates_equal_torch_candidates():

@@ -10,6 +10,11 @@ within the chunk and full to the session's earlier positions, via SDPA with GQA.
 chunk the method sees the prompt's last ``prefill_queries`` queries (``method.prefill``).
 Decode (B sessions, one token each): rows are grouped by method, each group calls ``method.decode``
 on a PagedKV view of its rows, outputs are scattered back into the batch.
+
+Nothing here reads the device back between the first and the last layer of a decode step. With
+statistics on, the attention core is timed by CUDA events recorded around each method group (on a
+CPU device: wall time), each layer's (path, max_sim, n_scored) stays on the device, and after the last
+layer all of them travel to the host in one packed copy, which also completes the events.
 """
 
 from __future__ import annotations
@@ -84,8 +89,10 @@ class StepContext:
     # decode
     groups: list[DecodeGroup] = field(default_factory=list)
     with_stats: bool = False
-    stats: list[list[tuple]] = field(default_factory=list)  # per group: per layer (path, max_sim, n_scored)
-    attention_s: list[float] = field(default_factory=list)  # per group
+    # per group: per layer (path, max_sim, n_scored); host tensors once the last layer has run
+    stats: list[list[tuple]] = field(default_factory=list)
+    attention_s: list[float] = field(default_factory=list)  # per group, summed over layers
+    events: list[list[tuple]] = field(default_factory=list)  # per group: per layer (start, end) CUDA events
     # prefill
     prefill_group: MethodGroup | None = None
     prefill_slots: list[int] | None = None
@@ -95,9 +102,38 @@ class StepContext:
     tails: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, t, d) queries kept so far
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _event_timing(device: torch.device) -> bool:
+    """Time the attention core with CUDA events (True on a CUDA device) rather than the host clock."""
+    return device.type == "cuda"
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host in ONE device-to-host copy: their bytes packed into one uint8 buffer
+    on the device, copied, and viewed back (bit for bit: NaN, int8, int32 alike)."""
+    if not tensors:
+        return []
+    flat, sizes = [], []
+    for t in tensors:
+        f = t.contiguous().view(-1).view(torch.uint8)  # (nbytes,)
+        sizes.append(f.numel())
+        flat += [f, f.new_zeros(-f.numel() % 8)]  # padded to 8 bytes: every piece's view stays aligned
+    host = torch.cat(flat).cpu()  # the step's only device -> host transfer
+    out, at = [], 0
+    for t, n in zip(tensors, sizes, strict=True):
+        out.append(host[at:at + n].view(t.dtype).view(t.shape))
+        at += n + (-n % 8)
+    return out
+
+
+def _finish_stats(ctx: StepContext) -> None:
+    """After the last layer: every group's per-layer statistics to the host in one copy, and the
+    attention time of each group from its CUDA events (complete once that copy has returned)."""
+    flat = [t for per_layer in ctx.stats for row in per_layer for t in row]
+    host = iter(to_host(flat))
+    ctx.stats = [[tuple(next(host) for _ in row) for row in per_layer] for per_layer in ctx.stats]
+    for gi, pairs in enumerate(ctx.events):
+        ctx.attention_s[gi] += sum(start.elapsed_time(end) for start, end in pairs) / 1000.0
+        pairs.clear()
 
 
 def retopk_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -157,10 +193,16 @@ def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) ->
 def _decode(ctx: StepContext, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
     """One token per row: q (B, H, d) -> (B, H, d), each method group on its own rows."""
     out = None
+    by_events = _event_timing(q.device)
+    if ctx.with_stats and by_events and len(ctx.events) < len(ctx.groups):
+        ctx.events = [[] for _ in ctx.groups]
     for gi, dg in enumerate(ctx.groups):
         if ctx.with_stats:
-            _sync(q.device)
-            t0 = time.perf_counter()
+            if by_events:  # recorded on the stream: no host wait
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            else:
+                t0 = time.perf_counter()
         if dg.rows is None:
             kv = ctx.pool.paged(layer, ctx.table, ctx.lengths)
             res = dg.group.decode(layer, q, kv, dg.slots[layer], scale)
@@ -172,9 +214,15 @@ def _decode(ctx: StepContext, layer: int, q: torch.Tensor, scale: float) -> torc
                 out = q.new_empty(q.shape[0], q.shape[1], res.out.shape[-1])
             out.index_copy_(0, dg.rows, res.out.to(out.dtype))
         if ctx.with_stats:
-            _sync(q.device)
-            ctx.attention_s[gi] += time.perf_counter() - t0
+            if by_events:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                ctx.events[gi].append((start, end))
+            else:
+                ctx.attention_s[gi] += time.perf_counter() - t0
             ctx.stats[gi].append((res.path, res.max_sim, res.n_scored))
+    if ctx.with_stats and ctx.groups and layer == ctx.groups[0].slots.shape[0] - 1:
+        _finish_stats(ctx)
     return out
 
 

@@ -16,8 +16,8 @@ class StepStats:
     path          (layers, heads) int8     path each head took (reuse / fallback / refresh / promoted / exact ...)
     max_sim       (layers, heads) float32  max cached-query cosine (NaN where the method has none)
     n_scored      (layers, heads) int32    keys scored with the exact query (candidates on ReTopK's reuse path)
-    attention_s   wall seconds spent in the attention core on this step for the session's method group,
-                  summed over layers (device-synchronised when stats are requested)
+    attention_s   seconds spent in the attention core on this step for the session's method group,
+                  summed over layers (CUDA events on a GPU, wall time on a CPU; no synchronisation)
     num_kv_heads  H_kv, the model's KV heads (query head h reads KV group h // (heads / H_kv))
     group_read    (layers, H_kv) bool, derived: ``group_reads(path, num_kv_heads)``, True where the KV group's
                   keys were read in full on this step. Its mean is the step's group-read rate, what the step
