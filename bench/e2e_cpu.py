@@ -1,17 +1,20 @@
 """End-to-end decode speed: ms per generated token with a real model at growing contexts.
 
-For each context length L the same prompt (the first L tokens of a text) is prefilled once per
-method, then the methods take turns decoding N tokens each, greedily through the runtime, for a few
-rounds (the machine's speed drifts; turns spread the drift over every method). Reported are
+For each context length L the same prompt (the first L tokens of a text) is prefilled for every
+method (its dense prefix computed once and copied into each method's session, the last tokens
+prefilled by each method itself), then the methods take turns decoding N tokens each, greedily
+through the runtime, for a few rounds (the machine's speed drifts; turns spread the drift over
+every method). Reported are
 ms/token, the share of it spent in the attention core (from the runtime's per-step stats), the path
 mix, for ReTopK the share of layer-steps with an exact pass (some head of the layer read its KV
 group's keys in full), for every method the group-read rate (the share of (layer, KV group, step)
 triples whose keys were read in full: under GQA, what a step costs), and transformers' own
 ``generate`` on the same model and prompt as the outside baseline (its per-token time is
-(t(N+1 tokens) - t(1 token)) / N, so its prefill cancels). All in one process.
+(t(N+1 tokens) - t(1 token)) / N, so its prefill cancels). All in one process. Each length's table
+is printed (and <out>.json rewritten) as soon as it is measured.
 
     python -m bench.e2e_cpu --lengths 1024 2048 4096 8000 --new-tokens 16 --rounds 3
-    python -m bench.e2e_cpu --lengths 16384 32768 --rope-scaling linear:4 --threads 2   # past the 8K positions
+    python -m bench.e2e_cpu --lengths 16384 32000 --rope-scaling linear:4 --threads 2   # past the 8K positions
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 
 import torch
 
-from bench.eval.common import load_corpus, progress_bar
+from bench.eval.common import load_corpus, prefill_all, progress_bar
 from retopk_server.cli import parse_params, parse_rope_scaling
 from retopk_server.config import ServerConfig
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
@@ -68,10 +71,10 @@ class TimedSession:
     (some head took an exact path: ReTopK's fallback, refresh or promoted), and the (layer, KV group,
     step) triples read in full (the step stats' ``group_read``)."""
 
-    def __init__(self, runner: ModelRunner, spec: MethodSpec, prompt: list[int]) -> None:
-        self.runner, self.spec = runner, spec
-        self.session = runner.open_session(spec)
-        self.tok = int(runner.prefill(self.session, prompt).argmax())
+    def __init__(self, runner: ModelRunner, spec: MethodSpec, session, logits: torch.Tensor) -> None:
+        """``session``: prefilled with the prompt, ``logits`` (V,) after its last token."""
+        self.runner, self.spec, self.session = runner, spec, session
+        self.tok = int(logits.argmax())
         self.decode(1, timed=False)  # warm-up step
         self.steps, self.total, self.attn, self.exact_layers, self.group_reads = 0, 0.0, 0.0, 0, 0
         self.paths: dict[str, int] = {}
@@ -120,18 +123,33 @@ def time_generate(model, prompt: list[int], n: int) -> float:
     return 1e3 * (run(n + 1) - run(1)) / n
 
 
+def tokens_needed(length: int, n: int, rounds: int) -> int:
+    """Positions one session uses at context ``length``: the prompt, the warm-up step, rounds x n steps."""
+    return length + 1 + rounds * n
+
+
 def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: list[int], n: int,
-        with_generate: bool = True, rounds: int = 1, progress=None) -> list[dict]:
+        with_generate: bool = True, rounds: int = 1, progress=None, on_length=None) -> list[dict]:
     """Every method (and transformers' generate) at every length on the prompt ids[:L].
 
-    The methods take turns, n tokens each per round, for ``rounds`` rounds: the machine's speed
-    drifts over minutes, and turns spread that drift over every method alike. ``progress`` (a tqdm
-    bar or None) advances once per method and round.
+    The prompt's dense prefix is computed once per length and copied into every method's session
+    (``bench.eval.common.prefill_all``; each method prefills the prompt's last tokens itself, so its
+    prefill hook sees them as after a plain prefill). The methods take turns, n tokens each per round,
+    for ``rounds`` rounds: the machine's speed drifts over minutes, and turns spread that drift over
+    every method alike. ``progress`` (a tqdm bar or None) advances once per method and round;
+    ``on_length(rows)`` is called with the rows so far after each length.
     """
     rows = []
     for L in lengths:
         prompt = ids[:L]
-        sessions = [TimedSession(runner, spec, prompt) for spec in specs]
+        opened = [runner.open_session(spec) for spec in specs]
+        try:
+            logits = prefill_all(runner, opened, prompt)  # (methods, V)
+        except BaseException:
+            for s in opened:
+                runner.close_session(s)
+            raise
+        sessions = [TimedSession(runner, spec, s, lg) for spec, s, lg in zip(specs, opened, logits, strict=True)]
         generate_ms = []
         try:
             for _ in range(rounds):
@@ -156,6 +174,8 @@ def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: l
         for r in rows:
             if r["L"] == L:
                 r["speedup_vs_exact"] = exact[0]["ms_per_token"] / r["ms_per_token"] if exact else None
+        if on_length is not None:
+            on_length(rows)
     return rows
 
 
@@ -168,15 +188,30 @@ def main(argv=None) -> list[dict]:
     ids = runner.encode(load_corpus(args.corpus)[:8 * max(args.lengths)], add_special_tokens=False)  # ~4 chars a token
     if len(ids) < max(args.lengths):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the longest length {max(args.lengths)}")
+    need = tokens_needed(max(args.lengths), args.new_tokens, args.rounds)
+    if need > runner.max_context:  # refuse before hours of prefill, not at the first decode step
+        raise SystemExit(f"--lengths {max(args.lengths)} needs {need} positions with --new-tokens {args.new_tokens} "
+                         f"x --rounds {args.rounds} + 1, more than the model's max_context {runner.max_context} "
+                         f"(rope scaling {args.rope_scaling}); use a length <= "
+                         f"{runner.max_context - tokens_needed(0, args.new_tokens, args.rounds)}")
     print(f"# e2e_cpu: {args.model}, {runner.info.num_layers} layers, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds of {args.new_tokens} tokens per point, rope scaling {args.rope_scaling}", flush=True)
+    def save(rows: list[dict]) -> None:  # after every length, so a stopped run keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str))
+
+    def report(rows: list[dict]) -> None:
+        bar.write(table([r for r in rows if r["L"] == rows[-1]["L"]]))
+        save(rows)
+
     bar = progress_bar(len(args.lengths) * args.rounds * (len(specs) + (not args.no_generate)), "e2e_cpu")
     with bar:
-        rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds, bar)
+        rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds, bar,
+                   on_length=report)
     print(table(rows))
+    save(rows)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str))
         plot(rows, args.out.with_suffix(".png"))
     return rows
 
