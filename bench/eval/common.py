@@ -115,6 +115,31 @@ def add_batch_arg(p: argparse.ArgumentParser) -> None:
                         "8K: about 0.4 GB), so this bounds memory; the batches of a document share its prefill")
 
 
+def eval_parser(doc: str, default_methods: str | None = None, batch: bool = False) -> argparse.ArgumentParser:
+    """The parser an evaluation script starts from: the model options, then --methods / --top-k (with
+    ``default_methods``), then --batch (``batch``); the script adds its own options."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    if default_methods is not None:
+        add_method_args(p, default_methods)
+    if batch:
+        add_batch_arg(p)
+    return p
+
+
+def start_run(args, runner=None) -> tuple[object, float]:
+    """(runner, start time): ``runner`` when a caller passes one (the suite shares it), else --model's."""
+    started = time.time()
+    return runner or make_runner(args), started
+
+
+def corpus_documents(args, runner, n_docs: int, lengths: list[int]) -> dict[int, list[list[int]]]:
+    """{L: ``n_docs`` documents of L tokens} from --corpus (``split_documents`` over ``load_corpus``)."""
+    text = load_corpus(args.corpus)
+    return {L: split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), n_docs, L)
+            for L in lengths}
+
+
 def make_runner(args):
     """A ModelRunner from the parsed --model/--device/--dtype/--backend/--rope-scaling options."""
     from retopk_server.runtime import ModelRunner, RuntimeConfig

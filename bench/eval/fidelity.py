@@ -17,30 +17,9 @@ with L - S tokens, then S tokens are teacher-forced.
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
-from bench.eval.common import (
-    add_batch_arg,
-    add_method_args,
-    add_model_args,
-    batches,
-    held_prefix,
-    load_corpus,
-    make_runner,
-    markdown_table,
-    method_defaults,
-    parse_methods,
-    prefill_tail,
-    progress_bar,
-    pyplot,
-    run_meta,
-    save_figure,
-    split_documents,
-    teacher_force,
-    write_results,
-)
+from bench.eval import common
 from retopk_core.methods.base import Path as StepPath
 from retopk_core.methods.probe import METRICS, FidelityRecorder
 
@@ -48,10 +27,7 @@ DEFAULT_METHODS = "retopk,exact_topk,streaming_llm"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    add_method_args(p, DEFAULT_METHODS)
-    add_batch_arg(p)
+    p = common.eval_parser(__doc__, DEFAULT_METHODS, batch=True)
     p.add_argument("--length", type=int, default=4096, help="document length L")
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--suffix", type=int, default=128, help="teacher-forced decode steps per document")
@@ -68,7 +44,7 @@ def probed(runs, top_k: int, head_dim: int):
     out, recorders = [], {}
     for r in runs:
         rec = FidelityRecorder()
-        params = {**method_defaults(r.name, top_k, head_dim), **dict(r.spec.params)}
+        params = {**common.method_defaults(r.name, top_k, head_dim), **dict(r.spec.params)}
         out.append(MethodRun(r.label, MethodSpec.of("fidelity_probe", inner=r.name, recorder=rec, **params)))
         recorders[r.label] = rec
     return out, recorders
@@ -98,14 +74,14 @@ def evaluate(runner, runs, docs: list[list[int]], suffix: int, top_k: int, desc:
     in batches of at most ``batch`` methods sharing each document's dense prefill.
     -> {"rows": summarize(...), "recorders": {label: FidelityRecorder}, "mix": {label: PathMix summary}}."""
     probe_runs, recorders = probed(runs, top_k, runner.info.head_dim)
-    groups, tail = batches(probe_runs, batch), prefill_tail(probe_runs)
-    bar = progress_bar(len(docs) * suffix * len(groups), desc)
+    groups, tail = common.batches(probe_runs, batch), common.prefill_tail(probe_runs)
+    bar = common.progress_bar(len(docs) * suffix * len(groups), desc)
     mixes = {}
     for doc in docs:
-        with held_prefix(runner, doc[:len(doc) - suffix - 1], tail=tail) as held:
+        with common.held_prefix(runner, doc[:len(doc) - suffix - 1], tail=tail) as held:
             traces = {}
             for group in groups:
-                traces.update(teacher_force(runner, group, doc, len(doc) - suffix, progress=bar, held=held))
+                traces.update(common.teacher_force(runner, group, doc, len(doc) - suffix, progress=bar, held=held))
         for label, tr in traces.items():
             if label in mixes:
                 mixes[label].merge(tr.mix)
@@ -125,35 +101,34 @@ COLUMNS = [("method", "method", ""), ("recall", "recall", "%"), ("mass", "mass",
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
-    started = time.time()
-    runner = runner or make_runner(args)
-    runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
-    text = load_corpus(args.corpus)
-    docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, args.length)
+    runner, started = common.start_run(args, runner)
+    runs = common.parse_methods(args.methods, args.top_k, runner.info.head_dim)
+    docs = common.corpus_documents(args, runner, args.docs, [args.length])[args.length]
     res = evaluate(runner, runs, docs, args.suffix, args.top_k, batch=args.batch)
     rows, recorders = res["rows"], res["recorders"]
     tables = [("Mean over every (step, layer, head); '(reuse)' = ReTopK's reuse-path steps only; path mix "
-               "over (step, layer, head), group reads over (step, layer, KV group)", markdown_table(rows, COLUMNS))]
+               "over (step, layer, head), group reads over (step, layer, KV group)",
+               common.markdown_table(rows, COLUMNS))]
     plots = []
     heat_label = args.heatmap_method if args.heatmap_method in recorders else next(iter(recorders))
     plots.append(plot_heatmaps(recorders[heat_label], heat_label, args.out / "fidelity_heatmap.png"))
     sim_rows = recorders[heat_label].similarity_table()
     if any(r["n"] for r in sim_rows):
         tables.append((f"{heat_label}: fidelity by max cached-query similarity (all paths)",
-                       markdown_table(sim_rows, [("sim_lo", "sim from", ".2f"), ("sim_hi", "to", ".2f"),
-                                                 ("n", "head-steps", "d"), ("recall", "recall", "%"),
-                                                 ("mass", "mass", "%"), ("cosine", "cosine", "%")])))
+                       common.markdown_table(sim_rows, [("sim_lo", "sim from", ".2f"), ("sim_hi", "to", ".2f"),
+                                                        ("n", "head-steps", "d"), ("recall", "recall", "%"),
+                                                        ("mass", "mass", "%"), ("cosine", "cosine", "%")])))
         plots.append(plot_similarity(sim_rows, heat_label, args.out / "fidelity_similarity.png"))
     heat = {label: {m: rec.heatmap(m).tolist() for m in METRICS} for label, rec in recorders.items()}
-    meta = run_meta(args, runner, started, length=args.length, docs=args.docs, suffix=args.suffix)
-    write_results(args.out, "fidelity", f"Attention fidelity, L={args.length}, {args.docs} documents x "
-                  f"{args.suffix} steps, K={args.top_k}", tables, meta,
-                  {"rows": rows, "heatmaps": heat, "by_similarity": sim_rows}, plots)
+    meta = common.run_meta(args, runner, started, length=args.length, docs=args.docs, suffix=args.suffix)
+    common.write_results(args.out, "fidelity", f"Attention fidelity, L={args.length}, {args.docs} documents x "
+                         f"{args.suffix} steps, K={args.top_k}", tables, meta,
+                         {"rows": rows, "heatmaps": heat, "by_similarity": sim_rows}, plots)
     return {"rows": rows, "recorders": recorders}
 
 
 def plot_heatmaps(rec: FidelityRecorder, label: str, path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(9, 4.2))
     for ax, m in zip(axes, METRICS, strict=True):
         data = rec.heatmap(m).numpy()
@@ -165,11 +140,11 @@ def plot_heatmaps(rec: FidelityRecorder, label: str, path: Path) -> str:
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax, fraction=0.046)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 def plot_similarity(rows: list[dict], label: str, path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = [f"{r['sim_lo']:.2f}-{r['sim_hi']:.2f}" for r in rows if r["n"]]
     for m in METRICS:
@@ -178,7 +153,7 @@ def plot_similarity(rows: list[dict], label: str, path: Path) -> str:
     ax.set_title(f"{label}: fidelity vs similarity", fontsize=9)
     ax.tick_params(axis="x", labelsize=7, rotation=30)
     ax.legend(fontsize=7)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

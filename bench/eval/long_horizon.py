@@ -13,33 +13,15 @@
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from bench.eval.common import (
-    add_model_args,
-    load_corpus,
-    make_runner,
-    markdown_table,
-    method_run,
-    mix_columns,
-    prefill_all,
-    progress_bar,
-    pyplot,
-    run_meta,
-    save_figure,
-    split_documents,
-    teacher_force,
-    write_results,
-)
+from bench.eval import common
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    p = common.eval_parser(__doc__)
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--refresh", type=lambda s: [int(v) for v in s.split(",")], default=[0, 32, 128, 512],
                    help="ReTopK refresh intervals T_r compared (0 = no refresh)")
@@ -53,18 +35,18 @@ def parse_args(argv=None):
 
 
 def variants(args, head_dim: int):
-    return [method_run("retopk", args.top_k, head_dim, label=f"retopk T_r={t}", refresh_every=t)
+    return [common.method_run("retopk", args.top_k, head_dim, label=f"retopk T_r={t}", refresh_every=t)
             for t in args.refresh]
 
 
 def teacher_forced(runner, args, docs, head_dim: int) -> dict:
     """-> label -> concatenated per-step NLL (docs x T), step-aligned across documents."""
-    runs = [method_run("exact_topk", args.top_k, head_dim, label="exact_topk")] + variants(args, head_dim)
+    runs = [common.method_run("exact_topk", args.top_k, head_dim, label="exact_topk")] + variants(args, head_dim)
     nll = {r.label: torch.zeros(args.continuation, dtype=torch.float64) for r in runs}
     mixes = {}
-    bar = progress_bar(len(docs) * args.continuation, "long (teacher-forced)")
+    bar = common.progress_bar(len(docs) * args.continuation, "long (teacher-forced)")
     for doc in docs:
-        traces = teacher_force(runner, runs, doc, args.prefill, progress=bar)
+        traces = common.teacher_force(runner, runs, doc, args.prefill, progress=bar)
         for label, tr in traces.items():
             nll[label] += torch.tensor(tr.nll, dtype=torch.float64) / len(docs)
             if label in mixes:
@@ -85,15 +67,15 @@ def delta_curve(nll: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def autoregressive(runner, args, prompts, head_dim: int) -> dict:
     """-> label -> {"agree": (T,) mean over prompts, "kl": (T,)}."""
     runs = variants(args, head_dim)
-    shadow = method_run("exact_topk", args.top_k, head_dim, label="exact shadow")
+    shadow = common.method_run("exact_topk", args.top_k, head_dim, label="exact shadow")
     agree = {r.label: torch.zeros(args.continuation, dtype=torch.float64) for r in runs}
     kl = {r.label: torch.zeros(args.continuation, dtype=torch.float64) for r in runs}
-    bar = progress_bar(len(prompts) * args.continuation, "long (autoregressive)")
+    bar = common.progress_bar(len(prompts) * args.continuation, "long (autoregressive)")
     for prompt in prompts:
         sessions = [runner.open_session(r.spec) for r in runs] + [runner.open_session(shadow.spec) for _ in runs]
         n = len(runs)
         try:
-            logits = prefill_all(runner, sessions, prompt)  # (2n, V), dense: all equal
+            logits = common.prefill_all(runner, sessions, prompt)  # (2n, V), dense: all equal
             tokens = logits[:n].argmax(-1).tolist()
             for j in range(args.continuation):
                 logits, _ = runner.decode(sessions, tokens + tokens)  # each shadow gets its twin's token
@@ -120,12 +102,10 @@ def checkpoints(T: int, n: int) -> list[int]:
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
-    started = time.time()
-    runner = runner or make_runner(args)
+    runner, started = common.start_run(args, runner)
     head_dim = runner.info.head_dim
-    text = load_corpus(args.corpus)
-    docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs,
-                           args.prefill + args.continuation)
+    L = args.prefill + args.continuation
+    docs = common.corpus_documents(args, runner, args.docs, [L])[L]
     tf = teacher_forced(runner, args, docs, head_dim)
     ref = tf["nll"]["exact_topk"]
     curves = {label: delta_curve(v, ref) for label, v in tf["nll"].items() if label != "exact_topk"}
@@ -134,9 +114,9 @@ def main(argv=None, runner=None) -> dict:
                **{k: tf["mix"][label][k] for k in ("reuse", "fallback", "refresh", "promoted", "group_read")}}
               for label, c in curves.items()]
     cols_a = [("method", "method", "")] + [(f"t{t}", f"ΔPPL@{t}", "%") for t in cps] + \
-        [c for c in mix_columns() if c[0] in ("reuse", "fallback", "refresh", "promoted", "group_read")]
+        [c for c in common.mix_columns() if c[0] in ("reuse", "fallback", "refresh", "promoted", "group_read")]
     tables = [("(a) teacher-forced: cumulative ΔPPL against Exact Top-K after t continuation tokens",
-               markdown_table(rows_a, cols_a))]
+               common.markdown_table(rows_a, cols_a))]
     data = {"delta_ppl": {k: v.tolist() for k, v in curves.items()}, "mix": tf["mix"]}
     ar = None
     if not args.skip_autoregressive:
@@ -153,17 +133,17 @@ def main(argv=None, runner=None) -> dict:
         cols_b = [("method", "method", ""), ("agree", "top-1 agreement", "%"), ("kl", "mean KL", ".4f")] + \
             [(f"k{c}", f"KL up to {c}", ".4f") for c in cps[1::2]]
         tables.append(("(b) autoregressive against an Exact Top-K shadow fed the same tokens",
-                       markdown_table(rows_b, cols_b)))
+                       common.markdown_table(rows_b, cols_b)))
         data["autoregressive"] = {k: {lab: v.tolist() for lab, v in d.items()} for k, d in ar.items()}
     plot = plot_long(curves, ar, args.out / "long_horizon.png")
-    meta = run_meta(args, runner, started, prefill=args.prefill, continuation=args.continuation, docs=args.docs)
-    write_results(args.out, "long_horizon", f"Long horizon: {args.prefill}-token prefill, {args.continuation} "
-                  f"continuation tokens, {args.docs} document(s), K={args.top_k}", tables, meta, data, [plot])
+    meta = common.run_meta(args, runner, started, prefill=args.prefill, continuation=args.continuation, docs=args.docs)
+    common.write_results(args.out, "long_horizon", f"Long horizon: {args.prefill}-token prefill, {args.continuation} "
+                         f"continuation tokens, {args.docs} document(s), K={args.top_k}", tables, meta, data, [plot])
     return {"curves": curves, "autoregressive": ar, "mix": tf["mix"]}
 
 
 def plot_long(curves: dict, ar: dict | None, path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, 2 if ar else 1, figsize=(10 if ar else 5.5, 3.6), squeeze=False)
     ax = axes[0, 0]
     for label, c in curves.items():
@@ -188,7 +168,7 @@ def plot_long(curves: dict, ar: dict | None, path: Path) -> str:
         ax.set_title("(b) autoregressive vs Exact shadow", fontsize=9)
         ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

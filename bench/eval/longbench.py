@@ -14,28 +14,13 @@ reference answers), averaged per dataset, in percent.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import string
-import time
 from collections import Counter
 from pathlib import Path
 
-from bench.eval.common import (
-    add_method_args,
-    add_model_args,
-    answer,
-    make_runner,
-    markdown_table,
-    mix_columns,
-    parse_methods,
-    progress_bar,
-    pyplot,
-    run_meta,
-    save_figure,
-    write_results,
-)
+from bench.eval import common
 
 DEFAULT_METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,tokenselect"
 _HOTPOT = ("Answer the question based on the given passages. Only give me the answer and do not output any other "
@@ -53,9 +38,7 @@ LABELS = {"2wikimqa": "2Wiki", "hotpotqa": "Hotpot", "multifieldqa_en": "MFQA"}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    add_method_args(p, DEFAULT_METHODS)
+    p = common.eval_parser(__doc__, DEFAULT_METHODS)
     p.add_argument("--data", type=Path, required=True, help="folder with LongBench's <dataset>.jsonl files")
     p.add_argument("--datasets", default=",".join(DATASETS))
     p.add_argument("--limit", type=int, default=0, help="first N examples per dataset (0 = all)")
@@ -142,9 +125,8 @@ def build_prompt(runner, dataset: str, ex: dict, max_length: int, chat: bool) ->
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
-    started = time.time()
-    runner = runner or make_runner(args)
-    runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
+    runner, started = common.start_run(args, runner)
+    runs = common.parse_methods(args.methods, args.top_k, runner.info.head_dim)
     datasets = [d for d in args.datasets.split(",") if d]
     bad = set(datasets) - set(DATASETS)
     if bad:
@@ -152,14 +134,14 @@ def main(argv=None, runner=None) -> dict:
     chat = not args.no_chat and getattr(runner.tokenizer, "chat_template", None) is not None
     data = {d: load_jsonl(args.data / f"{d}.jsonl", args.limit) for d in datasets}
     stop = tuple(runner.info.eos_token_ids)
-    bar = progress_bar(sum(len(v) for v in data.values()), "longbench")
+    bar = common.progress_bar(sum(len(v) for v in data.values()), "longbench")
     records, mixes = [], {}
     for d, examples in data.items():
         max_new = DATASETS[d][1]
         max_length = args.max_length or runner.max_context - max_new - 1
         for i, ex in enumerate(examples):
             ctx, q = build_prompt(runner, d, ex, max_length, chat)
-            out = answer(runner, runs, ctx, q, max_new, stop, progress=bar)
+            out = common.answer(runner, runs, ctx, q, max_new, stop, progress=bar)
             for label, res in out.items():
                 pred = runner.decode_tokens(res["ids"])
                 records.append({"dataset": d, "index": i, "method": label, "prompt_tokens": len(ctx) + len(q),
@@ -180,18 +162,19 @@ def main(argv=None, runner=None) -> dict:
         row["avg"] = sum(vals) / len(vals) if vals else None
         rows.append(row)
     cols = [("method", "method", "")] + [(d, LABELS[d], ".1f") for d in datasets] + [("avg", "Avg.", ".1f")] + \
-        [c for c in mix_columns() if c[0] in ("reuse", "fallback", "promoted", "group_read")]
-    meta = run_meta(args, runner, started, corpus=None, data=str(args.data), datasets=datasets, limit=args.limit,
-                    chat=chat, examples={d: len(v) for d, v in data.items()})
+        [c for c in common.mix_columns() if c[0] in ("reuse", "fallback", "promoted", "group_read")]
+    meta = common.run_meta(args, runner, started, corpus=None, data=str(args.data), datasets=datasets, limit=args.limit,
+                           chat=chat, examples={d: len(v) for d, v in data.items()})
     plot = plot_f1(rows, datasets, args.out / "longbench.png")
-    write_results(args.out, "longbench", f"LongBench QA F1, K={args.top_k}",
-                  [("F1 (%); path mix over the question and answer steps, group reads over layer x KV group "
-                    "x step", markdown_table(rows, cols))], meta, {"rows": rows, "records": records}, [plot])
+    common.write_results(args.out, "longbench", f"LongBench QA F1, K={args.top_k}",
+                         [("F1 (%); path mix over the question and answer steps, group reads over layer x KV group "
+                           "x step", common.markdown_table(rows, cols))], meta, {"rows": rows, "records": records},
+                         [plot])
     return {"rows": rows, "records": records}
 
 
 def plot_f1(rows: list[dict], datasets: list[str], path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     width = 0.8 / max(1, len(datasets) + 1)
     for i, key in enumerate(datasets + ["avg"]):
@@ -202,7 +185,7 @@ def plot_f1(rows: list[dict], datasets: list[str], path: Path) -> str:
     ax.set_ylabel("F1 (%)")
     ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

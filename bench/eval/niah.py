@@ -21,30 +21,10 @@ path mix and group-read rate are counted over the question and answer decode ste
 
 from __future__ import annotations
 
-import argparse
 import random
-import time
 from pathlib import Path
 
-from bench.eval.common import (
-    add_batch_arg,
-    add_method_args,
-    add_model_args,
-    answer,
-    batches,
-    held_prefix,
-    load_corpus,
-    make_runner,
-    markdown_table,
-    mix_columns,
-    parse_methods,
-    prefill_tail,
-    progress_bar,
-    pyplot,
-    run_meta,
-    save_figure,
-    write_results,
-)
+from bench.eval import common
 
 DEFAULT_METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,tokenselect"
 TASKS = ("single", "multikey", "multivalue")
@@ -66,10 +46,7 @@ ANSWER_PREFIX = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    add_method_args(p, DEFAULT_METHODS)
-    add_batch_arg(p)
+    p = common.eval_parser(__doc__, DEFAULT_METHODS, batch=True)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="context lengths in tokens")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--depths", type=int, default=5, help="evenly spaced depths per task and length")
@@ -152,8 +129,8 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
     chat = chat and getattr(runner.tokenizer, "chat_template", None) is not None
     encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
     depths = [i / max(1, n_depths - 1) for i in range(n_depths)]
-    groups, tail = batches(runs, batch), prefill_tail(runs)
-    bar = progress_bar(len(lengths) * len(tasks) * len(depths) * len(groups), desc)
+    groups, tail = common.batches(runs, batch), common.prefill_tail(runs)
+    bar = common.progress_bar(len(lengths) * len(tasks) * len(depths) * len(groups), desc)
     records, mixes = [], {r.label: {} for r in runs}
     stop = tuple(runner.info.eos_token_ids)
     for L in lengths:
@@ -170,9 +147,9 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
                 ex = build_example(task, depth, budget, lines, encode, rng, needles, overhead)
                 ctx, q = prompt_ids(runner, ex, chat)
                 out = {}
-                with held_prefix(runner, ctx, tail=tail) as held:
+                with common.held_prefix(runner, ctx, tail=tail) as held:
                     for group in groups:
-                        out.update(answer(runner, group, ctx, q, n_answer, stop, progress=bar, held=held))
+                        out.update(common.answer(runner, group, ctx, q, n_answer, stop, progress=bar, held=held))
                 for label, res in out.items():
                     text_out = runner.decode_tokens(res["ids"])
                     records.append({"length": L, "task": task, "depth": depth, "method": label,
@@ -189,10 +166,9 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
-    started = time.time()
-    runner = runner or make_runner(args)
-    runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
-    text = load_corpus(args.corpus)
+    runner, started = common.start_run(args, runner)
+    runs = common.parse_methods(args.methods, args.top_k, runner.info.head_dim)
+    text = common.load_corpus(args.corpus)
     tasks = [t for t in args.tasks.split(",") if t]
     res = evaluate(runner, runs, text, args.lengths, tasks, args.depths, args.needles, args.max_new,
                    not args.no_chat, args.seed, batch=args.batch)
@@ -200,17 +176,17 @@ def main(argv=None, runner=None) -> dict:
     rows = table_rows(records, runs, args.lengths, tasks, res["mix"])
     cols = [("method", "method", "")] + [(f"avg_{L}", f"NIAH {L}", ".1f") for L in args.lengths] + \
         [(f"{t}_{L}", f"{t} {L}", ".1f") for L in args.lengths for t in tasks]
-    mix_cols = [("method", "method", "")] + [c for L in args.lengths for c in mix_columns(f"_{L}", str(L))]
+    mix_cols = [("method", "method", "")] + [c for L in args.lengths for c in common.mix_columns(f"_{L}", str(L))]
     plot = plot_depth(records, runs, args.out / "niah.png")
-    meta = run_meta(args, runner, started, lengths=args.lengths, tasks=tasks, depths=len(res["depths"]),
-                    chat=res["chat"])
-    write_results(args.out, "niah", f"Needle in a haystack (RULER style), {len(res['depths'])} depths per task, "
-                  f"K={args.top_k}", [("Score (% of expected values found; NIAH L = mean of the tasks)",
-                                       markdown_table(rows, cols)),
-                                      ("Path mix over the question and answer steps (share of layer x head x step) "
-                                       "and group reads (share of layer x KV group x step)",
-                                       markdown_table(rows, mix_cols))],
-                  meta, {"rows": rows, "records": records}, [plot])
+    meta = common.run_meta(args, runner, started, lengths=args.lengths, tasks=tasks, depths=len(res["depths"]),
+                           chat=res["chat"])
+    common.write_results(args.out, "niah", f"Needle in a haystack (RULER style), {len(res['depths'])} depths per task, "
+                         f"K={args.top_k}", [("Score (% of expected values found; NIAH L = mean of the tasks)",
+                                              common.markdown_table(rows, cols)),
+                                             ("Path mix over the question and answer steps (share of layer x head x "
+                                              "step) and group reads (share of layer x KV group x step)",
+                                              common.markdown_table(rows, mix_cols))],
+                         meta, {"rows": rows, "records": records}, [plot])
     return {"rows": rows, "records": records}
 
 
@@ -234,7 +210,7 @@ def table_rows(records: list[dict], runs, lengths, tasks, mixes: dict | None = N
 
 
 def plot_depth(records: list[dict], runs, path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for r in runs:
         depths = sorted({x["depth"] for x in records})
@@ -248,7 +224,7 @@ def plot_depth(records: list[dict], runs, path: Path) -> str:
     ax.set_title("NIAH by depth (all lengths and tasks)", fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -14,40 +14,15 @@ context length, a hardware-free proxy of selector work: 1.0 for Exact Top-K).
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
-from bench.eval.common import (
-    add_batch_arg,
-    add_method_args,
-    add_model_args,
-    batches,
-    held_prefix,
-    load_corpus,
-    make_runner,
-    markdown_table,
-    mix_columns,
-    parse_methods,
-    ppl,
-    prefill_tail,
-    progress_bar,
-    pyplot,
-    run_meta,
-    save_figure,
-    split_documents,
-    teacher_force,
-    write_results,
-)
+from bench.eval import common
 
 DEFAULT_METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,tokenselect"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    add_method_args(p, DEFAULT_METHODS)
-    add_batch_arg(p)
+    p = common.eval_parser(__doc__, DEFAULT_METHODS, batch=True)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="document lengths L in tokens")
     p.add_argument("--docs", type=int, default=4, help="documents N per length (paper: 64)")
     p.add_argument("--suffix", type=int, default=256, help="teacher-forced suffix S (paper: 512)")
@@ -59,19 +34,19 @@ def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: i
              batch: int | None = None) -> dict:
     """-> {L: {label: {"ppl", "nll": [...], "mix": summary, "top1"}}}. Methods decode in batches of at most
     ``batch`` (None: all in one), every batch of a document sharing one dense prefill."""
-    groups, tail = batches(runs, batch), prefill_tail(runs)
+    groups, tail = common.batches(runs, batch), common.prefill_tail(runs)
     total = sum(len(d) for d in docs_by_length.values()) * suffix * len(groups)
-    bar = progress_bar(total, desc)
+    bar = common.progress_bar(total, desc)
     result = {}
     for L, docs in docs_by_length.items():
         nll = {r.label: [] for r in runs}
         top1 = {r.label: [] for r in runs}
         mixes = {}
         for doc in docs:
-            with held_prefix(runner, doc[:L - suffix - 1], tail=tail) as held:
+            with common.held_prefix(runner, doc[:L - suffix - 1], tail=tail) as held:
                 traces = {}
                 for group in groups:
-                    traces.update(teacher_force(runner, group, doc, L - suffix, progress=bar, held=held))
+                    traces.update(common.teacher_force(runner, group, doc, L - suffix, progress=bar, held=held))
             for label, tr in traces.items():
                 nll[label] += tr.nll
                 top1[label] += tr.top1
@@ -79,7 +54,7 @@ def evaluate(runner, runs, docs_by_length: dict[int, list[list[int]]], suffix: i
                     mixes[label].merge(tr.mix)
                 else:
                     mixes[label] = tr.mix
-        result[L] = {label: {"ppl": ppl(nll[label]), "nll": nll[label],
+        result[L] = {label: {"ppl": common.ppl(nll[label]), "nll": nll[label],
                              "top1": sum(top1[label]) / max(1, len(top1[label])),
                              "mix": mixes[label].summary()} for label in nll}
     bar.close()
@@ -103,12 +78,9 @@ def rows_for(result: dict, runs, reference: str = "exact_topk") -> list[dict]:
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
-    started = time.time()
-    runner = runner or make_runner(args)
-    runs = parse_methods(args.methods, args.top_k, runner.info.head_dim)
-    text = load_corpus(args.corpus)
-    encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
-    docs = {L: split_documents(text, encode, args.docs, L) for L in args.lengths}
+    runner, started = common.start_run(args, runner)
+    runs = common.parse_methods(args.methods, args.top_k, runner.info.head_dim)
+    docs = common.corpus_documents(args, runner, args.docs, args.lengths)
     result = evaluate(runner, runs, docs, args.suffix, batch=args.batch)
     rows = rows_for(result, runs)
     Ls = list(result)
@@ -117,20 +89,20 @@ def main(argv=None, runner=None) -> dict:
         + [(f"group_read_{L}", f"group reads {L}", "%") for L in Ls]
     mix_cols = [("method", "method", "")]
     for L in Ls:
-        mix_cols += mix_columns(f"_{L}", str(L))
+        mix_cols += common.mix_columns(f"_{L}", str(L))
     plot = plot_ppl(result, runs, args.out / "perplexity.png")
-    meta = run_meta(args, runner, started, docs=args.docs, suffix=args.suffix, lengths=Ls)
-    write_results(args.out, "perplexity", f"Perplexity, last {args.suffix} of L tokens teacher-forced, "
-                  f"{args.docs} documents, K={args.top_k}",
-                  [("PPL and change against Exact Top-K", markdown_table(rows, main_cols)),
-                   ("Path mix (share of layer x head x step decisions) and group reads (share of layer x "
-                    "KV group x step)", markdown_table(rows, mix_cols))],
-                  meta, {"rows": rows, "result": {str(k): v for k, v in result.items()}}, [plot])
+    meta = common.run_meta(args, runner, started, docs=args.docs, suffix=args.suffix, lengths=Ls)
+    common.write_results(args.out, "perplexity", f"Perplexity, last {args.suffix} of L tokens teacher-forced, "
+                         f"{args.docs} documents, K={args.top_k}",
+                         [("PPL and change against Exact Top-K", common.markdown_table(rows, main_cols)),
+                          ("Path mix (share of layer x head x step decisions) and group reads (share of layer x "
+                           "KV group x step)", common.markdown_table(rows, mix_cols))],
+                         meta, {"rows": rows, "result": {str(k): v for k, v in result.items()}}, [plot])
     return {"rows": rows, "result": result}
 
 
 def plot_ppl(result: dict, runs, path: Path) -> str:
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     Ls = list(result)
     width = 0.8 / max(1, len(Ls))
@@ -144,7 +116,7 @@ def plot_ppl(result: dict, runs, path: Path) -> str:
     ax.legend(fontsize=7)
     ax.set_title("teacher-forced suffix perplexity")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -28,25 +28,11 @@ checked per row. Writes policies.md, policies.json and policies_pareto.png into 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
-from bench.eval import fidelity, niah, perplexity
-from bench.eval.common import (
-    MIX_KEYS,
-    add_model_args,
-    load_corpus,
-    make_runner,
-    markdown_table,
-    mix_columns,
-    parse_methods,
-    pyplot,
-    run_meta,
-    split_documents,
-    write_results,
-)
+from bench.eval import common, fidelity, niah, perplexity
 
 REFERENCES = "full,exact_topk"
 EXACT, FULL = "exact_topk", "full"
@@ -58,8 +44,7 @@ NAME = "policies"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    p = common.eval_parser(__doc__)
     g = p.add_argument_group("grid")
     g.add_argument("--methods", default=GRID, help="comma-separated method specs ('+' between parameters); Full "
                                                    "and Exact Top-K are added as references")
@@ -169,7 +154,7 @@ def run_ppl(args, runner, text: str, runs, store: dict) -> None:
         return
     t = time.time()
     encode = lambda s: runner.encode(s, add_special_tokens=False)  # noqa: E731
-    docs = {L: split_documents(text, encode, args.docs, L) for L in args.lengths}
+    docs = {L: common.split_documents(text, encode, args.docs, L) for L in args.lengths}
     result = perplexity.evaluate(runner, todo, docs, args.suffix, desc="policies ppl", batch=args.batch)
     for r in todo:
         store["ppl"]["methods"][r.label] = {"spec": spec_key(r), **{str(L): result[L][r.label] for L in result}}
@@ -212,7 +197,7 @@ def run_fidelity(args, runner, text: str, runs, store: dict) -> None:
     if not todo:
         return
     t = time.time()
-    docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, L)
+    docs = common.split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, L)
     res = fidelity.evaluate(runner, todo, docs[:args.fidelity_docs], suffix, args.top_k, desc="policies fidelity",
                             batch=args.batch)
     rows = {r["method"]: r for r in res["rows"]}
@@ -240,7 +225,7 @@ def table(args, runs, store: dict) -> list[dict]:
             row[f"ppl_{L}"] = per["ppl"]
             row[f"dppl_{L}"] = per["ppl"] / ref["ppl"] - 1.0 if ref else None
             row[f"dppl_se_{L}"] = document_se(per["nll"], ref["nll"], args.suffix) if ref else None
-            row.update({f"{k}_{L}": per["mix"][k] for k in MIX_KEYS})
+            row.update({f"{k}_{L}": per["mix"][k] for k in common.MIX_KEYS})
         got = {L: niah_entry(nia, r).get("lengths", {}).get(str(L)) for L in niah_lengths}
         for L, entry in got.items():
             if entry is not None:
@@ -313,7 +298,7 @@ def detail_runs(args, grid, rows: list[dict]) -> list:
     if args.detail == "front":
         front = {r["method"] for r in pareto_front(rows, args.lengths)}
         return [r for r in grid if r.label in front]
-    wanted = [r.label for r in parse_methods(args.detail, args.top_k, 64)]
+    wanted = [r.label for r in common.parse_methods(args.detail, args.top_k, 64)]
     labels = {r.label: r for r in grid}
     unknown = [w for w in wanted if w not in labels]
     if unknown:
@@ -330,31 +315,31 @@ def write(args, runner, started: float, runs, rows: list[dict], store: dict, det
     main_cols = [("policy", "policy", "")] + per_length + [(f"niah_{L}", f"NIAH {L}", ".1f") for L in nLs] \
         + [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("fid_cosine", "cosine", "%"),
            ("meets", "targets met", "")]
-    mix_cols = [("policy", "policy", "")] + [c for L in Ls for c in mix_columns(f"_{L}", str(L))]
+    mix_cols = [("policy", "policy", "")] + [c for L in Ls for c in common.mix_columns(f"_{L}", str(L))]
     front = pareto_front(rows, Ls)
     tables = [(f"PPL and its change against Exact Top-K (± one standard error over the documents of the paired "
                f"per-token NLL difference), group-read rate (teacher-forced decode), NIAH (mean of "
                f"{args.tasks.replace(',', ' / ')}), fidelity at L={max(Ls)}; targets: ΔPPL <= {args.target_dppl:.0%} "
                f"('ppl'), NIAH >= Exact Top-K ('niah'), group reads <= {args.target_group_read:.0%} ('reads')",
-               markdown_table(rows, main_cols)),
+               common.markdown_table(rows, main_cols)),
               ("Path mix (share of layer x head x step) and group reads (share of layer x KV group x step) of the "
-               "perplexity run", markdown_table(rows, mix_cols)),
+               "perplexity run", common.markdown_table(rows, mix_cols)),
               ("Pareto front (ΔPPL and group reads at every length)",
-               markdown_table(front, [("policy", "policy", "")] + [c for L in Ls for c in (
+               common.markdown_table(front, [("policy", "policy", "")] + [c for L in Ls for c in (
                    (f"dppl_{L}", f"ΔPPL {L}", "%"), (f"group_read_{L}", f"group reads {L}", "%"))]))]
     if any(f"niah_group_read_{nLs[-1]}" in r for r in rows):
         tables.append(("Group reads of the NIAH question and answer steps",
-                       markdown_table([r for r in rows if "niah" in r], [("policy", "policy", "")] +
-                                      [(f"niah_group_read_{L}", f"group reads {L}", "%") for L in nLs])))
+                       common.markdown_table([r for r in rows if "niah" in r], [("policy", "policy", "")] +
+                                             [(f"niah_group_read_{L}", f"group reads {L}", "%") for L in nLs])))
     plot = plot_pareto(rows, Ls, args, args.out / f"{NAME}_pareto.png", {r.label for r in details}) \
         if any(f"dppl_{Ls[0]}" in r for r in rows) else None
     seconds = {s: round(store[s]["seconds"], 1) for s in store}
-    meta = run_meta(args, runner, started, lengths=Ls, docs=args.docs, suffix=args.suffix, stage_seconds=seconds,
-                    detail=[r.label for r in details])
-    write_results(args.out, NAME, f"ReTopK GQA policies, K={args.top_k}, {args.docs} documents x {args.suffix} "
-                  f"teacher-forced steps at L = {', '.join(map(str, Ls))}", tables, meta,
-                  {"rows": rows, "front": [r["method"] for r in front], "stages": store},
-                  [plot] if plot else [])
+    meta = common.run_meta(args, runner, started, lengths=Ls, docs=args.docs, suffix=args.suffix, stage_seconds=seconds,
+                           detail=[r.label for r in details])
+    common.write_results(args.out, NAME, f"ReTopK GQA policies, K={args.top_k}, {args.docs} documents x {args.suffix} "
+                         f"teacher-forced steps at L = {', '.join(map(str, Ls))}", tables, meta,
+                         {"rows": rows, "front": [r["method"] for r in front], "stages": store},
+                         [plot] if plot else [])
 
 
 MARKERS = {"head": "o", "promote": "s", "group": "^"}
@@ -366,7 +351,7 @@ def plot_pareto(rows: list[dict], lengths: list[int], args, path: Path, named: s
     labels carry their label; a reference below the ReTopK points' range is drawn at the lower edge."""
     from retopk_core.config import ReTopKConfig
 
-    plt = pyplot()
+    plt = common.pyplot()
     base = ReTopKConfig()
     fig, axes = plt.subplots(1, len(lengths), figsize=(7 * len(lengths), 5.2), squeeze=False)
     cmap = plt.get_cmap("viridis")
@@ -410,7 +395,7 @@ def plot_pareto(rows: list[dict], lengths: list[int], args, path: Path, named: s
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
-    pyplot().close(fig)
+    common.pyplot().close(fig)
     return str(path)
 
 
@@ -421,15 +406,14 @@ def main(argv=None, runner=None) -> dict:
     bad = set(parts) - {"ppl", "niah", "fidelity"}
     if bad:
         raise SystemExit(f"unknown parts {sorted(bad)}; choose from ppl, niah, fidelity")
-    started = time.time()
-    runner = runner or make_runner(args)
+    runner, started = common.start_run(args, runner)
     head_dim = runner.info.head_dim
-    refs = parse_methods(REFERENCES, args.top_k, head_dim)
-    grid = [r for r in parse_methods(args.methods, args.top_k, head_dim) if r.label not in (EXACT, FULL)]
+    refs = common.parse_methods(REFERENCES, args.top_k, head_dim)
+    grid = [r for r in common.parse_methods(args.methods, args.top_k, head_dim) if r.label not in (EXACT, FULL)]
     runs = refs + grid
     if len({r.label for r in runs}) != len(runs):
         raise SystemExit("--methods lists a method twice")
-    text = load_corpus(args.corpus)
+    text = common.load_corpus(args.corpus)
     store = load_store(args, runner)
     details = []
 

@@ -14,23 +14,9 @@ hardware-free proxy of selector work, not a measured speedup).
 
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
-from bench.eval.common import (
-    add_model_args,
-    load_corpus,
-    make_runner,
-    markdown_table,
-    method_run,
-    mix_columns,
-    pyplot,
-    run_meta,
-    save_figure,
-    split_documents,
-    write_results,
-)
+from bench.eval import common
 from bench.eval.perplexity import evaluate
 
 # hyperparameter -> (ReTopK keyword, values swept); the default is taken from --top-k and ReTopKConfig
@@ -48,8 +34,7 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    p = common.eval_parser(__doc__)
     p.add_argument("--top-k", type=int, default=64, help="default K (paper 512; 64 for 2K-8K contexts)")
     p.add_argument("--K", type=_ints, default=None, help="K values (default: K/2, 2K)")
     p.add_argument("--C", type=_ints, default=[8, 16, 64])
@@ -76,7 +61,7 @@ def configurations(args, head_dim: int) -> tuple[list, list[dict]]:
 
     def add(group: str, value, label: str, name: str = "retopk", **params):
         k = params.pop("top_k", K0)
-        runs.append(method_run(name, k, head_dim, label=label, **params))
+        runs.append(common.method_run(name, k, head_dim, label=label, **params))
         info.append({"group": group, "value": value, "k": k, "label": label})
 
     add("reference", K0, f"exact_topk K={K0}", name="exact_topk", top_k=K0)
@@ -104,11 +89,9 @@ def configurations(args, head_dim: int) -> tuple[list, list[dict]]:
 def main(argv=None, runner=None) -> dict:
     """Run the evaluation; ``runner`` (a ModelRunner) is reused instead of loading --model when given."""
     args = parse_args(argv)
-    started = time.time()
-    runner = runner or make_runner(args)
+    runner, started = common.start_run(args, runner)
     runs, info = configurations(args, runner.info.head_dim)
-    text = load_corpus(args.corpus)
-    docs = split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), args.docs, args.length)
+    docs = common.corpus_documents(args, runner, args.docs, [args.length])[args.length]
     result = evaluate(runner, runs, {args.length: docs}, args.suffix, desc="sweep")[args.length]
     exact = {i["k"]: result[i["label"]]["ppl"] for i in info if i["label"].startswith("exact_topk")}
     rows = []
@@ -118,21 +101,21 @@ def main(argv=None, runner=None) -> dict:
         rows.append({**i, "method": i["label"], "ppl": r["ppl"], "dppl": r["ppl"] / ref - 1.0 if ref else None,
                      **r["mix"]})
     cols = [("method", "configuration", ""), ("ppl", "PPL", ".3f"), ("dppl", "ΔPPL vs Exact (same K)", "%"),
-            ("exact_path", "exact-path rate", "%")] + mix_columns()
+            ("exact_path", "exact-path rate", "%")] + common.mix_columns()
     sens = [r for r in rows if r["group"] not in ("ablation",)]
     abl = [r for r in rows if r["group"] in ("reference", "default", "ablation") and r["k"] == args.top_k]
     plot = plot_sweeps(rows, args.out / "sweep.png")
-    meta = run_meta(args, runner, started, length=args.length, docs=args.docs, suffix=args.suffix)
-    write_results(args.out, "sweep", f"ReTopK sensitivity and ablation, L={args.length}, {args.docs} documents x "
-                  f"{args.suffix} steps, default K={args.top_k}",
-                  [("One-at-a-time sensitivity", markdown_table(sens, cols)),
-                   ("Component ablation", markdown_table(abl, cols))], meta, {"rows": rows}, [plot])
+    meta = common.run_meta(args, runner, started, length=args.length, docs=args.docs, suffix=args.suffix)
+    common.write_results(args.out, "sweep", f"ReTopK sensitivity and ablation, L={args.length}, {args.docs} documents "
+                         f"x {args.suffix} steps, default K={args.top_k}",
+                         [("One-at-a-time sensitivity", common.markdown_table(sens, cols)),
+                          ("Component ablation", common.markdown_table(abl, cols))], meta, {"rows": rows}, [plot])
     return {"rows": rows}
 
 
 def plot_sweeps(rows: list[dict], path: Path) -> str:
     """One panel per swept hyperparameter: ΔPPL (left axis) and exact-path rate (right axis)."""
-    plt = pyplot()
+    plt = common.pyplot()
     default = next(r for r in rows if r["group"] == "default")
     from retopk_core.config import ReTopKConfig
 
@@ -150,7 +133,7 @@ def plot_sweeps(rows: list[dict], path: Path) -> str:
         ax2.plot(xs, [100 * r["exact_path"] for _, r in pts], marker="s", ls="--", color="tab:green")
         ax2.set_ylabel("exact-path %", fontsize=8, color="tab:green")
     path.parent.mkdir(parents=True, exist_ok=True)
-    return save_figure(fig, path)
+    return common.save_figure(fig, path)
 
 
 if __name__ == "__main__":
