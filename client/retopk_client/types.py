@@ -39,6 +39,17 @@ class _Dictable:
         return _jsonable(asdict(self))  # type: ignore[call-overload]
 
 
+def _from_fields(cls, msg, **converted):
+    """``cls`` from the message's fields of the same names (repeated fields as tuples); ``converted`` gives the
+    fields that need more than a copy (nested messages)."""
+    values = {}
+    for f in fields(cls):
+        if f.name not in converted:
+            value = getattr(msg, f.name)
+            values[f.name] = value if isinstance(value, int | float | str | bytes) else tuple(value)
+    return cls(**values, **converted)
+
+
 # ---- inputs ----------------------------------------------------------------------------------
 
 
@@ -110,17 +121,11 @@ class Method(_Dictable):
         return cls("exact_topk", top_k=top_k)
 
     @classmethod
-    def retopk(
-        cls,
-        top_k: int | None = None,
-        cache_size: int | None = None,
-        window: int | None = None,
-        recall: int | None = None,
-        tau: float | None = None,
-        refresh_every: int | None = None,
-        **params: ParamValue,
-    ) -> Method:
-        return cls("retopk", top_k, cache_size, window, recall, tau, refresh_every, dict(params))
+    def retopk(cls, **params: ParamValue | None) -> Method:
+        """ReTopK with hyperparameters by name: the named fields (``RETOPK_FIELDS``) and any other config
+        field of the core (into ``params``), e.g. ``Method.retopk(top_k=64, gqa_policy="group")``."""
+        named = {k: v for k, v in params.items() if k in RETOPK_FIELDS}
+        return cls("retopk", **named, params={k: v for k, v in params.items() if k not in RETOPK_FIELDS})
 
     @classmethod
     def coerce(cls, value: Method | str | Mapping | None) -> Method | None:
@@ -231,17 +236,7 @@ class StepStats(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.StepStats) -> StepStats:
-        return cls(
-            token_index=msg.token_index,
-            num_layers=msg.num_layers,
-            num_heads=msg.num_heads,
-            path=tuple(msg.path),
-            max_sim=tuple(msg.max_sim),
-            n_scored=tuple(msg.n_scored),
-            attention_seconds=msg.attention_seconds,
-            num_kv_heads=msg.num_kv_heads,
-            group_read=tuple(msg.group_read),
-        )
+        return _from_fields(cls, msg)
 
     def path_counts(self) -> dict[str, int]:
         """How many (layer, head) pairs took each path, by path name."""
@@ -266,7 +261,7 @@ class Usage(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.Usage) -> Usage:
-        return cls(msg.prompt_tokens, msg.generated_tokens, msg.session_tokens)
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -281,10 +276,7 @@ class Timings(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.Timings) -> Timings:
-        return cls(
-            msg.queue_seconds, msg.prefill_seconds, msg.time_to_first_token_seconds, msg.decode_seconds,
-            msg.total_seconds,
-        )
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -381,17 +373,7 @@ class SessionInfo(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.SessionInfo) -> SessionInfo:
-        return cls(
-            session_id=msg.session_id,
-            method=Method.from_proto(msg.method),
-            num_tokens=msg.num_tokens,
-            kv_bytes=msg.kv_bytes,
-            method_state_bytes=msg.method_state_bytes,
-            busy=msg.busy,
-            turns=msg.turns,
-            created_unix=msg.created_unix,
-            last_used_unix=msg.last_used_unix,
-        )
+        return _from_fields(cls, msg, method=Method.from_proto(msg.method))
 
 
 @dataclass(frozen=True)
@@ -403,7 +385,7 @@ class Tokenized(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.TokenizeResponse) -> Tokenized:
-        return cls(tuple(msg.token_ids), tuple(msg.tokens))
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -419,7 +401,7 @@ class Limits(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.Limits) -> Limits:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -445,18 +427,8 @@ class ModelInfo(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
-        scalars = {
-            f.name: getattr(msg, f.name)
-            for f in fields(cls)
-            if f.name not in ("eos_token_ids", "default_method", "methods", "limits")
-        }
-        return cls(
-            **scalars,
-            eos_token_ids=tuple(msg.eos_token_ids),
-            default_method=Method.from_proto(msg.default_method),
-            methods=tuple(msg.methods),
-            limits=Limits.from_proto(msg.limits),
-        )
+        return _from_fields(cls, msg, default_method=Method.from_proto(msg.default_method),
+                            limits=Limits.from_proto(msg.limits))
 
 
 @dataclass(frozen=True)
@@ -472,4 +444,4 @@ class ServerStatus(_Dictable):
 
     @classmethod
     def from_proto(cls, msg: pb.ServerStatus) -> ServerStatus:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+        return _from_fields(cls, msg)
