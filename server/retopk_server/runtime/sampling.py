@@ -18,33 +18,28 @@ from dataclasses import dataclass
 
 import torch
 
-from retopk_core.params import ParamError, check_int, check_number
+from retopk_core.params import ParamError, check, param
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    """One request's sampling; each field declared once (default, doc, bounds: ``retopk_core.params``)."""
+
+    temperature: float = param(0.0, "softmax temperature (0 = greedy)", low=0)
+    top_p: float = param(1.0, "nucleus mass in (0, 1]", high=1)
+    top_k: int = param(0, "keep the k largest logits (0 = off)", low=0)
+    min_p: float = param(0.0, "keep tokens with probability >= min_p x the largest", low=0, high=1)
+    repetition_penalty: float = param(1.0, "> 0 (1 = off), over prompt and generated tokens")
+    presence_penalty: float = param(0.0, "subtracted once from every generated token's logit", low=-2, high=2)
+    frequency_penalty: float = param(0.0, "subtracted per occurrence of a generated token", low=-2, high=2)
+    seed: int | None = param(None, "seed of the request's generator (None: nondeterministic)", low=0)
 
     def __post_init__(self) -> None:  # every failure is a ParamError naming its field
-        check_number("temperature", self.temperature, low=0)
-        check_number("top_p", self.top_p, high=1)
+        check(self)
         if not self.top_p > 0:
             raise ParamError("top_p", f"top_p must lie in (0, 1], got {self.top_p!r}")
-        check_int("top_k", self.top_k, low=0)  # 0 = off
-        check_number("min_p", self.min_p, 0, 1)
-        check_number("repetition_penalty", self.repetition_penalty)
         if not self.repetition_penalty > 0:
             raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            check_number(name, getattr(self, name), -2, 2)
-        check_int("seed", self.seed, low=0, optional=True)
         if self.seed is not None and self.seed >= 2**63:
             raise ParamError("seed", f"seed must be a non-negative 64-bit integer or None, got {self.seed!r}")
 
