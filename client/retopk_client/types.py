@@ -35,8 +35,14 @@ def _jsonable(value):
 
 
 class _Dictable:
+    """Base of the views: ``to_dict`` for JSON, ``from_proto`` copying the message's fields of the same names."""
+
     def to_dict(self) -> dict:
         return _jsonable(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_proto(cls, msg):
+        return _from_fields(cls, msg)
 
 
 def _from_fields(cls, msg, **converted):
@@ -234,10 +240,6 @@ class StepStats(_Dictable):
     num_kv_heads: int = 0
     group_read: tuple[bool, ...] = ()
 
-    @classmethod
-    def from_proto(cls, msg: pb.StepStats) -> StepStats:
-        return _from_fields(cls, msg)
-
     def path_counts(self) -> dict[str, int]:
         """How many (layer, head) pairs took each path, by path name."""
         counts: dict[str, int] = {}
@@ -259,10 +261,6 @@ class Usage(_Dictable):
     generated_tokens: int
     session_tokens: int
 
-    @classmethod
-    def from_proto(cls, msg: pb.Usage) -> Usage:
-        return _from_fields(cls, msg)
-
 
 @dataclass(frozen=True)
 class Timings(_Dictable):
@@ -273,10 +271,6 @@ class Timings(_Dictable):
     time_to_first_token_seconds: float
     decode_seconds: float
     total_seconds: float
-
-    @classmethod
-    def from_proto(cls, msg: pb.Timings) -> Timings:
-        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -383,10 +377,6 @@ class Tokenized(_Dictable):
     token_ids: tuple[int, ...]
     tokens: tuple[str, ...]
 
-    @classmethod
-    def from_proto(cls, msg: pb.TokenizeResponse) -> Tokenized:
-        return _from_fields(cls, msg)
-
 
 @dataclass(frozen=True)
 class Limits(_Dictable):
@@ -398,10 +388,6 @@ class Limits(_Dictable):
     max_sessions: int
     max_running: int
     max_queue: int
-
-    @classmethod
-    def from_proto(cls, msg: pb.Limits) -> Limits:
-        return _from_fields(cls, msg)
 
 
 @dataclass(frozen=True)
@@ -441,7 +427,3 @@ class ServerStatus(_Dictable):
     ephemeral_sessions: int
     draining: bool
     kv_bytes: int
-
-    @classmethod
-    def from_proto(cls, msg: pb.ServerStatus) -> ServerStatus:
-        return _from_fields(cls, msg)
