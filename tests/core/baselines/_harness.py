@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
+from retopk_core.methods.base import Path
 
 
 @dataclass
@@ -110,3 +111,22 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions:
 def selected_set(sel: torch.Tensor) -> list[int]:
     """Sorted valid positions of one (b, h) row of StepOutput.selected."""
     return sorted(sel[sel >= 0].tolist())
+
+
+def check_against_reference(method, run: Run, block: int | None, reference) -> None:
+    """Drive ``method`` over ``run``; at every step and (sequence b, query head h over KV head g) compare it
+    with ``reference(b, g, L, q, keys, values) -> (positions, out, n_approx)`` (q (d,), keys/values (L, d)):
+    the selected positions, the exactly scored count, n_approx and, per step, the outputs; every path APPROX."""
+    for _, lengths, q, out, _, _ in drive(method, run, block=block):
+        H = q.shape[1]
+        G = H // run.keys.shape[1]
+        ref = torch.empty(out.out.shape, dtype=torch.float64)
+        for b, L in enumerate(lengths.tolist()):
+            for h in range(H):
+                g = h // G
+                want, ref[b, h], n_approx = reference(b, g, L, q[b, h], run.keys[b, g, :L], run.values[b, g, :L])
+                assert selected_set(out.selected[b, h]) == want, (b, h, L)
+                assert int(out.n_scored[b, h]) == len(want)
+                assert int(out.n_approx[b, h]) == n_approx
+        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
+        assert (out.path == Path.APPROX).all()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retopk_core.methods import Path, make_method
-from tests.core.baselines._harness import attend, drive, make_run, selected_set
+from retopk_core.methods import make_method
+from tests.core.baselines._harness import attend, check_against_reference, drive, make_run
 
 
 def low_rank_keys(B, H_kv, L, d, r, seed):
@@ -43,19 +43,11 @@ def test_matches_reference_loop(rank, K, H, H_kv, block):
     keys = low_rank_keys(len(prompt_lens), H_kv, max(prompt_lens) + steps, d, rank, seed=8)
     run = make_run(H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=steps, seed=8, keys=keys)
     bases = [[reference_basis(run.keys[b, g, :P], rank) for g in range(H_kv)] for b, P in enumerate(prompt_lens)]
-    method = make_method("loki", top_k=K, rank=rank)
-    G = H // H_kv
-    for _, lengths, q, out, _, _ in drive(method, run, block=block):
-        ref = torch.empty(out.out.shape, dtype=torch.float64)
-        for b, L in enumerate(lengths.tolist()):
-            for h in range(H):
-                keep, ref[b, h] = reference_head(q[b, h], run.keys[b, h // G, :L], run.values[b, h // G, :L],
-                                                 bases[b][h // G], K, run.scale)
-                assert selected_set(out.selected[b, h]) == keep, (b, h)
-                assert int(out.n_scored[b, h]) == len(keep)
-                assert int(out.n_approx[b, h]) == L
-        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
-        assert (out.path == Path.APPROX).all()
+
+    def reference(b, g, L, q, keys, values):
+        return (*reference_head(q, keys, values, bases[b][g], K, run.scale), L)  # every key scored approximately
+
+    check_against_reference(make_method("loki", top_k=K, rank=rank), run, block, reference)
 
 
 def test_basis_comes_from_the_first_prefill_and_stays_fixed():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from retopk_core.kv import PagedKV
-from retopk_core.methods import Path, make_method
-from tests.core.baselines._harness import attend, drive, make_run, selected_set
+from retopk_core.methods import make_method
+from tests.core.baselines._harness import attend, check_against_reference, drive, make_run
 
 
 def reference_pages(q: torch.Tensor, keys: torch.Tensor, P: int, K: int) -> tuple[list[int], list[float]]:
@@ -38,20 +38,12 @@ def reference_pages(q: torch.Tensor, keys: torch.Tensor, P: int, K: int) -> tupl
 def test_matches_reference_loop(P, K, H, H_kv, block):
     # prompts end mid-page and on a page boundary; 5 decode steps cross page boundaries
     run = make_run(H=H, H_kv=H_kv, prompt_lens=(29, 16, 3), steps=5, seed=4)
-    method = make_method("quest", top_k=K, page_size=P)
-    G = H // H_kv
-    for _, lengths, q, out, _, _ in drive(method, run, block=block):
-        ref = torch.empty(out.out.shape, dtype=torch.float64)
-        for b, L in enumerate(lengths.tolist()):
-            for h in range(H):
-                keys = run.keys[b, h // G, :L]
-                want, bounds = reference_pages(q[b, h], keys, P, K)
-                assert selected_set(out.selected[b, h]) == want, (b, h, L)
-                ref[b, h] = attend(q[b, h], keys, run.values[b, h // G, :L], want, run.scale)
-                assert int(out.n_scored[b, h]) == len(want)
-                assert int(out.n_approx[b, h]) == len(bounds)  # one bound per page
-        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
-        assert (out.path == Path.APPROX).all()
+
+    def reference(b, g, L, q, keys, values):
+        want, bounds = reference_pages(q, keys, P, K)
+        return want, attend(q, keys, values, want, run.scale), len(bounds)  # one bound per page
+
+    check_against_reference(make_method("quest", top_k=K, page_size=P), run, block, reference)
 
 
 def test_page_bounds_track_appended_tokens():

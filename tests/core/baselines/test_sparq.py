@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from retopk_core.methods import Path, make_method
-from tests.core.baselines._harness import attend, drive, make_run, selected_set
+from retopk_core.methods import make_method
+from tests.core.baselines._harness import attend, check_against_reference, make_run
 
 
 def reference_head(q, keys, values, r, K, scale, reallocate):
@@ -36,19 +36,11 @@ def reference_head(q, keys, values, r, K, scale, reallocate):
 ])
 def test_matches_reference_loop(r, K, H, H_kv, block, reallocate):
     run = make_run(H=H, H_kv=H_kv, d=16, prompt_lens=(25, 12, 4), steps=3, seed=7)
-    method = make_method("sparq", top_k=K, r=r, reallocate=reallocate)
-    G = H // H_kv
-    for _, lengths, q, out, _, _ in drive(method, run, block=block):
-        ref = torch.empty(out.out.shape, dtype=torch.float64)
-        for b, L in enumerate(lengths.tolist()):
-            for h in range(H):
-                keep, ref[b, h] = reference_head(q[b, h], run.keys[b, h // G, :L], run.values[b, h // G, :L],
-                                                 r, K, run.scale, reallocate)
-                assert selected_set(out.selected[b, h]) == keep, (b, h)
-                assert int(out.n_scored[b, h]) == len(keep)
-                assert int(out.n_approx[b, h]) == L  # every key scored at r/d cost
-        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
-        assert (out.path == Path.APPROX).all()
+
+    def reference(b, g, L, q, keys, values):
+        return (*reference_head(q, keys, values, r, K, run.scale, reallocate), L)  # every key at r/d cost
+
+    check_against_reference(make_method("sparq", top_k=K, r=r, reallocate=reallocate), run, block, reference)
 
 
 def test_default_r_is_an_eighth_of_the_head_dim():

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from retopk_core.methods import Path, make_method
-from tests.core.baselines._harness import attend, drive, make_run, selected_set
+from retopk_core.methods import make_method
+from tests.core.baselines._harness import attend, check_against_reference, make_run
 
 
 def reference_positions(L: int, sinks: int, recent: int) -> list[int]:
@@ -22,19 +21,12 @@ def reference_positions(L: int, sinks: int, recent: int) -> list[int]:
 def test_matches_reference_loop(sinks, top_k, H, H_kv, block):
     # lengths cover L < S + W (everything), L just above, and L far above the budget
     run = make_run(H=H, H_kv=H_kv, prompt_lens=(40, 11, 2), steps=3, seed=3)
-    method = make_method("streaming_llm", top_k=top_k, sinks=sinks)
-    G = H // H_kv
-    for _, lengths, q, out, _, _ in drive(method, run, block=block):
-        ref = torch.empty(out.out.shape, dtype=torch.float64)
-        for b, L in enumerate(lengths.tolist()):
-            want = reference_positions(L, sinks, top_k - sinks)
-            for h in range(H):
-                assert selected_set(out.selected[b, h]) == want
-                ref[b, h] = attend(q[b, h], run.keys[b, h // G, :L], run.values[b, h // G, :L], want, run.scale)
-            assert (out.n_scored[b] == len(want)).all()
-        torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=1e-5)
-        assert (out.path == Path.APPROX).all()
-        assert (out.n_approx == 0).all()
+
+    def reference(b, g, L, q, keys, values):
+        want = reference_positions(L, sinks, top_k - sinks)
+        return want, attend(q, keys, values, want, run.scale), 0  # the fixed selector scores nothing
+
+    check_against_reference(make_method("streaming_llm", top_k=top_k, sinks=sinks), run, block, reference)
 
 
 def test_paper_setting_is_64_sinks_and_448_recent():
