@@ -27,6 +27,34 @@ class Baseline(AttentionMethod):
         self.backend = "torch"
 
 
+class KeyTracking(Baseline):
+    """A baseline whose per-layer state follows each sequence's keys (``state.update(slots, kv)`` folds the
+    positions it has not seen yet): every prefill folds the new prompt's (or turn's) keys."""
+
+    def prefill(self, state, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None, kv: PagedKV,
+                scale: float | None = None) -> None:
+        state.update(torch.tensor([slot], device=state.n_tokens.device), kv)
+
+
+def new_keys(n_tokens: torch.Tensor, slots: torch.Tensor, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The keys a state has not folded yet: positions n_tokens[slot] .. L_b - 1 of each sequence b.
+
+    n_tokens (S,) int64, slots (B,) int64 (kv holds the same B sequences) -> pos (B, M) int64 and keys
+    (B, H_kv, M, d), M the most new positions of any sequence; shorter rows repeat their last position
+    (folding a key twice changes neither a min/max nor a projection). None when nothing is new.
+    """
+    L = kv.lengths.to(slots.device)  # (B,)
+    n0 = n_tokens[slots]  # (B,)
+    M = int((L - n0).max()) if len(slots) else 0
+    if M <= 0:
+        return None
+    B, H_kv, dev = len(slots), kv.num_kv_heads, slots.device
+    pos = n0.view(B, 1) + torch.arange(M, device=dev).view(1, M)  # (B, M)
+    pos = torch.where(pos < L.view(B, 1), pos, L.view(B, 1) - 1)
+    g = torch.arange(H_kv, device=dev).view(1, H_kv, 1)
+    return pos, kv.gather_k(kv.flat_rows(torch.arange(B, device=dev).view(B, 1, 1), g, pos.view(B, 1, M)))
+
+
 def attend_positions(q: torch.Tensor, kv: PagedKV, sel_pos: torch.Tensor, scale: float,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact sparse attention of each head over its selected positions.

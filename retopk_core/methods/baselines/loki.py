@@ -31,7 +31,14 @@ import torch
 
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import Baseline, attend_positions, full_path, lengths_bh, step_output
+from retopk_core.methods.baselines._common import (
+    KeyTracking,
+    attend_positions,
+    full_path,
+    lengths_bh,
+    new_keys,
+    step_output,
+)
 from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale, topk_select
 from retopk_core.params import MethodConfig, param
 
@@ -91,34 +98,25 @@ class LokiState(SlotPool):
             for g in range(kv.num_kv_heads):
                 self.basis[slots[b], g] = pca_basis(kv.keys(b, g, int(L[b])), self.rank)
             self.has_basis[slots[b]] = True
-        n0 = self.n_tokens[slots]  # (B,)
-        M = int((L - n0).max()) if len(slots) else 0
-        if M <= 0:
+        new = new_keys(self.n_tokens, slots, kv)
+        if new is None:
             return
+        pos, keys = new  # (B, M), (B, H_kv, M, d)
         self._ensure_tokens(int(L.max()))
-        B, H_kv, dev = len(slots), kv.num_kv_heads, slots.device
-        pos = n0.view(B, 1) + torch.arange(M, device=dev).view(1, M)  # (B, M)
-        valid = pos < L.view(B, 1)
-        pos = torch.where(valid, pos, L.view(B, 1) - 1)  # re-project the last token: same value
-        g = torch.arange(H_kv, device=dev).view(1, H_kv, 1)
-        keys = kv.gather_k(kv.flat_rows(torch.arange(B, device=dev).view(B, 1, 1), g, pos.view(B, 1, M)))
+        B, M = pos.shape
+        g = torch.arange(kv.num_kv_heads, device=slots.device).view(1, -1, 1)
         proj = keys.float() @ self.basis[slots]  # (B, H_kv, M, d) @ (B, H_kv, d, r) -> (B, H_kv, M, r)
         self.proj[slots.view(B, 1, 1), g, pos.view(B, 1, M)] = proj
         self.n_tokens[slots] = L
 
 
-class Loki(Baseline):
+class Loki(KeyTracking):  # prefill: the first one builds the basis from the prompt's keys, each projects them
     name = "loki"
     config_class = LokiConfig
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> LokiState:
         return LokiState(num_kv_heads, head_dim, self.config.rank, device, capacity)
-
-    def prefill(self, state: LokiState, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
-                kv: PagedKV, scale: float | None = None) -> None:
-        """First prefill: the basis from the prompt's keys; every prefill: project the new keys."""
-        state.update(torch.tensor([slot], device=state.n_tokens.device), kv)
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: LokiState, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:

@@ -30,7 +30,7 @@ import torch
 
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path, SlotPool, StepOutput
-from retopk_core.methods.baselines._common import Baseline, attend_positions, full_path, step_output
+from retopk_core.methods.baselines._common import KeyTracking, attend_positions, full_path, new_keys, step_output
 from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale
 from retopk_core.params import MethodConfig, ParamError, param
 
@@ -88,19 +88,15 @@ class QuestPageState(SlotPool):
 
         slots (B,) int64; kv holds the same B sequences. On a decode step this is the one new token.
         """
-        L = kv.lengths.to(slots.device)  # (B,)
-        n0 = self.n_tokens[slots]  # (B,)
-        M = int((L - n0).max()) if len(slots) else 0
-        if M <= 0:
+        new = new_keys(self.n_tokens, slots, kv)
+        if new is None:
             return
+        pos, keys = new  # (B, M), (B, H_kv, M, d)
+        L = kv.lengths.to(slots.device)  # (B,)
         P, H_kv, d = self.page_size, kv.num_kv_heads, kv.head_dim
         self._ensure_pages(-(-int(L.max()) // P))
-        B, dev = len(slots), slots.device
-        pos = n0.view(B, 1) + torch.arange(M, device=dev).view(1, M)  # (B, M)
-        valid = pos < L.view(B, 1)  # (B, M)
-        pos = torch.where(valid, pos, L.view(B, 1) - 1)  # repeat the last token: min/max unchanged
-        g = torch.arange(H_kv, device=dev).view(1, H_kv, 1)
-        keys = kv.gather_k(kv.flat_rows(torch.arange(B, device=dev).view(B, 1, 1), g, pos.view(B, 1, M)))
+        B, M = pos.shape
+        g = torch.arange(H_kv, device=slots.device).view(1, H_kv, 1)
         keys = keys.float().reshape(-1, d)  # (B*H_kv*M, d)
         N_p = self.kmin.shape[2]
         rows = (slots.view(B, 1, 1) * H_kv + g) * N_p + (pos // P).view(B, 1, M)  # (B, H_kv, M) page rows
@@ -110,18 +106,13 @@ class QuestPageState(SlotPool):
         self.n_tokens[slots] = L
 
 
-class Quest(Baseline):
+class Quest(KeyTracking):  # prefill folds the prompt's (or a later turn's) new keys into the page bounds
     name = "quest"
     config_class = QuestConfig
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> QuestPageState:
         return QuestPageState(num_kv_heads, head_dim, self.config.page_size, device, capacity)
-
-    def prefill(self, state: QuestPageState, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
-                kv: PagedKV, scale: float | None = None) -> None:
-        """Fold the prompt's (or a later turn's) new keys into the page bounds."""
-        state.update(torch.tensor([slot], device=state.n_tokens.device), kv)
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuestPageState, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
