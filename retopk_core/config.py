@@ -46,6 +46,9 @@ class ReTopKConfig(MethodConfig):
     dense_below: int = param(0, "L_min: a sequence shorter than this (the current token included) attends to every "
                                 "position (path DENSE) and pushes the exact Top-K of those scores into its FIFO, so "
                                 "the first sparse step at L_min finds exact supports; 0 = never (the paper)", low=0)
+    refresh_stagger: bool = param(False, "stagger scheduled refreshes over (layer, KV group): each refreshes every "
+                                         "T_r steps at its own phase (same average rate), so no step refreshes every "
+                                         "layer at once; False = the paper (all at t_dec = T_r, 2T_r, ...)")
 
     def validate(self) -> None:
         if self.recall > self.cache_size:

@@ -47,7 +47,8 @@ def kernel_specs(small: bool) -> list[tuple]:
     for recent, all_cand in ((False, False), (True, False), (False, True)):
         specs.append((selector._selector_kernel,
                       dict(q_ptr=p["bf16"], slots_ptr=p["i64"], len_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
-                           fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], path_ptr=p["i8"],
+                           fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], phase_ptr=p["i64"],
+                           path_ptr=p["i8"],
                            maxsim_ptr=p["f32"], nscored_ptr=p["i32"], cand_ptr=p["i32"], count_ptr=p["i32"],
                            tau="fp32"),
                       dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, ALL_CAND=all_cand), 8))

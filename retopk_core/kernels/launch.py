@@ -120,7 +120,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     big = N_pad >= 1024
     _selector_kernel[(B, H)](
         q, q.stride(0), q.stride(1), slots, kv.lengths,
-        state.queries, state.support, state.fill, state.ptr, state.step,
+        state.queries, state.support, state.fill, state.ptr, state.step, state.phase,
         path, max_sim, n_scored, cand, count,
         float(cfg.tau), cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),

@@ -3,7 +3,8 @@
     q̄      = q / ||q||                                                  unit query
     ρ_c    = q̄ · q̄_c  for the fill_b valid FIFO entries, -inf elsewhere   (eq. 6)
     ρ_max  = max_c ρ_c;  R_t = TopR_c ρ_c (or the R newest entries)        (eq. 7)
-    path   = REFRESH if T_r > 0, t > 0, t % T_r == 0 else FALLBACK if ρ_max < tau else REUSE (eq. 13)
+    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_r == 0 else FALLBACK if ρ_max < tau else REUSE (eq. 13;
+             φ_h the head's refresh phase, 0 unless ``refresh_stagger``)
     A_t    = Unique(∪_{c∈R_t} Ŝ_c ∪ {L-W, ..., L-1} ∩ [0, L))            (eq. 8, 9)
 
 Written per head: path (int8, the head's own decision), ρ_max, n_scored (M_t on reuse, L on exact
@@ -24,7 +25,7 @@ from retopk_core.kernels.bitonic import POS_PAD, bitonic_sort
 
 @triton.jit
 def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
-                     cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr,
+                     cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr,
                      path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr,
                      tau, T_R, H, C, K, W,
                      R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -43,7 +44,7 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
     cq = tl.load(cq_ptr + entry[:, None] * D + d[None, :], mask=(c < C)[:, None] & (d < D)[None, :], other=0.0)
     sim = tl.where(c < fill, tl.sum(cq * qn[None, :], 1), float("-inf"))  # (BLOCK_C,)
     max_sim = tl.max(sim, 0)
-    refresh = (T_R > 0) & (step > 0) & (step % tl.maximum(T_R, 1) == 0)
+    refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.maximum(T_R, 1) == 0)
     path = tl.where(refresh, 2, tl.where(max_sim < tau, 1, 0))
     row = b * H + h
     tl.store(path_ptr + row, path.to(tl.int8))

@@ -11,12 +11,14 @@ step with current query q_t over L_t cached keys:
     o_t   = Σ_{i∈Ŝ_t} softmax(ê)_i v_i                    sparse attention                 (eq. 12)
 
 Path (eq. 13): REFRESH when T_r > 0 and t_dec ∈ {T_r, 2T_r, ...} (t_dec = 0 on the first decode
-step after the first prefill); else FALLBACK to Exact Top-K when ρ_max < tau (an empty cache has
-ρ_max = -inf); else REUSE. Under GQA the G heads of a KV group share its keys, and a group is read in
-full when any of its heads takes an exact path: ``config.gqa_policy`` turns the per-head decisions into
-per-group ones (``gqa_paths``: the paper's per-head rule, "promote" or "group"), and every head of a
-read group may then take the exact support (PROMOTED). After any path (q̄_t, Ŝ_t) enters the FIFO.
-Only indices are reused: scores, weights and outputs always come from the current query and the real KV cache.
+step after the first prefill; with ``refresh_stagger``, t_dec > 0 and t_dec + φ ≡ 0 mod T_r for the
+phase φ of the head's (layer, KV group), see ``refresh_phases``); else FALLBACK to Exact Top-K when
+ρ_max < tau (an empty cache has ρ_max = -inf); else REUSE. Under GQA the G heads of a KV group share
+its keys, and a group is read in full when any of its heads takes an exact path: ``config.gqa_policy``
+turns the per-head decisions into per-group ones (``gqa_paths``: the paper's per-head rule, "promote"
+or "group"), and every head of a read group may then take the exact support (PROMOTED). After any
+path (q̄_t, Ŝ_t) enters the FIFO. Only indices are reused: scores, weights and outputs always come
+from the current query and the real KV cache.
 
 The FIFO is initialised at prefill from the final C prompt queries, each with its exact causal
 Top-K support over the prompt; a later turn's prefill pushes its final queries the same way.
@@ -53,6 +55,7 @@ class QuerySupportCache(SlotPool):
     fill    (S,) int64             valid entries (every head of a sequence inserts on every step,
     ptr     (S,) int64             so the fill count and write pointer are shared by its heads)
     step    (S,) int64             decode steps taken since the first prefill (t_dec)
+    phase   (H,) int64             each head's refresh phase φ (the layer's, not per slot; 0 = the paper)
     """
 
     _fields = ("queries", "support", "fill", "ptr", "step")
@@ -66,6 +69,7 @@ class QuerySupportCache(SlotPool):
         self.fill = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.ptr = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.step = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.phase = torch.zeros(num_heads, dtype=torch.long, device=device)
 
     def reset_slot(self, slot: int) -> None:
         super().reset_slot(slot)
@@ -106,10 +110,16 @@ class ReTopK(AttentionMethod):
         super().__init__(config, backend)
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
+        self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> QuerySupportCache:
-        return QuerySupportCache(num_heads, head_dim, self.config, device, capacity)
+        """The next layer's state; with ``refresh_stagger`` its heads get that layer's refresh phases."""
+        state = QuerySupportCache(num_heads, head_dim, self.config, device, capacity)
+        if self.config.refresh_stagger and self.config.refresh_every > 0:
+            state.phase = refresh_phases(self._layers, num_heads, num_kv_heads, self.config.refresh_every).to(device)
+        self._layers += 1
+        return state
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, state: QuerySupportCache, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
@@ -192,7 +202,7 @@ class ReTopK(AttentionMethod):
     def _sparse_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                      scale: float) -> StepOutput:
         """ReTopK's step proper (eq. 6-13) on the backend's implementation (triton: see ``decode``)."""
-        if self.backend == "cpu" and q.device.type == "cpu":
+        if self.backend == "cpu" and q.device.type == "cpu" and not self.config.refresh_stagger:  # kernel: no phases
             from retopk_core.cpu import launch
             if launch.available():
                 return launch.retopk_decode(self, q, kv, state, slots, scale)
@@ -201,7 +211,8 @@ class ReTopK(AttentionMethod):
         qn = _unit(q)  # (B, H, d) float32
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
-        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg), max_sim, kv.num_kv_heads, cfg)  # (B, H) int8
+        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase), max_sim, kv.num_kv_heads,
+                         cfg)  # (B, H) int8
         mark = self.on_stage
         if mark:
             mark("similarity+path")
@@ -296,15 +307,40 @@ class ReTopK(AttentionMethod):
         return described
 
 
-def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
+def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,
+               phase: torch.Tensor | None = None) -> torch.Tensor:
     """Equation 13, per (sequence, head): refresh, else fallback below tau, else reuse.
 
-    max_sim (B, H) float32, step (B,) int64 t_dec  ->  (B, H) int8 Path codes
+    max_sim (B, H) float32, step (B,) int64 t_dec, phase (H,) int64 φ_h (None = 0)  ->  (B, H) int8 Path
+    codes; refresh when T_r > 0, t_dec > 0 and (t_dec + φ_h) % T_r == 0.
     """
+    B, H = max_sim.shape
     T_r = cfg.refresh_every
-    refresh = (step > 0) & (step % T_r == 0) if T_r > 0 else torch.zeros_like(step, dtype=torch.bool)  # (B,)
+    if T_r > 0:
+        t = step.view(B, 1) + (0 if phase is None else phase.view(1, H))  # (B, H) or (B, 1)
+        refresh = (step.view(B, 1) > 0) & (t % T_r == 0)
+    else:
+        refresh = torch.zeros(B, 1, dtype=torch.bool, device=max_sim.device)
     path = torch.where(max_sim < cfg.tau, Path.FALLBACK, Path.REUSE).to(torch.int8)  # (B, H)
-    return torch.where(refresh.view(-1, 1), torch.tensor(Path.REFRESH, dtype=torch.int8), path)
+    return torch.where(refresh, torch.tensor(Path.REFRESH, dtype=torch.int8), path)
+
+
+def refresh_phases(layer: int, num_heads: int, num_kv_heads: int, T_r: int) -> torch.Tensor:
+    """Refresh phase of each query head of a layer under ``refresh_stagger``: (H,) int64 in [0, T_r).
+
+    The (layer, KV group) pairs are numbered u = layer * H_kv + g and get φ_u = floor(v(u) * T_r), v the
+    base-2 van der Corput sequence (u's bits mirrored behind the binary point: 0, 1/2, 1/4, 3/4, 1/8, ...),
+    so any n consecutive units spread almost evenly over the T_r phases, whatever the number of layers:
+    with n <= T_r and T_r a power of two no two share a phase. Every head of a group shares its phase
+    (a group's keys are read once per refresh); layer 0, group 0 keeps the paper's phase 0.
+    """
+    G = num_heads // num_kv_heads
+    phases = []
+    for g in range(num_kv_heads):
+        u, bits = layer * num_kv_heads + g, max(1, (layer * num_kv_heads + g).bit_length())
+        mirrored = int(format(u, f"0{bits}b")[::-1], 2)  # v(u) = mirrored / 2^bits
+        phases += [mirrored * T_r // 2 ** bits] * G
+    return torch.tensor(phases, dtype=torch.long)
 
 
 def gqa_paths(path: torch.Tensor, max_sim: torch.Tensor, num_kv_heads: int, cfg: ReTopKConfig) -> torch.Tensor:

@@ -21,8 +21,10 @@ def topk_positions(scores: dict[int, float], k: int) -> list[int]:
 class RefHead:
     """One query head of one sequence: its FIFO of (unit query, support) and the step counter."""
 
-    def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity"):
+    def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
+                 phase: int = 0):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
+        self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % T_r == 0
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -43,7 +45,7 @@ class RefHead:
         qbar = q / q.norm()
         sims = [float(qbar @ qc) for qc, _ in self.fifo]  # eq. 6
         max_sim = max(sims) if sims else -math.inf  # eq. 7
-        if self.T_r > 0 and self.t_dec > 0 and self.t_dec % self.T_r == 0:  # eq. 13
+        if self.T_r > 0 and self.t_dec > 0 and (self.t_dec + self.phase) % self.T_r == 0:  # eq. 13
             return REFRESH, max_sim
         return (FALLBACK if max_sim < self.tau else REUSE), max_sim
 
@@ -77,6 +79,16 @@ class RefHead:
         self._push(q, support)
         self.t_dec += 1
         return path, max_sim, sorted(cand), support, out
+
+
+def stagger_phase(layer: int, group: int, num_kv_heads: int, T_r: int) -> int:
+    """Refresh phase of (layer, KV group) under refresh_stagger: floor(v(u) * T_r), u = layer * H_kv + group,
+    v(u) = sum_i bit_i(u) / 2^(i+1) (the van der Corput sequence), summed here bit by bit in floats."""
+    u, v, f = layer * num_kv_heads + group, 0.0, 0.5
+    while u:
+        v += f * (u % 2)
+        u, f = u // 2, f / 2
+    return math.floor(v * T_r)
 
 
 def group_paths(heads: list[RefHead], queries: list[torch.Tensor], policy: str, tau_min: float = 0.0) -> list[int]:

@@ -10,21 +10,26 @@ import torch
 from retopk_core.config import ReTopKConfig
 from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method
-from tests.core._reference import RefHead, group_paths
+from tests.core._reference import RefHead, group_paths, stagger_phase
 from tests.core._scenario import make_trace, paged
 
 
-def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False):
-    """Drive core and reference through the same trace; yield per step (core output, reference rows)."""
+def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0):
+    """Drive core and reference through the same trace; yield per step (core output, reference rows).
+    ``layer``: the state is the method's layer-th (the refresh phases under refresh_stagger depend on it)."""
     B = len(trace.prompt_lens)
     d = trace.keys.shape[-1]
     scale = 1 / math.sqrt(d)
     method = make_method("retopk", **cfg)
+    for _ in range(layer):  # the states of the layers before
+        method.init_state(H, H_kv, d)
     state = method.init_state(H, H_kv, d, capacity=1)  # grows while allocating B slots
     slots = torch.tensor([state.alloc() for _ in range(B)])
     G = H // H_kv
+    T_r = cfg["refresh_every"]
+    phase = [stagger_phase(layer, h // G, H_kv, T_r) if cfg.get("refresh_stagger") and T_r else 0 for h in range(H)]
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
-                     cfg["refresh_every"], cfg.get("retrieval", "similarity")) for _ in range(H)] for _ in range(B)]
+                     T_r, cfg.get("retrieval", "similarity"), phase[h]) for h in range(H)] for _ in range(B)]
     keys, values = trace.keys.to(dtype), trace.values.to(dtype)
     for b, P in enumerate(trace.prompt_lens):
         if no_prefill:
@@ -92,6 +97,49 @@ def test_matches_reference_loop(case, policy, use_paged):
         assert Path.REFRESH in seen
     if policy[0] != "head" and H != H_kv:
         assert Path.PROMOTED in seen  # a group was read for some of its heads only
+
+
+@pytest.mark.parametrize("policy", ["head", "group"])
+@pytest.mark.parametrize("layer", [0, 3])
+def test_staggered_refresh_matches_reference(layer, policy):
+    """refresh_stagger: each KV group refreshes at its own phase of T_r (torch core vs the reference loop),
+    so within a layer groups refresh on different steps."""
+    H, H_kv = 6, 3
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=4, gqa_policy=policy,
+               refresh_stagger=True)
+    trace = make_trace(B=2, H=H, H_kv=H_kv, d=16, prompt_lens=(40, 23), steps=13, T=6)
+    refresh_steps = {g: set() for g in range(H_kv)}
+    for t, (out, rows) in enumerate(run_both(cfg, trace, H, H_kv, layer=layer)):
+        for b, row in enumerate(rows):
+            for h, (path, _max_sim, _, support, ref_out) in enumerate(row):
+                assert int(out.path[b, h]) == path, (t, b, h)
+                sel = out.selected[b, h]
+                assert sorted(sel[sel >= 0].tolist()) == sorted(support)
+                torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
+                if path == Path.REFRESH and b == 0:
+                    refresh_steps[h // (H // H_kv)].add(t)
+    assert all(len(s) == 3 for s in refresh_steps.values()), refresh_steps  # t_dec 1..12, T_r = 4: same rate
+    assert len({min(s) for s in refresh_steps.values()}) > 1, refresh_steps  # not all groups on one step
+
+
+def test_staggered_refresh_spreads_a_model_over_the_period():
+    """30 layers x 3 KV groups, T_r = 128 (the embedded model, the paper's T_r): over 4 periods every
+    (layer, group) refreshes 4 times, and no step refreshes more than one group; without the stagger,
+    every group of every layer refreshes on the same 4 steps."""
+    from retopk_core.methods.retopk import head_paths
+
+    layers, H, H_kv, T_r = 30, 9, 3, 128
+    steps = torch.arange(1, 4 * T_r + 1)  # (S,) t_dec of one sequence over 4 periods
+    for stagger in (True, False):
+        method = make_method("retopk", refresh_every=T_r, refresh_stagger=stagger)
+        states = [method.init_state(H, H_kv, 8) for _ in range(layers)]
+        refresh = torch.stack([head_paths(torch.ones(len(steps), H), steps, method.config, st.phase) == Path.REFRESH
+                               for st in states])  # (layers, S, H)
+        per_group = refresh[..., ::H // H_kv]  # (layers, S, H_kv): heads of a group agree
+        assert torch.equal(refresh, per_group.repeat_interleave(H // H_kv, dim=-1))
+        assert (per_group.sum(1) == 4).all()  # the same average rate 1 / T_r for every (layer, group)
+        at_once = per_group.sum((0, 2))  # (S,) groups refreshing per step
+        assert int(at_once.max()) == (1 if stagger else layers * H_kv)
 
 
 def test_recent_retrieval_ablation_matches_reference():
@@ -252,3 +300,27 @@ def test_describe_lists_the_config_fields():
     method = make_method("retopk", top_k=8)
     assert method.describe() == {"method": "retopk", **ReTopKConfig(top_k=8).as_dict(), "backend": "torch"}
     assert ReTopKConfig() == ReTopKConfig(top_k=512, cache_size=32, window=32, recall=4, tau=0.85, refresh_every=128)
+
+
+def test_staggered_refresh_on_the_cpu_backend_runs_the_torch_code(monkeypatch):
+    """The fused CPU kernel has no refresh phases: a staggered config on backend "cpu" takes the torch code
+    (the kernel is not called), with the torch backend's paths."""
+    from retopk_core.cpu import launch
+
+    def kernel(*args, **kwargs):
+        raise AssertionError("the fused kernel must not run a staggered config")
+
+    monkeypatch.setattr(launch, "available", lambda: True)
+    monkeypatch.setattr(launch, "retopk_decode", kernel)
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=3, refresh_stagger=True)
+    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(30, 17), steps=7, T=5)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        method = make_method("retopk", backend=backend, **cfg)
+        state = method.init_state(4, 2, 16, capacity=2)
+        slots = torch.tensor([state.alloc() for _ in range(2)])
+        outs[backend] = [method.decode(trace.queries[t], PagedKV.contiguous(trace.keys, trace.values,
+                                                                            trace.lengths_at(t)), state, slots).path
+                         for t in range(7)]
+    assert all(torch.equal(a, b) for a, b in zip(outs["torch"], outs["cpu"], strict=True))
+    assert any((p == Path.REFRESH).any() for p in outs["cpu"])

@@ -26,9 +26,9 @@ STEPS = 4
 
 
 def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=STEPS, seed=0,
-         policy=("head", 0.0, 0.8), **extra):
+         policy=("head", 0.0, 0.8), layer=0, **extra):
     """Yield (torch StepOutput, triton StepOutput, torch state, triton state) for each decode step;
-    ``extra``: further ReTopKConfig fields."""
+    ``extra``: further ReTopKConfig fields; the state is the method's layer-th (its refresh phases)."""
     B, H = len(lengths), H_kv * G
     gen = torch.Generator().manual_seed(seed)
     cap = max(lengths) + steps
@@ -36,6 +36,8 @@ def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=
     params = dict(top_k=K, cache_size=C, window=W, recall=R, tau=policy[2], refresh_every=3, retrieval=retrieval,
                   gqa_policy=policy[0], group_tau_min=policy[1], **extra)
     ref, tri = ReTopK(ReTopKConfig(**params)), ReTopK(ReTopKConfig(**params), backend="triton")
+    for _ in range(layer):
+        ref.init_state(H, H_kv, d, device=DEVICE)
     st = ref.init_state(H, H_kv, d, device=DEVICE, capacity=B)
     T = min(C, min(lengths))
     prompt_q = torch.randn(B, H, T, d, generator=gen).to(DEVICE)
@@ -120,6 +122,26 @@ def test_dense_floor_on_the_device_matches_torch(policy):
             assert torch.equal(getattr(sk, name), getattr(st, name)), name
     assert Path.DENSE in seen and Path.REUSE in seen, seen
     assert lengths[1] >= 62  # the short row crossed the floor during the run
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_staggered_refresh_matches_torch(layer):
+    """refresh_stagger: the selector reads each head's refresh phase; paths and results equal the torch
+    code's, and some step refreshes one KV group of a sequence but not the other."""
+    seen_split = False
+    for a, b, st, sk, _ in _run(2, 2, 64, 8, 4, 4, 2, [200, 90], 16, "similarity", (0, 1), steps=6,
+                                layer=layer, refresh_stagger=True):
+        assert torch.equal(st.phase, sk.phase) and st.phase.unique().numel() == 2
+        assert torch.equal(a.path, b.path), (a.path, b.path)
+        refresh = a.path == Path.REFRESH  # (B, H)
+        seen_split |= bool((refresh.any(-1) & ~refresh.all(-1)).any())
+        torch.testing.assert_close(b.max_sim, a.max_sim, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.n_scored, b.n_scored)
+        assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
+        torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
+        assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+        assert torch.equal(sk.step, st.step)
+    assert seen_split
 
 
 def test_selector_candidates_equal_torch_candidates():
