@@ -207,10 +207,9 @@ class FinishReason(str, enum.Enum):
         return cls(name)
 
 
-# StepStats.path codes (proto comment): what each head did in one decode step. The client's one copy of
-# retopk_core.methods.base.Path (the client installs without the core); tests/server checks they agree.
-PATH_NAMES = {0: "reuse", 1: "fallback", 2: "refresh", 3: "exact", 4: "dense", 5: "approx", 6: "cached",
-              7: "promoted"}
+# StepStats.path codes by name, read from the proto's AttentionPath enum (the client installs without the core,
+# whose retopk_core.methods.base.Path they mirror; tests/server checks they agree).
+PATH_NAMES = {v.number: v.name.removeprefix("ATTENTION_PATH_").lower() for v in pb.AttentionPath.DESCRIPTOR.values}
 
 
 def group_read_rate(steps: Iterable[StepStats]) -> float | None:
