@@ -26,6 +26,7 @@ import torch
 from retopk_client.params import parse_params
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
+from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
 
 KJV = "kjv"  # the default corpus: the King James Bible from Debian's bible-kjv package
 KJV_COMMAND = ["bible", "-f", "Gen1:1-Rev22:21"]
@@ -99,14 +100,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--corpus", default=KJV, help="text file for documents and haystacks (default: kjv)")
 
 
+# The evaluations' shared budget K: the server's default K (defined once, in the server's runtime config).
+DEFAULT_TOP_K = DEFAULT_METHOD_PARAMS["top_k"]
+
+
 def add_method_args(p: argparse.ArgumentParser, default_methods: str) -> None:
     g = p.add_argument_group("methods")
     g.add_argument("--methods", default=default_methods,
                    help="comma-separated method names, each optionally with parameters after a colon and "
                         "separated by '+': e.g. 'full,exact_topk,retopk,retopk:tau=0.9+refresh_every=32'")
-    g.add_argument("--top-k", type=int, default=64,
-                   help="shared active-token budget K of every sparse method (paper: 512 at 16K-128K; "
-                        "64 keeps K/L at 1/32..1/128 for 2K-8K contexts)")
+    g.add_argument("--top-k", type=int, default=DEFAULT_TOP_K,
+                   help="shared active-token budget K of every sparse method (default: the server's; paper: 512 "
+                        "at 16K-128K; 64 keeps K/L at 1/32..1/128 for 2K-8K contexts)")
 
 
 def add_batch_arg(p: argparse.ArgumentParser) -> None:

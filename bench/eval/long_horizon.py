@@ -22,7 +22,7 @@ from bench.eval import common
 
 def parse_args(argv=None):
     p = common.eval_parser(__doc__)
-    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=common.DEFAULT_TOP_K)
     p.add_argument("--refresh", type=lambda s: [int(v) for v in s.split(",")], default=[0, 32, 128, 512],
                    help="ReTopK refresh intervals T_r compared (0 = no refresh)")
     p.add_argument("--prefill", type=int, default=4096, help="prompt tokens P")

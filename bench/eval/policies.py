@@ -48,7 +48,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("grid")
     g.add_argument("--methods", default=GRID, help="comma-separated method specs ('+' between parameters); Full "
                                                    "and Exact Top-K are added as references")
-    g.add_argument("--top-k", type=int, default=64, help="shared active-token budget K")
+    g.add_argument("--top-k", type=int, default=common.DEFAULT_TOP_K, help="shared active-token budget K")
     g.add_argument("--batch", type=int, default=12, help="methods decoded per forward (memory bound; 0 = all)")
     g.add_argument("--parts", default="ppl,niah,fidelity", help="comma-separated subset of ppl,niah,fidelity")
     g.add_argument("--detail", default="front",

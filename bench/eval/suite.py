@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.eval import fidelity, long_horizon, longbench, niah, perplexity, sweep
-from bench.eval.common import MIX_KEYS, add_model_args, make_runner, markdown_table
+from bench.eval.common import DEFAULT_TOP_K, MIX_KEYS, add_model_args, make_runner, markdown_table
 
 PARTS = ("perplexity", "niah", "fidelity", "sweep", "long_horizon", "longbench")
 METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,tokenselect"
@@ -29,7 +29,7 @@ METHODS = "full,exact_topk,retopk,retopk:tau=0.9,streaming_llm,quest,sparq,loki,
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="context lengths (PPL, NIAH)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every step/document count (0.25 = quick)")

@@ -35,7 +35,8 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv=None):
     p = common.eval_parser(__doc__)
-    p.add_argument("--top-k", type=int, default=64, help="default K (paper 512; 64 for 2K-8K contexts)")
+    p.add_argument("--top-k", type=int, default=common.DEFAULT_TOP_K,
+                   help="default K (the server's; paper 512; 64 for 2K-8K contexts)")
     p.add_argument("--K", type=_ints, default=None, help="K values (default: K/2, 2K)")
     p.add_argument("--C", type=_ints, default=[8, 16, 64])
     p.add_argument("--R", type=_ints, default=[1, 2, 8])
