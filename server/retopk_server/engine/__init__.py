@@ -1,10 +1,10 @@
 """The engine: one thread that owns the model runner and runs the continuous-batching scheduler.
 
-    scheduler.py        Engine: the thread and its loop (schedule, run, postprocess), submission, commands
+    scheduler.py        Engine: the thread and its loop (schedule, run, postprocess), submission, lifecycle
+    commands.py         EngineCommands (sessions, tokenizer, status as futures) over the CommandQueue
     runner_protocol.py  Runner: what the engine asks of a model runner (runtime.ModelRunner implements it)
     sessions.py         SessionTable: named and ephemeral sessions (SessionRecord), their commands and snapshots
     turn.py             ActiveRequest: one request's input tokens (chat re-render diff), stop/finish, timings
-    commands.py         CommandQueue: work for the engine thread from other threads, answered by futures
     requests.py         what a Generate call asks for, what comes back (events), error codes
     observer.py         EngineObserver: no-op hooks the metrics module overrides
     stream.py           RequestStream: hands events from the engine thread to an asyncio consumer
@@ -21,6 +21,7 @@ from retopk_server.engine.requests import (
 )
 from retopk_server.engine.runner_protocol import Runner
 from retopk_server.engine.scheduler import Engine
+from retopk_server.engine.sessions import describe_method
 from retopk_server.engine.stream import RequestStream
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "RequestStream",
     "Runner",
     "TokenEvent",
+    "describe_method",
 ]

@@ -1,4 +1,7 @@
-"""CommandQueue: work handed to the engine thread from other threads, answered through futures.
+"""Work handed to the engine thread from other threads, answered through futures.
+
+    CommandQueue    the queue: ``call`` from any thread, ``run_pending`` on the engine thread
+    EngineCommands  the commands themselves (sessions, tokenizer, status), ``engine.commands``
 
 Session commands, tokenization and status touch the runner, which only the engine thread may use;
 the loop runs the queued commands between decode steps.
@@ -10,8 +13,16 @@ import concurrent.futures
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from retopk_server.engine.requests import EngineError, ErrorCode
+from retopk_server.engine.sessions import SessionSnapshot
+from retopk_server.engine.turn import encode_chat
+from retopk_server.runtime.method_spec import MethodSpec
+
+if TYPE_CHECKING:  # the engine builds its commands; only the annotation needs the class
+    from retopk_server.engine.scheduler import Engine
 
 
 class CommandQueue:
@@ -59,3 +70,67 @@ class CommandQueue:
         for _, future in pending:
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineError(ErrorCode.UNAVAILABLE, "server is shutting down"))
+
+
+@dataclass
+class EngineStatus:
+    running: int
+    queued: int
+    sessions: int
+    ephemeral_sessions: int
+    draining: bool
+    kv_bytes: int
+
+
+class EngineCommands:
+    """What other threads ask of the engine besides ``submit``: sessions, tokenizer, status.
+
+    Each command touches the runner or the session table, which belong to the engine thread, so it
+    is queued on ``queue`` and answered through a future. The engine's instance is ``engine.commands``.
+    """
+
+    def __init__(self, engine: Engine, queue: CommandQueue) -> None:
+        self._engine = engine
+        self._call = queue.call
+
+    def create_session(self, session_id: str | None, method: MethodSpec | None) -> concurrent.futures.Future:
+        def create() -> SessionSnapshot:
+            if self._engine.draining:
+                raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not opening sessions")
+            return self._engine.sessions.create(session_id, method)
+
+        return self._call(create)
+
+    def get_session(self, session_id: str) -> concurrent.futures.Future:
+        return self._call(lambda: self._engine.sessions.get(session_id))
+
+    def list_sessions(self) -> concurrent.futures.Future:
+        return self._call(self._engine.sessions.snapshots)
+
+    def close_session(self, session_id: str) -> concurrent.futures.Future:
+        return self._call(lambda: self._engine.sessions.close(session_id))
+
+    def status(self) -> concurrent.futures.Future:
+        return self._call(self._status)
+
+    def encode(self, text: str) -> concurrent.futures.Future:
+        """Token ids of ``text`` (with the tokenizer's special tokens)."""
+        return self._call(lambda: self._engine.runner.encode(text))
+
+    def encode_chat(self, messages: list[dict]) -> concurrent.futures.Future:
+        """Token ids of a conversation in the chat template (INVALID_ARGUMENT if the template rejects it)."""
+        return self._call(lambda: encode_chat(self._engine.runner, messages))
+
+    def token_pieces(self, ids: list[int]) -> concurrent.futures.Future:
+        """The tokenizer's piece for each token id."""
+        return self._call(lambda: self._engine.runner.tokenizer.convert_ids_to_tokens(ids))
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> concurrent.futures.Future:
+        return self._call(lambda: self._engine.runner.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def _status(self) -> EngineStatus:
+        engine, sessions = self._engine, self._engine.sessions
+        queued, running = engine.load()
+        return EngineStatus(running=running, queued=queued, sessions=len(sessions),
+                            ephemeral_sessions=sessions.ephemeral, draining=engine.draining,
+                            kv_bytes=sessions.kv_bytes())

@@ -1,7 +1,7 @@
 """Engine: the thread that owns the model runner and runs continuous batching.
 
 One loop iteration:
-  1. run queued commands (session create/get/list/close, tokenize, status), each on this thread
+  1. run queued commands (``engine.commands``: sessions, tokenize, status; commands.py), on this thread
   2. schedule: drop running requests whose client cancelled or whose deadline passed, then admit queued
      requests while the batch has room (open or take the session, prefill its input, sample a token)
   3. run: one batched ``runner.decode`` over every running request (sessions may differ in length and
@@ -19,40 +19,28 @@ session's ``pending`` token and fed at the start of the next turn (turn.py).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from retopk_server.engine.commands import CommandQueue
+from retopk_server.engine.commands import CommandQueue, EngineCommands
 from retopk_server.engine.observer import EngineObserver
 from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode, GenerationRequest, TokenEvent
 from retopk_server.engine.runner_protocol import Runner
-from retopk_server.engine.sessions import SessionSnapshot, SessionTable, describe_method
+from retopk_server.engine.sessions import SessionTable
 from retopk_server.engine.stream import RequestStream
-from retopk_server.engine.turn import ActiveRequest, encode_chat
-from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.engine.turn import ActiveRequest
 
 log = logging.getLogger("retopk_server.engine")
-
-
-@dataclass
-class EngineStatus:
-    running: int
-    queued: int
-    sessions: int
-    ephemeral_sessions: int
-    draining: bool
-    kv_bytes: int
 
 
 class Engine:
     """Owns the runner on one thread; see the module docstring.
 
     runner_factory   builds the Runner (called on the engine thread, so the model is loaded there)
+    commands         EngineCommands: sessions, tokenizer and status for other threads, as futures
     """
 
     def __init__(self, runner_factory: Callable[[], Runner], config: EngineConfig | None = None,
@@ -65,6 +53,7 @@ class Engine:
         self._queue: deque[ActiveRequest] = deque()
         self._commands = CommandQueue(self._wake)
         self.sessions = SessionTable(self.config, self._hook)
+        self.commands = EngineCommands(self, self._commands)
         self._running: list[ActiveRequest] = []
         self._admitting: ActiveRequest | None = None  # between the queue and the batch (prefilling)
         self._draining = False
@@ -103,6 +92,11 @@ class Engine:
             live = {id(r) for r in [*self._running, self._admitting] if r is not None and not r.done}
             return len(self._queue) + len(live)
 
+    def load(self) -> tuple[int, int]:
+        """(queued, running) requests; exact on the engine thread, which alone changes the batch."""
+        with self._wake:
+            return len(self._queue), len(self._running)
+
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; requests still queued or running end with UNAVAILABLE."""
         with self._wake:
@@ -129,51 +123,6 @@ class Engine:
                 self.sessions.reserve(spec.session_id)
             self._queue.append(ActiveRequest(spec, stream, max_new))
             self._wake.notify_all()
-
-    # ------------------------------------------------------------------ commands (asyncio thread)
-    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run ``fn()`` on the engine thread between steps; the future holds its result or exception."""
-        return self._commands.call(fn)
-
-    def create_session(self, session_id: str | None, method: MethodSpec | None) -> concurrent.futures.Future:
-        def create() -> SessionSnapshot:
-            if self._draining:
-                raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not opening sessions")
-            return self.sessions.create(session_id, method)
-
-        return self.call(create)
-
-    def get_session(self, session_id: str) -> concurrent.futures.Future:
-        return self.call(lambda: self.sessions.get(session_id))
-
-    def list_sessions(self) -> concurrent.futures.Future:
-        return self.call(self.sessions.snapshots)
-
-    def close_session(self, session_id: str) -> concurrent.futures.Future:
-        return self.call(lambda: self.sessions.close(session_id))
-
-    def status(self) -> concurrent.futures.Future:
-        return self.call(self._status)
-
-    def encode(self, text: str) -> concurrent.futures.Future:
-        """Token ids of ``text`` (with the tokenizer's special tokens)."""
-        return self.call(lambda: self.runner.encode(text))
-
-    def encode_chat(self, messages: list[dict]) -> concurrent.futures.Future:
-        """Token ids of a conversation in the chat template (INVALID_ARGUMENT if the template rejects it)."""
-        return self.call(lambda: encode_chat(self.runner, messages))
-
-    def token_pieces(self, ids: list[int]) -> concurrent.futures.Future:
-        """The tokenizer's piece for each token id."""
-        return self.call(lambda: self.runner.tokenizer.convert_ids_to_tokens(ids))
-
-    def detokenize(self, ids: list[int], skip_special_tokens: bool) -> concurrent.futures.Future:
-        return self.call(lambda: self.runner.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
-
-    @staticmethod
-    def describe_method(method: MethodSpec) -> dict:
-        """Every hyperparameter of ``method`` without name and backend (any thread); ValueError if bad."""
-        return describe_method(method)
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
@@ -203,7 +152,7 @@ class Engine:
             self._schedule()
             if self._running:
                 self._run()
-            self._hook("on_load", len(self._queue), len(self._running), len(self.sessions))
+            self._hook("on_load", *self.load(), len(self.sessions))
 
     def _hook(self, name: str, *args) -> None:
         try:
@@ -328,13 +277,6 @@ class Engine:
             return
         r.remember_turn()
         self.sessions.release(r.record)
-
-    def _status(self) -> EngineStatus:
-        with self._wake:
-            queued = len(self._queue)
-        return EngineStatus(running=len(self._running), queued=queued, sessions=len(self.sessions),
-                            ephemeral_sessions=self.sessions.ephemeral, draining=self._draining,
-                            kv_bytes=self.sessions.kv_bytes())
 
     def _shutdown(self) -> None:
         """Fail what is left, close every session, answer pending commands."""

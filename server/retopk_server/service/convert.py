@@ -12,8 +12,9 @@ import uuid
 from retopk_core.methods.registry import serving_method_names
 from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.engine.commands import EngineStatus
 from retopk_server.engine.requests import FinishReason, GenerationRequest, TokenEvent
-from retopk_server.engine.scheduler import EngineStatus, SessionSnapshot
+from retopk_server.engine.sessions import SessionSnapshot
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
 

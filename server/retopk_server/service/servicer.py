@@ -24,7 +24,7 @@ from retopk_core.methods.registry import serving_method_names
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
-from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream
+from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method
 from retopk_server.service import convert
 from retopk_server.service.convert import InvalidArgument
 
@@ -153,24 +153,24 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         self._check_affinity(context, session_id)
         method = (convert.method_spec(request.method, self.engine.info.default_method)
                   if request.HasField("method") else None)
-        return convert.session_info(await self._engine(self.engine.create_session(session_id, method)))
+        return convert.session_info(await self._engine(self.engine.commands.create_session(session_id, method)))
 
     @_unary
     async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.SessionInfo:
         session_id = convert._identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
-        return convert.session_info(await self._engine(self.engine.get_session(session_id)))
+        return convert.session_info(await self._engine(self.engine.commands.get_session(session_id)))
 
     @_unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context) -> pb.ListSessionsResponse:
-        sessions = await self._engine(self.engine.list_sessions())
+        sessions = await self._engine(self.engine.commands.list_sessions())
         return pb.ListSessionsResponse(sessions=[convert.session_info(s) for s in sessions])
 
     @_unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
         session_id = convert._identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
-        snapshot = await self._engine(self.engine.close_session(session_id))
+        snapshot = await self._engine(self.engine.commands.close_session(session_id))
         return pb.CloseSessionResponse(session=convert.session_info(snapshot))
 
     # ------------------------------------------------------------------------------------ tokenizer
@@ -180,16 +180,16 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         if which is None:
             raise InvalidArgument("input", "set one of text, chat")
         if which == "text":
-            ids = await self._engine(self.engine.encode(request.text))
+            ids = await self._engine(self.engine.commands.encode(request.text))
         else:
-            ids = await self._engine(self.engine.encode_chat(convert.chat_messages(request.chat)))
-        pieces = await self._engine(self.engine.token_pieces(ids))
+            ids = await self._engine(self.engine.commands.encode_chat(convert.chat_messages(request.chat)))
+        pieces = await self._engine(self.engine.commands.token_pieces(ids))
         return pb.TokenizeResponse(token_ids=ids, tokens=[str(p) for p in pieces])
 
     @_unary
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         ids = convert.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
-        text = await self._engine(self.engine.detokenize(ids, request.skip_special_tokens))
+        text = await self._engine(self.engine.commands.detokenize(ids, request.skip_special_tokens))
         return pb.DetokenizeResponse(text=text)
 
     # ------------------------------------------------------------------------------------ model, status
@@ -205,9 +205,9 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                             max_context=info.max_context, vocab_size=info.vocab_size,
                             eos_token_ids=list(info.eos_token_ids), dtype=info.dtype, device=info.device,
                             backend=info.backend,
-                            default_method=convert.method_message(default.name, self.engine.describe_method(default)),
+                            default_method=convert.method_message(default.name, describe_method(default)),
                             methods=serving_method_names(), limits=limits, server_version=self.version)
 
     @_unary
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
-        return convert.server_status(await self._engine(self.engine.status()))
+        return convert.server_status(await self._engine(self.engine.commands.status()))
