@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ from retopk_client.channel import DEFAULT, ClientConfig
 from retopk_client.errors import NotFound, RetopkError, from_rpc_error
 from retopk_client.health import HealthCheckRequest, check_method, status_name
 from retopk_client.retry import Attempts, RetryPolicy, acall_with_retry
+from retopk_client.transcript import REPLAYABLE, Transcript, materialized
 from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
@@ -89,14 +91,17 @@ class AsyncGenerateStream:
 
 
 class AsyncSession:
-    """A session as an async context manager: created on entry (or by ``open()``), closed on exit."""
+    """A session as an async context manager: created on entry (or by ``open()``), closed on exit.
+    ``replay=True``: continue in a new session when this one's replica is gone (see ``client.Session``)."""
 
-    def __init__(self, client: AsyncClient, method=None, session_id: str | None = None) -> None:
+    def __init__(self, client: AsyncClient, method=None, session_id: str | None = None, replay: bool = False) -> None:
         self._client = client
         self._method = method
         self._requested_id = session_id
         self.info: SessionInfo | None = None
         self.closed = False
+        self.transcript = Transcript() if replay else None
+        self.replays = 0
 
     @property
     def id(self) -> str:
@@ -109,11 +114,37 @@ class AsyncSession:
             self.info = await self._client.create_session(self._method, session_id=self._requested_id)
         return self
 
-    def generate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGenerateStream:
-        return self._client.generate(prompt, session_id=self.id, **kwargs)
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGenerateStream | AsyncIterator[Chunk]:
+        if self.transcript is None:
+            return self._client.generate(prompt, session_id=self.id, **kwargs)
+        return self._replaying_stream(prompt, materialized(kwargs))
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        return await self._client.complete(prompt, session_id=self.id, **kwargs)
+        if self.transcript is None:
+            return await self._client.complete(prompt, session_id=self.id, **kwargs)
+        builder = CompletionBuilder()
+        async for chunk in self._replaying_stream(prompt, materialized(kwargs)):
+            builder.add(chunk)
+        return builder.build()
+
+    async def _replaying_stream(self, prompt: str | None, kwargs: dict[str, Any]) -> AsyncIterator[Chunk]:
+        builder, stream = CompletionBuilder(), self._client.generate(prompt, session_id=self.id, **kwargs)
+        try:
+            first = await anext(stream, None)
+        except REPLAYABLE as err:
+            replayed_prompt, replayed = self.transcript.replay_input(prompt, kwargs, err)
+            self.info = await self._client.create_session(self.info.method)
+            self.replays += 1
+            stream = self._client.generate(replayed_prompt, session_id=self.id, **replayed)
+            first = await anext(stream, None)
+        async with stream:  # leaving (or aclose() of this generator) cancels the call
+            if first is not None:
+                builder.add(first)
+                yield first
+            async for chunk in stream:
+                builder.add(chunk)
+                yield chunk
+        self.transcript.record(prompt, kwargs, builder.build())
 
     async def refresh(self) -> SessionInfo:
         self.info = await self._client.get_session(self.id)
@@ -192,9 +223,9 @@ class AsyncClient:
         return SessionInfo.from_proto(await self._unary(self._stub.CreateSession, req, timeout, idempotent=False,
                                                         session_id=session_id))
 
-    def session(self, method=None, *, session_id: str | None = None) -> AsyncSession:
-        """A session opened on ``async with`` entry and closed on exit."""
-        return AsyncSession(self, method, session_id)
+    def session(self, method=None, *, session_id: str | None = None, replay: bool = False) -> AsyncSession:
+        """A session opened on ``async with`` entry and closed on exit (``replay``: see ``AsyncSession``)."""
+        return AsyncSession(self, method, session_id, replay)
 
     async def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.GetSessionRequest(session_id=session_id)

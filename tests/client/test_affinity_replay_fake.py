@@ -125,3 +125,21 @@ def test_replay_does_not_hide_other_errors(fake):
         with pytest.raises(errors.FailedPrecondition):
             s.complete("x")
     assert s.replays == 0 and isinstance(fake.service.generate_requests[0], pb.GenerateRequest)
+
+
+def test_async_replay_continues_a_lost_session(fake):
+    async def main():
+        async with AsyncClient(fake.address, retry=FAST, timeout=30) as client:
+            async with client.session(replay=True) as s:
+                first_id = s.id
+                await s.complete(messages=[{"role": "user", "content": "one"}])
+                fake.service.failures["Generate"] = [grpc.StatusCode.NOT_FOUND]
+                texts = [c.text async for c in s.generate(messages=[{"role": "user", "content": "two"}])]
+            return first_id, s, texts
+
+    first_id, s, texts = asyncio.run(main())
+    assert "".join(texts) == "Hello, world" and s.replays == 1 and s.id != first_id
+    last = fake.service.generate_requests[-1]
+    assert last.session_id == s.id
+    assert [(m.role, m.content) for m in last.chat.messages] == [
+        ("user", "one"), ("assistant", "Hello, world"), ("user", "two")]
