@@ -29,6 +29,7 @@ from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats
+from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
 
 class ContextTooLong(ValueError):
@@ -221,9 +222,8 @@ class ModelRunner:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("token_ids must not be empty")
-        if min(token_ids) < 0 or max(token_ids) >= self.info.vocab_size:
-            bad = next(t for t in token_ids if not 0 <= t < self.info.vocab_size)
-            raise ValueError(f"token_ids: {bad} is not a token id (vocab_size {self.info.vocab_size})")
+        if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
+            raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
         begin, end = session.length, session.length + len(token_ids)
         self._reserve(session, end)
         group = self._groups[session.method]

@@ -17,6 +17,7 @@ from retopk_server.engine.requests import FinishReason, GenerationRequest, Token
 from retopk_server.engine.sessions import SessionSnapshot
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
+from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
 ROLES = ("system", "user", "assistant")
 MAX_ID_CHARS = 128
@@ -129,10 +130,10 @@ def chat_messages(message: pb.ChatMessages, field: str = "chat") -> list[dict]:
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
-    for i, t in enumerate(ids):
-        if t >= vocab_size:
-            raise InvalidArgument(f"{field}[{i}]", f"{t} is not a token id (vocab_size {vocab_size})")
-    return list(ids)
+    ids = list(ids)
+    if (i := first_bad_token(ids, vocab_size)) is not None:
+        raise InvalidArgument(f"{field}[{i}]", not_a_token(ids, i, vocab_size))
+    return ids
 
 
 def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, vocab_size: int,

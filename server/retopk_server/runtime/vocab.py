@@ -1,0 +1,15 @@
+"""The one check that token ids belong to the model's vocabulary (the servicer, the runner and the engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def first_bad_token(ids: Iterable[int], vocab_size: int) -> int | None:
+    """Index of the first id outside [0, vocab_size), or None when every id is a token id."""
+    return next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+
+
+def not_a_token(ids, index: int, vocab_size: int) -> str:
+    """The message for ``ids[index]``, e.g. "256 is not a token id (vocab_size 256)"."""
+    return f"{ids[index]} is not a token id (vocab_size {vocab_size})"
