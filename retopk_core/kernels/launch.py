@@ -34,15 +34,19 @@ from retopk_core.methods.retopk import gqa_paths
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _on_q_device(fn):
-    """Launch on q's GPU (triton launches on the current CUDA device, which may be another one)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        at = 1 if fn.__name__ == "retopk_decode" else 0  # retopk_decode(method, q, ...)
-        q = kwargs["q"] if "q" in kwargs else args[at]
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            return fn(*args, **kwargs)
-    return wrapper
+def _on_q_device(q_at: int):
+    """Launch on q's GPU (triton launches on the current CUDA device, which may be another one).
+
+    q_at  the position of ``q`` among the launcher's arguments (also found when passed by name)
+    """
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            q = kwargs["q"] if "q" in kwargs else args[q_at]
+            with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+                return fn(*args, **kwargs)
+        return wrapper
+    return decorate
 
 
 def check_inputs(q: torch.Tensor, kv: PagedKV) -> None:
@@ -71,14 +75,14 @@ def check_inputs(q: torch.Tensor, kv: PagedKV) -> None:
             raise ValueError(f"kv.{name} is on {t.device}, q on {q.device}")
 
 
-@_on_q_device
+@_on_q_device(q_at=0)
 def dense_decode(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace | None = None) -> torch.Tensor:
     """Full attention of the current queries q (B, H, d) -> (B, H, d_v) in q.dtype."""
     check_inputs(q, kv)
     return dense_attention(q, kv, scale, ws or WORKSPACES.shared(q.device))
 
 
-@_on_q_device
+@_on_q_device(q_at=0)
 def exact_topk_decode(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: Workspace | None = None,
                       chunk: int | None = None, fan: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact Top-K attention: (out (B, H, d_v) in q.dtype, sel_pos (B, H, top_k) int64 -1 padded)."""
@@ -90,7 +94,7 @@ def exact_topk_decode(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws
     return out, sel
 
 
-@_on_q_device
+@_on_q_device(q_at=1)  # retopk_decode(method, q, ...)
 def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tensor, scale: float,
                   ws: Workspace | None = None, chunk: int | None = None) -> StepOutput:
     """One ReTopK decode step for every head (eq. 6-13), updating ``state`` like the torch path."""
