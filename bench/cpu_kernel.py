@@ -17,16 +17,16 @@ import copy
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from retopk_core.hugepages import enable_transparent_hugepages
 
-enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
+# torch and what imports it load inside the functions: main() first asks for huge pages, which must
+# precede torch's first allocation (retopk_core/hugepages.py), and importing this module changes nothing.
+if TYPE_CHECKING:
+    import torch
 
-import torch
-
-from retopk_core.cpu import launch
-from retopk_core.kv import PagedKV
-from retopk_core.methods import make_method
+    from retopk_core.kv import PagedKV
 
 
 def parse_args(argv=None):
@@ -50,6 +50,10 @@ def parse_args(argv=None):
 
 def paged_pool(k: torch.Tensor, v: torch.Tensor, block: int) -> PagedKV:
     """(B, H_kv, L, d) keys/values as a pool of ``block``-position blocks, sequences interleaved block by block."""
+    import torch
+
+    from retopk_core.kv import PagedKV
+
     B, H_kv, L, d = k.shape
     n = -(-L // block)
     pad = n * block - L
@@ -63,6 +67,11 @@ def paged_pool(k: torch.Tensor, v: torch.Tensor, block: int) -> PagedKV:
 
 
 def run_trace(args, L: int, trace: str, seed: int = 0) -> dict:
+    import torch
+
+    from retopk_core.kv import PagedKV
+    from retopk_core.methods import make_method
+
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, args.dtype)
     B, H, H_kv, d = args.batch, args.heads, args.kv_heads, args.head_dim
@@ -106,6 +115,11 @@ def run_trace(args, L: int, trace: str, seed: int = 0) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
+    import torch
+
+    from retopk_core.cpu import launch
+
     torch.set_num_threads(args.threads)
     if not launch.available():
         print("the fused CPU kernel is not available (see the log line above): run `python -m retopk_core.cpu.build`",

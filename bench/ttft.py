@@ -15,15 +15,14 @@ import json
 import statistics
 import time
 from pathlib import Path as FsPath
+from typing import TYPE_CHECKING
 
 from retopk_core.hugepages import enable_transparent_hugepages
 
-enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
-
-import torch
-
-from bench.e2e_cpu import _label, parse_method
-from retopk_server.runtime import ModelRunner, RuntimeConfig
+# torch and what imports it load inside the functions: main() first asks for huge pages, which must
+# precede torch's first allocation (retopk_core/hugepages.py), and importing this module changes nothing.
+if TYPE_CHECKING:
+    from retopk_server.runtime import ModelRunner
 
 DEFAULT_METHODS = ["full", "retopk:top_k=64", "default"]
 
@@ -43,6 +42,8 @@ def parse_args(argv=None):
 
 def run(runner: ModelRunner, specs: list, ids: list[int], rounds: int) -> list[dict]:
     """Median prefill seconds per method over ``rounds`` - 1 timed rounds (the first warms up)."""
+    from bench.e2e_cpu import _label
+
     times: list[list[float]] = [[] for _ in specs]
     for r in range(rounds):
         for i, spec in enumerate(specs):
@@ -63,10 +64,16 @@ def run(runner: ModelRunner, specs: list, ids: list[int], rounds: int) -> list[d
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.rounds < 2:
         raise SystemExit("--rounds must be at least 2 (the first round is untimed)")
+    enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
+    import torch
+
+    from bench.e2e_cpu import parse_method
+    from retopk_server.runtime import ModelRunner, RuntimeConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     specs = [parse_method(m) for m in args.methods]
     runner = ModelRunner(RuntimeConfig(model=args.model, default_method=specs[0]))
     ids = runner.tokenizer.apply_chat_template([{"role": "user", "content": args.message}],
