@@ -31,8 +31,10 @@ class BuildPyWithProto(build_py):
     def run(self):
         gen = _gen_proto()
         gen.generate(PROTO_DIR, OUT_DIR)
-        # A fresh tree has no client/retopk_proto when pyproject's package search runs: map it here.
-        self.package_dir.setdefault("retopk_proto", OUT_DIR.relative_to(HERE).as_posix())
+        # A fresh tree has no client/retopk_proto when pyproject's package search runs: map it here (for this
+        # build and for an editable install's finder, which reads the distribution's mapping).
+        for package_dir in (self.package_dir, self.distribution.package_dir):
+            package_dir.setdefault("retopk_proto", OUT_DIR.relative_to(HERE).as_posix())
         for name in gen.generated_packages(OUT_DIR, "retopk_proto"):
             if name not in self.packages:
                 self.packages.append(name)
