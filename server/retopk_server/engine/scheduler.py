@@ -163,11 +163,9 @@ class Engine:
     # ---- schedule: drop the dead, admit the queued -----------------------------------------------------
     def _schedule(self) -> None:
         now = time.monotonic()
-        for r in self._running:  # a passed deadline also cancels the call: report it as the deadline
-            if r.expired(now):
-                self._fail(r, EngineError(ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded"))
-            elif r.stream.cancelled:
-                self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
+        for r in self._running:
+            if (error := r.dropped(now)) is not None:
+                self._fail(r, error)
         self._running = [r for r in self._running if not r.done]
         while len(self._running) < self.config.max_running:
             with self._wake:
@@ -181,11 +179,8 @@ class Engine:
                     self._admitting = None
 
     def _admit(self, r: ActiveRequest) -> None:
-        if r.expired(time.monotonic()):
-            self._fail(r, EngineError(ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded while queued"))
-            return
-        if r.stream.cancelled:
-            self._fail(r, EngineError(ErrorCode.CANCELLED, "request cancelled by the client"))
+        if (error := r.dropped(time.monotonic(), " while queued")) is not None:
+            self._fail(r, error)
             return
         try:
             self._prefill(r)

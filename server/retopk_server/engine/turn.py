@@ -60,6 +60,17 @@ class ActiveRequest:
     def expired(self, now: float) -> bool:
         return self.spec.deadline is not None and now >= self.spec.deadline
 
+    def dropped(self, now: float, where: str = "") -> EngineError | None:
+        """Why the request must end now (deadline passed, client cancelled), or None to go on.
+
+        A passed deadline also cancels the call, so it is checked first and reported as the deadline.
+        """
+        if self.expired(now):
+            return EngineError(ErrorCode.DEADLINE_EXCEEDED, f"deadline exceeded{where}")
+        if self.stream.cancelled:
+            return EngineError(ErrorCode.CANCELLED, "request cancelled by the client")
+        return None
+
     # ---- input ---------------------------------------------------------------------------------------
     def feed(self, runner: Runner, max_prompt_tokens: int | None) -> list[int]:
         """The tokens to prefill (pending + new input), checked against the limits; sets ``prompt_ids``."""
