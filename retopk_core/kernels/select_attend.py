@@ -1,7 +1,10 @@
 """Stage 3, fused select + attend + FIFO update: one program per (sequence b, query head h).
 
 Selection (eq. 11 on reuse, eq. 1 on exact paths):
-    reuse head   Ŝ = TopK_{j < M} ê_j over the packed candidates (stage 2 scores)
+    reuse head   Ŝ = TopK_{j < M} ê_j over the packed candidates (stage 2 scores), in tiles of K_PAD up to
+                 the head's own M: each tile's keys join the running Top-K_PAD and one bitonic Top-K of
+                 those 2 K_PAD keys keeps the best (M ~ 700-900 of N_PAD = 4096 at K = 512: two networks
+                 of 1024 keys instead of one of 4096)
     exact head   Ŝ = the merged exact Top-K list of exact.py (already sorted)
 Attention over Ŝ (eq. 12), keys' scores recomputed by nothing: the selection carries them,
     o = Σ_{i∈Ŝ} exp(e_i - m) v_i / Σ_{i∈Ŝ} exp(e_i - m),   m = max_{i∈Ŝ} e_i,
@@ -34,12 +37,15 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
     r = tl.arange(0, K_PAD)
     if RETOPK:
         if tl.load(path_ptr + row) == 0:
-            n = tl.load(count_ptr + row)
-            j = tl.arange(0, N_PAD)
-            m = j < n
-            pos = tl.load(cand_ptr + row * N_PAD + j, mask=m, other=0)
-            e = tl.load(cscore_ptr + row * N_PAD + j, mask=m, other=0.0)
-            top = bitonic_topk(tl.where(m, pack_key(e, pos), EMPTY), K_PAD, True)
+            n = tl.load(count_ptr + row)  # M_t <= N_PAD
+            top = tl.full((K_PAD,), EMPTY, tl.int64)
+            for j0 in range(0, n, K_PAD):  # only the tiles holding candidates
+                j = j0 + r
+                m = j < n
+                pos = tl.load(cand_ptr + row * N_PAD + j, mask=m, other=0)
+                e = tl.load(cscore_ptr + row * N_PAD + j, mask=m, other=0.0)
+                both = tl.reshape(tl.join(top, tl.where(m, pack_key(e, pos), EMPTY)), [2 * K_PAD])
+                top = bitonic_topk(both, K_PAD, True)
         else:
             top = tl.load(exact_ptr + row * K_PAD + r)
     else:
