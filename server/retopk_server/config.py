@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from retopk_core.methods.registry import serving_method_names
+from retopk_core.params import ParamError, check_int, check_number
 from retopk_server.engine.requests import EngineConfig
 from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS, RuntimeConfig
 from retopk_server.runtime.method_spec import MethodSpec
@@ -29,23 +30,13 @@ class ServerConfig:
     metrics_per_head      export the metrics built from every step's per-head statistics (path decisions
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
-    model                 embedded model name (e.g. "smollm2-135m") or a local checkpoint directory
-    device, dtype         where and in which precision the model, KV cache and method state live
-    backend               attention backend: "auto" (ReTopK's fused CPU kernel on a CPU where it was built, else
-                          torch), "torch" (the reference code), "triton" (GPU) or "cpu" (see RuntimeConfig)
+    model, device, dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size
+                          the model runtime's settings: documented in, and defaulting to, RuntimeConfig
     method, method_params default attention method of requests and sessions that name none
-    max_context           longest session context (None: the model's trained positions)
-    rope_scaling          RoPE parameters that extend the context past the trained positions, e.g.
-                          {"rope_type": "linear", "factor": 4.0} (see retopk_server.runtime.config)
-    prefill_chunk         prompt tokens per prefill forward
-    kv_block_size         positions per KV-cache block
-    max_queue             requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED
-    max_running           requests decoded together in one batch
-    max_sessions          open named sessions; beyond it CreateSession is RESOURCE_EXHAUSTED
-    session_idle_timeout_s  a named session unused for this long is closed (None: never)
-    max_prompt_tokens     tokens one request may feed (None: the model's context)
-    max_new_tokens        largest max_new_tokens a request may ask for
-    default_max_new_tokens  max_new_tokens of a request that sets none
+    max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens
+                          the engine's limits: documented in, and defaulting to, EngineConfig
+    session_idle_timeout_s  a named session unused for this long is closed (None: never; the engine's own
+                          default is None, a server's one hour)
     drain_grace_s         after SIGTERM, how long running requests may take to finish before they are cut
     api_key               when set, every retopk.v1 rpc needs metadata "authorization: Bearer <api_key>"
     log_level             Python logging level name
@@ -55,23 +46,23 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int = 9464
     metrics_per_head: bool = True
-    model: str = "smollm2-135m"
-    device: str = "cpu"
-    dtype: str = "float32"
-    backend: str = "auto"
+    model: str = RuntimeConfig.model
+    device: str = RuntimeConfig.device
+    dtype: str = RuntimeConfig.dtype
+    backend: str = RuntimeConfig.backend
     method: str = "retopk"
     method_params: dict = field(default_factory=_default_method_params)
-    max_context: int | None = None
-    rope_scaling: dict | None = None
-    prefill_chunk: int = 512
-    kv_block_size: int = 256
-    max_queue: int = 64
-    max_running: int = 16
-    max_sessions: int = 64
+    max_context: int | None = RuntimeConfig.max_context
+    rope_scaling: dict | None = RuntimeConfig.rope_scaling
+    prefill_chunk: int = RuntimeConfig.prefill_chunk
+    kv_block_size: int = RuntimeConfig.kv_block_size
+    max_queue: int = EngineConfig.max_queue
+    max_running: int = EngineConfig.max_running
+    max_sessions: int = EngineConfig.max_sessions
     session_idle_timeout_s: float | None = 3600.0
-    max_prompt_tokens: int | None = None
-    max_new_tokens: int = 2048
-    default_max_new_tokens: int = 256
+    max_prompt_tokens: int | None = EngineConfig.max_prompt_tokens
+    max_new_tokens: int = EngineConfig.max_new_tokens
+    default_max_new_tokens: int = EngineConfig.default_max_new_tokens
     drain_grace_s: float = 30.0
     api_key: str | None = None
     log_level: str = "info"
@@ -80,15 +71,14 @@ class ServerConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 65535:
-                raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+            check_int(name, getattr(self, name), low=0)
+            if getattr(self, name) > 65535:
+                raise ParamError(name, f"{name} must be an integer in [0, 65535], got {getattr(self, name)!r}")
         if not isinstance(self.metrics_per_head, bool):
             raise ValueError(f"metrics_per_head must be true or false, got {self.metrics_per_head!r}")
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict, got {self.method_params!r}")
-        if not isinstance(self.drain_grace_s, (int, float)) or not self.drain_grace_s >= 0:
-            raise ValueError(f"drain_grace_s must be a non-negative number, got {self.drain_grace_s!r}")
+        check_number("drain_grace_s", self.drain_grace_s, low=0)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
