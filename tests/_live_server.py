@@ -121,14 +121,34 @@ def wait_serving(address: str, timeout: float) -> None:
             time.sleep(0.1)
 
 
-def launch_server(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0) -> LiveServer:
-    """Start `python -m retopk_server.cli --host 127.0.0.1 --port 0 --metrics-port 0 *args` and wait
-    until it serves. Later flags win, so ``args`` may override the port options."""
+def _spawn(args: tuple[str, ...], env: dict[str, str] | None) -> LiveServer:
     command = [sys.executable, "-m", "retopk_server.cli", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", *args]
     process = subprocess.Popen(command, cwd=REPO, env=_child_env(env), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1,
                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    server = LiveServer(process)
+    return LiveServer(process)
+
+
+def launch_server(*args: str, env: dict[str, str] | None = None, timeout: float = 180.0) -> LiveServer:
+    """Start `python -m retopk_server.cli --host 127.0.0.1 --port 0 --metrics-port 0 *args` and wait
+    until it serves. Later flags win, so ``args`` may override the port options."""
+    server = _spawn(args, env)
     server.wait_ready(timeout)
     return server
+
+
+def launch_servers(count: int, *args: str, env: dict[str, str] | None = None,
+                   timeout: float = 180.0) -> list[LiveServer]:
+    """``count`` servers started together (their model loads overlap), each waited for as in
+    ``launch_server``. Call it from the thread that outlives them: the children get SIGTERM when the
+    thread that started them ends (PR_SET_PDEATHSIG is per thread)."""
+    servers = [_spawn(args, env) for _ in range(count)]
+    try:
+        for server in servers:
+            server.wait_ready(timeout)
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return servers
