@@ -1,21 +1,25 @@
 """One prepared GPU check: the kernel tests compiled for real, then attention latency per token.
 
-    python bench/gpu_check.py                    # on a GPU machine (budget: well inside 8 minutes)
+    python bench/gpu_check.py                    # on a GPU machine (stops starting new points at --budget-s)
     python bench/gpu_check.py --interpret --tiny # end to end on the CPU under TRITON_INTERPRET
-    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --batch 1 8 --out-dir "$OUT"   # on the lent H200 box
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out-dir "$OUT"   # on the lent H200 box: B = 1 and 8
 
 Stage 1 runs ``pytest tests/kernels`` compiled (one process per test file, in parallel) and, beside
 them, one warm-up process per method that compiles the benchmark's kernels into triton's disk cache
 (the large bitonic networks take tens of seconds each to compile; in parallel this hides). Stage 2 times
 one attention layer's decode step (``method.decode`` with ``backend="triton"``) for Full attention,
 Exact Top-K and ReTopK on the same KV cache, Qwen2.5-7B shapes by default (28 query heads, 4 KV
-heads, head dim 128, bf16, K = 512), at 16K-128K tokens, B = 1 (and 8 with ``--batch 1 8``).
+heads, head dim 128, bf16, K = 512), at 16K-128K tokens, B = 1 and 8.
 
-ReTopK's path mix is set by the queries: each head has a few anchor directions; on a step, a head
-draws one of its anchors (cosine 1 with a cached query -> reuse) with probability ``--reuse-share``
-(the paper's ~88%), otherwise a fresh random direction (cosine ~0 -> fallback to the exact path).
-The FIFO is filled by warm-up steps first; refresh is disabled so the mix is exactly the drawn one,
-and the measured reuse share is reported. Timing: torch.cuda.Event around ``--iters`` steps after
+ReTopK runs three ways. Its path mix is set by the queries: each head has a few anchor directions;
+on a step, a head draws one of its anchors (cosine 1 with a cached query -> reuse) with probability
+``--reuse-share`` (the paper's ~88%), otherwise a fresh random direction (cosine ~0 -> fallback):
+    reuse   every head draws an anchor: the reuse path alone (selector, indexed QK, select + attend)
+    mix     the drawn per-head mix under the paper's per-head rule (gqa_policy "head")
+    group   the same queries under the "group" GQA policy (one decision per KV group, mean ρ_max)
+The FIFOs are filled by warm-up steps first; refresh is disabled so the mix is exactly the drawn one,
+and the measured reuse share and group-read share (KV groups whose keys were read in full) are
+reported. Timing: torch.cuda.Event around ``--iters`` steps after
 ``--warmup`` steps (perf_counter on the CPU). Per-token numbers multiply one layer by ``--layers``.
 Results: a table on stdout with ratios against Exact Top-K, and results/gpu_check_<date>.{md,json}.
 """
@@ -32,6 +36,7 @@ import sys
 import time
 from pathlib import Path as FsPath
 
+STARTED = time.perf_counter()
 ROOT = FsPath(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a plain script from a checkout that is not pip-installed (the GPU box)
     sys.path.insert(0, str(ROOT))
@@ -42,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interpret", action="store_true", help="run the kernels under TRITON_INTERPRET on the CPU")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and few iterations (with --interpret)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="context lengths (default 16K..128K)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--heads", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
@@ -57,8 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--tests-timeout", type=int, default=300)
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="no new (B, L) point starts after this many seconds from the start (written as skipped): "
+                        "the whole command stays within about 8 minutes on an H200")
     p.add_argument("--out-dir", type=FsPath, default=ROOT / "results")
-    p.add_argument("--warm-only", choices=["full", "exact", "retopk"], default=None,
+    p.add_argument("--warm-only", choices=["full", "exact", "retopk", "retopk_group"], default=None,
                    help="internal: compile one method's kernels at the first length and exit")
     args = p.parse_args(argv)
     if args.tiny:
@@ -96,7 +104,7 @@ def run_tests(args) -> dict:
         common = ["--skip-tests", "--lengths", str(min(args.lengths)), "--batch", str(args.batch[0]),
                   *sum(([f"--{k.replace('_', '-')}", str(getattr(args, k))] for k in
                         ("heads", "kv_heads", "head_dim", "top_k", "cache_size", "window", "recall", "tau")), [])]
-        for m in ("full", "exact", "retopk"):
+        for m in ("full", "exact", "retopk", "retopk_group"):
             jobs[f"warm:{m}"] = [sys.executable, str(FsPath(__file__).resolve()), "--warm-only", m, *common]
 
     def run(cmd):
@@ -150,8 +158,11 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3 / iters
 
 
+RETOPK_VARIANTS = ("reuse", "mix", "group")
+
+
 def make_case(args, B: int, L: int, device, dtype) -> dict:
-    """KV cache, query pool and the three methods for one (B, L) point."""
+    """KV cache, query pools and the methods for one (B, L) point (ReTopK: one method and state per variant)."""
     import torch
 
     from retopk_core.kv import PagedKV
@@ -168,27 +179,34 @@ def make_case(args, B: int, L: int, device, dtype) -> dict:
     use_anchor = torch.rand(pool, B, H, 1, device=device, generator=gen) < args.reuse_share
     fresh = torch.randn(pool, B, H, d, device=device, generator=gen)
     picked = anchors.unsqueeze(0).expand(pool, B, H, A, d).gather(3, draw.expand(pool, B, H, 1, d)).squeeze(3)
-    retopk = make_method("retopk", top_k=args.top_k, cache_size=args.cache_size, window=args.window,
-                         recall=args.recall, tau=args.tau, refresh_every=0, backend="triton")
-    state = retopk.init_state(H, H_kv, d, device=device, capacity=B)
-    for _ in range(B):
-        state.alloc()
+    mixed = (torch.where(use_anchor, picked, fresh) * 3.0).to(dtype)  # (pool, B, H, d)
+    params = dict(top_k=args.top_k, cache_size=args.cache_size, window=args.window, recall=args.recall,
+                  tau=args.tau, refresh_every=0)
+    retopk = {"reuse": make_method("retopk", backend="triton", **params),
+              "mix": make_method("retopk", backend="triton", **params),
+              "group": make_method("retopk", backend="triton", gqa_policy="group", **params)}
+    states = {}
+    for name, method in retopk.items():
+        states[name] = method.init_state(H, H_kv, d, device=device, capacity=B)
+        for _ in range(B):
+            states[name].alloc()
     full = make_method("full", backend="triton")
     return {"kv": PagedKV.contiguous(k, v), "slots": torch.arange(B, device=device),
-            "qs": (torch.where(use_anchor, picked, fresh) * 3.0).to(dtype),  # (pool, B, H, d)
+            "qs": {"reuse": (picked * 3.0).to(dtype), "mix": mixed, "group": mixed},
             "warm_q": (anchors.permute(2, 0, 1, 3) * 3.0).to(dtype),  # (A, B, H, d): fills every FIFO
             "full": full, "exact": make_method("exact_topk", top_k=args.top_k, backend="triton"),
-            "retopk": retopk, "state": state, "none": full.init_state(H, H_kv, d, device=device, capacity=B)}
+            "retopk": retopk, "states": states, "none": full.init_state(H, H_kv, d, device=device, capacity=B)}
 
 
 def warm_only(args, method: str, device, dtype) -> None:
     """Compile one method's kernels (run in parallel processes; triton's disk cache keeps them)."""
     c = make_case(args, args.batch[0], min(args.lengths), device, dtype)
-    if method == "retopk":
+    if method.startswith("retopk"):
+        variant = "group" if method == "retopk_group" else "mix"
         for q in c["warm_q"]:  # the first step falls back (exact kernels), the next ones reuse
-            c["retopk"].decode(q, c["kv"], c["state"], c["slots"])
+            c["retopk"][variant].decode(q, c["kv"], c["states"][variant], c["slots"])
     else:
-        c[method].decode(c["qs"][0], c["kv"], c["none"], c["slots"])
+        c[method].decode(c["qs"]["mix"][0], c["kv"], c["none"], c["slots"])
     import torch
 
     torch.cuda.synchronize()
@@ -198,37 +216,45 @@ def bench_one(args, B: int, L: int, device, dtype) -> dict:
     import torch
 
     from retopk_core.methods import Path
+    from retopk_core.methods.base import group_reads
 
     c = make_case(args, B, L, device, dtype)
-    kv, slots, qs, pool = c["kv"], c["slots"], c["qs"], c["qs"].shape[0]
-    full, exact, retopk, state, none = c["full"], c["exact"], c["retopk"], c["state"], c["none"]
+    kv, slots, none = c["kv"], c["slots"], c["none"]
     timer = Timer(device)
     row = {"B": B, "L": L}
     step = {"i": 0}
 
-    def next_q():
+    def next_q(variant="mix"):
+        qs = c["qs"][variant]
         step["i"] += 1
-        return qs[step["i"] % pool]
+        return qs[step["i"] % qs.shape[0]]
 
-    for q in c["warm_q"]:  # fill the FIFOs: the first step falls back (empty cache), later anchors reuse
-        retopk.decode(q, kv, state, slots)
-    row["full_ms"] = timer(lambda: full.decode(next_q(), kv, none, slots), args.warmup, args.iters)
-    row["exact_ms"] = timer(lambda: exact.decode(next_q(), kv, none, slots), args.warmup, args.iters)
-    paths = []
+    row["full_ms"] = timer(lambda: c["full"].decode(next_q(), kv, none, slots), args.warmup, args.iters)
+    row["exact_ms"] = timer(lambda: c["exact"].decode(next_q(), kv, none, slots), args.warmup, args.iters)
+    for variant in RETOPK_VARIANTS:
+        method, state, paths = c["retopk"][variant], c["states"][variant], []
+        for q in c["warm_q"]:  # fill the FIFOs: the first step falls back (empty cache), later anchors reuse
+            method.decode(q, kv, state, slots)
 
-    def retopk_step():
-        paths.append(retopk.decode(next_q(), kv, state, slots).path)
+        def retopk_step(method=method, state=state, paths=paths, variant=variant):
+            paths.append(method.decode(next_q(variant), kv, state, slots).path)
 
-    row["retopk_ms"] = timer(retopk_step, args.warmup, args.iters)
-    allp = torch.stack(paths[args.warmup:])
-    row["reuse_share"] = float((allp == Path.REUSE).float().mean())
-    row["fallback_share"] = float((allp == Path.FALLBACK).float().mean())
-    for m in ("full", "exact", "retopk"):
+        ms = timer(retopk_step, args.warmup, args.iters)
+        allp = torch.stack(paths[args.warmup:])  # (iters, B, H)
+        row[f"retopk_{variant}_ms"] = ms
+        row[f"retopk_{variant}_reuse_share"] = float((allp == Path.REUSE).float().mean())
+        row[f"retopk_{variant}_group_read_share"] = float(group_reads(allp, args.kv_heads).float().mean())
+        row[f"retopk_{variant}_vs_exact"] = row["exact_ms"] / ms
+    # the per-head mix keeps the historical column names
+    row["retopk_ms"], row["reuse_share"] = row["retopk_mix_ms"], row["retopk_mix_reuse_share"]
+    row["fallback_share"] = 1.0 - row["reuse_share"]
+    for m in ("full", "exact", "retopk", *(f"retopk_{v}" for v in RETOPK_VARIANTS)):
         row[f"{m}_ms_per_token"] = row[f"{m}_ms"] * args.layers
     row["full_vs_exact"] = row["exact_ms"] / row["full_ms"]
     row["retopk_vs_exact"] = row["exact_ms"] / row["retopk_ms"]
-    print(f"[bench] B={B} L={L}: full {row['full_ms']:.3f} ms, exact {row['exact_ms']:.3f} ms, "
-          f"retopk {row['retopk_ms']:.3f} ms (reuse {row['reuse_share']:.1%})", flush=True)
+    print(f"[bench] B={B} L={L}: full {row['full_ms']:.3f} ms, exact {row['exact_ms']:.3f} ms, retopk "
+          + ", ".join(f"{v} {row[f'retopk_{v}_ms']:.3f} ms (reuse {row[f'retopk_{v}_reuse_share']:.1%}, "
+                      f"group reads {row[f'retopk_{v}_group_read_share']:.1%})" for v in RETOPK_VARIANTS), flush=True)
     return row
 
 
@@ -244,12 +270,19 @@ def render(meta: dict, rows: list[dict], tests: dict | None) -> str:
     if tests is not None:
         lines += [f"- kernel tests (rc={tests['returncode']}, {tests['seconds']} s, one process per file): "
                   f"{tests['summary']}", ""]
-    lines += ["| B | L | Full ms/tok | Exact Top-K ms/tok | ReTopK ms/tok | reuse share | Full speedup | "
-              "ReTopK speedup |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["| B | L | Full ms/tok | Exact Top-K ms/tok | ReTopK reuse ms/tok | ReTopK mix ms/tok | "
+              "ReTopK group ms/tok | Full speedup | reuse speedup | mix speedup | group speedup | "
+              "mix reuse / group reads | group reuse / group reads |", "|" + "---|" * 13]
     for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['B']} | {r['L']} | skipped: {r['skipped']} |" + " |" * 10)
+            continue
         lines.append(f"| {r['B']} | {r['L']} | {r['full_ms_per_token']:.3f} | {r['exact_ms_per_token']:.3f} | "
-                     f"{r['retopk_ms_per_token']:.3f} | {r['reuse_share']:.1%} | {r['full_vs_exact']:.2f}x | "
-                     f"{r['retopk_vs_exact']:.2f}x |")
+                     + " | ".join(f"{r[f'retopk_{v}_ms_per_token']:.3f}" for v in RETOPK_VARIANTS)
+                     + f" | {r['full_vs_exact']:.2f}x | "
+                     + " | ".join(f"{r[f'retopk_{v}_vs_exact']:.2f}x" for v in RETOPK_VARIANTS)
+                     + "".join(f" | {r[f'retopk_{v}_reuse_share']:.1%} / {r[f'retopk_{v}_group_read_share']:.1%}"
+                               for v in ("mix", "group")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -278,11 +311,16 @@ def main(argv=None) -> int:
             "head_dim": args.head_dim, "top_k": args.top_k, "cache_size": args.cache_size, "window": args.window,
             "recall": args.recall, "tau": args.tau, "reuse_share_target": args.reuse_share,
             "dtype": str(dtype).removeprefix("torch."), "layers": args.layers, "warmup": args.warmup,
-            "iters": args.iters}
+            "iters": args.iters, "budget_s": args.budget_s, "retopk_variants": list(RETOPK_VARIANTS)}
     rows = []
     with torch.inference_mode():
         for B in args.batch:
             for L in args.lengths:
+                spent = time.perf_counter() - STARTED
+                if spent > args.budget_s:  # keep the command within its budget; say what was left out
+                    print(f"[bench] B={B} L={L}: skipped ({spent:.0f} s > --budget-s {args.budget_s:.0f})", flush=True)
+                    rows.append({"B": B, "L": L, "skipped": f"budget ({spent:.0f} s spent)"})
+                    continue
                 rows.append(bench_one(args, B, L, device, dtype))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
