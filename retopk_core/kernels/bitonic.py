@@ -36,10 +36,22 @@ def _min(a, b):
     return min(a, b)
 
 
+@constexpr_function
+def _runs_stage(i, log_k, sorted_runs):
+    """Whether stage i runs: every stage, or with sorted input runs only the merging ones (i > log K)."""
+    return i > log_k or not sorted_runs
+
+
 @triton.jit
-def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr):
+def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr, SORTED_RUNS: tl.constexpr = False):
     """The K largest (DESCENDING) or smallest entries of a 1-D block x, sorted; K and len(x) powers of 2,
     2 <= K <= len(x).
+
+    SORTED_RUNS (K < len(x)): x is already made of runs of K sorted the way the network's stage log K
+    leaves them, run r ascending when r is even and descending when r is odd (``sorted_run_index``). The
+    stages that sort the runs are then skipped and only the log(len(x) / K) merging ones run (each: keep
+    the elementwise better of a run pair, a bitonic top K, then log K half-cleaner steps), e.g. 20 of
+    the 65 compare-exchange rounds for 4 sorted lists of 512.
 
     Written as one function calling only builtins (tl.reduce with triton's own min/max combiners, as
     tl.min / tl.max do): the interpreter re-patches triton.language on every nested jit call, which
@@ -51,21 +63,30 @@ def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr):
     log_k: tl.constexpr = _log2(K)
     h = tl.reshape(x, [2] * log_n)
     for i in tl.static_range(1, log_n + 1):
-        if i > log_k:  # bitonic Top-K: keep the better half of each pair of 2^log_k runs
-            if DESCENDING:
-                h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_max)
+        if _runs_stage(i, log_k, SORTED_RUNS):
+            if i > log_k:  # bitonic Top-K: keep the better half of each pair of 2^log_k runs
+                if DESCENDING:
+                    h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_max)
+                else:
+                    h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_min)
+            if i < log_n:
+                flip = tl.reshape(tl.arange(0, 2), _one_hot_shape(_log2(h.numel), _min(i, log_k)))
             else:
-                h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_min)
-        if i < log_n:
-            flip = tl.reshape(tl.arange(0, 2), _one_hot_shape(_log2(h.numel), _min(i, log_k)))
-        else:
-            flip = DESCENDING
-        for jj in tl.static_range(_min(i, log_k)):
-            lo = tl.reduce(h, _log2(h.numel) - _min(i, log_k) + jj, _elementwise_min, keep_dims=True)
-            hi = tl.reduce(h, _log2(h.numel) - _min(i, log_k) + jj, _elementwise_max, keep_dims=True)
-            is_right = tl.reshape(tl.arange(0, 2), _one_hot_shape(_log2(h.numel), _min(i, log_k) - 1 - jj))
-            h = tl.where((flip ^ is_right).to(tl.int1), hi, lo)
+                flip = DESCENDING
+            for jj in tl.static_range(_min(i, log_k)):
+                lo = tl.reduce(h, _log2(h.numel) - _min(i, log_k) + jj, _elementwise_min, keep_dims=True)
+                hi = tl.reduce(h, _log2(h.numel) - _min(i, log_k) + jj, _elementwise_max, keep_dims=True)
+                is_right = tl.reshape(tl.arange(0, 2), _one_hot_shape(_log2(h.numel), _min(i, log_k) - 1 - jj))
+                h = tl.where((flip ^ is_right).to(tl.int1), hi, lo)
     return tl.reshape(h, [K])
+
+
+@triton.jit
+def sorted_run_index(i, K: tl.constexpr):
+    """Where slot i of a SORTED_RUNS block reads from K-long lists sorted best first (descending): run
+    r = i // K is list r, read back to front when r is even (ascending), front to back when odd."""
+    w = i % K
+    return (i // K) * K + tl.where((i // K) % 2 == 0, K - 1 - w, w)
 
 
 @triton.jit

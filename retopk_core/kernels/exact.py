@@ -7,7 +7,9 @@ Top-K over L scores in two phases without host synchronisation:
   1. _chunk_topk_kernel: each CHUNK of positions keeps its K_pad best as sorted int64 keys
      (``bitonic.pack_key``: score bits above position bits, so one sort carries both);
   2. _merge_topk_kernel: FAN lists of K_pad at a time are merged into one, level by level, until one
-     list is left. The number of levels depends only on L_cap = max_blocks * P (host-known).
+     list is left. The lists are sorted, so a merge runs only the network's merging stages
+     (``bitonic_topk(SORTED_RUNS=True)``, lists read in alternating directions), not a full sort.
+     The number of levels depends only on L_cap = max_blocks * P (host-known).
 The final list (B, H, K_pad) is sorted best-first; EMPTY pads sequences shorter than K_pad.
 
 Paths: with ``path`` given (ReTopK), every kernel early-exits for heads whose path is REUSE (0), so
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from retopk_core.kernels.bitonic import EMPTY, bitonic_topk, next_pow2, pack_key
+from retopk_core.kernels.bitonic import EMPTY, bitonic_topk, next_pow2, pack_key, sorted_run_index
 from retopk_core.kernels.paged import pool_rows
 from retopk_core.kernels.workspace import Workspace
 from retopk_core.kv import PagedKV
@@ -97,10 +99,10 @@ def _merge_topk_kernel(in_ptr, len_ptr, path_ptr, out_ptr, H, N_IN, N_OUT, SPAN_
     if skip:
         return
     n_valid = (L + SPAN_IN - 1) // SPAN_IN  # input lists that cover some position < L
-    i = tl.arange(0, FAN * K_PAD)
+    i = sorted_run_index(tl.arange(0, FAN * K_PAD), K_PAD)  # even lists back to front: alternating runs
     li = j * FAN + i // K_PAD
     key = tl.load(in_ptr + ((b * H + h) * N_IN + li) * K_PAD + i % K_PAD, mask=li < n_valid, other=EMPTY)
-    top = bitonic_topk(key, K_PAD, True)
+    top = bitonic_topk(key, K_PAD, True, True)  # merging stages only: the input lists are sorted
     tl.store(out_ptr + ((b * H + h) * N_OUT + j) * K_PAD + tl.arange(0, K_PAD), top)
 
 
