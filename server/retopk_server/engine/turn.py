@@ -25,6 +25,7 @@ from retopk_server.engine.sessions import SessionRecord
 from retopk_server.engine.stream import RequestStream
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import Sampler, StopChecker
+from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
 
 class ActiveRequest:
@@ -96,12 +97,10 @@ class ActiveRequest:
         if spec.text is not None:  # special tokens (a BOS) only at the start of a conversation
             return list(runner.encode(spec.text, add_special_tokens=record.num_tokens == 0))
         if spec.token_ids is not None:
-            vocab = runner.info.vocab_size
-            bad = [t for t in spec.token_ids if not 0 <= t < vocab]
-            if bad:
-                raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                                  f"token_ids: {bad[0]} is not a token id (vocab_size {vocab})")
-            return list(spec.token_ids)
+            ids, vocab = list(spec.token_ids), runner.info.vocab_size
+            if (bad := first_bad_token(ids, vocab)) is not None:
+                raise EngineError(ErrorCode.INVALID_ARGUMENT, f"token_ids: {not_a_token(ids, bad, vocab)}")
+            return ids
         if record.ephemeral:
             return encode_chat(runner, spec.chat)
         # The session remembers the conversation: render all of it and feed what the cache lacks.
