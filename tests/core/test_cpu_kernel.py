@@ -18,7 +18,13 @@ from retopk_core.cpu import build, launch
 from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method
 from tests.core._scenario import make_trace, paged
-from tests.core.test_retopk import CASES, POLICIES, run_both
+from tests.core.test_retopk import (
+    assert_case_exercised,
+    assert_step_matches_reference,
+    case_scenario,
+    every_case,
+    run_both,
+)
 
 needs_kernel = pytest.mark.skipif(not launch.available(),
                                   reason="fused CPU kernel not built: run `python -m retopk_core.cpu.build`")
@@ -73,43 +79,23 @@ def assert_same_step(a, b, sa, sb, tol: float = 1e-5) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("use_paged", [False, True])
-@pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
-@pytest.mark.parametrize("case", CASES)
+@every_case
 def test_matches_torch_path(case, policy, use_paged):
-    H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
-    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy=policy[0],
-               group_tau_min=policy[1])
-    trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
+    cfg, trace = case_scenario(case, policy)
     seen = set()
-    for a, b, sa, sb in twin_run(cfg, trace, H, H_kv, use_paged):
+    for a, b, sa, sb in twin_run(cfg, trace, case[0], case[1], use_paged):
         assert_same_step(a, b, sa, sb)
         seen |= set(b.path.flatten().tolist())
-    assert {Path.REUSE, Path.FALLBACK} <= seen  # the trace exercised both decisions
-    if T_r:
-        assert Path.REFRESH in seen
-    if policy[0] != "head" and H != H_kv:
-        assert Path.PROMOTED in seen
+    assert_case_exercised(seen, case, policy)
 
 
 @needs_kernel
-@pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
-@pytest.mark.parametrize("case", CASES)
+@every_case
 def test_matches_reference_loop(case, policy):
     """The kernel against the per-head reference written from the paper (no code shared with either backend)."""
-    H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
-    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy=policy[0],
-               group_tau_min=policy[1], backend="cpu")
-    trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
-    for out, rows in run_both(cfg, trace, H, H_kv, use_paged=True):
-        for b, row in enumerate(rows):
-            for h, (path, max_sim, cand, support, ref_out) in enumerate(row):
-                assert int(out.path[b, h]) == path, (b, h)
-                assert float(out.max_sim[b, h]) == pytest.approx(max_sim, abs=1e-5) or max_sim == -math.inf
-                sel = out.selected[b, h]
-                assert sorted(sel[sel >= 0].tolist()) == sorted(support)
-                if path == Path.REUSE:
-                    assert int(out.n_scored[b, h]) == len(cand)
-                torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
+    cfg, trace = case_scenario(case, policy, backend="cpu")
+    for out, rows in run_both(cfg, trace, case[0], case[1], use_paged=True):
+        assert_step_matches_reference(out, rows)
 
 
 @needs_kernel

@@ -72,31 +72,54 @@ CASES = [
 POLICIES = [("head", 0.0), ("promote", 0.0), ("group", 0.0), ("group", 0.3)]
 
 
-@pytest.mark.parametrize("use_paged", [False, True])
-@pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])
-@pytest.mark.parametrize("case", CASES)
-def test_matches_reference_loop(case, policy, use_paged):
+def case_scenario(case, policy, **extra):
+    """A CASES entry and a POLICIES entry -> (method config, trace of 12 decode steps)."""
     H, H_kv, d, K, C, W, R, T_r, prompt_lens = case
     cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy=policy[0],
-               group_tau_min=policy[1])
-    trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
+               group_tau_min=policy[1], **extra)
+    return cfg, make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=12, T=C + 2)
+
+
+def assert_step_matches_reference(out, rows) -> set:
+    """One decode step's output against the reference rows (paths, max_sim, support sets, candidate
+    counts on reuse, outputs) -> the paths seen."""
     seen = set()
-    for out, rows in run_both(cfg, trace, H, H_kv, use_paged):
-        for b, row in enumerate(rows):
-            for h, (path, max_sim, cand, support, ref_out) in enumerate(row):
-                seen.add(path)
-                assert int(out.path[b, h]) == path, (b, h)
-                assert float(out.max_sim[b, h]) == pytest.approx(max_sim, abs=1e-5) or max_sim == -math.inf
-                sel = out.selected[b, h]
-                assert sorted(sel[sel >= 0].tolist()) == sorted(support)
-                if path == Path.REUSE:
-                    assert int(out.n_scored[b, h]) == len(cand)
-                torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
-    assert {Path.REUSE, Path.FALLBACK} <= seen  # the trace exercised both decisions
-    if T_r:
+    for b, row in enumerate(rows):
+        for h, (path, max_sim, cand, support, ref_out) in enumerate(row):
+            seen.add(path)
+            assert int(out.path[b, h]) == path, (b, h)
+            assert float(out.max_sim[b, h]) == pytest.approx(max_sim, abs=1e-5) or max_sim == -math.inf
+            sel = out.selected[b, h]
+            assert sorted(sel[sel >= 0].tolist()) == sorted(support)
+            if path == Path.REUSE:
+                assert int(out.n_scored[b, h]) == len(cand)
+            torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
+    return seen
+
+
+def assert_case_exercised(seen: set, case, policy) -> None:
+    """The trace of ``case`` took both decisions, its refreshes, and (GQA policies) promotions."""
+    assert {Path.REUSE, Path.FALLBACK} <= seen
+    if case[7]:  # T_r
         assert Path.REFRESH in seen
-    if policy[0] != "head" and H != H_kv:
+    if policy[0] != "head" and case[0] != case[1]:
         assert Path.PROMOTED in seen  # a group was read for some of its heads only
+
+
+def every_case(test):
+    """Parametrize ``test`` over CASES x POLICIES."""
+    test = pytest.mark.parametrize("case", CASES)(test)
+    return pytest.mark.parametrize("policy", POLICIES, ids=[f"{p}-{m}" for p, m in POLICIES])(test)
+
+
+@pytest.mark.parametrize("use_paged", [False, True])
+@every_case
+def test_matches_reference_loop(case, policy, use_paged):
+    cfg, trace = case_scenario(case, policy)
+    seen = set()
+    for out, rows in run_both(cfg, trace, case[0], case[1], use_paged):
+        seen |= assert_step_matches_reference(out, rows)
+    assert_case_exercised(seen, case, policy)
 
 
 @pytest.mark.parametrize("policy", ["head", "group"])
