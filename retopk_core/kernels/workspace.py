@@ -1,9 +1,5 @@
-"""Grow-only scratch buffers for the kernels, so that the decode loop allocates no scratch.
-
-A ``Workspace`` hands out named views of flat buffers. A buffer is reallocated only when a request
-is larger than it (the batch B or the length capacity L_cap grew), and then to at least twice its
-old size, so a sequence that grows token by token reallocates O(log L) times. ``allocations``
-counts reallocations (tests check it stays flat across decode steps).
+"""Which ``Workspace`` (retopk_core/workspace.py) a kernel launcher takes its scratch from, so that the
+decode loop allocates no scratch.
 
 Ownership: every launcher takes its scratch from one workspace per (device, CUDA stream)
 (``WorkspaceCache.shared``): scratch is consumed within one launcher call, so the layers of a model
@@ -15,31 +11,11 @@ the caller are always fresh tensors, never views of a workspace.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 
-
-class Workspace:
-    def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
-        self._bufs: dict[str, torch.Tensor] = {}
-        self.allocations = 0
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous (uninitialised) view of ``shape`` on buffer ``name``."""
-        numel = max(1, math.prod(shape))
-        buf = self._bufs.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            size = numel if buf is None or buf.dtype != dtype else max(numel, 2 * buf.numel())
-            buf = torch.empty(size, dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-            self.allocations += 1
-        return buf[:math.prod(shape)].view(shape)
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+from retopk_core.workspace import Workspace
 
 
 class WorkspaceCache:

@@ -12,33 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from retopk_core.kv import PagedKV
+from retopk_core.workspace import Workspace  # noqa: F401  (re-exported: methods import it from here)
 
 NEG_INF = float("-inf")
 # A batch whose keys (B x L_max x H_kv x d elements) fit this goes through the exact path as one padded
 # gather + matmul (``_exact_select_short``): 4M float32 elements = 16 MB.
 SHORT_BATCH_KEYS = 1 << 22
-
-
-class Workspace:
-    """Grow-only scratch buffers reused across decode steps, one per name.
-
-    A fresh multi-MB tensor costs page faults on every step: on the benchmark CPU, gathering 24K
-    key rows (12 MB) took 2.5 ms into a new tensor and 1.1 ms into a reused one. Buffers follow the
-    caller's inference mode (an inference tensor cannot be written outside it). Not thread-safe:
-    one decode at a time per method instance, as the runner drives it.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements (contents undefined) -> its first numel."""
-        buf = self._bufs.get(name)
-        if (buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device
-                or buf.is_inference() != torch.is_inference_mode_enabled()):
-            buf = torch.empty(max(numel, 2 * buf.numel() if buf is not None else 0), dtype=dtype, device=device)
-            self._bufs[name] = buf
-        return buf[:numel]
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
