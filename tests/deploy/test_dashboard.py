@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from retopk_core.methods.base import Path as CorePath
 from retopk_server.engine.requests import Timings, Usage
 from retopk_server.metrics import MetricsObserver
+from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.stats import StepStats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,11 +37,9 @@ def exported_sample_names() -> set[str]:
     """Sample names after every observer hook has fired once (so every labelled metric has a child)."""
     observer = MetricsObserver("m")
     request = SimpleNamespace(method=None)
-    runner = SimpleNamespace(info=SimpleNamespace(architecture="A", num_layers=1, num_heads=2, num_kv_heads=1,
-                                                  head_dim=4, device="cpu", backend="torch",
-                                                  default_method=SimpleNamespace(name="retopk")),
-                             sessions={}, memory=lambda: {"kv_pool": 1, "method_state": 1})
-    observer.on_start(runner)
+    info = SimpleNamespace(architecture="A", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, device="cpu",
+                           backend="torch", default_method=SimpleNamespace(name="retopk"))
+    observer.on_start(info, lambda: MemoryUsage(kv_used=1, kv_reserved=2, method_state_used=1, method_state_reserved=2))
     observer.on_queue_wait(request, 0.01)
     observer.on_prefill(request, 5, 0.02)
     observer.on_first_token(request, 0.03)
