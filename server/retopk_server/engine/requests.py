@@ -88,12 +88,32 @@ class EngineConfig:
             raise ValueError(f"idle_wait_s must be positive, got {self.idle_wait_s!r}")
 
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives ``top_logprobs`` may ask for per token (reported as ModelInfo.limits.max_top_logprobs)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token and, when asked, of the most likely alternatives.
+
+    The distribution is log_softmax of the logits after the penalties and the temperature (at
+    temperature 0: after the penalties, at T = 1), before top-k / top-p / min-p truncation.
+    ``top`` holds (token_id, logprob) pairs, most likely first (length ``top_logprobs``).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationRequest:
     """One Generate call, already checked for well-formedness by the service.
 
     Exactly one of ``text``, ``token_ids``, ``chat`` is set. ``max_new_tokens`` None means the
-    engine's default. ``deadline`` is a ``time.monotonic()`` instant or None.
+    engine's default. ``deadline`` is a ``time.monotonic()`` instant or None. ``logprobs`` asks for
+    each generated token's TokenLogprob, ``top_logprobs`` (0..MAX_TOP_LOGPROBS, needs ``logprobs``)
+    for that many alternatives with it.
     """
 
     request_id: str
@@ -109,6 +129,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     return_step_stats: bool = False
     deadline: float | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def input_field(self) -> str:
@@ -136,7 +158,8 @@ class Timings:
 class TokenEvent:
     """One stream message: a generated token (or none) and, on the last one, the end.
 
-    step_stats is the runtime's StepStats of the step that produced the token (only when asked).
+    step_stats is the runtime's StepStats of the step that produced the token (only when asked);
+    logprobs holds one TokenLogprob per entry of token_ids (only when asked).
     """
 
     token_ids: list[int]
@@ -147,3 +170,4 @@ class TokenEvent:
     usage: Usage | None = None
     timings: Timings | None = None
     session_id: str = ""
+    logprobs: list[TokenLogprob] | None = None
