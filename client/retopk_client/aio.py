@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -178,8 +179,13 @@ class AsyncClient:
         retry: RetryPolicy | None = None,
         config: ClientConfig | None = None,
         channel: grpc.aio.Channel | None = None,
+        tls: bool = False,
+        ca: str | os.PathLike | None = None,
+        cert: str | os.PathLike | None = None,
+        key: str | os.PathLike | None = None,
     ) -> None:
-        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
+        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry,
+                                                         tls=tls, ca=ca, cert=cert, key=key)
         self._owns_channel = channel is None
         self._channel = config.open_channel(grpc.aio) if channel is None else channel
         self._stub = pb_grpc.ReTopKServiceStub(self._channel)

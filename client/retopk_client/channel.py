@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,8 +26,12 @@ class ClientConfig:
     api_key      sent as ``authorization: Bearer <key>`` on every call when set
     timeout      default deadline of each call in seconds (None = no deadline); each call can override it
     retry        retries of UNAVAILABLE for idempotent calls
-    secure       use TLS with the system roots (``credentials`` overrides it)
-    credentials  explicit ``grpc.ChannelCredentials``
+    tls          connect over TLS, trusting ``ca`` (a PEM file) or else the system's roots
+    ca           PEM file of the CA(s) that signed the server's certificate (implies tls)
+    cert, key    PEM files of the client's certificate chain and private key, for a server that asks for
+                 mutual TLS (set both; they imply tls)
+    server_name  the name the server's certificate must carry when it is not the address's host
+    credentials  explicit ``grpc.ChannelCredentials`` (overrides tls, ca, cert, key)
     options      extra channel options as (name, value) pairs
     """
 
@@ -34,22 +39,31 @@ class ClientConfig:
     api_key: str | None = None
     timeout: float | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    secure: bool = False
+    tls: bool = False
+    ca: str | os.PathLike | None = None
+    cert: str | os.PathLike | None = None
+    key: str | os.PathLike | None = None
+    server_name: str | None = None
     credentials: grpc.ChannelCredentials | None = None
     options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.address:
             raise ValueError("address must not be empty")
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key: a client certificate needs its private key (set both or neither)")
+        if self.ca is not None or self.cert is not None:
+            object.__setattr__(self, "tls", True)
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds or None, got {self.timeout!r}")
 
     @classmethod
     def of(cls, address: str | None = None, *, api_key: str | None = None, timeout: float | None = None,
-           retry: RetryPolicy | None = None) -> ClientConfig:
+           retry: RetryPolicy | None = None, tls: bool = False, ca=None, cert=None, key=None) -> ClientConfig:
         """A config from the clients' keyword arguments (None: the default)."""
         return cls(
-            address=address or DEFAULT_ADDRESS, api_key=api_key, timeout=timeout, retry=retry or RetryPolicy()
+            address=address or DEFAULT_ADDRESS, api_key=api_key, timeout=timeout, retry=retry or RetryPolicy(),
+            tls=tls, ca=ca, cert=cert, key=key,
         )
 
     def metadata(self, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
@@ -61,13 +75,18 @@ class ClientConfig:
         return [
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            *((("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()),
             *self.options,
         ]
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """The channel's TLS credentials (reading the PEM files now), or None for plain text."""
         if self.credentials is not None:
             return self.credentials
-        return grpc.ssl_channel_credentials() if self.secure else None
+        if not self.tls:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
+                                            certificate_chain=_read(self.cert))
 
     def open_channel(self, api):
         """A channel to ``address`` from ``api``: the ``grpc`` module (sync) or ``grpc.aio`` (asyncio)."""
@@ -80,6 +99,13 @@ class ClientConfig:
     def call_timeout(self, timeout: float | None | object) -> float | None:
         """The per-call override when given, else the client's default."""
         return self.timeout if timeout is DEFAULT else timeout  # type: ignore[return-value]
+
+
+def _read(path) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 DEFAULT = object()  # sentinel of a call's timeout: "the client's default" (None means no deadline)

@@ -13,6 +13,7 @@ chunk has arrived, never once a stream has started.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -187,8 +188,13 @@ class Client:
         retry: RetryPolicy | None = None,
         config: ClientConfig | None = None,
         channel: grpc.Channel | None = None,
+        tls: bool = False,
+        ca: str | os.PathLike | None = None,
+        cert: str | os.PathLike | None = None,
+        key: str | os.PathLike | None = None,
     ) -> None:
-        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry)
+        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry,
+                                                         tls=tls, ca=ca, cert=cert, key=key)
         self._owns_channel = channel is None
         self._channel = config.open_channel(grpc) if channel is None else channel
         self._stub = pb_grpc.ReTopKServiceStub(self._channel)

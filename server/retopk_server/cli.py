@@ -1,4 +1,4 @@
-"""`retopk-server`: start the gRPC decoding server.
+"""`retopk-server`: start the gRPC decoding server; `retopk-server hash-key NAME`: a keys-file line.
 
 Every ServerConfig field has one command-line flag and one RETOPK_* environment variable, listed
 once in OPTIONS below. Flags override the environment; the environment overrides the defaults.
@@ -112,6 +112,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_grace_s", float, "seconds running requests get to finish after SIGTERM"),
     Option("api_key", parse_optional_str, "require metadata 'authorization: Bearer <key>' on every call "
                                           "(prefer the environment variable: flags show up in ps)", "KEY"),
+    Option("api_keys_file", parse_optional_str, "file of named API keys, one NAME:SHA256HEX [max_streams=N] "
+                                                "[max_sessions=N] per line ('retopk-server hash-key' makes a "
+                                                "line); reloaded on SIGHUP or when it changes; sessions belong "
+                                                "to the key that created them", "PATH"),
+    Option("max_streams_per_key", parse_optional_int, "concurrent Generate streams of one key unless its line "
+                                                      "says otherwise (none = no per-key limit)", "N"),
+    Option("max_sessions_per_key", parse_optional_int, "open sessions of one key unless its line says otherwise "
+                                                       "(none = no per-key limit)", "N"),
+    Option("reflection", parse_bool, "offer gRPC server reflection (the service schema, for grpcurl)", "BOOL"),
+    Option("tls_cert", parse_optional_str, "PEM certificate chain: serve gRPC over TLS (with --tls-key)", "PATH"),
+    Option("tls_key", parse_optional_str, "PEM private key of --tls-cert", "PATH"),
+    Option("tls_client_ca", parse_optional_str, "PEM CA certificate(s): require client certificates signed by "
+                                                "it (mutual TLS)", "PATH"),
     Option("log_level", str, "debug, info, warning or error"),
 )
 
@@ -165,7 +178,47 @@ def config_from(argv: list[str] | None = None, environ: Mapping[str, str] | None
         parser.error(str(e))
 
 
+def hash_key_main(argv: list[str], stdin=None, stdout=None, stderr=None) -> int:
+    """`retopk-server hash-key NAME`: print the keys-file line of a key read from stdin (or --generate'd)."""
+    from retopk_server.service.auth import NAME_RE, generate_key, hash_key
+
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    parser = argparse.ArgumentParser(
+        prog="retopk-server hash-key",
+        description="Print a --api-keys-file line for a key: NAME:SHA256HEX [limits]. The key is read from "
+                    "stdin (printf %%s \"$KEY\" | retopk-server hash-key alice >> keys.txt), or made up with "
+                    "--generate and printed once on stderr. Only the hash goes into the file.")
+    parser.add_argument("name", help="the key's name: the owner of its sessions (letters, digits, _ . @ -)")
+    parser.add_argument("--generate", action="store_true", help="make a new random key (shown on stderr)")
+    parser.add_argument("--max-streams", type=int, metavar="N", help="the key's concurrent Generate streams")
+    parser.add_argument("--max-sessions", type=int, metavar="N", help="the key's open sessions")
+    args = parser.parse_args(argv)
+    if not NAME_RE.fullmatch(args.name):
+        parser.error(f"name {args.name!r}: 1-64 letters, digits, _ . @ - (starting with a letter or digit)")
+    for flag, value in (("--max-streams", args.max_streams), ("--max-sessions", args.max_sessions)):
+        if value is not None and value <= 0:
+            parser.error(f"{flag} must be a positive integer, got {value}")
+    if args.generate:
+        key = generate_key()
+        print(f"API key for {args.name} (shown once; give it to its user): {key}", file=stderr, flush=True)
+    elif hasattr(stdin, "isatty") and stdin.isatty():
+        import getpass
+
+        key = getpass.getpass(f"API key for {args.name}: ")
+    else:
+        key = stdin.read().strip("\r\n")
+    if not key:
+        parser.error("no key on stdin (or pass --generate)")
+    limits = "".join(f" {name}={value}" for name, value in (("max_streams", args.max_streams),
+                                                             ("max_sessions", args.max_sessions)) if value)
+    print(f"{args.name}:{hash_key(key)}{limits}", file=stdout, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hash-key"]:
+        return hash_key_main(argv[1:])
     enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
     config = config_from(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -38,7 +38,18 @@ class ServerConfig:
     session_idle_timeout_s  a named session unused for this long is closed (None: never; the engine's own
                           default is None, a server's one hour)
     drain_grace_s         after SIGTERM, how long running requests may take to finish before they are cut
-    api_key               when set, every retopk.v1 rpc needs metadata "authorization: Bearer <api_key>"
+    api_key               when set, every retopk.v1 rpc needs metadata "authorization: Bearer <api_key>" (a key
+                          named "default"; with api_keys_file, one more key)
+    api_keys_file         file of named, hashed API keys with per-key limits, reloaded on SIGHUP or when it
+                          changes (format: retopk_server.service.auth); with keys, every retopk.v1 rpc needs one
+                          and sessions belong to the key that created them
+    max_streams_per_key, max_sessions_per_key
+                          a key's concurrent Generate streams / open sessions unless its line sets its own
+                          (None: only the server-wide limits)
+    reflection            offer gRPC server reflection (the proto's schema; no data) for grpcurl and friends
+    tls_cert, tls_key     PEM files of the server's certificate chain and private key: gRPC over TLS
+    tls_client_ca         PEM file of the CA that signs client certificates: mutual TLS, a client without
+                          one is refused in the handshake (needs tls_cert)
     log_level             Python logging level name
     """
 
@@ -65,6 +76,13 @@ class ServerConfig:
     default_max_new_tokens: int = EngineConfig.default_max_new_tokens
     drain_grace_s: float = 30.0
     api_key: str | None = None
+    api_keys_file: str | None = None
+    max_streams_per_key: int | None = None
+    max_sessions_per_key: int | None = None
+    reflection: bool = True
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -81,6 +99,7 @@ class ServerConfig:
         check_number("drain_grace_s", self.drain_grace_s, low=0)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
+        self._check_security()
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.method not in (names := serving_method_names()):
@@ -91,6 +110,24 @@ class ServerConfig:
             raise ValueError(f"method: {e}") from None
         self.runtime_config()  # validates model, dtype, backend, max_context, rope_scaling, chunk and block sizes
         self.engine_config()  # validates the limits
+
+    def _check_security(self) -> None:
+        for name in ("api_keys_file", "tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a file path or None, got {value!r}")
+        for name in ("max_streams_per_key", "max_sessions_per_key"):
+            check_int(name, getattr(self, name), low=1, optional=True)
+        if not isinstance(self.reflection, bool):
+            raise ValueError(f"reflection must be true or false, got {self.reflection!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: set both (the certificate chain and its private key) or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
     def method_spec(self) -> MethodSpec:
         return MethodSpec(self.method, tuple(self.method_params.items()))

@@ -31,7 +31,8 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
         prog="retopk",
         description="Client of the retopk decoding server (ReTopK sparse attention over gRPC).",
         epilog="Exit status: 0 ok, 1 server error, 2 usage error, 3 server unreachable or deadline exceeded, "
-               "130 interrupted. Environment: RETOPK_ADDRESS, RETOPK_API_KEY.",
+               "130 interrupted. Environment: RETOPK_ADDRESS, RETOPK_API_KEY, RETOPK_TLS, RETOPK_TLS_CA, "
+               "RETOPK_TLS_CLIENT_CERT, RETOPK_TLS_CLIENT_KEY.",
     )
     common.add_connection_args(parser, environ)  # before the subcommand, or after it (each one takes them too)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -15,14 +15,18 @@ from retopk_client.types import RETOPK_FIELDS, SAMPLING_FIELDS, Method
 
 
 def add_connection_args(p: argparse.ArgumentParser, environ: Mapping[str, str], suppress: bool = False) -> None:
-    """--address, --api-key, --timeout, with RETOPK_ADDRESS / RETOPK_API_KEY as defaults.
+    """--address, --api-key, --timeout, --tls, --ca, --cert, --key, with RETOPK_ADDRESS / RETOPK_API_KEY /
+    RETOPK_TLS / RETOPK_TLS_CA / RETOPK_TLS_CLIENT_CERT / RETOPK_TLS_CLIENT_KEY as defaults.
 
     Both the top-level parser and each subcommand take them, so they go before or after the subcommand;
     the subcommand's copy is ``suppress``ed (absent from the namespace unless given), so that it does
     not overwrite a value given before the subcommand with its default.
     """
     defaults = {"address": environ.get("RETOPK_ADDRESS", DEFAULT_ADDRESS), "api_key": environ.get("RETOPK_API_KEY"),
-                "timeout": None}
+                "timeout": None,
+                "tls": environ.get("RETOPK_TLS", "").strip().lower() in ("1", "true", "yes", "on"),
+                "ca": environ.get("RETOPK_TLS_CA"), "cert": environ.get("RETOPK_TLS_CLIENT_CERT"),
+                "key": environ.get("RETOPK_TLS_CLIENT_KEY")}
 
     def default(name):
         return argparse.SUPPRESS if suppress else defaults[name]
@@ -34,6 +38,17 @@ def add_connection_args(p: argparse.ArgumentParser, environ: Mapping[str, str], 
                    help="API key, sent as 'authorization: Bearer <key>' (env RETOPK_API_KEY)")
     g.add_argument("--timeout", type=float, default=default("timeout"), metavar="SECONDS",
                    help="deadline of each call in seconds (default: none)")
+    g.add_argument("--tls", action="store_true", default=default("tls"),
+                   help="connect over TLS, trusting --ca or the system's roots (env RETOPK_TLS=1)")
+    g.add_argument("--ca", default=default("ca"), metavar="PEM",
+                   help="CA certificate(s) the server's certificate is checked against; implies --tls "
+                        "(env RETOPK_TLS_CA)")
+    g.add_argument("--cert", default=default("cert"), metavar="PEM",
+                   help="client certificate chain for mutual TLS, with --key; implies --tls "
+                        "(env RETOPK_TLS_CLIENT_CERT)")
+    g.add_argument("--key", default=default("key"), metavar="PEM",
+                   help="private key of --cert (env RETOPK_TLS_CLIENT_KEY)")
+
 
 
 def connection_parent(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -95,7 +110,8 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
 
 
 def make_client(args: argparse.Namespace) -> Client:
-    return Client(args.address, api_key=args.api_key, timeout=args.timeout)
+    return Client(args.address, api_key=args.api_key, timeout=args.timeout, tls=args.tls, ca=args.ca,
+                  cert=args.cert, key=args.key)
 
 
 def print_json(obj) -> None:

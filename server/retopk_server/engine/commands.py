@@ -93,22 +93,25 @@ class EngineCommands:
         self._engine = engine
         self._call = queue.call
 
-    def create_session(self, session_id: str | None, method: MethodSpec | None) -> concurrent.futures.Future:
+    # Session commands act on ``owner``'s sessions only (the caller's key name, "" anonymous): another
+    # owner's session id is NOT_FOUND, exactly as an id that never existed (sessions.py).
+    def create_session(self, session_id: str | None, method: MethodSpec | None, owner: str = "",
+                       max_owned: int | None = None) -> concurrent.futures.Future:
         def create() -> SessionSnapshot:
             if self._engine.draining:
                 raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not opening sessions")
-            return self._engine.sessions.create(session_id, method)
+            return self._engine.sessions.create(session_id, method, owner, max_owned)
 
         return self._call(create)
 
-    def get_session(self, session_id: str) -> concurrent.futures.Future:
-        return self._call(lambda: self._engine.sessions.get(session_id))
+    def get_session(self, session_id: str, owner: str = "") -> concurrent.futures.Future:
+        return self._call(lambda: self._engine.sessions.get(session_id, owner))
 
-    def list_sessions(self) -> concurrent.futures.Future:
-        return self._call(self._engine.sessions.snapshots)
+    def list_sessions(self, owner: str = "") -> concurrent.futures.Future:
+        return self._call(lambda: self._engine.sessions.snapshots(owner))
 
-    def close_session(self, session_id: str) -> concurrent.futures.Future:
-        return self._call(lambda: self._engine.sessions.close(session_id))
+    def close_session(self, session_id: str, owner: str = "") -> concurrent.futures.Future:
+        return self._call(lambda: self._engine.sessions.close(session_id, owner))
 
     def status(self) -> concurrent.futures.Future:
         return self._call(self._status)

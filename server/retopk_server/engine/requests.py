@@ -121,6 +121,7 @@ class GenerationRequest:
     token_ids: list[int] | None = None
     chat: list[dict] | None = None
     session_id: str | None = None
+    owner: str = ""  # the caller's key name (service/auth.py); session_id names one of its sessions
     method: MethodSpec | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int | None = None

@@ -120,7 +120,7 @@ class Engine:
                 raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
                                   f"admission queue is full ({cfg.max_queue} requests waiting); retry later")
             if spec.session_id is not None:
-                self.sessions.reserve(spec.session_id)
+                self.sessions.reserve(spec.session_id, spec.owner)
             self._queue.append(ActiveRequest(spec, stream, max_new))
             self._wake.notify_all()
 
@@ -200,7 +200,7 @@ class Engine:
             r.method = r.method or runner.info.default_method
             r.record = self.sessions.open_ephemeral(r.method)
         else:
-            r.record = self.sessions.take(r.session_id)
+            r.record = self.sessions.take(r.session_id, r.spec.owner)
             r.method = r.record.session.method
         feed = r.feed(runner, self.config.max_prompt_tokens)
         t0 = time.monotonic()
@@ -268,7 +268,7 @@ class Engine:
         r.done = True
         if r.record is None:  # never admitted
             if not r.ephemeral:
-                self.sessions.unreserve(r.session_id)
+                self.sessions.unreserve(r.session_id, r.spec.owner)
             return
         r.remember_turn()
         self.sessions.release(r.record)

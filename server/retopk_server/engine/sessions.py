@@ -3,6 +3,12 @@
 Named sessions live until closed (or idle past ``session_idle_timeout_s``) and serve one request at
 a time; an ephemeral session is a request's own, opened at admission and closed when it ends.
 
+Ownership: every named session belongs to the caller that created it (``owner``, a key's name from
+service/auth.py; "" is the anonymous owner of dev mode). The table is keyed by (owner, id), so ids
+are namespaced per owner (two keys may both name a session "chat1") and another owner's id is
+simply absent: it gets the very NOT_FOUND of an id that never existed, by the same lookup. Ids the
+server makes are 128 random bits (``secrets``).
+
 Threading: ``reserve`` / ``unreserve`` run on the asyncio thread (from ``Engine.submit``) and touch
 only membership and busy flags, under the table's lock; everything else runs on the engine thread,
 the only one that adds or removes sessions.
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -36,6 +43,8 @@ class SessionRecord:
     messages    the chat conversation so far (user turns and the server's replies), for chat input
     busy        a request holds the session (set at submission, cleared when the request ends)
     ephemeral   opened for one request and closed when it ends
+    owner       the caller that created it ("" anonymous); with ``name`` its key in the table
+    name        the id its owner knows it by ("": the runtime session's id, as for an ephemeral one)
     """
 
     session: Session
@@ -46,6 +55,8 @@ class SessionRecord:
     turns: int = 0
     created_unix: float = field(default_factory=time.time)
     last_used_unix: float = 0.0
+    owner: str = ""
+    name: str = ""
 
     def __post_init__(self) -> None:
         if not self.last_used_unix:
@@ -53,7 +64,13 @@ class SessionRecord:
 
     @property
     def id(self) -> str:
-        return self.session.id
+        """The id the owner knows the session by."""
+        return self.name or self.session.id
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(owner, id): the session's key in the table."""
+        return self.owner, self.id
 
     @property
     def seen_ids(self) -> list[int]:
@@ -106,6 +123,11 @@ def _not_found(session_id: str) -> EngineError:
     return EngineError(ErrorCode.NOT_FOUND, f"session_id: no session {session_id!r}")
 
 
+def runtime_id(owner: str, session_id: str) -> str:
+    """The runner's (unique) id of a named session: owner names have no "/" (service/auth.py)."""
+    return f"{owner}/{session_id}" if owner else session_id
+
+
 class SessionTable:
     """Named and ephemeral sessions of one runner.
 
@@ -117,7 +139,7 @@ class SessionTable:
         self.runner: Runner | None = None  # bound by the engine thread once the runner is built
         self._hook = hook
         self._lock = threading.Lock()
-        self._named: dict[str, SessionRecord] = {}
+        self._named: dict[tuple[str, str], SessionRecord] = {}  # (owner, id) -> record
         self._ephemeral: dict[str, SessionRecord] = {}
 
     def __len__(self) -> int:
@@ -129,22 +151,22 @@ class SessionTable:
         return len(self._ephemeral)
 
     # ---- asyncio thread (Engine.submit) --------------------------------------------------------------
-    def reserve(self, session_id: str) -> None:
-        """Mark a named session busy for a queued request; NOT_FOUND or FAILED_PRECONDITION."""
+    def reserve(self, session_id: str, owner: str = "") -> None:
+        """Mark ``owner``'s named session busy for a queued request; NOT_FOUND or FAILED_PRECONDITION."""
         with self._lock:
-            self._idle(session_id, "another request").busy = True
+            self._idle(owner, session_id, "another request").busy = True
 
-    def unreserve(self, session_id: str) -> None:
+    def unreserve(self, session_id: str, owner: str = "") -> None:
         """Free a named session whose request ended before admission."""
         with self._lock:
-            record = self._named.get(session_id)
+            record = self._named.get((owner, session_id))
             if record is not None:
                 record.busy = False
 
     # ---- engine thread -------------------------------------------------------------------------------
-    def take(self, session_id: str) -> SessionRecord:
+    def take(self, session_id: str, owner: str = "") -> SessionRecord:
         """The reserved named session of an admitted request (busy, so nobody closed it)."""
-        return self._named[session_id]
+        return self._named[(owner, session_id)]
 
     def open_ephemeral(self, method: MethodSpec) -> SessionRecord:
         record = SessionRecord(self._open(method, f"ephemeral-{uuid.uuid4().hex[:12]}"), ephemeral=True)
@@ -165,36 +187,47 @@ class SessionTable:
             with self._lock:
                 record.busy = False
 
-    def create(self, session_id: str | None, method: MethodSpec | None) -> SessionSnapshot:
-        if session_id is not None and session_id in self._named:
+    def create(self, session_id: str | None, method: MethodSpec | None, owner: str = "",
+               max_owned: int | None = None) -> SessionSnapshot:
+        """Open a named session of ``owner``; ``max_owned`` bounds the sessions one owner may hold."""
+        if session_id is not None and (owner, session_id) in self._named:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"session_id: session {session_id!r} already exists")
+        if max_owned is not None and self.owned(owner) >= max_owned:
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"too many sessions for key {owner or 'anonymous'!r} "
+                                                            f"(max_sessions {max_owned} per key); close one first")
         if len(self._named) >= self.config.max_sessions:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"too many sessions (max_sessions {self.config.max_sessions}); close one first")
-        session_id = session_id or uuid.uuid4().hex
-        record = SessionRecord(self._open(method or self.runner.info.default_method, session_id))
+        session_id = session_id or secrets.token_hex(16)
+        record = SessionRecord(self._open(method or self.runner.info.default_method, runtime_id(owner, session_id)),
+                               owner=owner, name=session_id)
         with self._lock:
-            self._named[session_id] = record
+            self._named[record.key] = record
         self._hook("on_session_opened", session_id, False)
         return self.snapshot(record)
 
-    def close(self, session_id: str) -> SessionSnapshot:
+    def close(self, session_id: str, owner: str = "") -> SessionSnapshot:
         with self._lock:
-            record = self._idle(session_id, "a request")
-            del self._named[session_id]
+            record = self._idle(owner, session_id, "a request")
+            del self._named[record.key]
         snapshot = self.snapshot(record)
         self.runner.close_session(record.session)
         self._hook("on_session_closed", session_id, False)
         return snapshot
 
-    def get(self, session_id: str) -> SessionSnapshot:
-        record = self._named.get(session_id)
+    def get(self, session_id: str, owner: str = "") -> SessionSnapshot:
+        record = self._named.get((owner, session_id))
         if record is None:
             raise _not_found(session_id)
         return self.snapshot(record)
 
-    def snapshots(self) -> list[SessionSnapshot]:
-        return [self.snapshot(r) for r in list(self._named.values())]
+    def snapshots(self, owner: str | None = None) -> list[SessionSnapshot]:
+        """Snapshots of ``owner``'s named sessions (None: everyone's), oldest first."""
+        return [self.snapshot(r) for r in list(self._named.values()) if owner is None or r.owner == owner]
+
+    def owned(self, owner: str) -> int:
+        """Named sessions ``owner`` holds."""
+        return sum(1 for o, _ in list(self._named) if o == owner)
 
     def kv_bytes(self) -> int:
         """KV bytes held by every open session, named and ephemeral."""
@@ -210,7 +243,7 @@ class SessionTable:
         with self._lock:
             idle = [r for r in self._named.values() if not r.busy and r.last_used_unix < cutoff]
             for record in idle:
-                del self._named[record.id]
+                del self._named[record.key]
         for record in idle:
             self.runner.close_session(record.session)
             self._hook("on_session_closed", record.id, False)
@@ -218,11 +251,11 @@ class SessionTable:
 
     def close_all(self) -> None:
         """Shutdown: close every named session (ephemeral ones close with their requests)."""
-        for session_id in list(self._named):
+        for key in list(self._named):
             try:
-                self.runner.close_session(self._named.pop(session_id).session)
+                self.runner.close_session(self._named.pop(key).session)
             except Exception:
-                log.exception("closing session %s at shutdown failed", session_id)
+                log.exception("closing session %s at shutdown failed", key)
 
     def snapshot(self, record: SessionRecord) -> SessionSnapshot:
         nbytes = record.session.nbytes()
@@ -237,9 +270,9 @@ class SessionTable:
                                turns=record.turns, created_unix=record.created_unix,
                                last_used_unix=record.last_used_unix)
 
-    def _idle(self, session_id: str, holder: str) -> SessionRecord:
-        """The named session nobody holds (call under the lock); NOT_FOUND or FAILED_PRECONDITION."""
-        record = self._named.get(session_id)
+    def _idle(self, owner: str, session_id: str, holder: str) -> SessionRecord:
+        """``owner``'s named session nobody holds (call under the lock); NOT_FOUND or FAILED_PRECONDITION."""
+        record = self._named.get((owner, session_id))
         if record is None:
             raise _not_found(session_id)
         if record.busy:

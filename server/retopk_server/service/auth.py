@@ -141,12 +141,13 @@ def parse_keys(text: str, source: str = "keys file", defaults: dict | None = Non
 class KeyRing:
     """The keys the server accepts, from ``keys_file`` and/or the single ``api_key``; thread-safe.
 
-    check_interval_s  how often (at most) a call stats the file to pick up a change; 0: never
+    check_interval_s  how often (at most) a call stats the file to pick up a change (0: on every call;
+                      None: never, only ``reload()`` / SIGHUP)
     """
 
     def __init__(self, keys_file: str | None = None, api_key: str | None = None, *,
                  max_streams: int | None = None, max_sessions: int | None = None,
-                 check_interval_s: float = 2.0) -> None:
+                 check_interval_s: float | None = 2.0) -> None:
         self.keys_file = keys_file
         self.defaults = {"max_streams": max_streams, "max_sessions": max_sessions}
         self.check_interval_s = check_interval_s
@@ -200,7 +201,7 @@ class KeyRing:
     # ---- reload -----------------------------------------------------------------------------------
     def maybe_reload(self) -> None:
         """Reload when the file's mtime or size changed (stat at most every check_interval_s)."""
-        if self.keys_file is None or self.check_interval_s <= 0:
+        if self.keys_file is None or self.check_interval_s is None:
             return
         now = time.monotonic()
         if now < self._next_check:

@@ -2,8 +2,9 @@
 
 Lifecycle of ``serve``:
   1. load the model on the engine thread (SIGTERM during the load exits 0 right after it)
-  2. start grpc.aio with ReTopKService, grpc.health.v1.Health (SERVING) and server reflection;
-     print "retopk-server listening on HOST:PORT"
+  2. start grpc.aio with ReTopKService, grpc.health.v1.Health (SERVING, public: no key needed) and
+     server reflection (unless --reflection false), over TLS when --tls-cert is set (mutual TLS with
+     --tls-client-ca); print "retopk-server listening on HOST:PORT"; SIGHUP reloads the keys file
   3. on SIGTERM / SIGINT drain: health NOT_SERVING, new Generate / CreateSession calls UNAVAILABLE,
      queued and running requests get ``drain_grace_s`` to finish, then what is left is cut with
      UNAVAILABLE, the server stops and ``serve`` returns 0.
@@ -25,6 +26,7 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineObserver, Runner
+from retopk_server.service.auth import KeyRing, KeysFileError
 from retopk_server.service.servicer import ReTopKServicer
 
 log = logging.getLogger("retopk_server")
@@ -66,12 +68,27 @@ def default_runner_factory(config: ServerConfig) -> Callable[[], Runner]:
     return build
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the PEM files of ``config`` (None without tls_cert); OSError if unreadable."""
+    if not config.tls:
+        return None
+
+    def read(path):
+        with open(path, "rb") as f:
+            return f.read()
+
+    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(config.tls_key), read(config.tls_cert))],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
 class RunningServer:
-    """A started server: ``port``, ``engine``, ``health``; ``drain()`` shuts it down gracefully."""
+    """A started server: ``port``, ``engine``, ``health``, ``keys`` (the KeyRing); ``drain()`` shuts it down."""
 
     def __init__(self, config: ServerConfig, server: grpc.aio.Server, engine: Engine,
-                 health_servicer, port: int) -> None:
+                 health_servicer, port: int, keys: KeyRing | None = None) -> None:
         self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
+        self.keys = keys
 
     async def drain(self, grace_s: float | None = None) -> None:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
@@ -90,18 +107,27 @@ class RunningServer:
         log.info("stopped")
 
 
-async def start(config: ServerConfig, engine: Engine) -> RunningServer:
-    """Start gRPC for an engine that is already running; returns once it accepts calls."""
+async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = None) -> RunningServer:
+    """Start gRPC for an engine that is already running; returns once it accepts calls.
+
+    ``keys`` defaults to the config's KeyRing (KeysFileError for a bad keys file); OSError when a
+    TLS file cannot be read, RuntimeError when the port cannot be bound.
+    """
+    keys = keys if keys is not None else KeyRing.from_config(config)
+    credentials = server_credentials(config)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    pb_grpc.add_ReTopKServiceServicer_to_server(ReTopKServicer(engine, config, version=server_version()), server)
+    servicer = ReTopKServicer(engine, config, version=server_version(), keys=keys)
+    pb_grpc.add_ReTopKServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if config.reflection:
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(config, server, engine, health_servicer, port)
+    return RunningServer(config, server, engine, health_servicer, port, keys)
 
 
 async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | None = None,
@@ -111,6 +137,14 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        keys = KeyRing.from_config(config)  # before the model load: a bad keys file fails at once
+        server_credentials(config)
+    except (KeysFileError, OSError, ValueError) as e:
+        log.error("%s", e)
+        return 1
+    if keys.keys_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, keys.reload)
     try:
         observer = observer or make_observer(config)
     except RuntimeError as e:  # e.g. the metrics port is taken
@@ -129,7 +163,7 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
         engine.stop()
         return 0
     try:
-        running = await start(config, engine)
+        running = await start(config, engine, keys)
     except RuntimeError as e:  # the port is taken or the host is not an address
         log.error("could not listen on %s:%d: %s", config.host, config.port, e)
         engine.stop()

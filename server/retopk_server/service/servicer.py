@@ -8,13 +8,17 @@ Session affinity: a router keeps a session on its replica by hashing the gRPC me
 ``x-session-id`` (SESSION_METADATA), which clients send on every rpc that names a session. When that
 metadata is present it must equal the session the body names (and a body must name one), else
 INVALID_ARGUMENT: a request routed by one id must not act on another session.
+
+Tenancy: ``authorization: Bearer <key>`` names the caller (service/auth.py's KeyRing; no keys
+configured: everyone is the anonymous owner). Session rpcs act on the caller's own sessions only
+(another key's session id is NOT_FOUND, exactly as an unknown one; ListSessions lists the caller's
+own); the caller's limits bound its concurrent streams (service/quota.py) and open sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import logging
 import time
 
@@ -26,7 +30,9 @@ from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method
 from retopk_server.service import convert
+from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
+from retopk_server.service.quota import StreamQuota, TooManyStreams
 
 log = logging.getLogger("retopk_server.service")
 
@@ -46,6 +52,10 @@ def _fail_from(exc: Exception) -> Fail:
         return exc
     if isinstance(exc, InvalidArgument):
         return Fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, Unauthenticated):
+        return Fail(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+    if isinstance(exc, TooManyStreams):
+        return Fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, EngineError):
         return Fail(grpc.StatusCode[exc.code.value], exc.message)
     log.exception("internal error", exc_info=exc)
@@ -53,15 +63,18 @@ def _fail_from(exc: Exception) -> Fail:
 
 
 def _unary(method):
-    """Auth, error mapping and the observer's on_rpc / on_error around a unary rpc."""
+    """Auth, error mapping and the observer's on_rpc / on_error around a unary rpc.
+
+    The rpc method gets the authenticated Caller as its third argument.
+    """
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: ReTopKServicer, request, context: grpc.aio.ServicerContext):
         t0, code = time.monotonic(), "OK"
         try:
-            self._authenticate(context)
-            return await method(self, request, context)
+            caller = self._authenticate(context)
+            return await method(self, request, context, caller)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -78,12 +91,13 @@ def _unary(method):
 
 class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     def __init__(self, engine: Engine, config: ServerConfig, observer: EngineObserver | None = None,
-                 version: str = "") -> None:
+                 version: str = "", keys: KeyRing | None = None) -> None:
         self.engine = engine
         self.config = config
         self.observer = observer or engine.observer
         self.version = version
-        self._expected_auth = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.keys = keys if keys is not None else KeyRing.from_config(config)
+        self.streams = StreamQuota()
 
     def _hook(self, name: str, *args) -> None:
         try:
@@ -91,14 +105,10 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         except Exception:
             log.exception("observer hook %s failed", name)
 
-    def _authenticate(self, context) -> None:
-        if self._expected_auth is None:
-            return
-        got = dict(context.invocation_metadata() or ()).get("authorization", "")
-        got = got.encode() if isinstance(got, str) else got
-        if not hmac.compare_digest(got, self._expected_auth):
-            raise Fail(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata "
-                                                        "'authorization: Bearer <key>'")
+    def _authenticate(self, context) -> Caller:
+        """The caller of this rpc (KeyRing.identify); Unauthenticated without a known key."""
+        sent = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization"]
+        return self.keys.identify(sent[0] if len(sent) == 1 else None)
 
     def _check_affinity(self, context, session_id: str | None) -> None:
         """The x-session-id metadata, when sent, must name the body's session (``session_id``)."""
@@ -116,18 +126,28 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     # ------------------------------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         t0, code = time.monotonic(), "OK"
-        stream = None
+        stream = caller = None
         try:
-            self._authenticate(context)
+            caller = self._authenticate(context)
+            self.streams.acquire(caller)
+        except Exception as exc:  # noqa: BLE001 - refused before anything was counted
+            caller = None
+            fail = _fail_from(exc)
+            self._hook("on_error", None, fail.code.name)
+            self._hook("on_rpc", "Generate", fail.code.name, time.monotonic() - t0)
+            await context.abort(fail.code, fail.message)
+        try:
             self._check_affinity(context, request.session_id if request.HasField("session_id") else None)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             info = self.engine.info
             spec = convert.generation_request(request, info.default_method, info.vocab_size,
                                               self.config.max_new_tokens, deadline)
+            spec.owner = caller.name
             stream = RequestStream()
             self.engine.submit(spec, stream)
         except Exception as exc:  # noqa: BLE001 - refused before the engine took it
+            self.streams.release(caller)
             fail = _fail_from(exc)
             code = fail.code.name
             self._hook("on_error", None, code)
@@ -144,38 +164,40 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise
         finally:
             stream.cancel()  # no-op when finished; otherwise the engine drops it at the next step
+            self.streams.release(caller)
             self._hook("on_rpc", "Generate", code, time.monotonic() - t0)
 
     # ------------------------------------------------------------------------------------ sessions
     @_unary
-    async def CreateSession(self, request: pb.CreateSessionRequest, context) -> pb.SessionInfo:
+    async def CreateSession(self, request: pb.CreateSessionRequest, context, caller: Caller) -> pb.SessionInfo:
         session_id = convert._identifier("session_id", request.session_id) if request.HasField("session_id") else None
         self._check_affinity(context, session_id)
         method = (convert.method_spec(request.method, self.engine.info.default_method)
                   if request.HasField("method") else None)
-        return convert.session_info(await self._engine(self.engine.commands.create_session(session_id, method)))
+        return convert.session_info(await self._engine(self.engine.commands.create_session(
+            session_id, method, caller.name, caller.max_sessions)))
 
     @_unary
-    async def GetSession(self, request: pb.GetSessionRequest, context) -> pb.SessionInfo:
+    async def GetSession(self, request: pb.GetSessionRequest, context, caller: Caller) -> pb.SessionInfo:
         session_id = convert._identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
-        return convert.session_info(await self._engine(self.engine.commands.get_session(session_id)))
+        return convert.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
 
     @_unary
-    async def ListSessions(self, request: pb.ListSessionsRequest, context) -> pb.ListSessionsResponse:
-        sessions = await self._engine(self.engine.commands.list_sessions())
+    async def ListSessions(self, request: pb.ListSessionsRequest, context, caller: Caller) -> pb.ListSessionsResponse:
+        sessions = await self._engine(self.engine.commands.list_sessions(caller.name))
         return pb.ListSessionsResponse(sessions=[convert.session_info(s) for s in sessions])
 
     @_unary
-    async def CloseSession(self, request: pb.CloseSessionRequest, context) -> pb.CloseSessionResponse:
+    async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
         session_id = convert._identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
-        snapshot = await self._engine(self.engine.commands.close_session(session_id))
+        snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
         return pb.CloseSessionResponse(session=convert.session_info(snapshot))
 
     # ------------------------------------------------------------------------------------ tokenizer
     @_unary
-    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context, _caller: Caller) -> pb.TokenizeResponse:
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidArgument("input", "set one of text, chat")
@@ -187,14 +209,14 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         return pb.TokenizeResponse(token_ids=ids, tokens=[str(p) for p in pieces])
 
     @_unary
-    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+    async def Detokenize(self, request: pb.DetokenizeRequest, context, _caller: Caller) -> pb.DetokenizeResponse:
         ids = convert.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
         text = await self._engine(self.engine.commands.detokenize(ids, request.skip_special_tokens))
         return pb.DetokenizeResponse(text=text)
 
     # ------------------------------------------------------------------------------------ model, status
     @_unary
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context, _caller: Caller) -> pb.ModelInfo:
         info, cfg = self.engine.info, self.config
         default = info.default_method
         limits = pb.Limits(max_prompt_tokens=cfg.max_prompt_tokens or info.max_context,
@@ -209,5 +231,5 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                             methods=serving_method_names(), limits=limits, server_version=self.version)
 
     @_unary
-    async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
+    async def GetServerStatus(self, request: pb.GetServerStatusRequest, context, _caller: Caller) -> pb.ServerStatus:
         return convert.server_status(await self._engine(self.engine.commands.status()))
