@@ -259,6 +259,7 @@ sys.exit(asyncio.run(serve(config_from(sys.argv[1:]), FakeRunner)))
 """
 
 
+@pytest.mark.slow  # a server process (fake runner): about 15 s on one shared core, mostly its imports
 def test_sighup_reloads_the_keys_file_of_a_running_server(tmp_path):
     """A real `serve` process (fake runner, no model): SIGHUP rereads the file even when its mtime and
     size are unchanged (so the periodic mtime check cannot be what picked it up)."""
