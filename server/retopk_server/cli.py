@@ -81,6 +81,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", str, "address to listen on"),
     Option("port", int, "gRPC port (0 = any free port; the chosen one is printed)"),
     Option("metrics_port", int, "Prometheus metrics port (0 = no exporter)"),
+    Option("http_port", parse_optional_int, "port of the OpenAI-compatible HTTP front (/v1/completions, "
+                                            "/v1/chat/completions, /v1/models, /health; none = off, "
+                                            "0 = any free port)", "PORT"),
     Option("metrics_per_head", parse_bool, "export the per-head metrics (decisions per layer x head, candidates, "
                                            "similarity, attention time); false spares a GPU a synchronisation "
                                            "per layer and step", "BOOL"),

@@ -27,6 +27,8 @@ class ServerConfig:
 
     host, port            where gRPC listens (port 0: any free port, printed when ready)
     metrics_port          Prometheus exporter port (0 disables it); used by retopk_server.metrics
+    http_port             the OpenAI-compatible HTTP front's port on ``host`` (None: off; 0: any free port,
+                          printed when ready); retopk_server.http
     metrics_per_head      export the metrics built from every step's per-head statistics (path decisions
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
@@ -56,6 +58,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 9464
+    http_port: int | None = None
     metrics_per_head: bool = True
     model: str = RuntimeConfig.model
     device: str = RuntimeConfig.device
@@ -88,7 +91,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
+            if getattr(self, name) is None and name == "http_port":
+                continue
             check_int(name, getattr(self, name), low=0)
             if getattr(self, name) > 65535:
                 raise ParamError(name, f"{name} must be an integer in [0, 65535], got {getattr(self, name)!r}")

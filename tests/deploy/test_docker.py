@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 IMAGES = {"cpu": DOCKER / "Dockerfile.cpu", "gpu": DOCKER / "Dockerfile.gpu"}
 DEFAULTS = ServerConfig()
+HTTP_PORT = 8000  # the images expose it for the OpenAI-compatible HTTP API (off unless RETOPK_HTTP_PORT is set)
 
 
 def scripts() -> dict[str, str]:
@@ -115,7 +116,8 @@ def test_runtime_stage_runs_the_server_as_non_root_with_the_default_ports(kind):
     assert entry.value[0] in scripts(), f"{entry.value[0]} is not a console script of pyproject.toml"
     assert scripts()[entry.value[0]] == "retopk_server.cli:main"
     exposed = {int(p.split("/")[0]) for c in final if c.cmd.upper() == "EXPOSE" for p in c.value}
-    assert exposed == {DEFAULTS.port, DEFAULTS.metrics_port}
+    assert exposed == {DEFAULTS.port, DEFAULTS.metrics_port, HTTP_PORT}
+    assert f"RETOPK_HTTP_PORT={HTTP_PORT}" in IMAGES[kind].read_text(), "the header says how to enable the HTTP API"
     env = env_of(final)
     assert int(env["RETOPK_PORT"]) == DEFAULTS.port and int(env["RETOPK_METRICS_PORT"]) == DEFAULTS.metrics_port
     assert env["RETOPK_HOST"] == "0.0.0.0"  # reachable through the published ports
@@ -180,7 +182,8 @@ def test_compose_brings_up_server_prometheus_and_grafana_wired_together():
         context = (DOCKER / svc["build"]["context"]).resolve()
         assert context == REPO
         assert (context / svc["build"]["dockerfile"]) == IMAGES[kind]
-        assert {f"{p}:{p}" for p in (DEFAULTS.port, DEFAULTS.metrics_port)} <= set(svc["ports"])
+        assert {f"{p}:{p}" for p in (DEFAULTS.port, DEFAULTS.metrics_port, HTTP_PORT)} <= set(svc["ports"])
+        assert int(svc["environment"]["RETOPK_HTTP_PORT"]) == HTTP_PORT  # the published port is the one served
         assert any(split_volume(v)[1] == "/models" for v in svc["volumes"])
         assert "retopk-server" in svc["networks"]["default"]["aliases"]
     gpu = services["retopk"]["deploy"]["resources"]["reservations"]["devices"][0]

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible routes, answered by the gRPC servicer's own methods (see ``context.HttpContext``).
+
+    POST /v1/completions        prompt -> text (streaming as server-sent events with ``stream: true``)
+    POST /v1/chat/completions   messages -> the assistant's reply (streaming likewise)
+    GET  /v1/models             the served model (GET /v1/models/{id}: that one, or 404)
+    GET  /health                readiness: 200 while gRPC health says SERVING for retopk.v1.ReTopKService
+                                (model loaded, engine alive, not draining), else 503; no key needed
+
+Every /v1 route needs ``Authorization: Bearer <key>`` when the server has a key, checked by the servicer.
+A body is read up to MAX_BODY_BYTES (413 beyond), parsed as strict JSON (NaN / Infinity refused) and
+validated by ``schemas``; every refusal is an OpenAI error object with a 4xx status naming the field.
+A streamed request answers its errors as JSON with the matching status until the first token (prefill
+included); an error after it arrives as a last ``data: {"error": ...}`` event. A client that goes away
+cancels its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.http import convert
+from retopk_server.http.context import Aborted, HttpContext
+from retopk_server.http.errors import ApiError, from_status
+from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
+from retopk_server.service.auth import Unauthenticated
+
+log = logging.getLogger("retopk_server.http")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # well above any prompt the context holds; the gRPC front allows 64 MiB
+READINESS = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # the health name routers probe
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request's body as a JSON object; 413 past ``limit`` bytes (read no further), 400 if not JSON."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError("PAYLOAD_TOO_LARGE", f"body: {int(length)} bytes, the limit is {limit}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise ApiError("PAYLOAD_TOO_LARGE", f"body: over {limit} bytes, the limit")
+        parts.append(part)
+    raw = b"".join(parts)
+    if not raw.strip():
+        raise ApiError("INVALID_ARGUMENT", "body: empty; send a JSON object", "body")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise ApiError("INVALID_ARGUMENT", f"body: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                       "body") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8, NaN, an int of too many digits, deep nesting
+        raise ApiError("INVALID_ARGUMENT", f"body: not valid JSON: {e}", "body") from None
+    if not isinstance(body, dict):
+        raise ApiError("INVALID_ARGUMENT", f"body: must be a JSON object, got {type(body).__name__}", "body")
+    try:  # "\ud800" parses to a lone surrogate, which no string field can hold
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("INVALID_ARGUMENT", "body: holds a lone UTF-16 surrogate escape (not Unicode text)",
+                       "body") from None
+    return body
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so a client that goes away cancels its
+    request in the engine at once (not when the iterator is garbage collected)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Await ``awaitable``; cancel it (CANCELLED) if the client disconnects first. Returns only once it has
+    ended either way, so that the generator it was reading may be closed."""
+    task, watcher = asyncio.ensure_future(awaitable), asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op once done
+        await asyncio.wait({task, watcher})
+    if task.cancelled():
+        raise ApiError("CANCELLED", "the client went away")
+    return task.result()
+
+
+def create_app(servicer, health_servicer, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app of one server: ``servicer`` its ReTopKServicer, ``health_servicer`` its grpc health."""
+    app = FastAPI(title="retopk (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    def hook(name: str, *args) -> None:
+        try:
+            getattr(servicer.observer, name)(*args)
+        except Exception:
+            log.exception("observer hook %s failed", name)
+
+    def refused(error: ApiError, t0: float) -> None:
+        """Metrics of a Generate the HTTP front refused before the servicer saw it (as the servicer counts)."""
+        hook("on_error", None, error.code)
+        hook("on_rpc", "Generate", error.code, time.monotonic() - t0)
+
+    def authenticate(context: HttpContext) -> None:
+        """The servicer's key check, first: a caller without a key learns nothing from its body's checks."""
+        try:
+            servicer._authenticate(context)
+        except Unauthenticated:
+            raise ApiError("UNAUTHENTICATED", "missing or wrong API key: send the header "
+                                              "'Authorization: Bearer <key>'") from None
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "NOT_FOUND", 405: "INVALID_ARGUMENT"}.get(exc.status_code, "INVALID_ARGUMENT")
+        response = ApiError(code, f"{request.method} {request.url.path}: {exc.detail}").response()
+        response.status_code = exc.status_code
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):  # a bug of ours, never the client's input
+        log.error("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
+        return ApiError("INTERNAL", f"internal error: {type(exc).__name__}").response()
+
+    @app.get("/health")
+    async def health(request: Request):
+        try:
+            answer = await health_servicer.Check(health_pb2.HealthCheckRequest(service=READINESS),
+                                                 HttpContext(request.headers, request.client))
+            serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except Aborted:
+            serving = False
+        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+
+    async def model_info(request: Request) -> pb.ModelInfo:
+        try:
+            return await servicer.GetModelInfo(pb.GetModelInfoRequest(), HttpContext(request.headers, request.client))
+        except Aborted as a:
+            raise from_status(a.code, a.message) from None
+
+    def model_card(info: pb.ModelInfo) -> dict:
+        return {"id": info.name, "object": "model", "created": created, "owned_by": "retopk",
+                "max_model_len": info.max_context}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        return {"object": "list", "data": [model_card(await model_info(request))]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request):
+        info = await model_info(request)
+        if model != info.name:
+            raise ApiError("NOT_FOUND", f"model: the model {model!r} does not exist; this server serves "
+                                        f"{info.name!r}", "model")
+        return model_card(info)
+
+    async def start(request: Request, schema):
+        """Check, parse and submit a request -> (body, its Generate stream, the first response)."""
+        t0 = time.monotonic()
+        context = HttpContext(request.headers, request.client)
+        try:
+            authenticate(context)
+            try:
+                body = schema.model_validate(await read_json(request, max_body_bytes))
+            except ValidationError as e:
+                raise convert.validation_error(e) from None
+            info = servicer.engine.info
+            if body.model != info.name:
+                raise ApiError("NOT_FOUND", f"model: the model {body.model!r} does not exist; this server serves "
+                                            f"{info.name!r} (GET /v1/models)", "model")
+            message = convert.generate_message(body, info.vocab_size)
+        except ApiError as e:
+            refused(e, t0)
+            raise
+        if body.user is not None:
+            log.debug("request from user %r", body.user[:64])
+        rename = convert.field_renamer(body)
+        stream = servicer.Generate(message, context)
+        try:
+            first = await _unless_disconnected(request, anext(stream))
+        except Aborted as a:
+            raise from_status(a.code, a.message, rename) from None
+        except BaseException:
+            await stream.aclose()
+            raise
+        return body, stream, first, rename
+
+    async def rest(stream, rename) -> list[pb.GenerateResponse]:
+        try:
+            return [r async for r in stream]
+        except Aborted as a:
+            raise from_status(a.code, a.message, rename) from None
+        finally:
+            await stream.aclose()
+
+    def sse_stream(body, stream, first, rename, envelope: dict, chunks):
+        """The server-sent events of a streamed request: ``chunks(response, opening)`` yields the chunks of one
+        GenerateResponse; with include_usage every chunk has ``usage: null`` and a last one the usage."""
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        async def events():
+            last = first
+            try:
+                for chunk in chunks(first, True):
+                    yield _sse({**chunk, "usage": None} if include_usage else chunk)
+                async for last in stream:
+                    for chunk in chunks(last, False):
+                        yield _sse({**chunk, "usage": None} if include_usage else chunk)
+            except Aborted as a:  # after the first token: the status line is long sent
+                yield _sse(from_status(a.code, a.message, rename).body())
+            else:
+                if include_usage:
+                    yield _sse({**envelope, "choices": [], "usage": convert.usage(last)})
+            finally:
+                await stream.aclose()
+            yield "data: [DONE]\n\n"
+
+        return _ClosingStream(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body, stream, first, rename = await start(request, CompletionRequest)
+        envelope = convert.envelope("text_completion", first.request_id, body.model)
+        logprobs = convert.CompletionLogprobs()
+
+        def choice(r: pb.GenerateResponse) -> dict:
+            return {"index": 0, "text": r.text, "logprobs": logprobs.of(r), "finish_reason": convert.finish_reason(r)}
+
+        if body.stream:
+            def chunks(r: pb.GenerateResponse, opening: bool):
+                if r.text or r.logprobs or r.finish_reason:
+                    yield {**envelope, "choices": [choice(r)]}
+
+            return sse_stream(body, stream, first, rename, envelope, chunks)
+        responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
+        merged = None
+        for r in responses:
+            merged = convert.merge_logprobs(merged, logprobs.of(r))
+        last = responses[-1]
+        return {**envelope, "choices": [{"index": 0, "text": "".join(r.text for r in responses), "logprobs": merged,
+                                         "finish_reason": convert.finish_reason(last)}],
+                "usage": convert.usage(last)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body, stream, first, rename = await start(request, ChatCompletionRequest)
+        if body.stream:
+            envelope = convert.envelope("chat.completion.chunk", first.request_id, body.model)
+
+            def chunks(r: pb.GenerateResponse, opening: bool):
+                if opening:
+                    yield {**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]}
+                if r.text or r.logprobs or r.finish_reason:
+                    yield {**envelope, "choices": [{"index": 0, "delta": {"content": r.text} if r.text else {},
+                                                    "logprobs": convert.chat_logprobs(r),
+                                                    "finish_reason": convert.finish_reason(r)}]}
+
+            return sse_stream(body, stream, first, rename, envelope, chunks)
+        envelope = convert.envelope("chat.completion", first.request_id, body.model)
+        responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
+        merged = None
+        for r in responses:
+            merged = convert.merge_logprobs(merged, convert.chat_logprobs(r))
+        last = responses[-1]
+        message = {"role": "assistant", "content": "".join(r.text for r in responses)}
+        return {**envelope, "choices": [{"index": 0, "message": message, "logprobs": merged,
+                                         "finish_reason": convert.finish_reason(last)}],
+                "usage": convert.usage(last)}
+
+    return app

@@ -1,0 +1,257 @@
+"""OpenAI request bodies -> the gRPC GenerateRequest they mean; GenerateResponses -> OpenAI response objects.
+
+The HTTP front hands that GenerateRequest to the gRPC servicer's own Generate, so both fronts accept and
+refuse the same values with the same limits, keys and metrics; a refusal's field is renamed back to the
+body's (``field_renamer``: ``max_new_tokens`` -> ``max_tokens``, ``sampling.temperature`` ->
+``temperature``, ``method.top_k`` -> ``retopk.method.top_k``). This module checks only what the gRPC
+request cannot express: the body's shapes, ``n`` (1 only), and values a proto field cannot hold.
+
+finish_reason: max_tokens or the context length -> "length"; EOS, a stop token or a stop string -> "stop"
+(the stop string itself is not part of the text, as in OpenAI's API).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from retopk_client.types import Method  # the SDK's reading of a method given as a name or a mapping
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.http.errors import ApiError
+from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
+from retopk_server.service import convert as service
+
+Body = CompletionRequest | ChatCompletionRequest
+
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name of the system role
+_OPENAI_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
+_RETOPK_SAMPLING = ("top_k", "min_p", "repetition_penalty")
+_UNION_TAG = re.compile(r"^[A-Z]|[\[\]]|^(str|int|float|bool|list|dict|none)$")
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _path(loc) -> str:
+    """pydantic's error location as a field path: ("messages", 0, "role") -> "messages[0].role"."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _UNION_TAG.search(part):  # drop the union member tags pydantic adds ("str", "list[str]")
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """A 400 naming the first wrong field; the alternatives of a union are joined with "or"."""
+    errors = exc.errors(include_url=False)
+    param = _path(errors[0]["loc"])
+    if errors[0]["type"] == "extra_forbidden":
+        return ApiError("INVALID_ARGUMENT", f"{param}: unknown field (not supported by this server)", param)
+    if errors[0]["type"] == "missing":
+        return ApiError("INVALID_ARGUMENT", f"{param}: required", param)
+    same = [e for e in errors if _path(e["loc"]) == param]
+    why = " or ".join(dict.fromkeys(e["msg"][0].lower() + e["msg"][1:] for e in same))
+    got = type(errors[0].get("input")).__name__.replace("NoneType", "null")
+    return ApiError("INVALID_ARGUMENT", f"{param}: {why} (got {got})", param)
+
+
+def field_renamer(body: Body) -> Callable[[str], str]:
+    """GenerateRequest field path -> the HTTP body's name for it."""
+    chat = isinstance(body, ChatCompletionRequest)
+    max_name = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+    prefixes = [("sampling", lambda rest: rest[1:] if rest[1:] in _OPENAI_SAMPLING else f"retopk{rest}"),
+                ("chat.messages", lambda rest: "messages" + rest), ("chat", lambda rest: "messages" + rest),
+                ("text", lambda rest: "prompt" + rest), ("token_ids", lambda rest: "prompt" + rest),
+                ("max_new_tokens", lambda rest: max_name + rest), ("method", lambda rest: "retopk.method" + rest),
+                ("session_id", lambda rest: "retopk.session_id" + rest),
+                ("stop_token_ids", lambda rest: "retopk.stop_token_ids" + rest),
+                ("top_logprobs", lambda rest: ("top_logprobs" if chat else "logprobs") + rest)]
+
+    def rename(field: str) -> str:
+        for prefix, new in prefixes:
+            if field == prefix or field.startswith(prefix) and field[len(prefix)] in ".[":
+                return new(field[len(prefix):])
+        return field
+
+    return rename
+
+
+def _bad(param: str, why: str) -> ApiError:
+    return ApiError("INVALID_ARGUMENT", f"{param}: {why}", param)
+
+
+def _token_ids(param: str, ids: list, vocab_size: int) -> list[int]:
+    try:
+        return service.check_token_ids(param, ids, vocab_size)
+    except service.InvalidArgument as e:
+        raise _bad(e.field, str(e).removeprefix(e.field + ": ")) from None
+
+
+def _set(message, name: str, value, param: str) -> None:
+    """Set a proto field; a value its type cannot hold (a negative uint, an int past 64 bits) is the client's."""
+    try:
+        setattr(message, name, value)
+    except (ValueError, TypeError, OverflowError):
+        raise _bad(param, f"out of range: {value!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _prompt(body: CompletionRequest, message: pb.GenerateRequest, vocab_size: int) -> None:
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        message.text = prompt
+        return
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        message.token_ids.ids.extend(_token_ids("prompt", prompt, vocab_size))
+        return
+    if isinstance(body.prompt, list) and len(body.prompt) > 1 and all(isinstance(p, (str, list)) for p in body.prompt):
+        raise _bad("prompt", f"one prompt per request, got {len(body.prompt)}")
+    raise _bad("prompt", "expected a string, a list of one string, a non-empty list of token ids or a list of "
+                         "one such list")
+
+
+def _content(i: int, content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise _bad(f"messages[{i}].content[{j}]", 'only text parts {"type": "text", "text": "..."} are supported')
+        if set(part) - {"type", "text"}:
+            raise _bad(f"messages[{i}].content[{j}]", f"unknown keys {sorted(set(part) - {'type', 'text'})}")
+        parts.append(part["text"])
+    return "\n".join(parts)
+
+
+def _messages(body: ChatCompletionRequest, message: pb.GenerateRequest) -> None:
+    if not body.messages:
+        raise _bad("messages", "must hold at least one message")
+    for i, m in enumerate(body.messages):
+        message.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=_content(i, m.content))
+
+
+def _method(value) -> pb.AttentionMethod:
+    try:
+        return Method.coerce(value).to_proto()
+    except (TypeError, ValueError) as e:
+        raise _bad("retopk.method", str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------- request
+def generate_message(body: Body, vocab_size: int) -> pb.GenerateRequest:
+    """The GenerateRequest a body means (unchecked beyond what building the message checks)."""
+    message = pb.GenerateRequest()
+    chat = isinstance(body, ChatCompletionRequest)
+    if chat:
+        _messages(body, message)
+    else:
+        _prompt(body, message, vocab_size)
+    if body.n is not None and body.n != 1:
+        raise _bad("n", f"only n = 1 is supported, got {body.n}")
+    max_tokens = body.max_tokens
+    if chat and body.max_completion_tokens is not None:
+        if max_tokens is not None and max_tokens != body.max_completion_tokens:
+            raise _bad("max_completion_tokens", "set at most one of max_tokens and max_completion_tokens")
+        max_tokens = body.max_completion_tokens
+    if max_tokens is not None:
+        _set(message, "max_new_tokens", max_tokens, "max_completion_tokens" if chat and body.max_tokens is None
+             else "max_tokens")
+    if body.stop is not None:
+        message.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    for name in _OPENAI_SAMPLING:
+        if (value := getattr(body, name)) is not None:
+            _set(message.sampling, name, value, name)
+    options = body.retopk
+    if options is not None:
+        for name in _RETOPK_SAMPLING:
+            if (value := getattr(options, name)) is not None:
+                _set(message.sampling, name, value, f"retopk.{name}")
+        if options.session_id is not None:
+            message.session_id = options.session_id
+        if options.method is not None:
+            message.method.CopyFrom(_method(options.method))
+        message.ignore_eos = options.ignore_eos
+        if options.stop_token_ids:
+            message.stop_token_ids.extend(_token_ids("retopk.stop_token_ids", options.stop_token_ids, vocab_size))
+    if chat:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise _bad("top_logprobs", "needs logprobs: true")
+        message.logprobs = body.logprobs
+        _set(message, "top_logprobs", body.top_logprobs or 0, "top_logprobs")
+    elif body.logprobs is not None:
+        message.logprobs = True
+        _set(message, "top_logprobs", body.logprobs, "logprobs")
+    return message
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+FINISH = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CONTEXT_LENGTH: "length",
+    pb.FINISH_REASON_EOS_TOKEN: "stop",
+    pb.FINISH_REASON_STOP_TOKEN: "stop",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+}
+
+
+def finish_reason(response: pb.GenerateResponse) -> str | None:
+    return FINISH.get(response.finish_reason)
+
+
+def usage(response: pb.GenerateResponse) -> dict:
+    u = response.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
+            "total_tokens": u.prompt_tokens + u.generated_tokens}
+
+
+def _token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(response: pb.GenerateResponse) -> dict | None:
+    """OpenAI chat ``logprobs`` of a response: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    if not response.logprobs:
+        return None
+    return {"content": [{**_token(lp.token, lp.logprob), "top_logprobs": [_token(t.token, t.logprob) for t in lp.top]}
+                        for lp in response.logprobs]}
+
+
+class CompletionLogprobs:
+    """The legacy completions ``logprobs`` object, built response by response (``text_offset``: where each
+    token's string starts in the completion, counting the token strings)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def of(self, response: pb.GenerateResponse) -> dict | None:
+        if not response.logprobs:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in response.logprobs:
+            out["tokens"].append(lp.token)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({t.token: t.logprob for t in lp.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(lp.token)
+        return out
+
+
+def merge_logprobs(total: dict | None, part: dict | None) -> dict | None:
+    """Concatenate two logprobs objects of the same kind (chat or completions)."""
+    if part is None:
+        return total
+    if total is None:
+        return {k: list(v) for k, v in part.items()}
+    for k, v in part.items():
+        total[k].extend(v)
+    return total
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{request_id}", "object": kind, "created": created or int(time.time()), "model": model}

@@ -1,0 +1,91 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models (types only; bounds live where the
+gRPC service checks them, ``retopk_server.service.convert`` and the engine, so both fronts share them).
+
+Unknown fields are refused (400 naming the field) and types are strict: ``"temperature": "0.5"`` or
+``"max_tokens": true`` is a 400, not a silent conversion. Shapes that take several types (``prompt``, a
+message's ``content``) are checked in ``retopk_server.http.convert`` with messages that name the field.
+
+retopk's own options travel in one extra object, ``retopk`` (``extra_body={"retopk": {...}}`` with the
+openai package); see ``RetopkOptions``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class RetopkOptions(_Body):
+    """retopk's extensions of a request.
+
+    method            the attention method: a name ("retopk", "full", ...) or an object with ``name`` and
+                      its hyperparameters by the core's names, e.g. {"name": "retopk", "top_k": 64, "tau": 0.9}
+                      (the SDK's ``Method.coerce`` reads it; absent: the server's default method)
+    session_id        continue this session (created with the gRPC CreateSession or ``retopk session``):
+                      its KV cache is reused, so send only the turn's new prompt or new messages
+    top_k, min_p, repetition_penalty
+                      the sampler's other knobs (GenerateRequest.sampling)
+    ignore_eos, stop_token_ids
+                      as in GenerateRequest
+    """
+
+    method: str | dict[str, Any] | None = None
+    session_id: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class _Generation(_Body):
+    """The fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    retopk: RetopkOptions | None = None
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions. prompt: a string, a list of one string, token ids, or a list of one list of ids.
+    logprobs: how many alternatives to report per token (0: only the sampled token's logprob)."""
+
+    prompt: str | list[Any]
+    logprobs: int | None = None
+
+
+class ChatMessage(_Body):
+    """content: a string or a list of {"type": "text", "text": ...} parts; ``name`` is accepted and unused."""
+
+    role: str
+    content: str | list[Any] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    """POST /v1/chat/completions. logprobs: report the sampled tokens' logprobs; top_logprobs: with that many
+    alternatives. max_completion_tokens is OpenAI's newer name of max_tokens (set at most one)."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
