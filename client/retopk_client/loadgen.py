@@ -34,7 +34,8 @@ class BenchConfig:
     """One load run. Exactly one of ``duration`` (seconds) and ``requests`` (total count) is set.
 
     ``generate_kwargs`` go to every ``AsyncClient.generate`` call (sampling, method, ...).
-    Non-loopback addresses are refused unless ``allow_remote`` is set.
+    Non-loopback addresses are refused unless ``allow_remote`` is set. ``tls``, ``ca``, ``cert``,
+    ``key``: as ``ClientConfig``'s (retopk_client.channel).
     """
 
     address: str = DEFAULT_ADDRESS
@@ -48,6 +49,10 @@ class BenchConfig:
     api_key: str | None = None
     timeout: float | None = None
     allow_remote: bool = False
+    tls: bool = False
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
     generate_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -193,7 +198,8 @@ async def run_bench_async(config: BenchConfig) -> BenchReport:
     """Run the load and return its report (see the module docstring for the definitions)."""
     # Requests are not retried: an UNAVAILABLE or RESOURCE_EXHAUSTED is a result to report.
     client = AsyncClient(config.address, api_key=config.api_key, timeout=config.timeout,
-                         retry=RetryPolicy(max_attempts=1))
+                         retry=RetryPolicy(max_attempts=1), tls=config.tls, ca=config.ca, cert=config.cert,
+                         key=config.key)
     results: list[RequestResult] = []
     sent = 0
     start = time.perf_counter()

@@ -90,13 +90,33 @@ class SlotPool:
         self._free = list(range(self.capacity - 1, -1, -1))
 
     def _grow(self) -> None:
+        self.commit_grow(self.capacity * 2, self.prepare_grow(self.capacity * 2))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def prepare_grow(self, capacity: int) -> dict[str, torch.Tensor]:
+        """New tensors of ``capacity`` (> the current) slots holding the current contents; nothing changes
+        until ``commit_grow`` (so a caller can allocate every layer's before it commits any)."""
+        if capacity <= self.capacity:
+            raise ValueError(f"capacity must exceed {self.capacity}, got {capacity}")
+        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
+        grown = {}
+        with torch.inference_mode(inference):
+            for name in self._fields:
+                t = getattr(self, name)
+                new = t.new_zeros((capacity, *t.shape[1:]))
+                new[:self.capacity] = t
+                grown[name] = new
+        return grown
+
+    def commit_grow(self, capacity: int, grown: dict[str, torch.Tensor]) -> None:
+        """Adopt ``prepare_grow(capacity)``'s tensors; the new slots are free."""
         old = self.capacity
-        for name in self._fields:
-            t = getattr(self, name)
-            new = t.new_zeros((old * 2, *t.shape[1:]))
-            new[:old] = t
-            setattr(self, name, new)
-        self.capacity = old * 2
+        for name, t in grown.items():
+            setattr(self, name, t)
+        self.capacity = capacity
         self._free = list(range(self.capacity - 1, old - 1, -1)) + self._free
 
     def alloc(self) -> int:

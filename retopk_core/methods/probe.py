@@ -111,6 +111,16 @@ class ProbeState(SlotPool):
     def capacity(self) -> int:
         return self.inner.capacity
 
+    @property
+    def free_slots(self) -> int:
+        return self.inner.free_slots
+
+    def prepare_grow(self, capacity: int) -> dict[str, torch.Tensor]:
+        return self.inner.prepare_grow(capacity)
+
+    def commit_grow(self, capacity: int, grown: dict[str, torch.Tensor]) -> None:
+        self.inner.commit_grow(capacity, grown)
+
     def alloc(self) -> int:
         return self.inner.alloc()
 

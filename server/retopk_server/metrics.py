@@ -33,11 +33,14 @@ Traffic and load
   retopk_request_errors_total{code}, retopk_rpcs_total{rpc,code}, retopk_decode_batch_size,
   retopk_requests_running, retopk_requests_waiting, retopk_sessions_open{kind=named|ephemeral},
   retopk_kv_cache_bytes{kind=used|reserved}, retopk_query_cache_bytes{kind=used|reserved} (ReTopK's per-head
-  query-support FIFOs and the other methods' state), retopk_model_info{architecture,layers,heads,...} = 1
+  query-support FIFOs and the other methods' state), retopk_cache_budget_bytes (the budget both share,
+  --kv-cache-bytes), retopk_sessions_evicted_total (idle sessions closed to make room in it),
+  retopk_model_info{architecture,layers,heads,...} = 1
 Router-facing load (plain gauges a gateway or the Gateway API Inference Extension's endpoint picker scores
 replicas by; docs/deploy.md names the picker's flags)
   retopk_requests_waiting, retopk_requests_running, retopk_kv_cache_utilization_ratio (0..1: the share of the
-  KV block pool's bytes held by sessions; the pool grows on demand, so near 1 means the next admission grows it)
+  cache budget held by sessions, KV blocks and method state; near 1 means the next admission evicts idle
+  sessions or is refused)
 
 Cost on the engine thread: a step's (batch, layers, heads) path tensor becomes per-(layer, head, path)
 counts with one ``np.bincount`` added to a numpy array, and its (batch, layers, H_kv) group reads become
@@ -278,9 +281,13 @@ class Metrics:
                               [*m, "kind"], registry=r)
         self.kv_bytes = Gauge(PREFIX + "kv_cache_bytes", "KV cache bytes: held by sessions (used) or by the "
                               "block pool (reserved).", [*m, "kind"], registry=r)
-        self.kv_utilization = Gauge(PREFIX + "kv_cache_utilization_ratio", "Share (0..1) of the KV block pool "
-                                    "held by sessions: kv_cache_bytes used / reserved (0 before any is reserved).",
-                                    m, registry=r)
+        self.kv_utilization = Gauge(PREFIX + "kv_cache_utilization_ratio", "Share (0..1) of the cache budget "
+                                    "held by sessions: (kv_cache_bytes + query_cache_bytes used) / "
+                                    "cache_budget_bytes (without a budget: KV used / reserved).", m, registry=r)
+        self.cache_budget = Gauge(PREFIX + "cache_budget_bytes", "Bytes the KV cache and the method state may "
+                                  "hold together (--kv-cache-bytes).", m, registry=r)
+        self.evictions = Counter(PREFIX + "sessions_evicted", "Idle named sessions closed to make room in the "
+                                 "cache budget (least recently used first).", m, registry=r)
         self.query_bytes = Gauge(PREFIX + "query_cache_bytes", "Method-state bytes (ReTopK's query-support "
                                  "caches): held by sessions (used) or allocated (reserved).", [*m, "kind"],
                                  registry=r)
@@ -289,8 +296,8 @@ class Metrics:
                                  "backend", "default_method"], registry=r)
 
 
-_MODEL_ONLY = ("exact_share", "running", "waiting", "kv_utilization", "prompt_tokens", "generation_tokens", "ttft",
-               "tpot", "e2e", "queue_wait", "prefill", "step", "batch")
+_MODEL_ONLY = ("exact_share", "running", "waiting", "kv_utilization", "cache_budget", "evictions", "prompt_tokens",
+               "generation_tokens", "ttft", "tpot", "e2e", "queue_wait", "prefill", "step", "batch")
 
 
 class MetricsObserver(EngineObserver):
@@ -416,7 +423,11 @@ class MetricsObserver(EngineObserver):
         m.kv_bytes.labels(model, "used").set(usage.kv_used)
         m.query_bytes.labels(model, "used").set(usage.method_state_used)
         m.kv_bytes.labels(model, "reserved").set(usage.kv_reserved)
-        self._one["kv_utilization"].set(min(1.0, usage.kv_used / usage.kv_reserved) if usage.kv_reserved else 0.0)
+        if usage.budget:
+            self._one["kv_utilization"].set(usage.utilization)
+        else:
+            self._one["kv_utilization"].set(min(1.0, usage.kv_used / usage.kv_reserved) if usage.kv_reserved else 0.0)
+        self._one["cache_budget"].set(usage.budget)
         m.query_bytes.labels(model, "reserved").set(usage.method_state_reserved)
 
     def on_session_opened(self, session_id: str, ephemeral: bool) -> None:
@@ -424,6 +435,9 @@ class MetricsObserver(EngineObserver):
 
     def on_session_closed(self, session_id: str, ephemeral: bool) -> None:
         self._count_session(ephemeral, -1)
+
+    def on_session_evicted(self, session_id: str) -> None:
+        self._one["evictions"].inc()
 
     def _count_session(self, ephemeral: bool, delta: int) -> None:
         # The engine reports load only while it has work; a session opened or closed by a command

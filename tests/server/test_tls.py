@@ -156,3 +156,14 @@ def test_serve_exits_1_on_unreadable_security_files_before_loading(overrides, ca
     assert asyncio.run(serve(config, lambda: built.append(1) or FakeRunner())) == 1
     assert built == []  # refused before the model load
     assert "missing-" in caplog.text
+
+
+def test_bench_load_generator_over_mutual_tls(fake_server, pki):
+    from retopk_client.loadgen import BenchConfig, run_bench
+
+    server = tls_server(fake_server, pki, mutual=True)
+    config = dict(address=server.address, concurrency=2, requests=4, max_new_tokens=3, timeout=10, ca=pki.ca)
+    report = run_bench(BenchConfig(**config, cert=pki.client_cert, key=pki.client_key))
+    assert (report.requests_ok, report.requests_failed) == (4, 0)
+    report = run_bench(BenchConfig(**config))  # no client certificate: every request refused in the handshake
+    assert report.requests_ok == 0 and report.errors_by_code == {"UNAVAILABLE": 4}

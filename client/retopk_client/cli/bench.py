@@ -49,6 +49,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         address=args.address, concurrency=args.concurrency, duration=args.duration, requests=requests,
         prompt=args.prompt, chat=not args.raw, max_new_tokens=max_new_tokens, ignore_eos=args.ignore_eos,
         api_key=args.api_key, timeout=args.timeout, allow_remote=args.allow_remote, generate_kwargs=kwargs,
+        tls=args.tls, ca=args.ca, cert=args.cert, key=args.key,
     )
 
 

@@ -58,5 +58,8 @@ class EngineObserver:
     def on_session_closed(self, session_id: str, ephemeral: bool) -> None:
         """A session was closed and its caches freed."""
 
+    def on_session_evicted(self, session_id: str) -> None:
+        """An idle named session was closed to make room in the cache budget (after its on_session_closed)."""
+
     def on_rpc(self, method: str, code: str, seconds: float) -> None:
         """An rpc of the service ended (``method`` e.g. "Generate", ``code`` e.g. "OK")."""

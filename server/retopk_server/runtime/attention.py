@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from retopk_core.methods.base import AttentionMethod, SlotPool
-from retopk_server.runtime.kv_pool import KVPool
+from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
+from retopk_server.runtime.kv_pool import OUT_OF_MEMORY, KVPool, allocation_failed
 
 ATTN_NAME = "retopk"
 # Largest prefill score matrix (heads x query rows x keys) materialised at once, in elements (256 MiB in fp32).
@@ -36,16 +37,59 @@ CTX_KWARG = "retopk_ctx"
 
 
 class MethodGroup:
-    """One method instance and its per-layer state pools, shared by every session with the same MethodSpec."""
+    """One method instance and its per-layer state pools, shared by every session with the same MethodSpec.
+
+    With a CacheBudget the pools' bytes count against it: ``alloc`` grows every layer's pool together
+    (doubling, capped by the budget; all layers or none) and raises BudgetExceeded when not even one
+    more slot fits; ``close`` gives the bytes back when the runner drops the group.
+    """
 
     def __init__(self, method: AttentionMethod, num_layers: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device | str) -> None:
+                 head_dim: int, device: torch.device | str, budget: CacheBudget | None = None) -> None:
         self.method = method
-        self.states: list[SlotPool] = [method.init_state(num_heads, num_kv_heads, head_dim, device=device)
-                                       for _ in range(num_layers)]
+        self.budget = budget
+        try:
+            self.states: list[SlotPool] = [method.init_state(num_heads, num_kv_heads, head_dim, device=device)
+                                           for _ in range(num_layers)]
+        except OUT_OF_MEMORY as e:
+            raise allocation_failed("the method state", 0, budget, e) from e
+        self.reserved = sum(state.capacity * state.nbytes_per_slot() for state in self.states)
+        if budget is not None:
+            budget.charge(self.reserved, "the method state")
 
-    def alloc(self) -> list[int]:
+    @property
+    def used_slots(self) -> int:
+        state = self.states[0]
+        return state.capacity - state.free_slots
+
+    def alloc(self, session_id: str | None = None) -> list[int]:
+        """One slot in every layer's pool (the same id in each), growing them first when full."""
+        if any(state.free_slots == 0 for state in self.states):
+            self._grow(session_id)
         return [state.alloc() for state in self.states]
+
+    def _grow(self, session_id: str | None) -> None:
+        capacity, per_slot = self.states[0].capacity, self.slot_nbytes()
+        new = 2 * capacity
+        if self.budget is not None:
+            new = min(new, capacity + self.budget.free // max(1, per_slot))
+            if new <= capacity:
+                raise BudgetExceeded("the method state", per_slot, self.budget.free, self.budget.limit, session_id)
+        try:
+            grown = [state.prepare_grow(new) for state in self.states]
+        except OUT_OF_MEMORY as e:
+            raise allocation_failed("the method state", (new - capacity) * per_slot, self.budget, e) from e
+        if self.budget is not None:
+            self.budget.charge((new - capacity) * per_slot, "the method state", session_id)
+        self.reserved += (new - capacity) * per_slot
+        for state, tensors in zip(self.states, grown, strict=True):
+            state.commit_grow(new, tensors)
+
+    def close(self) -> None:
+        """The group is dropped: its bytes go back to the budget."""
+        if self.budget is not None:
+            self.budget.refund(self.reserved)
+        self.reserved = 0
 
     def free(self, slots: list[int]) -> None:
         for state, slot in zip(self.states, slots, strict=True):

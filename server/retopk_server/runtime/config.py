@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from retopk_core.params import check_int
+from retopk_core.params import check_int, check_number
+from retopk_server.runtime.budget import DEFAULT_CACHE_FRACTION
 from retopk_server.runtime.method_spec import MethodSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,6 +47,10 @@ class RuntimeConfig:
                     model use this; quality beyond the trained positions is whatever the scaling gives.
     prefill_chunk   prompt tokens per dense prefill forward (bounds the T x L score matrix of one chunk)
     kv_block_size   positions per KV block (the pool grows by doubling its block count)
+    kv_cache_bytes  the cache budget: bytes the KV block pool and the method-state pools may hold together
+                    (runtime/budget.py); None: ``kv_cache_fraction`` of the memory free on the device once the
+                    model is loaded (CUDA: mem_get_info's free, CPU: MemAvailable)
+    kv_cache_fraction  that share when kv_cache_bytes is None, in (0, 1]
     """
 
     model: str = "smollm2-135m"
@@ -57,6 +62,8 @@ class RuntimeConfig:
     rope_scaling: dict | None = None
     prefill_chunk: int = 512
     kv_block_size: int = 256
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float = DEFAULT_CACHE_FRACTION
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -70,6 +77,10 @@ class RuntimeConfig:
         check_int("prefill_chunk", self.prefill_chunk)
         check_int("kv_block_size", self.kv_block_size)
         check_int("max_context", self.max_context, optional=True)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, optional=True)
+        check_number("kv_cache_fraction", self.kv_cache_fraction, low=0, high=1)
+        if not self.kv_cache_fraction > 0:
+            raise ValueError(f"kv_cache_fraction must lie in (0, 1], got {self.kv_cache_fraction!r}")
         if self.rope_scaling is not None:
             rs = self.rope_scaling
             if not isinstance(rs, dict) or rs.get("rope_type") not in ROPE_TYPES:

@@ -5,6 +5,12 @@ every layer; position i of the session lives in block ``blocks[i // P]`` at offs
 free list runs dry the pools double their block count (one copy, amortised over the blocks gained), so
 no decode step reallocates a session's history. The allocator prefers consecutive ids: the dense and
 exact paths read a session whose blocks are consecutive in place, and copy it otherwise.
+
+With a CacheBudget (runtime/budget.py) a growth stops at what the budget holds and fails with
+BudgetExceeded when even that is too few blocks. Growth and ``trim`` are all-or-nothing: every layer's
+new tensors are allocated before any replaces the old one, so a failed allocation (BudgetExceeded, or
+AllocationFailed when the device itself refuses) leaves the pool as it was. While a growth copies, the
+old and the new tensors coexist for a moment.
 """
 
 from __future__ import annotations
@@ -12,17 +18,43 @@ from __future__ import annotations
 import torch
 
 from retopk_core.kv import PagedKV
+from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
+
+
+class AllocationFailed(BudgetExceeded):
+    """The device refused an allocation the budget allowed (out of memory); nothing changed."""
+
+
+def allocation_failed(what: str, need: int, budget: CacheBudget | None, error: BaseException) -> AllocationFailed:
+    limit = budget.limit if budget is not None else 0
+    failed = AllocationFailed(what, need, budget.free if budget is not None else 0, limit)
+    failed.args = (f"{what}: allocating {need} bytes failed: {type(error).__name__}: {error}",)
+    return failed
+
+
+# What torch raises when memory runs out: CUDA's OutOfMemoryError, the CPU allocator's RuntimeError.
+OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", RuntimeError), MemoryError, RuntimeError)
 
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, initial_blocks: int = 8) -> None:
+                 dtype: torch.dtype, device: torch.device | str, initial_blocks: int = 8,
+                 budget: CacheBudget | None = None) -> None:
+        """budget: the CacheBudget the pool's bytes count against (None: unbounded); the initial blocks are
+        charged to it (ValueError when they do not fit)."""
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size = block_size
-        shape = (max(1, initial_blocks), num_kv_heads, block_size, head_dim)
+        self.budget = budget
+        self._initial = max(1, initial_blocks)
+        shape = (self._initial, num_kv_heads, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: set[int] = set(range(shape[0]))
+        if budget is not None:
+            try:
+                budget.charge(self.nbytes(), "the KV pool's initial blocks")
+            except BudgetExceeded as e:
+                raise ValueError(f"kv_cache_bytes: {e}") from None
 
     @property
     def capacity(self) -> int:
@@ -40,26 +72,70 @@ class KVPool:
     def nbytes(self) -> int:
         return self.capacity * self.block_nbytes
 
-    def _grow(self, need: int) -> None:
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    def _grow(self, need: int, session_id: str | None) -> None:
+        """At least ``need`` free blocks: double the block count (capped by the budget), all layers or none."""
         old = self.capacity
         new = old
         while new - old + len(self._free) < need:
             new *= 2
-        for pools in (self.k, self.v):
-            for layer, t in enumerate(pools):
-                grown = t.new_zeros((new, *t.shape[1:]))
-                grown[:old] = t
-                pools[layer] = grown
+        if self.budget is not None:
+            most = old + self.budget.free // self.block_nbytes
+            if most - old + len(self._free) < need:
+                raise BudgetExceeded("the KV cache", (need - len(self._free)) * self.block_nbytes,
+                                     self.budget.free, self.budget.limit, session_id)
+            new = min(new, most)
+        self._resize(new, session_id)
         self._free.update(range(old, new))
 
-    def alloc(self, n: int, after: int | None = None) -> list[int]:
+    def _resize(self, blocks: int, session_id: str | None = None) -> None:
+        """Every layer's keys and values to ``blocks`` blocks (contents kept up to the smaller size); the new
+        tensors all exist before the old ones are dropped, so a failure changes nothing."""
+        old = self.capacity
+        keep = min(old, blocks)
+        delta = (blocks - old) * self.block_nbytes
+        try:
+            k, v = ([self._resized(t, blocks, keep) for t in pools] for pools in (self.k, self.v))
+        except OUT_OF_MEMORY as e:
+            raise allocation_failed("the KV cache", max(delta, 0), self.budget, e) from e
+        if self.budget is not None:
+            if delta > 0:
+                self.budget.charge(delta, "the KV cache", session_id)
+            else:
+                self.budget.refund(-delta)
+        self.k, self.v = k, v
+
+    @staticmethod
+    def _resized(t: torch.Tensor, blocks: int, keep: int) -> torch.Tensor:
+        # in the tensor's own mode: a pool made outside inference mode stays writable outside it (fork_prefix)
+        with torch.inference_mode(t.is_inference()):
+            out = t.new_zeros((blocks, *t.shape[1:]))
+            out[:keep] = t[:keep]
+        return out
+
+    def trim(self) -> int:
+        """Give the free blocks above the highest used one back (not below the initial size) -> bytes freed."""
+        used = set(range(self.capacity)) - self._free
+        blocks = max(self._initial, max(used) + 1 if used else 0)
+        if blocks >= self.capacity:
+            return 0
+        freed = (self.capacity - blocks) * self.block_nbytes
+        self._resize(blocks)
+        self._free = {i for i in self._free if i < blocks}
+        return freed
+
+    def alloc(self, n: int, after: int | None = None, session_id: str | None = None) -> list[int]:
         """n free block ids, consecutive when possible: the n ids right after ``after`` (a growing
         session's last block) when they are free, else the lowest run of n consecutive free ids, else
-        the lowest free ids. The pool grows only when fewer than n blocks are free."""
+        the lowest free ids. The pool grows only when fewer than n blocks are free; BudgetExceeded
+        (nothing allocated) when the budget cannot hold them."""
         if n <= 0:
             return []
         if len(self._free) < n:
-            self._grow(n)
+            self._grow(n, session_id)
         if after is not None and all(after + 1 + i in self._free for i in range(n)):
             ids = list(range(after + 1, after + 1 + n))
         else:

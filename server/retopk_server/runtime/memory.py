@@ -9,10 +9,21 @@ from dataclasses import dataclass
 class MemoryUsage:
     """kv_*: key/value blocks; method_state_*: the methods' per-session state (ReTopK's FIFOs).
 
-    *_used: held by open sessions; *_reserved: allocated by the runner's pools (used or free).
+    *_used: held by open sessions; *_reserved: allocated by the runner's pools (used or free);
+    budget: the bytes both pools may reserve together (``RuntimeConfig.kv_cache_bytes``; 0: unknown).
     """
 
     kv_used: int = 0
     kv_reserved: int = 0
     method_state_used: int = 0
     method_state_reserved: int = 0
+    budget: int = 0
+
+    @property
+    def used(self) -> int:
+        return self.kv_used + self.method_state_used
+
+    @property
+    def utilization(self) -> float:
+        """Share (0..1) of the budget held by sessions (KV blocks and method-state slots)."""
+        return min(1.0, self.used / self.budget) if self.budget else 0.0

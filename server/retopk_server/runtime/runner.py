@@ -1,7 +1,10 @@
 """ModelRunner: a transformers causal LM whose attention runs through the ReTopK core, with sessions.
 
-Prefill is dense and chunked (one session at a time); decoding advances any set of open sessions by one
-token in a single forward, each row with its own length and its session's method. See attention.py for
+Prefill is dense and chunked (one session at a time; ``start_prefill`` hands out a PrefillJob a scheduler
+advances chunk by chunk, prefill.py); decoding advances any set of open sessions by one token in a single
+forward, each row with its own length and its session's method. The KV pool and the method-state pools
+share one CacheBudget (budget.py, ``RuntimeConfig.kv_cache_bytes``): an allocation it cannot hold raises
+BudgetExceeded with nothing changed. See attention.py for
 how the steps plug into transformers (attention interface + cache class, no model code copied).
 """
 
@@ -21,12 +24,14 @@ from retopk_server.runtime.attention import (
     StepContext,
     register_attention,
 )
+from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
 from retopk_server.runtime.cache import RuntimeCache
 from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.loading import apply_rope_scaling, load
 from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.prefill import PrefillJob
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
@@ -102,7 +107,10 @@ class ModelRunner:
             vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(dict.fromkeys(eos)), dtype=config.dtype,
             device=str(self.device), backend=config.method_backend(config.default_method.name),
             default_method=config.default_method)
-        self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, config.torch_dtype, self.device)
+        limit = config.kv_cache_bytes or default_cache_bytes(self.device, config.kv_cache_fraction)
+        self.budget = CacheBudget(limit)
+        self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, config.torch_dtype, self.device,
+                           budget=self.budget)
         self._groups: dict[MethodSpec, MethodGroup] = {}
         self.sessions: dict[str, Session] = {}
         self._group(config.default_method)  # a bad default method fails here, not on the first request
@@ -128,25 +136,51 @@ class ModelRunner:
 
     # ---- sessions ----------------------------------------------------------------------------------
     def _group(self, spec: MethodSpec) -> MethodGroup:
+        """The method-state pools of ``spec``, made on first use; one per distinct spec, dropped again when
+        its last session closes (but the default method's). BudgetExceeded when its first slot would not fit."""
         group = self._groups.get(spec)
         if group is None:
-            method = spec.build(backend=self.config.method_backend(spec.name))
+            backend = self.config.method_backend(spec.name)
             num_layers, num_heads, num_kv_heads, head_dim = self._shape
-            group = MethodGroup(method, num_layers, num_heads, num_kv_heads, head_dim, self.device)
+            self.budget.check(_state_nbytes(spec, backend, self._shape), "the method state")
+            group = MethodGroup(spec.build(backend=backend), num_layers, num_heads, num_kv_heads, head_dim,
+                                self.device, budget=self.budget)
             self._groups[spec] = group
         return group
 
+    def _drop_if_unused(self, spec: MethodSpec) -> None:
+        group = self._groups.get(spec)
+        if group is not None and group.used_slots == 0 and spec != self.config.default_method:
+            del self._groups[spec]
+            group.close()
+
     def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
+        """A new empty session; ValueError for a bad method or id, BudgetExceeded when its method state does
+        not fit (after the KV pool gave back its unused tail)."""
         spec = method or self.config.default_method
         if not isinstance(spec, MethodSpec):
             raise ValueError(f"method must be a MethodSpec, got {spec!r}")
         session_id = session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise ValueError(f"session id {session_id!r} is already open")
-        group = self._group(spec)
-        session = Session(session_id, spec, group.alloc(), self.pool.block_nbytes, group.slot_nbytes())
+        try:
+            slots = self._alloc_slots(spec, session_id)
+        except BudgetExceeded:
+            if not self.pool.trim():
+                raise
+            slots = self._alloc_slots(spec, session_id)
+        group = self._groups[spec]
+        session = Session(session_id, spec, slots, self.pool.block_nbytes, group.slot_nbytes())
         self.sessions[session_id] = session
         return session
+
+    def _alloc_slots(self, spec: MethodSpec, session_id: str) -> list[int]:
+        try:
+            return self._group(spec).alloc(session_id)
+        except BudgetExceeded as e:
+            e.method = spec
+            self._drop_if_unused(spec)
+            raise
 
     def close_session(self, session: Session) -> None:
         """Free the session's KV blocks and method-state slots (idempotent)."""
@@ -156,16 +190,20 @@ class ModelRunner:
         self._groups[session.method].free(session.slots)
         session.blocks, session.closed = [], True
         self.sessions.pop(session.id, None)
+        self._drop_if_unused(session.method)
 
     def _check_open(self, session: Session) -> None:
         if session.closed or self.sessions.get(session.id) is not session:
             raise ValueError(f"session {session.id!r} is not open on this runner")
 
-    def _reserve(self, session: Session, length: int) -> None:
+    def reserve(self, session: Session, length: int) -> None:
+        """KV blocks for ``length`` positions in the session: ContextTooLong past max_context, BudgetExceeded
+        (nothing allocated) when the cache budget cannot hold them."""
         if length > self.max_context:
             raise ContextTooLong(f"session {session.id!r}: {length} tokens exceed max_context {self.max_context}")
         need = self.pool.blocks_for(length) - len(session.blocks)
-        session.blocks.extend(self.pool.alloc(need, after=session.blocks[-1] if session.blocks else None))
+        session.blocks.extend(self.pool.alloc(need, after=session.blocks[-1] if session.blocks else None,
+                                              session_id=session.id))
 
     def fork_prefix(self, source: Session, targets: list[Session], length: int) -> None:
         """Give each empty target session the source's first ``length`` tokens, their keys and values copied.
@@ -183,7 +221,7 @@ class ModelRunner:
             self._check_open(target)
             if target.length or target is source:
                 raise ValueError(f"session {target.id!r} must be empty to receive a prefix")
-            self._reserve(target, length)
+            self.reserve(target, length)
             self.pool.copy(source.blocks[:n], target.blocks[:n])
             target.token_ids.extend(source.token_ids[:length])
 
@@ -192,11 +230,12 @@ class ModelRunner:
         return self._groups[session.method].method.prefill_queries
 
     def memory(self) -> MemoryUsage:
-        """Cache bytes held by the open sessions, and reserved by the KV pool and the method-state pools."""
-        used = [s.nbytes() for s in self.sessions.values()]
-        states = sum(s.capacity * s.nbytes_per_slot() for g in self._groups.values() for s in g.states)
-        return MemoryUsage(kv_used=sum(u["kv"] for u in used), kv_reserved=self.pool.nbytes(),
-                           method_state_used=sum(u["method_state"] for u in used), method_state_reserved=states)
+        """Cache bytes in use (counted by the pools: blocks and slots handed out), reserved by the KV pool
+        and the method-state pools, and the budget they share."""
+        groups = self._groups.values()
+        return MemoryUsage(kv_used=self.pool.used_blocks * self.pool.block_nbytes, kv_reserved=self.pool.nbytes(),
+                           method_state_used=sum(g.used_slots * g.slot_nbytes() for g in groups),
+                           method_state_reserved=sum(g.reserved for g in groups), budget=self.budget.limit)
 
     # ---- steps -------------------------------------------------------------------------------------
     def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -211,12 +250,10 @@ class ModelRunner:
             cfg._attn_implementation = previous
         return out.logits[:, -1].float()  # (B, V)
 
-    @torch.inference_mode()
-    def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
-        """Append token_ids to the session (dense, chunked) -> (vocab,) float32 logits after the last one.
+    def start_prefill(self, session: Session, token_ids: list[int]) -> PrefillJob:
+        """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).
 
-        Works for a first prompt and for a later turn's new tokens alike. Raises ContextTooLong (nothing
-        is done) if the session would exceed max_context.
+        ValueError (ContextTooLong past max_context) or BudgetExceeded, before anything changes.
         """
         self._check_open(session)
         token_ids = [int(t) for t in token_ids]
@@ -224,25 +261,17 @@ class ModelRunner:
             raise ValueError("token_ids must not be empty")
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
-        begin, end = session.length, session.length + len(token_ids)
-        self._reserve(session, end)
-        group = self._groups[session.method]
-        table = self.pool.block_table([session.blocks], self.device)
-        chunk = self.config.prefill_chunk
-        tails: dict[int, torch.Tensor] = {}
-        logits = None
-        for s in range(begin, end, chunk):
-            ids = token_ids[s - begin:s - begin + chunk]
-            e = s + len(ids)
-            ctx = StepContext(mode="prefill", pool=self.pool, table=table,
-                              start=torch.tensor([s], device=self.device),
-                              lengths=torch.tensor([e], device=self.device), prefill_group=group,
-                              prefill_slots=session.slots, prefill_start=s, prefill_last=e == end,
-                              tail_start=max(begin, end - group.method.prefill_queries), tails=tails)
-            positions = torch.arange(s, e, device=self.device).unsqueeze(0)  # (1, T)
-            logits = self._forward(ctx, torch.tensor([ids], device=self.device), positions)
-            session.token_ids.extend(ids)
-        return logits[0]
+        self.reserve(session, session.length + len(token_ids))
+        return PrefillJob(self, session, token_ids)
+
+    def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
+        """Append token_ids to the session (dense, chunked) -> (vocab,) float32 logits after the last one.
+
+        Works for a first prompt and for a later turn's new tokens alike. Raises ContextTooLong (nothing
+        is done) if the session would exceed max_context, BudgetExceeded if its blocks do not fit.
+        """
+        job = self.start_prefill(session, token_ids)
+        return job.step(job.remaining)
 
     @torch.inference_mode()
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
@@ -258,7 +287,7 @@ class ModelRunner:
             if s.length + 1 > self.max_context:
                 raise ContextTooLong(f"session {s.id!r}: {s.length + 1} tokens exceed max_context {self.max_context}")
         for s in sessions:
-            self._reserve(s, s.length + 1)
+            self.reserve(s, s.length + 1)
         dev = self.device
         start = torch.tensor([s.length for s in sessions], dtype=torch.long, device=dev)  # (B,)
         by_spec: dict[MethodSpec, list[int]] = {}
@@ -290,3 +319,14 @@ class ModelRunner:
                 out[row] = StepStats(path[:, j], max_sim[:, j], n_scored[:, j], ctx.attention_s[gi],
                                      num_kv_heads=self.info.num_kv_heads)
         return out
+
+
+def _state_nbytes(spec: MethodSpec, backend: str, shape: tuple[int, int, int, int]) -> int:
+    """Bytes one session's state of ``spec`` takes over all layers, measured on the meta device (nothing is
+    allocated; a throwaway method object, since init_state counts layers); 0 if the method cannot do that."""
+    num_layers, num_heads, num_kv_heads, head_dim = shape
+    try:
+        state = spec.build(backend=backend).init_state(num_heads, num_kv_heads, head_dim, device="meta")
+        return num_layers * state.capacity * state.nbytes_per_slot()
+    except Exception:  # noqa: BLE001 - a method whose init_state computes on the device: checked at growth
+        return 0

@@ -1,0 +1,83 @@
+"""CacheBudget: the bytes the KV block pool and the method-state pools may hold together.
+
+Every growth of a pool asks the budget first (``charge``) and gives bytes back when it shrinks or a
+method's pools are dropped (``refund``). A request the budget cannot hold raises BudgetExceeded before
+anything is allocated, so a caller can free room (the engine evicts idle sessions) and try again.
+
+Default size (``default_cache_bytes``): DEFAULT_CACHE_FRACTION of the memory free on the device once
+the model is loaded: on a CUDA device what ``torch.cuda.mem_get_info`` reports free, on a CPU the
+kernel's MemAvailable (``/proc/meminfo``).
+"""
+
+from __future__ import annotations
+
+DEFAULT_CACHE_FRACTION = 0.5
+
+
+class BudgetExceeded(Exception):
+    """The cache budget cannot hold ``need`` more bytes for ``what``; nothing was allocated.
+
+    session_id  the session that asked (None when not known at that point)
+    kv          whether KV blocks were asked for (only freed KV blocks can serve them)
+    method      for method state: the MethodSpec whose pools it was (set by the runner); a freed slot of
+                that method serves it, and so may KV blocks the pool gives back from its free tail
+    """
+
+    def __init__(self, what: str, need: int, free: int, limit: int, session_id: str | None = None) -> None:
+        self.what, self.need, self.free, self.limit, self.session_id = what, need, free, limit, session_id
+        self.kv = "KV" in what
+        self.method = None
+        super().__init__(f"{what} needs {need} more bytes of cache memory, {free} of the budget's {limit} are "
+                         "free (kv_cache_bytes)")
+
+
+class CacheBudget:
+    """``limit`` bytes; ``reserved`` of them allocated by pools. Engine thread only."""
+
+    def __init__(self, limit: int) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+            raise ValueError(f"kv_cache_bytes must be a positive integer, got {limit!r}")
+        self.limit = limit
+        self.reserved = 0
+
+    @property
+    def free(self) -> int:
+        return self.limit - self.reserved
+
+    def check(self, nbytes: int, what: str, session_id: str | None = None) -> None:
+        """BudgetExceeded unless ``nbytes`` more fit."""
+        if nbytes > self.free:
+            raise BudgetExceeded(what, nbytes, self.free, self.limit, session_id)
+
+    def charge(self, nbytes: int, what: str, session_id: str | None = None) -> None:
+        """Count ``nbytes`` as reserved (call it once the allocation succeeded; ``check`` first)."""
+        self.check(nbytes, what, session_id)
+        self.reserved += nbytes
+
+    def refund(self, nbytes: int) -> None:
+        self.reserved = max(0, self.reserved - nbytes)
+
+
+def default_cache_bytes(device, fraction: float = DEFAULT_CACHE_FRACTION) -> int:
+    """``fraction`` of the memory free on ``device`` right now (see the module docstring)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _available_ram()
+    return max(1, int(free * fraction))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
