@@ -4,7 +4,9 @@ Lifecycle of ``serve``:
   1. load the model on the engine thread (SIGTERM during the load exits 0 right after it)
   2. start grpc.aio with ReTopKService, grpc.health.v1.Health (SERVING, public: no key needed) and
      server reflection (unless --reflection false), over TLS when --tls-cert is set (mutual TLS with
-     --tls-client-ca); print "retopk-server listening on HOST:PORT"; SIGHUP reloads the keys file
+     --tls-client-ca); print "retopk-server listening on HOST:PORT"; SIGHUP reloads the keys file;
+     with --http-port also the OpenAI-compatible HTTP front (retopk_server.http) in the same event loop,
+     printing "retopk-server HTTP (OpenAI API) on http(s)://HOST:PORT/v1"; the drain below stops both
   3. on SIGTERM / SIGINT drain: health NOT_SERVING, new Generate / CreateSession calls UNAVAILABLE,
      queued and running requests get ``drain_grace_s`` to finish, then what is left is cut with
      UNAVAILABLE, the server stops and ``serve`` returns 0.
@@ -89,6 +91,7 @@ class RunningServer:
                  health_servicer, port: int, keys: KeyRing | None = None) -> None:
         self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
         self.keys = keys
+        self.http = None  # the OpenAI-compatible HTTP front (retopk_server.http.serve.HttpFront) when on
 
     async def drain(self, grace_s: float | None = None) -> None:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
@@ -102,6 +105,8 @@ class RunningServer:
             log.warning("drain grace over; cutting %d requests", self.engine.in_flight())
             await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
         # Let the handlers write the last messages (and the statuses of cut requests) out.
+        if self.http is not None:  # stops listening; open connections get its graceful timeout
+            await self.http.stop()
         await self.server.stop(grace=2.0)
         await asyncio.to_thread(self.engine.stop)
         log.info("stopped")
@@ -127,7 +132,17 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(config, server, engine, health_servicer, port, keys)
+    running = RunningServer(config, server, engine, health_servicer, port, keys)
+    if config.http_port is not None:
+        from retopk_server.http.serve import HttpFront  # fastapi and uvicorn load only when the front is on
+
+        running.http = HttpFront(servicer, health_servicer, config)
+        try:
+            await running.http.start()
+        except OSError as e:  # the port is taken or the host is not an address
+            await server.stop(None)
+            raise RuntimeError(f"HTTP port {config.http_port}: {e}") from None
+    return running
 
 
 async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | None = None,
@@ -169,6 +184,8 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
         engine.stop()
         return 1
     print(f"retopk-server listening on {config.host}:{running.port}", flush=True)
+    if running.http is not None:
+        print(f"retopk-server HTTP (OpenAI API) on {running.http.url}/v1", flush=True)
     await stop.wait()
     await running.drain()
     return 0

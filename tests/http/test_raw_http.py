@@ -1,0 +1,178 @@
+"""Bodies the openai package would never send, over raw httpx: every one gets a 4xx OpenAI error object
+whose message names the field, never a 500; plus /health, unknown routes and the SSE wire format."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+import pytest
+
+from retopk_server.http.app import MAX_BODY_BYTES
+from tests.http.conftest import KEY, TIMEOUT
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def post(raw, path: str, content: bytes | str, headers: dict | None = None):
+    return raw.post(path, content=content, headers={**AUTH, "Content-Type": "application/json", **(headers or {})})
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def chat_body(model: str, **fields) -> str:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields})
+
+
+def test_health_needs_no_key(raw):
+    response = raw.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_malformed_bodies_are_400(raw, model):
+    cases = {
+        b"{not json": "body",
+        b"": "body",
+        b"[1, 2]": "body",
+        b'{"model": "x", "messages": NaN}': "body",
+        b"\xff\xfe\xfa": "body",
+        b"[" * 100_000: "body",
+        chat_body(model, temperature="hot").encode(): "temperature",
+        chat_body(model, max_tokens=True).encode(): "max_tokens",
+        chat_body(model, stop=5).encode(): "stop",
+        chat_body(model, stream="yes").encode(): "stream",
+        chat_body(model, frobnicate=1).encode(): "frobnicate",
+        chat_body(model, retopk={"frobnicate": 1}).encode(): "retopk.frobnicate",
+        chat_body(model, messages=[{"role": "user"}, {"content": "x"}]).encode(): "messages[1].role",
+        chat_body(model, messages=[{"role": "user", "content": [{"type": "image_url"}]}]).encode():
+            "messages[0].content[0]",
+        chat_body(model, messages=[]).encode(): "messages",
+        chat_body(model, seed=-1).encode(): "seed",
+        chat_body(model, seed=2**70).encode(): "seed",
+        chat_body(model, max_tokens=-5).encode(): "max_tokens",
+        chat_body(model, retopk={"method": {"name": "nope"}}).encode(): "retopk.method.name",
+        chat_body(model, retopk={"method": {"top_k": "many"}}).encode(): "retopk.method",
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode(): "model",
+        b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}': "body",
+    }
+    for content, param in cases.items():
+        error = error_of(post(raw, "/v1/chat/completions", content), 400)
+        assert error["param"] == param, (content[:80], error)
+        assert error["type"] == "invalid_request_error"
+
+
+def test_completion_prompt_shapes(raw, model):
+    for prompt, param in [(["a", "b"], "prompt"), ([], "prompt"), ([1, "a"], "prompt"), ([-1], "prompt[0]"),
+                          ([10**9], "prompt[0]"), ("", "prompt"), ({"a": 1}, "prompt")]:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2})
+        error = error_of(post(raw, "/v1/completions", body), 400)
+        assert error["param"] == param, (prompt, error)
+
+
+def test_oversized_body_is_413(raw, model):
+    big = chat_body(model, user="x" * MAX_BODY_BYTES).encode()
+    error_of(post(raw, "/v1/chat/completions", big), 413)
+    chunks = iter([big[:1000], big[1000:]])  # no Content-Length: the cap holds while reading
+
+    error_of(raw.post("/v1/chat/completions", content=chunks, headers=AUTH), 413)
+
+
+def test_no_key_is_401(raw, model):
+    response = raw.post("/v1/chat/completions", content=chat_body(model))
+    error = error_of(response, 401)
+    assert error["type"] == "authentication_error" and response.headers["www-authenticate"] == "Bearer"
+    assert error_of(raw.post("/v1/chat/completions", content=b"{bad", headers={"Authorization": "Bearer no"}),
+                    401)  # the key is checked before the body
+
+
+def test_unknown_route_and_method(raw):
+    error_of(raw.get("/v1/nothing", headers=AUTH), 404)
+    error_of(raw.get("/v1/chat/completions", headers=AUTH), 405)
+
+
+def test_sse_wire_format(raw, model):
+    with raw.stream("POST", "/v1/chat/completions", headers=AUTH,
+                    content=chat_body(model, stream=True, temperature=0)) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_streamed_error_before_first_token_is_a_status(raw, model):
+    body = chat_body(model, stream=True, retopk={"session_id": "no-such-session"})
+    error = error_of(post(raw, "/v1/chat/completions", body), 404)
+    assert error["code"] == "not_found"
+
+
+# ---------------------------------------------------------------------------------------------- load, drain
+def open_stream(http_url: str, body: str) -> socket.socket:
+    """A raw HTTP/1.1 POST /v1/completions left open (closing the socket is the client going away)."""
+    host, port = http_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    data = body.encode()
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def cancelled_requests(raw, metrics_url: str) -> float:
+    """retopk_request_errors_total{code="CANCELLED"}: requests the engine dropped because their caller left."""
+    text = raw.get(metrics_url).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("retopk_request_errors_total{") and 'code="CANCELLED"' in line)
+
+
+def test_full_queue_is_429_and_going_away_cancels(http_server, raw, grpc_client, model):
+    before = cancelled_requests(raw, http_server.metrics_url)
+    long = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
+                       "retopk": {"ignore_eos": True}})
+    running = open_stream(http_server.http_url, long)
+    received = b""
+    while b"data:" not in received:  # its first token: it is running
+        received += running.recv(65536)
+    assert received.startswith(b"HTTP/1.1 200")
+    queued = open_stream(http_server.http_url, long)
+    wait_for(lambda: grpc_client.server_status().queued == 1, "the second request to queue")
+    error = error_of(post(raw, "/v1/completions", json.dumps({"model": model, "prompt": "Hi", "max_tokens": 2})), 429)
+    assert error["type"] == "rate_limit_error" and error["code"] == "resource_exhausted"
+    queued.close()  # gone while queued: its wait is cancelled
+    running.close()  # gone while streaming: the engine drops it at its next step
+    wait_for(lambda: cancelled_requests(raw, http_server.metrics_url) == before + 2, "both to be cancelled")
+    wait_for(lambda: (s := grpc_client.server_status()).running == 0 and s.queued == 0, "the engine to be idle")
+
+
+def test_drain_finishes_the_stream_and_refuses_new_work(http_server, raw, model):
+    """Last test of tests/http: SIGTERM drains the shared server."""
+    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 16, "stream": True,
+                       "retopk": {"ignore_eos": True}})
+    with raw.stream("POST", "/v1/completions", headers=AUTH, content=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # running
+        http_server.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: raw.get("/health").status_code == 503, "/health to say draining")
+        error = error_of(post(raw, "/v1/completions", json.dumps({"model": model, "prompt": "Hi"})), 503)
+        assert error["type"] == "service_unavailable"
+        events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"  # all 16 tokens
+    assert http_server.process.wait(120) == 0
