@@ -426,3 +426,7 @@ class ServerStatus(_Dictable):
     ephemeral_sessions: int
     draining: bool
     kv_bytes: int
+    method_state_bytes: int = 0
+    cache_budget_bytes: int = 0
+    cache_reserved_bytes: int = 0
+    sessions_evicted: int = 0

@@ -34,6 +34,22 @@ def parse_optional_float(text: str) -> float | None:
     return None if text.strip().lower() in ("", "none") else float(text)
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9, "gb": 10 ** 9,
+               "t": 10 ** 12, "tb": 10 ** 12, "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_optional_bytes(text: str) -> int | None:
+    """A byte count with an optional unit ("8GiB", "512MB", "1e9"), or None for "" / "none" / "auto"."""
+    t = text.strip().lower().replace(" ", "")
+    if t in ("", "none", "auto"):
+        return None
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    if unit not in _BYTE_UNITS or not number:
+        raise ValueError(f"expected a byte count such as 8GiB, 512MB or 1000000000, got {text!r}")
+    return int(float(number) * _BYTE_UNITS[unit])
+
+
 def parse_optional_str(text: str) -> str | None:
     return text or None
 
@@ -104,6 +120,12 @@ OPTIONS: tuple[Option, ...] = (
            "TYPE:FACTOR"),
     Option("prefill_chunk", int, "prompt tokens per prefill forward"),
     Option("kv_block_size", int, "positions per KV-cache block"),
+    Option("kv_cache_bytes", parse_optional_bytes, "cache budget: bytes the KV cache and the methods' state may "
+                                                   "hold together, e.g. 8GiB (none = --kv-cache-fraction of the "
+                                                   "memory free once the model is loaded); past it idle sessions "
+                                                   "are evicted, least recently used first", "BYTES"),
+    Option("kv_cache_fraction", float, "share of the free device memory (CPU: available RAM) the cache budget "
+                                       "takes when --kv-cache-bytes is none", "F"),
     Option("max_queue", int, "requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED"),
     Option("max_running", int, "requests decoded together in one batch"),
     Option("max_sessions", int, "open sessions; beyond it CreateSession is RESOURCE_EXHAUSTED"),
@@ -112,6 +134,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_prompt_tokens", parse_optional_int, "tokens one request may feed (none = the model's context)", "N"),
     Option("max_new_tokens", int, "largest max_new_tokens a request may ask for"),
     Option("default_max_new_tokens", int, "max_new_tokens of a request that sets none"),
+    Option("max_step_tokens", int, "tokens one scheduler iteration computes: the running batch's decode tokens, "
+                                   "the rest as prefill chunks (a long prompt no longer stalls running streams)"),
     Option("drain_grace_s", float, "seconds running requests get to finish after SIGTERM"),
     Option("api_key", parse_optional_str, "require metadata 'authorization: Bearer <key>' on every call "
                                           "(prefer the environment variable: flags show up in ps)", "KEY"),

@@ -32,11 +32,11 @@ class ServerConfig:
     metrics_per_head      export the metrics built from every step's per-head statistics (path decisions
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
-    model, device, dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size
-                          the model runtime's settings: documented in, and defaulting to, RuntimeConfig
+    model, device, dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size, kv_cache_bytes,
+    kv_cache_fraction     the model runtime's settings: documented in, and defaulting to, RuntimeConfig
     method, method_params default attention method of requests and sessions that name none
-    max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens
-                          the engine's limits: documented in, and defaulting to, EngineConfig
+    max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens,
+    max_step_tokens       the engine's limits: documented in, and defaulting to, EngineConfig
     session_idle_timeout_s  a named session unused for this long is closed (None: never; the engine's own
                           default is None, a server's one hour)
     drain_grace_s         after SIGTERM, how long running requests may take to finish before they are cut
@@ -70,6 +70,8 @@ class ServerConfig:
     rope_scaling: dict | None = RuntimeConfig.rope_scaling
     prefill_chunk: int = RuntimeConfig.prefill_chunk
     kv_block_size: int = RuntimeConfig.kv_block_size
+    kv_cache_bytes: int | None = RuntimeConfig.kv_cache_bytes
+    kv_cache_fraction: float = RuntimeConfig.kv_cache_fraction
     max_queue: int = EngineConfig.max_queue
     max_running: int = EngineConfig.max_running
     max_sessions: int = EngineConfig.max_sessions
@@ -77,6 +79,7 @@ class ServerConfig:
     max_prompt_tokens: int | None = EngineConfig.max_prompt_tokens
     max_new_tokens: int = EngineConfig.max_new_tokens
     default_max_new_tokens: int = EngineConfig.default_max_new_tokens
+    max_step_tokens: int = EngineConfig.max_step_tokens
     drain_grace_s: float = 30.0
     api_key: str | None = None
     api_keys_file: str | None = None
@@ -141,10 +144,11 @@ class ServerConfig:
         return RuntimeConfig(model=self.model, device=self.device, dtype=self.dtype, backend=self.backend,
                              default_method=self.method_spec(), max_context=self.max_context,
                              rope_scaling=self.rope_scaling, prefill_chunk=self.prefill_chunk,
-                             kv_block_size=self.kv_block_size)
+                             kv_block_size=self.kv_block_size, kv_cache_bytes=self.kv_cache_bytes,
+                             kv_cache_fraction=self.kv_cache_fraction)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,
                             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
-                            default_max_new_tokens=self.default_max_new_tokens,
+                            default_max_new_tokens=self.default_max_new_tokens, max_step_tokens=self.max_step_tokens,
                             session_idle_timeout_s=self.session_idle_timeout_s)

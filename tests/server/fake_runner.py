@@ -4,6 +4,10 @@ Tokens are ASCII characters (id = code point, vocabulary 128, id 0 = end of sequ
 predicts from the whole context, so a batched step gives each row exactly what it would get alone:
 the next token is EOS after a "." and otherwise the letter 97 + (7 * sum(ids) + len(ids)) % 26.
 ``next_token`` is that definition, written once here for the tests to compare against.
+
+KV memory: a session holds one 64-byte "block" per BLOCK tokens. With ``kv_blocks`` the fake has a
+cache budget of that many blocks and raises the runtime's BudgetExceeded past it, as the real runner does.
+``log`` records ("prefill", tokens) per prefill chunk and ("decode", batch) per decode step, in order.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from retopk_server.runtime.budget import BudgetExceeded
 from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session import Session
@@ -22,6 +27,7 @@ from retopk_server.runtime.stats import StepStats
 VOCAB = 128
 EOS = 0
 LAYERS, HEADS = 2, 3
+BLOCK, BLOCK_BYTES, STATE_BYTES = 16, 64, 32
 
 
 def next_token(context: list[int]) -> int:
@@ -74,8 +80,13 @@ class FakeRunner:
     """step_delay_s: sleep per decode step (lets tests cancel mid-stream); gate: when given, every decode
     step waits until it is set (lets tests hold requests mid-stream). Records each decode batch size."""
 
-    def __init__(self, max_context: int = 4096, step_delay_s: float = 0.0, gate: threading.Event | None = None) -> None:
+    def __init__(self, max_context: int = 4096, step_delay_s: float = 0.0, gate: threading.Event | None = None,
+                 kv_blocks: int | None = None, prefill_delay_s: float = 0.0) -> None:
         self.info = FakeInfo(max_context=max_context)
+        self.kv_blocks = kv_blocks
+        self.prefill_delay_s = prefill_delay_s
+        self.log: list[tuple[str, int]] = []
+        self._next_block = 0
         self.gate = gate
         self.tokenizer = FakeTokenizer()
         self.step_delay_s = step_delay_s
@@ -105,18 +116,44 @@ class FakeRunner:
         self._touch()
         method = method or self.info.default_method
         method.build()  # ValueError on a bad method, like the real runner
-        session = Session(session_id or f"s{len(self.sessions)}", method, [0] * LAYERS, 64, 32)
+        session = Session(session_id or f"s{len(self.sessions)}", method, [0] * LAYERS, BLOCK_BYTES, STATE_BYTES)
         self.sessions[session.id] = session
         return session
 
     def memory(self) -> MemoryUsage:
         used = [s.nbytes() for s in self.sessions.values()]
-        return MemoryUsage(kv_used=sum(u["kv"] for u in used), method_state_used=sum(u["method_state"] for u in used))
+        return MemoryUsage(kv_used=sum(u["kv"] for u in used), method_state_used=sum(u["method_state"] for u in used),
+                           budget=(self.kv_blocks or 0) * BLOCK_BYTES)
+
+    def used_blocks(self) -> int:
+        return sum(len(s.blocks) for s in self.sessions.values())
 
     def close_session(self, session: Session) -> None:
         self._touch()
         del self.sessions[session.id]
         session.closed = True
+        session.blocks = []
+
+    def reserve(self, session: Session, length: int) -> None:
+        self._touch()
+        if length > self.info.max_context:
+            raise ValueError(f"context too long: {length} > {self.info.max_context}")
+        need = -(-length // BLOCK) - len(session.blocks)
+        if need <= 0:
+            return
+        if self.kv_blocks is not None and self.used_blocks() + need > self.kv_blocks:
+            free = self.kv_blocks - self.used_blocks()
+            raise BudgetExceeded("the KV cache", need * BLOCK_BYTES, free * BLOCK_BYTES, self.kv_blocks * BLOCK_BYTES,
+                                 session.id)
+        session.blocks += list(range(self._next_block, self._next_block + need))
+        self._next_block += need
+
+    def start_prefill(self, session: Session, token_ids: list[int]) -> FakePrefill:
+        self._touch()
+        if not token_ids:
+            raise ValueError("token_ids must not be empty")
+        self.reserve(session, session.length + len(token_ids))
+        return FakePrefill(self, session, list(token_ids))
 
     def _logits(self, context: list[int]) -> torch.Tensor:
         logits = torch.zeros(VOCAB)
@@ -124,17 +161,16 @@ class FakeRunner:
         return logits
 
     def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
-        self._touch()
-        if session.length + len(token_ids) > self.info.max_context:
-            raise ValueError(f"context too long: {session.length} + {len(token_ids)} > {self.info.max_context}")
-        session.token_ids.extend(token_ids)
-        session.blocks = list(range((session.length + 15) // 16))
-        return self._logits(session.token_ids)
+        job = self.start_prefill(session, token_ids)
+        return job.step(job.remaining)
 
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False):
         self._touch()
         assert len(sessions) == len(token_ids) and len({s.id for s in sessions}) == len(sessions)
         self.batch_sizes.append(len(sessions))
+        self.log.append(("decode", len(sessions)))
+        for s in sessions:
+            self.reserve(s, s.length + 1)
         if self.gate is not None:
             self.gate.wait()
         if self.step_delay_s:
@@ -151,3 +187,32 @@ class FakeRunner:
                                n_scored=torch.full((LAYERS, HEADS), s.length, dtype=torch.int32),
                                attention_s=0.001, num_kv_heads=self.info.num_kv_heads) for s in sessions]
         return torch.stack(rows), stats
+
+
+class FakePrefill:
+    """The fake's PrefillJob: feeds the tokens ``step`` by ``step`` (each sleeping ``prefill_delay_s``)."""
+
+    def __init__(self, runner: FakeRunner, session: Session, token_ids: list[int]) -> None:
+        self.runner, self.session, self.token_ids = runner, session, token_ids
+        self.begin = self.pos = session.length
+        self.end = self.begin + len(token_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.pos
+
+    def step(self, max_tokens: int) -> torch.Tensor | None:
+        self.runner._touch()
+        n = min(max(1, max_tokens), self.remaining)
+        self.runner.log.append(("prefill", n))
+        if self.runner.prefill_delay_s:
+            time.sleep(self.runner.prefill_delay_s)
+        self.session.token_ids.extend(self.token_ids[self.pos - self.begin:self.pos - self.begin + n])
+        self.pos += n
+        return self.runner._logits(self.session.token_ids) if self.pos == self.end else None
+
+    def abort(self) -> None:
+        del self.session.token_ids[self.begin:]
+        keep = -(-self.begin // BLOCK)
+        if not self.session.closed:
+            del self.session.blocks[keep:]

@@ -80,6 +80,10 @@ class EngineStatus:
     ephemeral_sessions: int
     draining: bool
     kv_bytes: int
+    method_state_bytes: int = 0
+    cache_budget_bytes: int = 0
+    cache_reserved_bytes: int = 0
+    sessions_evicted: int = 0
 
 
 class EngineCommands:
@@ -134,6 +138,10 @@ class EngineCommands:
     def _status(self) -> EngineStatus:
         engine, sessions = self._engine, self._engine.sessions
         queued, running = engine.load()
+        memory = engine.runner.memory()
         return EngineStatus(running=running, queued=queued, sessions=len(sessions),
                             ephemeral_sessions=sessions.ephemeral, draining=engine.draining,
-                            kv_bytes=sessions.kv_bytes())
+                            kv_bytes=memory.kv_used, method_state_bytes=memory.method_state_used,
+                            cache_budget_bytes=memory.budget,
+                            cache_reserved_bytes=memory.kv_reserved + memory.method_state_reserved,
+                            sessions_evicted=sessions.evictions)

@@ -55,6 +55,9 @@ class EngineConfig:
     max_prompt_tokens       tokens one request may feed (None: the model's context length)
     max_new_tokens          largest max_new_tokens a request may ask for
     default_max_new_tokens  max_new_tokens of a request that does not set it
+    max_step_tokens         tokens one loop iteration computes: one per running request's decode step, the
+                            rest (at least one) as prefill chunks of the request being admitted, so a long
+                            prompt is fed across iterations while the running streams go on
     idle_wait_s             how long the idle loop sleeps between checks (it is woken on new work)
     session_idle_timeout_s  close a named session unused for this long, freeing its KV cache and
                             method state (None: keep sessions until closed)
@@ -66,6 +69,7 @@ class EngineConfig:
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
     default_max_new_tokens: int = 256
+    max_step_tokens: int = 512
     idle_wait_s: float = 0.5
     session_idle_timeout_s: float | None = None
 
@@ -74,7 +78,8 @@ class EngineConfig:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not timeout > 0):
             raise ValueError(f"session_idle_timeout_s must be a positive number or None, got {timeout!r}")
-        for name in ("max_queue", "max_running", "max_sessions", "max_new_tokens", "default_max_new_tokens"):
+        for name in ("max_queue", "max_running", "max_sessions", "max_new_tokens", "default_max_new_tokens",
+                     "max_step_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

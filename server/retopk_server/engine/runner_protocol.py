@@ -27,6 +27,24 @@ class Tokenizer(Protocol):
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]: ...
 
 
+class PrefillJob(Protocol):
+    """One prompt being fed in chunks (runtime/prefill.py): ``step`` until it returns the logits."""
+
+    begin: int
+    end: int
+
+    @property
+    def remaining(self) -> int: ...
+
+    def step(self, max_tokens: int) -> torch.Tensor | None:
+        """Feed up to ``max_tokens`` more tokens -> (vocab,) logits after the last one, else None."""
+        ...
+
+    def abort(self) -> None:
+        """Stop before the end: the session is as it was before the job."""
+        ...
+
+
 class Runner(Protocol):
     """A model with sessions: text <-> tokens, prefill one session, decode many in one batched step."""
 
@@ -40,10 +58,21 @@ class Runner(Protocol):
         ...
 
     def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
-        """A new empty session of ``method``; ValueError for an unknown method or bad hyperparameters."""
+        """A new empty session of ``method``; ValueError for an unknown method or bad hyperparameters,
+        BudgetExceeded when its method state does not fit the cache budget."""
         ...
 
     def close_session(self, session: Session) -> None: ...
+
+    def reserve(self, session: Session, length: int) -> None:
+        """KV room for ``length`` positions in the session; ValueError past the context, BudgetExceeded
+        (runtime/budget.py; nothing allocated) when the cache budget cannot hold it."""
+        ...
+
+    def start_prefill(self, session: Session, token_ids: list[int]) -> PrefillJob:
+        """Check ``token_ids`` and reserve their KV room -> the job that feeds them; ValueError or
+        BudgetExceeded with nothing changed."""
+        ...
 
     def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
         """Append ``token_ids`` to the session -> (vocab,) logits after the last one; ValueError (nothing

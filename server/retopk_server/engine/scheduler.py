@@ -1,12 +1,21 @@
 """Engine: the thread that owns the model runner and runs continuous batching.
 
 One loop iteration:
-  1. run queued commands (``engine.commands``: sessions, tokenize, status; commands.py), on this thread
-  2. schedule: drop running requests whose client cancelled or whose deadline passed, then admit queued
-     requests while the batch has room (open or take the session, prefill its input, sample a token)
-  3. run: one batched ``runner.decode`` over every running request (sessions may differ in length and
-     method)
+  1. run queued commands (``engine.commands``: sessions, tokenize, status; commands.py), on this thread,
+     so a command waits for at most one iteration, never for a whole long prompt
+  2. schedule: drop the requests whose client cancelled or whose deadline passed (running, queued, being
+     prefilled), then feed prompts with the iteration's token budget (``max_step_tokens`` minus one token
+     per running request): the next chunk of the request being admitted and, once it is in (its first
+     token sampled, the request joins the batch), the next queued requests while the batch has room.
+     Admission opens or takes the session and reserves KV blocks for the whole prompt (runner.start_prefill);
+     under memory pressure idle sessions are evicted least recently used first (sessions.with_room), and
+     a prompt that still does not fit is RESOURCE_EXHAUSTED
+  3. run: reserve each running request's next KV block (same eviction rule), then one batched
+     ``runner.decode`` over every running request (sessions may differ in length and method)
   4. postprocess: sample each row's next token, stream it, finish the requests that hit a stop condition
+
+A queued request whose client cancels ends at once, from the asyncio thread (``RequestStream.cancel`` ->
+``_withdraw``): its queue slot and its session's busy flag are free before the engine would reach it.
 
 Threading: ``submit`` and the commands are called from the asyncio thread; they touch only the queue,
 the command queue and the session table's membership / busy flags, under locks. Everything that
@@ -19,6 +28,7 @@ session's ``pending`` token and fed at the start of the next turn (turn.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -93,9 +103,10 @@ class Engine:
             return len(self._queue) + len(live)
 
     def load(self) -> tuple[int, int]:
-        """(queued, running) requests; exact on the engine thread, which alone changes the batch."""
+        """(queued, running) requests, the one being prefilled counted as running; exact on the engine
+        thread, which alone changes the batch."""
         with self._wake:
-            return len(self._queue), len(self._running)
+            return len(self._queue), len(self._running) + (self._admitting is not None)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop the loop; requests still queued or running end with UNAVAILABLE."""
@@ -121,7 +132,9 @@ class Engine:
                                   f"admission queue is full ({cfg.max_queue} requests waiting); retry later")
             if spec.session_id is not None:
                 self.sessions.reserve(spec.session_id, spec.owner)
-            self._queue.append(ActiveRequest(spec, stream, max_new))
+            r = ActiveRequest(spec, stream, max_new)
+            self._queue.append(r)
+            stream.on_cancel = functools.partial(self._withdraw, r)
             self._wake.notify_all()
 
     # ------------------------------------------------------------------ engine thread
@@ -146,10 +159,12 @@ class Engine:
             with self._wake:
                 if self._stop:
                     return
-                if not self._running and not self._queue and not self._commands:
+                if not self._running and not self._queue and not self._commands and self._admitting is None:
                     self._wake.wait(self.config.idle_wait_s)
                     continue
             self._schedule()
+            if self._running:
+                self._reserve_decode()
             if self._running:
                 self._run()
             self._hook("on_load", *self.load(), len(self.sessions))
@@ -160,41 +175,66 @@ class Engine:
         except Exception:  # a metrics bug must not take the engine down
             log.exception("observer hook %s failed", name)
 
-    # ---- schedule: drop the dead, admit the queued -----------------------------------------------------
+    # ---- schedule: drop the dead, feed prompts within the iteration's token budget ----------------------
     def _schedule(self) -> None:
+        """Drop the requests that were cancelled or ran past their deadline (running, queued, prefilling),
+        then spend what the iteration's ``max_step_tokens`` leave after the batch's decode tokens (at least
+        one) on prefill chunks: the prompt being fed, then the next queued requests while the batch has room."""
         now = time.monotonic()
         for r in self._running:
             if (error := r.dropped(now)) is not None:
                 self._fail(r, error)
         self._running = [r for r in self._running if not r.done]
+        self._drop_queued(now)
+        budget = max(1, self.config.max_step_tokens - len(self._running))
+        while budget > 0 and (r := self._admitting or self._admit_next()) is not None:
+            budget -= self._prefill_chunk(r, budget)
+
+    def _drop_queued(self, now: float) -> None:
+        """Fail the queued requests whose client cancelled or whose deadline passed: their queue slot and
+        session are free now, not when they would have been admitted."""
+        with self._wake:
+            dead = [r for r in self._queue if r.dropped(now) is not None]
+            for r in dead:
+                self._queue.remove(r)
+        for r in dead:
+            self._fail(r, r.dropped(now, " while queued"))
+
+    def _withdraw(self, r: ActiveRequest) -> None:
+        """The client of ``r`` cancelled (asyncio thread, RequestStream.cancel): a request still queued ends
+        at once; an admitted one is dropped by the engine thread before its next chunk or step."""
+        with self._wake:
+            try:
+                self._queue.remove(r)
+            except ValueError:
+                return
+        self._fail(r, r.dropped(time.monotonic(), " while queued"))
+
+    def _admit_next(self) -> ActiveRequest | None:
+        """The next queued request, its session opened and its prefill started (blocks reserved for the
+        whole prompt), while the batch has room; None when there is none or no room."""
         while len(self._running) < self.config.max_running:
             with self._wake:
                 if not self._queue:
-                    return
+                    return None
                 r = self._admitting = self._queue.popleft()
             try:
-                self._admit(r)
-            finally:
-                with self._wake:
-                    self._admitting = None
+                self._start_prefill(r)
+                return r
+            except EngineError as e:
+                self._end_admission(r, e)
+            except Exception as e:
+                log.exception("prefill of request %s failed", r.spec.request_id)
+                self._end_admission(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
+        return None
 
-    def _admit(self, r: ActiveRequest) -> None:
-        if (error := r.dropped(time.monotonic(), " while queued")) is not None:
-            self._fail(r, error)
-            return
-        try:
-            self._prefill(r)
-        except EngineError as e:
-            self._fail(r, e)
-        except Exception as e:
-            log.exception("prefill of request %s failed", r.spec.request_id)
-            self._fail(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
-        if not r.done:
-            self._running.append(r)
-
-    def _prefill(self, r: ActiveRequest) -> None:
+    def _start_prefill(self, r: ActiveRequest) -> None:
+        """Open or take the request's session and start feeding its tokens (runner.start_prefill): under
+        memory pressure idle sessions are evicted first; a prompt that still does not fit is RESOURCE_EXHAUSTED."""
         runner = self.runner
         r.admitted = time.monotonic()
+        if (error := r.dropped(r.admitted, " while queued")) is not None:
+            raise error
         self._hook("on_queue_wait", r, r.admitted - r.arrived)
         if r.ephemeral:
             r.method = r.method or runner.info.default_method
@@ -203,18 +243,68 @@ class Engine:
             r.record = self.sessions.take(r.session_id, r.spec.owner)
             r.method = r.record.session.method
         feed = r.feed(runner, self.config.max_prompt_tokens)
-        t0 = time.monotonic()
         try:
-            logits = runner.prefill(r.record.session, feed)  # (vocab,)
+            r.job = self.sessions.with_room(r.spec.input_field, runner.start_prefill, r.record.session, feed)
         except ValueError as e:  # ContextTooLong and friends, raised before the cache is touched
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{r.spec.input_field}: {e}") from None
+
+    def _prefill_chunk(self, r: ActiveRequest, budget: int) -> int:
+        """Feed up to ``budget`` of the admitted request's prompt tokens -> how many; with the last one in,
+        sample its first token and move it into the running batch."""
+        if (error := r.dropped(time.monotonic(), " while prefilling")) is not None:
+            self._end_admission(r, error)
+            return 0
+        n = min(budget, r.job.remaining)
+        t0 = time.monotonic()
+        try:
+            logits = r.job.step(n)  # (vocab,) after the prompt's last token, else None
+        except Exception as e:
+            log.exception("prefill of request %s failed", r.spec.request_id)
+            self._end_admission(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
+            return n
+        r.prefill_s += time.monotonic() - t0
+        if logits is not None:
+            with self._wake:
+                self._admitting = None
+            self._prefilled(r, logits)
+            if not r.done:
+                self._running.append(r)
+        return n
+
+    def _prefilled(self, r: ActiveRequest, logits) -> None:
         r.prefilled = time.monotonic()
-        r.prefill_s = r.prefilled - t0
         r.record.pending = []
         r.context_ids = list(r.record.session.token_ids)
-        self._hook("on_prefill", r, len(feed), r.prefill_s)
-        r.start_sampling(runner)
+        self._hook("on_prefill", r, r.job.end - r.job.begin, r.prefill_s)
+        r.job = None
+        r.start_sampling(self.runner)
         self._postprocess(r, r.sampler.sample(logits, r.generated, r.context_ids), None)
+
+    def _end_admission(self, r: ActiveRequest, error: EngineError) -> None:
+        """The request being admitted fails: its partial prefill is undone, then it ends with ``error``."""
+        with self._wake:
+            if self._admitting is r:
+                self._admitting = None
+        try:
+            if r.job is not None:
+                r.job.abort()
+        except Exception:
+            log.exception("undoing the prefill of request %s failed", r.spec.request_id)
+        r.job = None
+        self._fail(r, error)
+
+    def _reserve_decode(self) -> None:
+        """KV room for every running request's next token, evicting idle sessions under memory pressure; a
+        request whose next block does not fit even then ends RESOURCE_EXHAUSTED (the others go on)."""
+        for r in self._running:
+            session = r.record.session
+            try:
+                self.sessions.with_room("decoding the next token", self.runner.reserve, session, session.length + 1)
+            except EngineError as e:
+                self._fail(r, e)
+            except ValueError:  # past max_context: the decode step reports it
+                pass
+        self._running = [r for r in self._running if not r.done]
 
     # ---- run: one batched decode step ------------------------------------------------------------------
     def _run(self) -> None:
@@ -276,6 +366,8 @@ class Engine:
     def _shutdown(self) -> None:
         """Fail what is left, close every session, answer pending commands."""
         error = EngineError(ErrorCode.UNAVAILABLE, "server shut down before the request finished")
+        if self._admitting is not None:
+            self._end_admission(self._admitting, error)
         for r in list(self._running):
             self._fail(r, error)
         self._running = []

@@ -9,6 +9,11 @@ are namespaced per owner (two keys may both name a session "chat1") and another 
 simply absent: it gets the very NOT_FOUND of an id that never existed, by the same lookup. Ids the
 server makes are 128 random bits (``secrets``).
 
+Memory pressure: when the runner's cache budget refuses an allocation (BudgetExceeded), ``with_room``
+evicts idle named sessions, least recently used first, and tries again; a request that still does not
+fit is RESOURCE_EXHAUSTED. An evicted session's owner then gets NOT_FOUND saying it was evicted (the
+last EVICTED_REMEMBERED evictions are remembered for that message).
+
 Threading: ``reserve`` / ``unreserve`` run on the asyncio thread (from ``Engine.submit``) and touch
 only membership and busy flags, under the table's lock; everything else runs on the engine thread,
 the only one that adds or removes sessions.
@@ -22,11 +27,13 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode
 from retopk_server.engine.runner_protocol import Runner
+from retopk_server.runtime.budget import BudgetExceeded
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session import Session
 
@@ -123,6 +130,16 @@ def _not_found(session_id: str) -> EngineError:
     return EngineError(ErrorCode.NOT_FOUND, f"session_id: no session {session_id!r}")
 
 
+EVICTED_REMEMBERED = 4096
+
+
+def _evicted(session_id: str) -> EngineError:
+    return EngineError(ErrorCode.NOT_FOUND, f"session_id: session {session_id!r} was evicted to free cache memory "
+                                            "(the server's kv_cache_bytes budget was full and it was the least "
+                                            "recently used idle session); create a new session and replay the "
+                                            "conversation")
+
+
 def runtime_id(owner: str, session_id: str) -> str:
     """The runner's (unique) id of a named session: owner names have no "/" (service/auth.py)."""
     return f"{owner}/{session_id}" if owner else session_id
@@ -141,6 +158,8 @@ class SessionTable:
         self._lock = threading.Lock()
         self._named: dict[tuple[str, str], SessionRecord] = {}  # (owner, id) -> record
         self._ephemeral: dict[str, SessionRecord] = {}
+        self._evicted: OrderedDict[tuple[str, str], None] = OrderedDict()  # (owner, id) of recent evictions
+        self.evictions = 0
 
     def __len__(self) -> int:
         """Open named sessions."""
@@ -203,6 +222,7 @@ class SessionTable:
                                owner=owner, name=session_id)
         with self._lock:
             self._named[record.key] = record
+            self._evicted.pop(record.key, None)
         self._hook("on_session_opened", session_id, False)
         return self.snapshot(record)
 
@@ -218,7 +238,7 @@ class SessionTable:
     def get(self, session_id: str, owner: str = "") -> SessionSnapshot:
         record = self._named.get((owner, session_id))
         if record is None:
-            raise _not_found(session_id)
+            raise self._missing(owner, session_id)
         return self.snapshot(record)
 
     def snapshots(self, owner: str | None = None) -> list[SessionSnapshot]:
@@ -274,7 +294,7 @@ class SessionTable:
         """``owner``'s named session nobody holds (call under the lock); NOT_FOUND or FAILED_PRECONDITION."""
         record = self._named.get((owner, session_id))
         if record is None:
-            raise _not_found(session_id)
+            raise self._missing(owner, session_id)
         if record.busy:
             raise EngineError(ErrorCode.FAILED_PRECONDITION,
                               f"session_id: session {session_id!r} is busy with {holder}")
@@ -282,6 +302,55 @@ class SessionTable:
 
     def _open(self, method: MethodSpec, session_id: str) -> Session:
         try:
-            return self.runner.open_session(method, session_id)
+            return self.with_room("method", self.runner.open_session, method, session_id)
         except ValueError as e:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"method: {e}") from None
+
+    # ---- memory pressure (engine thread) -----------------------------------------------------------
+    def with_room(self, what: str, fn: Callable, *args):
+        """``fn(*args)``, evicting idle named sessions (least recently used first) while the cache budget
+        refuses it; RESOURCE_EXHAUSTED naming ``what`` when nothing is left to evict."""
+        while True:
+            try:
+                return fn(*args)
+            except BudgetExceeded as e:
+                if e.need > e.free + self._reclaimable(e):  # evicting would only destroy sessions
+                    raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{what}: {e}; more than evicting every "
+                                      "idle session could free: it does not fit the budget") from None
+                if not self.evict_lru():
+                    raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
+                                      f"{what}: {e}; no idle session is left to evict (the busy ones hold it)"
+                                      ) from None
+
+    def evict_lru(self) -> bool:
+        """Close the least recently used idle named session to free its cache -> whether there was one."""
+        with self._lock:
+            idle = [r for r in self._named.values() if not r.busy]
+            if not idle:
+                return False
+            record = min(idle, key=lambda r: r.last_used_unix)
+            del self._named[record.key]
+            self._evicted[record.key] = None
+            while len(self._evicted) > EVICTED_REMEMBERED:
+                self._evicted.popitem(last=False)
+        self.evictions += 1
+        self.runner.close_session(record.session)
+        self._hook("on_session_closed", record.id, False)
+        self._hook("on_session_evicted", record.id)
+        log.info("session %s evicted to free cache memory (%d tokens)", record.id, record.num_tokens)
+        return True
+
+    def _reclaimable(self, e: BudgetExceeded) -> int:
+        """Bytes evicting every idle named session could make available to the refused allocation ``e``:
+        their KV blocks, and for method state also the slots of sessions of the same method."""
+        with self._lock:
+            idle = [r.session for r in self._named.values() if not r.busy]
+        kv = sum(s.nbytes()["kv"] for s in idle)
+        if e.kv or e.method is None:
+            return kv
+        return kv + sum(s.nbytes()["method_state"] for s in idle if s.method == e.method)
+
+    def _missing(self, owner: str, session_id: str) -> EngineError:
+        """NOT_FOUND for ``owner``'s id: saying it was evicted when it was (call under the lock or on the
+        engine thread)."""
+        return _evicted(session_id) if (owner, session_id) in self._evicted else _not_found(session_id)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 
 from retopk_server.engine.requests import EngineError, TokenEvent
 
 _END = object()
+log = logging.getLogger("retopk_server.engine")
 
 
 class RequestStream:
     """Engine thread: ``put`` / ``fail``; asyncio side: ``async for event in stream`` and ``cancel``.
 
     Iteration yields TokenEvents and raises the EngineError that ended the request, if any. A
-    cancelled stream is dropped by the engine at its next step (its slot and ephemeral session freed).
+    cancelled stream is dropped by the engine at its next step (its slot and ephemeral session freed);
+    one still queued is withdrawn at once through ``on_cancel`` (set by the engine at submission).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -21,6 +25,7 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False  # set by the consumer, read by the engine thread (a plain bool is atomic)
         self.closed = False  # set by the engine once it sent the last event
+        self.on_cancel: Callable[[], None] | None = None
 
     # --- engine thread -------------------------------------------------------------------------
     def _send(self, item) -> None:
@@ -42,6 +47,12 @@ class RequestStream:
     # --- asyncio side --------------------------------------------------------------------------
     def cancel(self) -> None:
         self.cancelled = True
+        callback, self.on_cancel = self.on_cancel, None
+        if callback is not None and not self.closed:
+            try:
+                callback()
+            except Exception:  # the engine drops the request at its next step anyway
+                log.exception("withdrawing a cancelled request failed")
 
     def __aiter__(self):
         return self

@@ -46,6 +46,7 @@ class ActiveRequest:
         self.text_parts: list[str] = []
         self.last_token = -1
         self.prefill_s = 0.0
+        self.job = None  # the runner's PrefillJob while the prompt is fed (runtime/prefill.py)
         self.sampler: Sampler | None = None
         self.stop: StopChecker | None = None
         self.done = False
@@ -69,7 +70,7 @@ class ActiveRequest:
         if self.expired(now):
             return EngineError(ErrorCode.DEADLINE_EXCEEDED, f"deadline exceeded{where}")
         if self.stream.cancelled:
-            return EngineError(ErrorCode.CANCELLED, "request cancelled by the client")
+            return EngineError(ErrorCode.CANCELLED, f"request cancelled by the client{where}")
         return None
 
     # ---- input ---------------------------------------------------------------------------------------

@@ -223,4 +223,6 @@ def session_info(s: SessionSnapshot) -> pb.SessionInfo:
 
 def server_status(s: EngineStatus) -> pb.ServerStatus:
     return pb.ServerStatus(running=s.running, queued=s.queued, sessions=s.sessions,
-                           ephemeral_sessions=s.ephemeral_sessions, draining=s.draining, kv_bytes=s.kv_bytes)
+                           ephemeral_sessions=s.ephemeral_sessions, draining=s.draining, kv_bytes=s.kv_bytes,
+                           method_state_bytes=s.method_state_bytes, cache_budget_bytes=s.cache_budget_bytes,
+                           cache_reserved_bytes=s.cache_reserved_bytes, sessions_evicted=s.sessions_evicted)
