@@ -3,6 +3,8 @@
 Starts a `retopk-server` on loopback (or uses --address), then runs the client's load generator
 (`retopk bench`'s engine, retopk_client.loadgen) at each concurrency level with the same prompt and
 length, and prints tokens/s, the ratio to one stream, TTFT and inter-token latency percentiles.
+Sampling is greedy (temperature 0, --temperature to change it) so that runs compare with one another
+and with the recorded results, whatever the server's default sampling.
 
     python bench/server_scaling.py --concurrency 1 2 4 8 --max-new-tokens 32
 """
@@ -30,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests = this x concurrency")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message.")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json and <out>.png")
     return p.parse_args(argv)
@@ -74,7 +77,8 @@ def run(address: str, args) -> list[dict]:
     rows = []
     for n in args.concurrency:
         report = run_bench(BenchConfig(address=address, concurrency=n, requests=n * args.requests_per_stream,
-                                       prompt=args.prompt, max_new_tokens=args.max_new_tokens))
+                                       prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                                       generate_kwargs={"temperature": args.temperature}))
         row = report.to_dict()
         rows.append(row)
         print(f"concurrency {n}: {row['tokens_per_second']:.1f} tokens/s", flush=True)

@@ -39,6 +39,8 @@ from retopk_client.types import (
     StepStats,
     Timings,
     Tokenized,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "Chunk", "Client", "ClientConfig", "Completion", "DeadlineExceeded", "FailedPrecondition", "FinishReason",
     "GenerateStream", "InternalError", "InvalidArgument", "Limits", "Method", "ModelInfo", "NotFound", "OutOfRange",
     "PermissionDenied", "ResourceExhausted", "RetopkError", "RetryPolicy", "Sampling", "ServerStatus", "Session",
-    "SessionInfo", "StepStats", "Timings", "Tokenized", "Unauthenticated", "Unavailable", "Unimplemented", "Usage",
+    "SessionInfo", "StepStats", "Timings", "TokenLogprob", "Tokenized", "TopLogprob", "Unauthenticated",
+    "Unavailable", "Unimplemented", "Usage",
 ]
 __version__ = "0.1.0"

@@ -40,6 +40,8 @@ def generate_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     return_step_stats: bool = False,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
     request_id: str | None = None,
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
@@ -51,7 +53,7 @@ def generate_request(
     if isinstance(stop, str):
         stop = [stop]
     req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                             return_step_stats=return_step_stats)
+                             return_step_stats=return_step_stats, logprobs=logprobs, top_logprobs=top_logprobs)
     if prompt is not None:
         req.text = prompt
     elif messages is not None:

@@ -230,8 +230,11 @@ class Client:
         ``token_ids=[...]``. Options: ``session_id``, ``max_new_tokens``, ``sampling`` (a Sampling)
         or plain ``temperature=``, ``top_p=``, ``top_k=``, ``min_p=``, ``repetition_penalty=``,
         ``presence_penalty=``, ``frequency_penalty=``, ``seed=``; ``method`` (a Method, a name, or a
-        mapping); ``stop``, ``stop_token_ids``, ``ignore_eos``, ``return_step_stats``, ``request_id``.
-        ``timeout`` bounds the whole stream.
+        mapping); ``stop``, ``stop_token_ids``, ``ignore_eos``, ``return_step_stats``, ``request_id``;
+        ``logprobs=True`` (each chunk's ``logprobs``: a ``TokenLogprob`` per token id) and
+        ``top_logprobs=N`` (the N most likely tokens of each step too; N <= ``ModelInfo.limits.max_top_logprobs``).
+        Unset sampling fields take the server's defaults (``ModelInfo.default_sampling``); ``temperature=0``
+        is greedy. ``timeout`` bounds the whole stream.
         """
         request = _requests.generate_request(prompt, **kwargs)
         metadata = self.config.metadata(kwargs.get("session_id"))

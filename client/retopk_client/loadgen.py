@@ -9,7 +9,10 @@ request the client measures, on its own clock:
     E2E   = time of the last chunk - time the request was sent
 
 and over the run: throughput = generated tokens / wall time (first send to last completion).
-Failed requests are counted by gRPC status code and their latencies are left out.
+Failed requests are counted by gRPC status code and their latencies are left out. When the requests
+ask for log-probabilities (``generate_kwargs`` logprobs=True), the report adds how many tokens carried
+one and their mean. The report names the sampling the requests asked for (unset fields: the server's
+defaults, ModelInfo.default_sampling; temperature 0 is greedy).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from retopk_client.aio import AsyncClient
 from retopk_client.errors import RetopkError
 from retopk_client.retry import RetryPolicy
 from retopk_client.stats import LatencySummary
+from retopk_client.types import SAMPLING_FIELDS
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -86,6 +90,7 @@ class RequestResult:
     e2e: float | None = None
     error_code: str | None = None
     server_ttft: float | None = None
+    logprobs: list[float] = field(default_factory=list)  # the generated tokens' logprobs, when asked for
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,16 @@ class BenchReport:
     itl: LatencySummary
     e2e: LatencySummary
     server_ttft: LatencySummary
+    sampling: dict[str, Any] = field(default_factory=dict)  # the fields the requests set; the rest: server defaults
+    logprob_tokens: int = 0
+    mean_logprob: float | None = None
 
     @classmethod
     def of(cls, config: BenchConfig, results: list[RequestResult], wall: float) -> BenchReport:
         ok = [r for r in results if r.ok]
         tokens = sum(r.tokens for r in ok)
         errors = Counter(r.error_code for r in results if not r.ok)
+        logprobs = [lp for r in ok for lp in r.logprobs]
         return cls(
             address=config.address,
             concurrency=config.concurrency,
@@ -129,6 +138,9 @@ class BenchReport:
             itl=LatencySummary.of([gap for r in ok for gap in r.itl]),
             e2e=LatencySummary.of([r.e2e for r in ok if r.e2e is not None]),
             server_ttft=LatencySummary.of([r.server_ttft for r in ok if r.server_ttft is not None]),
+            sampling={k: v for k, v in config.generate_kwargs.items() if k in SAMPLING_FIELDS and v is not None},
+            logprob_tokens=len(logprobs),
+            mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
         )
 
     def to_dict(self) -> dict:
@@ -139,8 +151,10 @@ class BenchReport:
     def format_table(self) -> str:
         errors = ", ".join(f"{code}: {n}" for code, n in self.errors_by_code.items())
         errors = f"  ({errors})" if errors else ""
+        sampling = ", ".join(f"{k}={v}" for k, v in self.sampling.items()) or "server defaults"
         lines = [
-            f"target {self.address}   concurrency {self.concurrency}   max_new_tokens {self.max_new_tokens}",
+            f"target {self.address}   concurrency {self.concurrency}   max_new_tokens {self.max_new_tokens}   "
+            f"sampling {sampling}",
             f"requests  sent {self.requests_sent}  ok {self.requests_ok}  failed {self.requests_failed}{errors}",
             f"tokens    {self.generated_tokens} in {self.wall_seconds:.2f} s  ->  "
             f"{self.tokens_per_second:.1f} tokens/s, {self.requests_per_second:.2f} requests/s",
@@ -156,6 +170,8 @@ class BenchReport:
         for name, s in rows:
             nums = "".join(f"{_ms(v):>10}" for v in (s.mean_ms, s.p50_ms, s.p90_ms, s.p99_ms, s.max_ms))
             lines.append(f"{name:<26}{s.count:>8}{nums}")
+        if self.mean_logprob is not None:
+            lines.append(f"logprobs  {self.logprob_tokens} tokens, mean {self.mean_logprob:.3f}")
         return "\n".join(lines)
 
 
@@ -185,6 +201,7 @@ async def _one_request(client: AsyncClient, config: BenchConfig, index: int) -> 
                     result.itl.extend([(now - last) / n] * n)
                 last = now
                 result.tokens += n
+            result.logprobs.extend(lp.logprob for lp in chunk.logprobs)
             if chunk.timings is not None:
                 result.server_ttft = chunk.timings.time_to_first_token_seconds
         result.e2e = time.perf_counter() - sent

@@ -82,7 +82,8 @@ def as_chat_message(message: ChatMessage | Mapping[str, str] | tuple[str, str]) 
 
 @dataclass(frozen=True)
 class Sampling(_Dictable):
-    """Sampling parameters; ``None`` means the server default (greedy when every field is None)."""
+    """Sampling parameters; ``None`` means the server default for that field (``ModelInfo.default_sampling``:
+    the model's generation config, else chat defaults). ``temperature=0`` is greedy."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -95,6 +96,12 @@ class Sampling(_Dictable):
 
     def to_proto(self) -> pb.SamplingParameters:
         return pb.SamplingParameters(**{f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None})
+
+    @classmethod
+    def from_proto(cls, msg: pb.SamplingParameters) -> Sampling:
+        """The fields the message sets (floats as the float32's 7 digits: 0.9 arrives as 0.899999976)."""
+        values = {f: getattr(msg, f) for f in SAMPLING_FIELDS if msg.HasField(f)}
+        return cls(**{k: float(f"{v:.7g}") if isinstance(v, float) else v for k, v in values.items()})
 
 
 ParamValue = int | float | str | bool
@@ -253,6 +260,32 @@ class StepStats(_Dictable):
 
 
 @dataclass(frozen=True)
+class TopLogprob(_Dictable):
+    """One of a step's most likely tokens: its id, log-probability (natural log) and text decoded alone."""
+
+    token_id: int
+    logprob: float
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLogprob(_Dictable):
+    """A generated token's log-probability and, when asked (``top_logprobs``), the step's most likely tokens,
+    most likely first. The distribution: log_softmax of the penalised logits divided by the temperature
+    (temperature 0: at 1), before top-k / top-p / min-p truncation (see the proto's GenerateRequest.logprobs)."""
+
+    token_id: int
+    logprob: float
+    token: str = ""
+    top: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenLogprob) -> TokenLogprob:
+        return cls(token_id=msg.token_id, logprob=msg.logprob, token=msg.token,
+                   top=tuple(TopLogprob.from_proto(t) for t in msg.top))
+
+
+@dataclass(frozen=True)
 class Usage(_Dictable):
     """Token counts of one request."""
 
@@ -284,6 +317,7 @@ class Chunk(_Dictable):
     timings: Timings | None = None
     step_stats: tuple[StepStats, ...] = ()
     session_id: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
 
     @property
     def is_final(self) -> bool:
@@ -300,6 +334,7 @@ class Chunk(_Dictable):
             timings=Timings.from_proto(msg.timings) if msg.HasField("timings") else None,
             step_stats=tuple(StepStats.from_proto(s) for s in msg.step_stats),
             session_id=msg.session_id or None,
+            logprobs=tuple(TokenLogprob.from_proto(lp) for lp in msg.logprobs),
         )
 
 
@@ -315,10 +350,15 @@ class Completion(_Dictable):
     request_id: str
     session_id: str | None = None
     step_stats: tuple[StepStats, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
 
     def group_read_rate(self) -> float | None:
         """The group-read rate over every step this completion carries stats for (see ``group_read_rate``)."""
         return group_read_rate(self.step_stats)
+
+    def mean_logprob(self) -> float | None:
+        """Mean log-probability of the generated tokens (None without logprobs)."""
+        return sum(lp.logprob for lp in self.logprobs) / len(self.logprobs) if self.logprobs else None
 
 
 class CompletionBuilder:
@@ -328,12 +368,14 @@ class CompletionBuilder:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.step_stats: list[StepStats] = []
+        self.logprobs: list[TokenLogprob] = []
         self.last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.step_stats.extend(chunk.step_stats)
+        self.logprobs.extend(chunk.logprobs)
         self.last = chunk
 
     def build(self) -> Completion:
@@ -347,6 +389,7 @@ class CompletionBuilder:
             request_id=last.request_id if last else "",
             session_id=last.session_id if last else None,
             step_stats=tuple(self.step_stats),
+            logprobs=tuple(self.logprobs),
         )
 
 
@@ -387,6 +430,7 @@ class Limits(_Dictable):
     max_sessions: int
     max_running: int
     max_queue: int
+    max_top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -409,11 +453,14 @@ class ModelInfo(_Dictable):
     methods: tuple[str, ...]
     limits: Limits
     server_version: str
+    default_sampling: Sampling = Sampling()  # what each unset sampling field of a request takes
+    default_sampling_source: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
         return _from_fields(cls, msg, default_method=Method.from_proto(msg.default_method),
-                            limits=Limits.from_proto(msg.limits))
+                            limits=Limits.from_proto(msg.limits),
+                            default_sampling=Sampling.from_proto(msg.default_sampling))
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 ``FakeService.failures[rpc_name]`` is a list of status codes: each call of that rpc pops the first
 and aborts with it while the list is non-empty. ``Generate`` streams ``tokens`` chunks; with
-``fail_after_first`` set, it aborts with that code after the first chunk. Every call's metadata is
-recorded in ``calls``, every GenerateRequest in ``generate_requests``.
+``fail_after_first`` set, it aborts with that code after the first chunk; a request with ``logprobs``
+gets logprob -0.5 * (i + 1) on its i-th token. Every call's metadata is recorded in ``calls``, every
+GenerateRequest in ``generate_requests``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class FakeService(pb_grpc.ReTopKServiceServicer):
         self.generate_requests.append(request)
         self._enter("Generate", context)
         for i, text in enumerate(self.tokens):
-            yield pb.GenerateResponse(request_id=request.request_id or "fake", token_ids=[i], text=text)
+            logprobs = [pb.TokenLogprob(token_id=i, logprob=-0.5 * (i + 1), token=text)] if request.logprobs else []
+            yield pb.GenerateResponse(request_id=request.request_id or "fake", token_ids=[i], text=text,
+                                      logprobs=logprobs)
             if i == 0 and self.fail_after_first is not None:
                 context.abort(self.fail_after_first, "scripted failure mid-stream")
         yield pb.GenerateResponse(

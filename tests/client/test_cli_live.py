@@ -23,7 +23,8 @@ def test_every_subcommand_answers_help(command):
 
 
 def test_generate_streams_an_answer_naming_paris(run_cli):
-    done = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "10", "--usage")
+    done = run_cli("generate", "What is the capital of France?", "--max-new-tokens", "10", "--usage",
+                   "--temperature", "0")
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert "generated" in done.stderr and "ttft" in done.stderr
@@ -31,13 +32,20 @@ def test_generate_streams_an_answer_naming_paris(run_cli):
 
 def test_generate_json_is_one_parseable_summary(run_cli):
     done = run_cli("generate", "Once upon a time", "--raw", "--max-new-tokens", "2", "--ignore-eos",
-                   "--method", "retopk", "--method-params", "top_k=16,window=8", "--step-stats", "--json")
+                   "--method", "retopk", "--method-params", "top_k=16,window=8", "--step-stats", "--json",
+                   "--logprobs", "2")
     assert done.returncode == 0, done.stderr
     (line,) = done.stdout.strip().splitlines()
     out = json.loads(line)
     assert len(out["token_ids"]) == out["usage"]["generated_tokens"] == 2
     assert out["finish_reason"] == "length" and isinstance(out["text"], str)
     assert out["timings"]["total_seconds"] >= out["timings"]["time_to_first_token_seconds"] >= 0
+    # one logprob per token, each with its 2 most likely tokens (sorted), and their mean
+    assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
+    for lp in out["logprobs"]:
+        assert lp["logprob"] <= 0 and isinstance(lp["token"], str) and len(lp["top"]) == 2
+        assert lp["top"][0]["logprob"] >= lp["top"][1]["logprob"] and lp["top"][0]["logprob"] >= lp["logprob"]
+    assert out["mean_logprob"] == pytest.approx(sum(lp["logprob"] for lp in out["logprobs"]) / 2)
     # path statistics summarised: every (layer, head) of every reported step took one known path
     assert 1 <= out["steps"] <= 2
     assert set(out["path_counts"]) <= {"reuse", "fallback", "refresh", "exact", "dense", "approx", "cached",

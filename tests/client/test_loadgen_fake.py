@@ -47,6 +47,16 @@ def test_every_request_carries_the_sampling_and_method_options(fake):
         assert req.method.name == "full" and req.chat.messages[0].role == "user"
 
 
+def test_report_states_the_sampling_and_accounts_logprobs(fake):
+    report = run_bench(BenchConfig(address=fake.address, concurrency=2, requests=4, max_new_tokens=3,
+                                   generate_kwargs={"temperature": 0.0, "logprobs": True}))
+    assert all(req.logprobs for req in fake.service.generate_requests)
+    assert report.sampling == {"temperature": 0.0}
+    assert report.logprob_tokens == 4 * 3 and report.mean_logprob == pytest.approx((-0.5 - 1.0 - 1.5) / 3)
+    table = report.format_table()
+    assert "sampling temperature=0.0" in table and "logprobs  12 tokens, mean -1.000" in table
+
+
 def test_cli_bench_prints_a_table(fake):
     done = subprocess.run(
         [sys.executable, "-m", "retopk_client.cli", "bench", "--address", fake.address, "-n", "2", "--requests", "4"],

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from retopk_client import AsyncClient, FinishReason, InvalidArgument, Method, NotFound, errors
+from retopk_client import AsyncClient, FinishReason, InvalidArgument, Method, NotFound, Sampling, errors
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -39,18 +39,29 @@ def test_stream_names_paris_and_ends_with_a_report(client, paris_chunks):
 
 
 def test_complete_gathers_the_same_greedy_answer(client, paris_chunks):
-    done = client.complete(messages=QUESTION, max_new_tokens=10, request_id="complete-1")
+    done = client.complete(messages=QUESTION, max_new_tokens=10, request_id="complete-1", temperature=0.0)
     assert done.token_ids == tuple(t for c in paris_chunks for t in c.token_ids)
     assert done.text == "".join(c.text for c in paris_chunks)
     assert done.request_id == "complete-1" and done.finish_reason == paris_chunks[-1].finish_reason
+
+
+def test_logprobs_arrive_typed_per_token(client, paris_chunks):
+    done = client.complete(messages=QUESTION, max_new_tokens=3, temperature=0.0, logprobs=True, top_logprobs=2)
+    expected = tuple(t for c in paris_chunks for t in c.token_ids)[:3]
+    assert done.token_ids == expected and tuple(lp.token_id for lp in done.logprobs) == expected
+    for lp in done.logprobs:
+        assert lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0].token_id == lp.token_id  # greedy: the best
+        assert lp.top[0].logprob == pytest.approx(lp.logprob) and lp.top[0].logprob >= lp.top[1].logprob
+    assert done.mean_logprob() == pytest.approx(sum(lp.logprob for lp in done.logprobs) / 3)
+    assert done.logprobs[0].token == client.detokenize([expected[0]])
 
 
 def test_session_continues_its_context_across_turns(client):
     """Two turns in a session equal one stateless request fed the whole history (greedy, full attention)."""
     first, second = client.tokenize("The sky is").token_ids, client.tokenize(" and the grass is").token_ids
     with client.session(method=Method.full()) as s:
-        a = s.complete(token_ids=first, max_new_tokens=3, ignore_eos=True)
-        b = s.complete(token_ids=second, max_new_tokens=3, ignore_eos=True)
+        a = s.complete(token_ids=first, max_new_tokens=3, ignore_eos=True, temperature=0.0)
+        b = s.complete(token_ids=second, max_new_tokens=3, ignore_eos=True, temperature=0.0)
         info = s.refresh()
         assert s.id in {x.session_id for x in client.list_sessions()}
     assert a.session_id == b.session_id == s.id
@@ -58,7 +69,7 @@ def test_session_continues_its_context_across_turns(client):
     assert b.usage.session_tokens == a.usage.session_tokens + len(second) + 3
     assert info.turns == 2 and info.num_tokens == b.usage.session_tokens and info.method.name == "full"
     reference = client.complete(token_ids=first + a.token_ids + second, max_new_tokens=3, ignore_eos=True,
-                                method="full")
+                                method="full", temperature=0.0)
     assert b.token_ids == reference.token_ids
     with pytest.raises(NotFound):  # the with block closed it
         client.get_session(s.id)
@@ -72,6 +83,7 @@ def test_session_continues_its_context_across_turns(client):
         ({"method": Method.retopk(top_k=0)}, "top_k"),
         ({"method": "no_such_method"}, "method"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_invalid_arguments_raise_invalid_argument_naming_the_field(client, kwargs, field):
@@ -102,6 +114,9 @@ def test_model_info_health_status_and_tokenizer(client):
     assert info.architecture == "LlamaForCausalLM" and info.max_context == 8192
     assert {"full", "exact_topk", "retopk"} <= set(info.methods) and info.default_method.name in info.methods
     assert info.limits.max_new_tokens >= info.limits.default_max_new_tokens > 0
+    assert info.limits.max_top_logprobs == 20
+    assert info.default_sampling == Sampling(temperature=0.2, top_p=0.9, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                                             presence_penalty=0.0, frequency_penalty=0.0)
     assert client.health() == "SERVING" and client.health("retopk.v1.ReTopKService") == "SERVING"
     status = client.server_status()
     assert status.running >= 0 and status.queued >= 0 and not status.draining
@@ -113,7 +128,8 @@ def test_model_info_health_status_and_tokenizer(client):
 def test_async_client_streams_and_keeps_a_session(live_server, paris_chunks):
     async def main():
         async with AsyncClient(live_server, timeout=300) as c:
-            streamed = [chunk async for chunk in c.generate(messages=QUESTION, max_new_tokens=3)]
+            streamed = [chunk async for chunk in c.generate(messages=QUESTION, max_new_tokens=3, temperature=0.0,
+                                                            logprobs=True)]
             async with c.session(method="full") as s:
                 done = await s.complete("Hello", max_new_tokens=2, ignore_eos=True)
                 listed = {x.session_id for x in await c.list_sessions()}
@@ -127,6 +143,7 @@ def test_async_client_streams_and_keeps_a_session(live_server, paris_chunks):
     streamed, done, sid, listed, closed, health = asyncio.run(main())
     expected = [t for c in paris_chunks for t in c.token_ids][:3]
     assert [t for c in streamed for t in c.token_ids] == expected
+    assert [lp.token_id for c in streamed for lp in c.logprobs] == expected
     assert streamed[-1].finish_reason is FinishReason.LENGTH
     assert done.usage.generated_tokens == 2 and done.session_id == sid
     assert sid in listed and closed and health == "SERVING"

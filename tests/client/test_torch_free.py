@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     with Client(sys.argv[1], timeout=300) as client:
         health = client.health()
         done = client.complete(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                               max_new_tokens=10)
+                               max_new_tokens=10, temperature=0.0)
     print(json.dumps({"file": retopk_client.__file__, "health": health, "text": done.text,
                       "generated": done.usage.generated_tokens}))
     """

@@ -15,7 +15,19 @@ from retopk_client.cli.generate import summary
 from retopk_client.loadgen import BenchConfig, BenchReport, RequestResult
 from retopk_client.retry import RetryPolicy, call_with_retry
 from retopk_client.stats import LatencySummary, percentile
-from retopk_client.types import Chunk, Completion, FinishReason, Method, ModelInfo, StepStats, group_read_rate
+from retopk_client.types import (
+    Chunk,
+    Completion,
+    CompletionBuilder,
+    FinishReason,
+    Method,
+    ModelInfo,
+    Sampling,
+    StepStats,
+    TokenLogprob,
+    TopLogprob,
+    group_read_rate,
+)
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
 
@@ -195,6 +207,33 @@ def test_final_chunk_carries_reason_usage_timings_and_path_counts():
     assert not middle.is_final and middle.usage is None and middle.timings is None
 
 
+def test_logprobs_are_typed_per_token_and_gathered_with_their_mean():
+    assert generate_request("x", logprobs=True, top_logprobs=3).top_logprobs == 3
+    assert not generate_request("x").logprobs
+    lp = pb.TokenLogprob(token_id=5, logprob=-0.5, token=" a", top=[pb.TopLogprob(token_id=5, logprob=-0.5, token=" a"),
+                                                                    pb.TopLogprob(token_id=9, logprob=-1.5, token="b")])
+    first = Chunk.from_proto(pb.GenerateResponse(request_id="r", token_ids=[5], text=" a", logprobs=[lp]))
+    assert first.logprobs == (TokenLogprob(5, -0.5, " a", (TopLogprob(5, -0.5, " a"), TopLogprob(9, -1.5, "b"))),)
+    builder = CompletionBuilder()
+    builder.add(first)
+    builder.add(Chunk.from_proto(pb.GenerateResponse(request_id="r", token_ids=[7], text="c",
+                                                     logprobs=[pb.TokenLogprob(token_id=7, logprob=-1.0)])))
+    done = builder.build()
+    assert [x.token_id for x in done.logprobs] == [5, 7] and done.mean_logprob() == pytest.approx(-0.75)
+    out = summary(done)
+    assert out["mean_logprob"] == pytest.approx(-0.75) and out["logprobs"][0]["top"][1]["token"] == "b"
+    plain = summary(Completion("", (), None, None, None, "r"))
+    assert "logprobs" not in plain and "mean_logprob" not in plain  # only when asked for
+
+
+def test_model_info_reports_the_default_sampling():
+    msg = pb.ModelInfo(name="m", default_sampling=pb.SamplingParameters(temperature=0.2, top_p=0.9, top_k=0),
+                       default_sampling_source="card", limits=pb.Limits(max_top_logprobs=20))
+    info = ModelInfo.from_proto(msg)
+    assert info.default_sampling == Sampling(temperature=0.2, top_p=0.9, top_k=0)  # float32 0.9 read back as 0.9
+    assert info.default_sampling_source == "card" and info.limits.max_top_logprobs == 20
+
+
 def test_group_read_rate_is_the_share_of_layer_group_step_triples_read():
     """Per step: true group_read entries / entries; over a completion: pooled over its steps (not a mean of
     per-step rates, which would weigh a step by nothing); None when the server sent no group reads."""
@@ -269,7 +308,8 @@ def test_report_counts_tokens_errors_and_orders_percentiles():
     assert report.itl.p50_ms <= report.itl.p90_ms <= report.itl.p99_ms <= report.itl.max_ms
     table = report.format_table()
     assert "tokens/s" in table and "RESOURCE_EXHAUSTED: 2" in table and "p99" in table
-    assert report.to_dict()["ttft"]["count"] == 2
+    assert "sampling server defaults" in table and "logprobs" not in table
+    assert report.to_dict()["ttft"]["count"] == 2 and report.mean_logprob is None
 
 
 def test_empty_latency_summary_reports_nulls():

@@ -21,6 +21,7 @@ import torch
 from retopk_server.runtime.budget import BudgetExceeded
 from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.sampling_defaults import CHAT_DEFAULTS, CHAT_DEFAULTS_SOURCE
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats
 
@@ -74,6 +75,9 @@ class FakeInfo:
     device: str = "cpu"
     backend: str = "torch"
     default_method: MethodSpec = field(default_factory=lambda: MethodSpec("retopk", (("top_k", 8),)))
+    # the real runner's fallback (no generation config); top_p 0.9 keeps only the fake's one likely token
+    sampling_defaults: tuple = CHAT_DEFAULTS
+    sampling_source: str = CHAT_DEFAULTS_SOURCE
 
 
 class FakeRunner:

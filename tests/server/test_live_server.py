@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 QUESTION = pb.ChatMessage(role="user", content="What is the capital of France?")
 ANSWER = "The capital of France is Paris."
+# Tests that compare exact tokens ask for greedy decoding: an unset sampling field takes the model's defaults.
+GREEDY = pb.SamplingParameters(temperature=0)
 
 
 def chat(*messages: pb.ChatMessage) -> pb.ChatMessages:
@@ -62,10 +64,13 @@ def test_health_reflection_and_model_info(live_server, live_stub):
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, info.max_context) == (30, 9, 3, 64, 8192)
     assert info.name == "smollm2-135m" and info.architecture.startswith("Llama")
     assert info.default_method.name == "retopk" and info.default_method.top_k == 64
+    # the embedded GGUF has no generation config: its model card's sampling (retopk_core.models)
+    assert (info.default_sampling.temperature, info.default_sampling.top_p) == (pytest.approx(0.2), pytest.approx(0.9))
+    assert "embedded" in info.default_sampling_source and info.limits.max_top_logprobs == 20
 
 
 def test_chat_answer_streams_token_by_token(live_stub):
-    out = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), max_new_tokens=16)))
+    out = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), max_new_tokens=16, sampling=GREEDY)))
     assert text_of(out) == ANSWER
     assert out[-1].finish_reason == pb.FINISH_REASON_EOS_TOKEN
     assert len(out) == out[-1].usage.generated_tokens == len(ids(out))  # one message per token
@@ -77,7 +82,7 @@ def test_chat_answer_streams_token_by_token(live_stub):
 
 def test_concurrent_streams_are_batched_and_equal_each_request_alone(live_stub):
     prompts = [f"Write a short story about the number {i}." for i in range(8)]
-    requests = [pb.GenerateRequest(text=p, max_new_tokens=4, ignore_eos=True, request_id=f"c{i}")
+    requests = [pb.GenerateRequest(text=p, max_new_tokens=4, ignore_eos=True, request_id=f"c{i}", sampling=GREEDY)
                 for i, p in enumerate(prompts)]
     results: list = [None] * len(requests)
     peak = [0]
@@ -110,11 +115,11 @@ def test_session_turn_equals_the_whole_conversation_sent_at_once(live_stub):
     session = live_stub.CreateSession(pb.CreateSessionRequest()).session_id
     try:
         turn1 = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), session_id=session,
-                                                           max_new_tokens=16)))
+                                                           max_new_tokens=16, sampling=GREEDY)))
         assert text_of(turn1) == ANSWER and turn1[-1].session_id == session
         follow_up = pb.ChatMessage(role="user", content="And of Germany?")
         turn2 = list(live_stub.Generate(pb.GenerateRequest(chat=chat(follow_up), session_id=session,
-                                                           max_new_tokens=8)))
+                                                           max_new_tokens=8, sampling=GREEDY)))
         info = live_stub.GetSession(pb.GetSessionRequest(session_id=session))
         assert info.turns == 2 and info.num_tokens == turn2[-1].usage.session_tokens
         assert info.kv_bytes > 0 and info.method_state_bytes > 0 and not info.busy
@@ -123,7 +128,7 @@ def test_session_turn_equals_the_whole_conversation_sent_at_once(live_stub):
     finally:
         live_stub.CloseSession(pb.CloseSessionRequest(session_id=session))
     whole = chat(QUESTION, pb.ChatMessage(role="assistant", content=ANSWER), follow_up)
-    reference = list(live_stub.Generate(pb.GenerateRequest(chat=whole, max_new_tokens=8)))
+    reference = list(live_stub.Generate(pb.GenerateRequest(chat=whole, max_new_tokens=8, sampling=GREEDY)))
     assert ids(turn2) == ids(reference)
     code, _ = code_of(lambda: live_stub.GetSession(pb.GetSessionRequest(session_id=session)))
     assert code == grpc.StatusCode.NOT_FOUND
@@ -131,14 +136,15 @@ def test_session_turn_equals_the_whole_conversation_sent_at_once(live_stub):
 
 def test_step_stats_on_request(live_stub):
     out = list(live_stub.Generate(pb.GenerateRequest(text="Hello", max_new_tokens=3, ignore_eos=True,
-                                                     return_step_stats=True)))
+                                                     return_step_stats=True, sampling=GREEDY)))
     stats = [s for r in out for s in r.step_stats]
     assert [s.token_index for s in stats] == [1, 2]
     for s in stats:
         assert (s.num_layers, s.num_heads) == (30, 9) and len(s.path) == len(s.n_scored) == len(s.max_sim) == 270
         assert set(s.path) == {Path.DENSE}  # the default ReTopK attends densely below its dense floor (1K)
         assert all(n > 0 for n in s.n_scored)
-    plain = list(live_stub.Generate(pb.GenerateRequest(text="Hello", max_new_tokens=3, ignore_eos=True)))
+    plain = list(live_stub.Generate(pb.GenerateRequest(text="Hello", max_new_tokens=3, ignore_eos=True,
+                                                       sampling=GREEDY)))
     assert not any(r.step_stats for r in plain) and ids(plain) == ids(out)
 
 
@@ -147,9 +153,32 @@ def test_methods_side_by_side(live_stub):
     answers = set()
     for method in (pb.AttentionMethod(name="full"), pb.AttentionMethod(name="exact_topk", top_k=64),
                    pb.AttentionMethod(top_k=64, tau=0.9)):
-        out = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), max_new_tokens=16, method=method)))
+        out = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), max_new_tokens=16, method=method,
+                                                         sampling=GREEDY)))
         answers.add(text_of(out))
     assert answers == {ANSWER}
+
+
+def test_logprobs_of_greedy_tokens_equal_the_models_log_softmax(live_stub, embedded_model):
+    """The server's logprobs (default method: ReTopK, dense below its floor) against transformers' own forward
+    over the prompt and the generated tokens, log_softmax at each generated position (greedy: T = 1)."""
+    import torch
+
+    model, tokenizer = embedded_model
+    out = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), max_new_tokens=4, sampling=GREEDY,
+                                                     logprobs=True, top_logprobs=5)))
+    generated, lps = ids(out), [lp for r in out for lp in r.logprobs]
+    assert [lp.token_id for lp in lps] == generated and len(generated) == 4
+    prompt = list(live_stub.Tokenize(pb.TokenizeRequest(chat=chat(QUESTION))).token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].float()  # (P + 4, vocab)
+    ref = torch.log_softmax(logits[len(prompt) - 1:len(prompt) + 3], dim=-1)  # row i predicts generated[i]
+    for i, lp in enumerate(lps):
+        assert lp.logprob == pytest.approx(float(ref[i, lp.token_id]), abs=2e-3)
+        values, top_ids = torch.topk(ref[i], 5)
+        assert [t.token_id for t in lp.top] == top_ids.tolist() and lp.top[0].token_id == lp.token_id
+        assert [t.logprob for t in lp.top] == pytest.approx(values.tolist(), abs=2e-3)
+        assert lp.token == tokenizer.decode([lp.token_id])
 
 
 def test_cancel_and_deadline_free_the_slot(live_stub):

@@ -6,6 +6,7 @@ path is exercised cheaply, each against the behaviour the proto documents.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import grpc
@@ -99,6 +100,30 @@ def test_token_ids_and_stop_conditions(fake_server):
     assert "".join(r.text for r in out) == "".join(map(chr, ref[:2]))
 
 
+def test_logprobs_are_the_log_softmax_of_the_sampled_distribution(fake_server):
+    """The fake's logits are 10 on its next token and 0 on the other 127, so log_softmax is known by hand:
+    unset sampling takes the server's default temperature (0.7; its top_p 0.9 keeps only that token), and
+    temperature 0 (greedy) reports the logits at T = 1."""
+    server = fake_server()
+    expected = greedy_reference(enc("hello"), 3)
+    for sampling, T in ((None, 0.7), (pb.SamplingParameters(temperature=0), 1.0)):
+        out = list(server.stub.Generate(pb.GenerateRequest(text="hello", max_new_tokens=3, logprobs=True,
+                                                           top_logprobs=3, sampling=sampling)))
+        lps = [lp for r in out for lp in r.logprobs]
+        assert ids(out) == expected == [lp.token_id for lp in lps]  # one per token, in order
+        assert all(len(r.logprobs) == len(r.token_ids) for r in out)
+        lse = math.log(math.exp(10 / T) + 127)
+        for lp in lps:
+            assert lp.logprob == pytest.approx(10 / T - lse, abs=1e-4)
+            assert lp.top[0].token_id == lp.token_id  # greedy: the sampled token is the most likely
+            assert [t.logprob for t in lp.top] == pytest.approx([10 / T - lse, -lse, -lse], abs=1e-4)
+            assert lp.token == chr(lp.token_id) and [t.token for t in lp.top] == [chr(t.token_id) for t in lp.top]
+    just = list(server.stub.Generate(pb.GenerateRequest(text="hello", max_new_tokens=2, logprobs=True)))
+    assert all(len(lp.top) == 0 for r in just for lp in r.logprobs) and len(ids(just)) == 2
+    plain = list(server.stub.Generate(pb.GenerateRequest(text="hello", max_new_tokens=2)))
+    assert not any(r.logprobs for r in plain)
+
+
 def _method(**kw):
     return pb.AttentionMethod(**kw)
 
@@ -144,6 +169,8 @@ INVALID = [
     ("stop token outside vocab", pb.GenerateRequest(text="a", stop_token_ids=[10**6]), "stop_token_ids[0]"),
     ("empty request id", pb.GenerateRequest(text="a", request_id=""), "request_id"),
     ("empty session id", pb.GenerateRequest(text="a", session_id=""), "session_id"),
+    ("top_logprobs above the limit", pb.GenerateRequest(text="a", logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("top_logprobs without logprobs", pb.GenerateRequest(text="a", top_logprobs=2), "top_logprobs"),
     ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: prompt too long"),
 ]
 
@@ -301,6 +328,12 @@ def test_tokenize_detokenize_and_model_info(fake_server):
     assert info.default_method.cache_size == 32 and info.default_method.params["retrieval"].string_value
     assert {"full", "exact_topk", "retopk"} <= set(info.methods) and "fidelity_probe" not in info.methods
     assert info.limits.max_new_tokens == 2000 and info.limits.max_prompt_tokens == info.max_context
+    assert info.limits.max_top_logprobs == 20
+    # the runner's defaults for unset sampling fields (the fake carries the chat fallback), every field resolved
+    d = info.default_sampling
+    assert (d.temperature, d.top_p, d.top_k, d.min_p) == (pytest.approx(0.7), pytest.approx(0.9), 0, 0)
+    assert (d.repetition_penalty, d.presence_penalty, d.frequency_penalty) == (1, 0, 0) and not d.HasField("seed")
+    assert info.default_sampling_source == server.runner.info.sampling_source != ""
 
 
 def test_health_and_reflection(fake_server):

@@ -31,6 +31,8 @@ def register(sub, parents) -> None:
                    help="stop at end-of-sequence tokens (default: generate exactly --max-new-tokens)")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --address")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="ask for each token's log-probability (and N alternatives); the report adds their mean")
     common.add_sampling_args(p, max_new_tokens_default=64)
     common.add_method_args(p)
     p.set_defaults(run=run)
@@ -42,6 +44,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     method = common.method_from(args)
     if method is not None:
         kwargs["method"] = method
+    if args.logprobs is not None:
+        kwargs["logprobs"], kwargs["top_logprobs"] = True, args.logprobs
     requests = args.requests
     if args.duration is None and requests is None:
         requests = 4 * args.concurrency

@@ -85,7 +85,7 @@ def method_from(args: argparse.Namespace) -> Method | None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens_default: int | None = None) -> None:
-    g = p.add_argument_group("sampling (absent: the server's defaults, greedy)")
+    g = p.add_argument_group("sampling (absent: the server's defaults, see 'retopk info'; --temperature 0 is greedy)")
     g.add_argument("--max-new-tokens", type=int, default=max_new_tokens_default, metavar="N",
                    help="most tokens to generate" + (" (default %(default)s)" if max_new_tokens_default else ""))
     g.add_argument("--temperature", type=float, help="softmax temperature >= 0 (0 = greedy)")

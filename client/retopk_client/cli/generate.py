@@ -24,6 +24,9 @@ def register(sub, parents) -> None:
                    help="ask for per-step attention path statistics (summarised in --json output; --usage "
                         "adds the group-read rate)")
     p.add_argument("--request-id", default=None, help="an id for this request, echoed by the server")
+    p.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="ask for each generated token's log-probability and, with N, the N most likely tokens "
+                        "of each step (in --json / --jsonl output; --usage adds the mean)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true",
                      help="print one JSON object at the end: text, token_ids, finish_reason, usage, timings")
@@ -52,14 +55,20 @@ def request_kwargs(args: argparse.Namespace, prompt: str) -> dict:
         kwargs["return_step_stats"] = True
     if args.request_id:
         kwargs["request_id"] = args.request_id
+    if args.logprobs is not None:
+        kwargs["logprobs"], kwargs["top_logprobs"] = True, args.logprobs
     return kwargs
 
 
 def summary(completion) -> dict:
     """The --json object: the completion without the bulky step stats, which are summarised as path_counts
     ((layer, head) decisions per path name), group_read_rate (share of (layer, KV group, step) triples whose
-    keys were read in full) and steps."""
+    keys were read in full) and steps; logprobs (one per token id) and mean_logprob only when asked for."""
     out = completion.to_dict()
+    if out["logprobs"]:
+        out["mean_logprob"] = completion.mean_logprob()
+    else:
+        del out["logprobs"]
     stats = out.pop("step_stats")
     if stats:
         counts: dict[str, int] = {}
@@ -70,6 +79,11 @@ def summary(completion) -> dict:
         out["group_read_rate"] = completion.group_read_rate()
         out["steps"] = len(stats)
     return out
+
+
+def _mean_logprob(completion) -> str:
+    mean = completion.mean_logprob()
+    return "" if mean is None else f"; mean logprob {mean:.3f}"
 
 
 def _group_reads(completion) -> str:
@@ -99,6 +113,6 @@ def run(args: argparse.Namespace) -> int:
         common.stderr(
             f"[{completion.finish_reason.value if completion.finish_reason else '?'}] prompt {u.prompt_tokens} "
             f"+ generated {u.generated_tokens} tokens; ttft {t.time_to_first_token_seconds * 1000:.0f} ms, "
-            f"total {t.total_seconds:.2f} s{_group_reads(completion)}"
+            f"total {t.total_seconds:.2f} s{_group_reads(completion)}{_mean_logprob(completion)}"
         )
     return 0

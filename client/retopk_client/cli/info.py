@@ -41,12 +41,17 @@ def run_info(args: argparse.Namespace) -> int:
         f"device          {m.device} {m.dtype}, attention backend {m.backend}",
         f"default method  {m.default_method.describe()}",
         f"methods         {', '.join(m.methods)}",
+        f"sampling        {_sampling(m.default_sampling)} for unset fields ({m.default_sampling_source})",
         f"limits          prompt {lim.max_prompt_tokens}, new tokens {lim.max_new_tokens} "
         f"(default {lim.default_max_new_tokens}), sessions {lim.max_sessions}, running {lim.max_running}, "
         f"queue {lim.max_queue}",
         f"server version  {m.server_version}",
     ]))
     return 0
+
+
+def _sampling(sampling) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sampling.to_dict().items() if v is not None) or "none reported"
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -104,11 +104,15 @@ class TokenLogprob:
     The distribution is log_softmax of the logits after the penalties and the temperature (at
     temperature 0: after the penalties, at T = 1), before top-k / top-p / min-p truncation.
     ``top`` holds (token_id, logprob) pairs, most likely first (length ``top_logprobs``).
+    ``token`` and ``top_tokens`` (parallel to ``top``) are each token's text decoded alone (special
+    tokens kept; a piece of a multi-byte character decodes to U+FFFD).
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    token: str = ""
+    top_tokens: tuple[str, ...] = ()
 
 
 @dataclass
@@ -137,6 +141,15 @@ class GenerationRequest:
     deadline: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+
+    def check_logprobs(self) -> None:
+        """INVALID_ARGUMENT naming ``top_logprobs`` when it is out of range or set without ``logprobs``."""
+        n = self.top_logprobs
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT,
+                              f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
+        if n and not self.logprobs:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "top_logprobs: needs logprobs to be set")
 
     @property
     def input_field(self) -> str:

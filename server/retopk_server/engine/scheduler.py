@@ -124,6 +124,7 @@ class Engine:
         if not 0 < max_new <= cfg.max_new_tokens:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
                               f"max_new_tokens must lie in [1, {cfg.max_new_tokens}], got {max_new}")
+        spec.check_logprobs()
         with self._wake:
             if self._draining or self._stop:
                 raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not accepting new requests")

@@ -18,6 +18,7 @@ from retopk_server.engine.requests import (
     GenerationRequest,
     Timings,
     TokenEvent,
+    TokenLogprob,
     Usage,
 )
 from retopk_server.engine.runner_protocol import Runner
@@ -115,7 +116,7 @@ class ActiveRequest:
         """After prefill: the sampler and the stop conditions of this request."""
         spec = self.spec
         eos = set() if spec.ignore_eos else set(runner.info.eos_token_ids)
-        self.sampler = Sampler(spec.sampling)
+        self.sampler = Sampler(spec.sampling, spec.top_logprobs if spec.logprobs else None)
         self.stop = StopChecker(runner.tokenizer, sorted(eos | set(spec.stop_token_ids)), list(spec.stop))
 
     # ---- finish --------------------------------------------------------------------------------------
@@ -137,7 +138,17 @@ class ActiveRequest:
             text += self.stop.flush()
         self.text_parts.append(text)
         return TokenEvent([token], text, token_index=len(self.generated) - 1,
-                          step_stats=step_stats if self.spec.return_step_stats else None, finish_reason=reason)
+                          step_stats=step_stats if self.spec.return_step_stats else None, finish_reason=reason,
+                          logprobs=self._logprobs(token))
+
+    def _logprobs(self, token: int) -> list[TokenLogprob] | None:
+        """The sampler's log-probabilities of ``token`` (just sampled), with each token's text alone."""
+        if self.sampler.last_logprobs is None:
+            return None
+        logprob, top = self.sampler.last_logprobs
+        decode = self.stop.tokenizer.decode
+        return [TokenLogprob(token, logprob, top, token=decode([token]),
+                             top_tokens=tuple(decode([t]) for t, _ in top))]
 
     def timings(self, end: float) -> Timings:
         return Timings(queue_s=self.admitted - self.arrived, prefill_s=self.prefill_s,

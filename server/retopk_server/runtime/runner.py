@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from retopk_core.models import EMBEDDED_MODELS
 from retopk_server.runtime.attention import (
     ATTN_NAME,
     CTX_KWARG,
@@ -32,6 +33,7 @@ from retopk_server.runtime.loading import apply_rope_scaling, load
 from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob
+from retopk_server.runtime.sampling_defaults import model_defaults
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
@@ -56,6 +58,9 @@ class ModelInfo:
     device: str
     backend: str
     default_method: MethodSpec
+    # what an unset sampling field of a request takes, and where that comes from (sampling_defaults.py)
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    sampling_source: str = ""
 
 
 def _ids(value) -> list[int]:
@@ -101,12 +106,15 @@ class ModelRunner:
         eos += _ids(getattr(cfg, "eos_token_id", None))
         if tokenizer is not None:
             eos += _ids(tokenizer.eos_token_id)
+        embedded = EMBEDDED_MODELS.get(str(config.model))
+        sampling, sampling_source = model_defaults(getattr(model, "generation_config", None),
+                                                   embedded.sampling if embedded else None)
         self.info = ModelInfo(
             name=config.model, architecture=type(model).__name__, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_context=self.max_context,
             vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(dict.fromkeys(eos)), dtype=config.dtype,
             device=str(self.device), backend=config.method_backend(config.default_method.name),
-            default_method=config.default_method)
+            default_method=config.default_method, sampling_defaults=sampling, sampling_source=sampling_source)
         limit = config.kv_cache_bytes or default_cache_bytes(self.device, config.kv_cache_fraction)
         self.budget = CacheBudget(limit)
         self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, config.torch_dtype, self.device,

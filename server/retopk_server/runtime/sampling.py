@@ -9,6 +9,10 @@ Order of the logit transforms, each applied to what the previous one left:
   5. top-p: keep the smallest prefix of the descending distribution whose mass reaches p
   6. min-p: keep tokens whose probability is >= min_p * the largest probability
   7. draw one token from the renormalised distribution with the request's own generator
+
+Log-probabilities (when a request asks for them) are log_softmax of the logits after step 3's division
+by the temperature (after step 2 at T = 1 for greedy), before the truncations of steps 4-6: the model's
+distribution as the penalties and the temperature shape it, the same whichever filters are on.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from retopk_core.params import ParamError, check, param
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's sampling; each field declared once (default, doc, bounds: ``retopk_core.params``)."""
+    """One request's sampling; each field declared once (default, doc, bounds: ``retopk_core.params``).
+
+    These defaults are the neutral values (greedy, no filter, no penalty); a Generate request's unset fields
+    take the served model's defaults instead (``sampling_defaults.resolve``)."""
 
     temperature: float = param(0.0, "softmax temperature (0 = greedy)", low=0)
     top_p: float = param(1.0, "nucleus mass in (0, 1]", high=1)
@@ -83,11 +90,27 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-class Sampler:
-    """Samples one request's tokens; its generator is seeded from ``params.seed`` (random when None)."""
+def token_logprobs(scaled: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(logprob of ``token``, the ``top`` most likely (id, logprob) pairs, most likely first) under
+    log_softmax(scaled). scaled (V,) float32: penalised logits divided by the temperature."""
+    logprobs = torch.log_softmax(scaled, dim=-1)  # (V,)
+    if not top:
+        return float(logprobs[token]), ()
+    values, ids = torch.topk(logprobs, min(top, logprobs.numel()))  # (top,) each, descending
+    return float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True))
 
-    def __init__(self, params: SamplingParams) -> None:
+
+class Sampler:
+    """Samples one request's tokens; its generator is seeded from ``params.seed`` (random when None).
+
+    ``logprobs``: None (off) or how many alternatives to report with each token's log-probability; after
+    each ``sample`` the pair of ``token_logprobs`` is in ``last_logprobs`` (None when off).
+    """
+
+    def __init__(self, params: SamplingParams, logprobs: int | None = None) -> None:
         self.params = params
+        self.logprobs = logprobs
+        self.last_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
             self.generator.seed()
@@ -98,9 +121,14 @@ class Sampler:
         """logits (V,) float32 on any device -> the next token id."""
         logits = apply_penalties(logits.detach().float().cpu(), self.params, generated_ids, prompt_ids)
         if self.params.greedy:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)  # (V,)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(filter_logits(logits, self.params), dim=-1)  # (V,)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        if self.logprobs is not None:
+            scaled = logits if self.params.greedy else logits / self.params.temperature
+            self.last_logprobs = token_logprobs(scaled, token, self.logprobs)
+        return token
 
 
 class StopChecker:

@@ -17,6 +17,7 @@ from retopk_server.engine.requests import FinishReason, GenerationRequest, Token
 from retopk_server.engine.sessions import SessionSnapshot
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
+from retopk_server.runtime.sampling_defaults import resolve, resolved_fields
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
 ROLES = ("system", "user", "assistant")
@@ -106,16 +107,22 @@ def method_message(name: str, params: dict) -> pb.AttentionMethod:
 
 
 # ---------------------------------------------------------------------------------------------- generate
-def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+def sampling_params(message: pb.SamplingParameters, defaults=()) -> SamplingParams:
+    """The fields the message sets over ``defaults`` (the model's, ModelInfo.sampling_defaults)."""
     values = {}
     for key in SAMPLING_FIELDS:
         if message.HasField(key):
             value = getattr(message, key)
             values[key] = _float32(value) if isinstance(value, float) else value
     try:
-        return SamplingParams(**values)
+        return resolve(values, defaults)
     except ParamError as e:
         raise InvalidArgument(f"sampling.{e.field}", str(e)) from None
+
+
+def sampling_message(defaults) -> pb.SamplingParameters:
+    """ModelInfo.default_sampling: every field but seed as an unset request gets it."""
+    return pb.SamplingParameters(**resolved_fields(defaults))
 
 
 def chat_messages(message: pb.ChatMessages, field: str = "chat") -> list[dict]:
@@ -137,8 +144,9 @@ def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
 
 
 def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, vocab_size: int,
-                       max_new_tokens_limit: int, deadline: float | None) -> GenerationRequest:
-    """Check a GenerateRequest and turn it into the engine's GenerationRequest."""
+                       max_new_tokens_limit: int, deadline: float | None, sampling_defaults=()) -> GenerationRequest:
+    """Check a GenerateRequest and turn it into the engine's GenerationRequest; unset sampling fields take
+    ``sampling_defaults``. The engine checks ``top_logprobs`` (GenerationRequest.check_logprobs)."""
     request_id = (_identifier("request_id", message.request_id) if message.HasField("request_id")
                   else uuid.uuid4().hex)
     spec = GenerationRequest(request_id=request_id, deadline=deadline)
@@ -161,7 +169,7 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
             raise InvalidArgument("method", "must be absent when session_id is set (a session keeps its own method)")
     elif message.HasField("method"):
         spec.method = method_spec(message.method, default_method)
-    spec.sampling = sampling_params(message.sampling)
+    spec.sampling = sampling_params(message.sampling, sampling_defaults)
     if message.HasField("max_new_tokens"):
         if not 0 < message.max_new_tokens <= max_new_tokens_limit:
             raise InvalidArgument("max_new_tokens",
@@ -176,6 +184,7 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
     spec.stop_token_ids = check_token_ids("stop_token_ids", message.stop_token_ids, vocab_size)
     spec.ignore_eos = message.ignore_eos
     spec.return_step_stats = message.return_step_stats
+    spec.logprobs, spec.top_logprobs = message.logprobs, message.top_logprobs
     return spec
 
 
@@ -194,6 +203,11 @@ def generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse
                               session_id=event.session_id)
     if event.step_stats is not None:
         out.step_stats.append(step_stats_message(event.step_stats, event.token_index))
+    for lp in event.logprobs or ():
+        out.logprobs.append(pb.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, token=lp.token,
+            top=[pb.TopLogprob(token_id=t, logprob=v, token=s)
+                 for (t, v), s in zip(lp.top, lp.top_tokens or ("",) * len(lp.top), strict=True)]))
     if event.finish_reason is not None:
         out.finish_reason = _FINISH[event.finish_reason]
         u, t = event.usage, event.timings

@@ -29,6 +29,7 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method
+from retopk_server.engine.requests import MAX_TOP_LOGPROBS
 from retopk_server.service import convert
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
@@ -142,7 +143,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             deadline = None if remaining is None else time.monotonic() + remaining
             info = self.engine.info
             spec = convert.generation_request(request, info.default_method, info.vocab_size,
-                                              self.config.max_new_tokens, deadline)
+                                              self.config.max_new_tokens, deadline, info.sampling_defaults)
             spec.owner = caller.name
             stream = RequestStream()
             self.engine.submit(spec, stream)
@@ -221,14 +222,17 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         default = info.default_method
         limits = pb.Limits(max_prompt_tokens=cfg.max_prompt_tokens or info.max_context,
                            max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=cfg.default_max_new_tokens,
-                           max_sessions=cfg.max_sessions, max_running=cfg.max_running, max_queue=cfg.max_queue)
+                           max_sessions=cfg.max_sessions, max_running=cfg.max_running, max_queue=cfg.max_queue,
+                           max_top_logprobs=MAX_TOP_LOGPROBS)
         return pb.ModelInfo(name=info.name, architecture=info.architecture, num_layers=info.num_layers,
                             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                             max_context=info.max_context, vocab_size=info.vocab_size,
                             eos_token_ids=list(info.eos_token_ids), dtype=info.dtype, device=info.device,
                             backend=info.backend,
                             default_method=convert.method_message(default.name, describe_method(default)),
-                            methods=serving_method_names(), limits=limits, server_version=self.version)
+                            methods=serving_method_names(), limits=limits, server_version=self.version,
+                            default_sampling=convert.sampling_message(info.sampling_defaults),
+                            default_sampling_source=info.sampling_source)
 
     @_unary
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context, _caller: Caller) -> pb.ServerStatus:

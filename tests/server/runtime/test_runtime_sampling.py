@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,3 +110,81 @@ def test_seed_makes_sampling_reproducible():
 
     assert run(params) == run(params)
     assert run(params) != run(SamplingParams(temperature=1.0, top_p=0.95, seed=43))
+
+
+# ---- log-probabilities: log_softmax of the penalised, tempered logits, before the truncations -----------
+
+def _log_softmax(xs: list[float]) -> list[float]:
+    """From the definition: x - log(sum(exp(x)))."""
+    lse = math.log(sum(math.exp(x) for x in xs))
+    return [x - lse for x in xs]
+
+
+def test_greedy_logprob_is_the_log_softmax_of_the_argmax_and_top_is_sorted():
+    logits = [0.1, 2.0, -1.0, 1.9, 0.5]
+    sampler = Sampler(SamplingParams(), logprobs=3)
+    token = sampler.sample(torch.tensor(logits), [], [])
+    logprob, top = sampler.last_logprobs
+    ref = _log_softmax(logits)
+    assert token == 1 and logprob == pytest.approx(ref[1], abs=1e-6)
+    assert [t for t, _ in top] == [1, 3, 4]  # the three largest, most likely first; the greedy token leads
+    assert [v for _, v in top] == pytest.approx([ref[1], ref[3], ref[4]], abs=1e-6)
+
+
+def test_logprobs_follow_the_penalties_and_temperature_but_not_the_truncations():
+    logits = [2.0, -1.0, 0.4, 3.0, -0.5]
+    T = 0.5
+    params = SamplingParams(temperature=T, top_k=1, repetition_penalty=2.0, presence_penalty=0.5, seed=0)
+    sampler = Sampler(params, logprobs=5)
+    token = sampler.sample(torch.tensor(logits), [0, 3, 3], [1])
+    # the formulas of test_penalties_follow_their_formulas (no frequency penalty here), divided by T
+    penalised = [2.0 / 2 - 0.5, -1.0 * 2, 0.4, 3.0 / 2 - 0.5, -0.5]
+    ref = _log_softmax([x / T for x in penalised])
+    logprob, top = sampler.last_logprobs
+    assert token == 3  # top_k 1 keeps only the best penalised logit (token 3: 1.0; token 0 drops to 0.5)
+    assert logprob == pytest.approx(ref[token], abs=1e-5)
+    assert sorted(t for t, _ in top) == [0, 1, 2, 3, 4]  # tokens top-k removed still have their finite logprob
+    assert dict(top) == pytest.approx(dict(enumerate(ref)), abs=1e-5)
+    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
+def test_logprobs_off_by_default_and_top_zero_gives_only_the_token():
+    logits = torch.tensor([0.0, 1.0])
+    off = Sampler(SamplingParams())
+    off.sample(logits, [], [])
+    assert off.last_logprobs is None
+    only = Sampler(SamplingParams(), logprobs=0)
+    only.sample(logits, [], [])
+    assert only.last_logprobs == (pytest.approx(_log_softmax([0.0, 1.0])[1]), ())
+
+
+# ---- defaults for unset fields: the model's generation config, else the embedded model's, else chat defaults --
+
+def test_defaults_come_from_the_generation_config_first():
+    from transformers import GenerationConfig
+
+    from retopk_server.runtime.sampling_defaults import CHAT_DEFAULTS, model_defaults
+
+    qwen_like = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    got, source = model_defaults(qwen_like, embedded=(("temperature", 0.2),))
+    assert dict(got) == pytest.approx({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05})
+    assert "generation config" in source
+    assert model_defaults(GenerationConfig(), embedded=(("temperature", 0.2),))[0] == (("temperature", 0.2),)
+    assert model_defaults(GenerationConfig(), embedded=None)[0] == CHAT_DEFAULTS
+    assert model_defaults(None, embedded=None)[0] == CHAT_DEFAULTS
+    # a value the sampler refuses is skipped, not fatal
+    odd = SimpleNamespace(temperature=0.6, top_p=2.0, top_k=None)
+    assert dict(model_defaults(odd, None)[0]) == {"temperature": 0.6}
+
+
+def test_a_request_overrides_only_the_fields_it_sets():
+    from retopk_server.runtime.sampling_defaults import resolve, resolved_fields
+
+    defaults = (("temperature", 0.2), ("top_p", 0.9))
+    assert resolve({}, defaults) == SamplingParams(temperature=0.2, top_p=0.9)
+    assert resolve({"temperature": 0.0}, defaults).greedy  # temperature 0 stays greedy
+    assert resolve({"top_k": 5, "seed": 3}, defaults) == SamplingParams(temperature=0.2, top_p=0.9, top_k=5, seed=3)
+    with pytest.raises(ValueError, match="top_p"):
+        resolve({"top_p": 0.0}, defaults)
+    fields = resolved_fields(defaults)
+    assert fields["temperature"] == 0.2 and fields["top_k"] == 0 and "seed" not in fields
