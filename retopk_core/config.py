@@ -29,13 +29,15 @@ class ReTopKConfig(MethodConfig):
                    (FALLBACK below tau, else PROMOTED), an unread group's heads all reuse
     """
 
-    top_k: int = param(512, "K: tokens attended per head and step (the support size)", low=1)
-    cache_size: int = param(32, "C: capacity of each head's FIFO of (unit-norm query, support) pairs", low=1)
-    window: int = param(32, "W: recent positions always added to the candidate set", low=0)
+    top_k: int = param(512, "K: tokens attended per head and step (the support size)", low=1,
+                       context=True)
+    cache_size: int = param(32, "C: capacity of each head's FIFO of (unit-norm query, support) pairs", low=1,
+                            context=True)
+    window: int = param(32, "W: recent positions always added to the candidate set", low=0, context=True)
     recall: int = param(4, "R: cached entries recalled per step (R <= C)", low=1)
     tau: float = param(0.85, "fall back to Exact Top-K when the max cached-query cosine < tau", low=0.0, high=1.0)
     refresh_every: int = param(128, "T_r: exact refresh when the decode-step offset t_dec > 0 and t_dec % T_r == 0; "
-                                    "0 disables scheduled refresh", low=0)
+                                    "0 disables scheduled refresh", low=0, context=True)
     retrieval: str = param("similarity", "'similarity' (the paper) or 'recent' (the ablation that recalls the R "
                                          "newest entries instead of the R most similar)",
                            choices=("similarity", "recent"))
@@ -45,7 +47,8 @@ class ReTopKConfig(MethodConfig):
                                       "the mean decides)", low=0.0, high=1.0)
     dense_below: int = param(0, "L_min: a sequence shorter than this (the current token included) attends to every "
                                 "position (path DENSE) and pushes the exact Top-K of those scores into its FIFO, so "
-                                "the first sparse step at L_min finds exact supports; 0 = never (the paper)", low=0)
+                                "the first sparse step at L_min finds exact supports; 0 = never (the paper)", low=0,
+                             context=True)
     refresh_stagger: bool = param(False, "stagger scheduled refreshes over (layer, KV group): each refreshes every "
                                          "T_r steps at its own phase (same average rate), so no step refreshes every "
                                          "layer at once; False = the paper (all at t_dec = T_r, 2T_r, ...)")

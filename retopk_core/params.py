@@ -12,6 +12,7 @@ configs that are not methods' (the server's runtime and sampling configs).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,9 +26,15 @@ class ParamError(ValueError):
 
 
 def param(default, doc: str, *, low: float | None = None, high: float | None = None,
-          choices: tuple[str, ...] | None = None):
-    """A config field: its default, one line of doc, inclusive bounds (numbers) or the allowed strings."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "low": low, "high": high, "choices": choices})
+          choices: tuple[str, ...] | None = None, context: bool = False):
+    """A config field: its default, one line of doc, inclusive bounds (numbers) or the allowed strings.
+
+    ``context=True``: the field counts positions or cache entries (a Top-K, a window, a FIFO capacity,
+    a refresh period), so no value above the context length of the model the method runs on means
+    anything more: ``check_context`` bounds it there (a server knows the context; the core alone does not).
+    """
+    return dataclasses.field(default=default, metadata={"doc": doc, "low": low, "high": high, "choices": choices,
+                                                        "context": context})
 
 
 def check_int(name: str, value, low: int | None = 1, optional: bool = False) -> None:
@@ -37,12 +44,13 @@ def check_int(name: str, value, low: int | None = 1, optional: bool = False) -> 
     if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
         kinds = {1: "a positive integer", 0: "a non-negative integer", None: "an integer"}
         kind = kinds.get(low, f"an integer >= {low}")
-        raise ParamError(name, f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+        raise ParamError(name, f"{name} must be {kind}{' or None' if optional else ''}, got {_short(value)}")
 
 
 def check_number(name: str, value, low: float | None = None, high: float | None = None) -> None:
-    """ParamError unless value is a number (not NaN, not a bool) within [low, high]."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value
+    """ParamError unless value is a finite number (not NaN or infinite, not a bool) within [low, high]."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = number and (isinstance(value, int) or math.isfinite(value))
     if ok and low is not None:
         ok = value >= low
     if ok and high is not None:
@@ -50,7 +58,10 @@ def check_number(name: str, value, low: float | None = None, high: float | None 
     if not ok:
         bounds = f"lie in [{_num(low)}, {_num(high)}]" if low is not None and high is not None else (
             f"be >= {_num(low)}" if low is not None else f"be <= {_num(high)}" if high is not None else "be a number")
-        raise ParamError(name, f"{name} must {bounds}, got {value!r}")
+        if number and not isinstance(value, int) and not math.isfinite(value):
+            bounds = "be a finite number" + (bounds[2:] if bounds.startswith("be >") or bounds.startswith("be <")
+                                             else f" and {bounds}" if bounds != "be a number" else "")
+        raise ParamError(name, f"{name} must {bounds}, got {_short(value)}")
 
 
 def _num(x: float) -> str:
@@ -81,9 +92,31 @@ def check(config) -> None:
         elif kind == "float":
             check_number(f.name, value, meta.get("low"), meta.get("high"))
         elif kind == "bool" and not isinstance(value, bool):
-            raise ParamError(f.name, f"{f.name} must be a bool, got {value!r}")
+            raise ParamError(f.name, f"{f.name} must be a bool, got {_short(value)}")
         elif kind == "str" and meta.get("choices") and value not in meta["choices"]:
-            raise ParamError(f.name, f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+            raise ParamError(f.name, f"{f.name} must be one of {', '.join(meta['choices'])}, got {_short(value)}")
+
+
+def check_context(config, max_context: int, keep: Mapping[str, object] | None = None) -> None:
+    """ParamError naming the first field declared with ``context=True`` whose value exceeds ``max_context``.
+
+    A field at its declared default, or at its value in ``keep`` (a server's own default method), passes:
+    those are the method's choices and mean the same at any context (a Top-K beyond the sequence attends
+    to all of it); the bound is for what a caller picks.
+    """
+    keep = keep or {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == f.default or (f.name in keep and value == keep[f.name]):
+            continue
+        if f.metadata.get("context") and isinstance(value, int) and value > max_context:
+            raise ParamError(f.name, f"{f.name} must be <= {max_context} (the model's context length), got {value}")
+
+
+def _short(value, limit: int = 60) -> str:
+    """repr(value), cut to about ``limit`` characters (error messages quote what a client sent)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from retopk_core.params import MethodConfig, param
 
 @dataclass(frozen=True)
 class ExactTopKConfig(MethodConfig):
-    top_k: int = param(512, "K: tokens attended per head and step (the global Top-K)", low=1)
+    top_k: int = param(512, "K: tokens attended per head and step (the global Top-K)", low=1, context=True)
 
 
 class ExactTopK(AttentionMethod):

@@ -45,7 +45,7 @@ from retopk_core.params import MethodConfig, param
 
 @dataclass(frozen=True)
 class LokiConfig(MethodConfig):
-    top_k: int = param(512, "tokens attended per head and step", low=1)
+    top_k: int = param(512, "tokens attended per head and step", low=1, context=True)
     rank: int = param(64, "PCA components r (clamped to head_dim)", low=1)
 
 

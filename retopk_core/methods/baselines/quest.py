@@ -39,7 +39,7 @@ _INF = float("inf")
 
 @dataclass(frozen=True)
 class QuestConfig(MethodConfig):
-    top_k: int = param(512, "token budget per head and step", low=1)
+    top_k: int = param(512, "token budget per head and step", low=1, context=True)
     page_size: int = param(16, "tokens per page (P, <= top_k)", low=1)
 
     def validate(self) -> None:

@@ -40,7 +40,7 @@ from retopk_core.params import MethodConfig, param
 
 @dataclass(frozen=True)
 class SparQConfig(MethodConfig):
-    top_k: int = param(512, "tokens attended per head and step", low=1)
+    top_k: int = param(512, "tokens attended per head and step", low=1, context=True)
     r: int | None = param(None, "query components used (None = head_dim // 8, at least 1)", low=1)
     reallocate: bool = param(False, "SparQ's mean-value reallocation of the dropped attention mass")
 

@@ -32,7 +32,7 @@ from retopk_core.params import MethodConfig, ParamError, param
 
 @dataclass(frozen=True)
 class StreamingLLMConfig(MethodConfig):
-    top_k: int = param(512, "tokens attended per step (S + W)", low=1)
+    top_k: int = param(512, "tokens attended per step (S + W)", low=1, context=True)
     sinks: int = param(64, "S initial tokens; the rest (W = top_k - S) is the recent window", low=0)
 
     def validate(self) -> None:

@@ -39,7 +39,7 @@ from retopk_core.params import MethodConfig, ParamError, param
 
 @dataclass(frozen=True)
 class TokenSelectConfig(MethodConfig):
-    top_k: int = param(512, "tokens attended (initial + selected + local)", low=1)
+    top_k: int = param(512, "tokens attended (initial + selected + local)", low=1, context=True)
     initial: int = param(64, "initial tokens always attended", low=0)
     local: int = param(32, "most recent tokens always attended", low=1)
     threshold: float = param(0.9, "cosine of consecutive queries at or above which the previous selection is "
