@@ -227,7 +227,8 @@ def test_queue_full_then_sigterm_drain():
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in details
 
         server.process.terminate()  # SIGTERM
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+        readiness = health_pb2.HealthCheckRequest(service="retopk.v1.ReTopKService")  # liveness stays SERVING
+        while health.Check(readiness).status != health_pb2.HealthCheckResponse.NOT_SERVING:
             pass
         code, _ = code_of(lambda: stub.Generate(pb.GenerateRequest(text="late")))
         assert code == grpc.StatusCode.UNAVAILABLE

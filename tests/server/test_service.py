@@ -356,7 +356,8 @@ def test_drain_finishes_running_streams_and_refuses_new_ones(fake_server):
     drained = threading.Thread(target=server.drain, args=(30.0,))
     drained.start()
     health = health_pb2_grpc.HealthStub(server.channel)
-    while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+    readiness = health_pb2.HealthCheckRequest(service="retopk.v1.ReTopKService")  # liveness stays SERVING
+    while health.Check(readiness).status != health_pb2.HealthCheckResponse.NOT_SERVING:
         pass
     code, _ = code_of(lambda: server.stub.Generate(pb.GenerateRequest(text="b")))
     assert code == grpc.StatusCode.UNAVAILABLE

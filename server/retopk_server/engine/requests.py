@@ -26,7 +26,11 @@ class ErrorCode(enum.Enum):
 class EngineError(Exception):
     """A failure the caller can act on: a code and a message that names the offending field."""
 
+    MAX_CHARS = 500  # a status message at most: gRPC sends it in a trailer, which clients cap at 8 KiB
+
     def __init__(self, code: ErrorCode, message: str) -> None:
+        if len(message) > self.MAX_CHARS:
+            message = message[:self.MAX_CHARS] + "..."
         super().__init__(message)
         self.code = code
         self.message = message

@@ -36,6 +36,7 @@ from collections import deque
 from collections.abc import Callable
 
 from retopk_server.engine.commands import CommandQueue, EngineCommands
+from retopk_server.engine.faults import EngineFailed, cause, request_error, runner_broken
 from retopk_server.engine.observer import EngineObserver
 from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode, GenerationRequest, TokenEvent
 from retopk_server.engine.runner_protocol import Runner
@@ -70,6 +71,7 @@ class Engine:
         self._stop = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self.failure: BaseException | None = None  # why the loop died (engine/faults.py), None while it runs
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle (any thread)
@@ -94,6 +96,11 @@ class Engine:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs its loop (False before ``start``, after ``stop`` and once it failed)."""
+        return self._thread is not None and self._thread.is_alive() and self.failure is None and not self._stop
 
     def in_flight(self) -> int:
         """Requests queued or running. A request counts as finished once its last event is out,
@@ -148,10 +155,18 @@ class Engine:
             return
         self._hook("on_start", self.runner.info, self.runner.memory)
         self._ready.set()
+        error = EngineError(ErrorCode.UNAVAILABLE, "server shut down before the request finished")
         try:
             self._loop()
+        except BaseException as e:  # noqa: BLE001 - the loop died: fail what is left, tell the supervisor
+            self.failure = e
+            log.critical("engine loop failed, the engine stops: %s", cause(e), exc_info=e)
+            error = EngineError(ErrorCode.UNAVAILABLE, f"the server's engine failed ({cause(e)}); retry on a "
+                                                       "restarted server")
         finally:
-            self._shutdown()
+            with self._wake:  # from now on submit and the commands answer UNAVAILABLE
+                self._stop = self._commands.closed = True
+            self._shutdown(error)
 
     def _loop(self) -> None:
         while True:
@@ -226,7 +241,8 @@ class Engine:
                 self._end_admission(r, e)
             except Exception as e:
                 log.exception("prefill of request %s failed", r.spec.request_id)
-                self._end_admission(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
+                self._end_admission(r, request_error("prefill", e))
+                self._check_runner(e)
         return None
 
     def _start_prefill(self, r: ActiveRequest) -> None:
@@ -261,7 +277,8 @@ class Engine:
             logits = r.job.step(n)  # (vocab,) after the prompt's last token, else None
         except Exception as e:
             log.exception("prefill of request %s failed", r.spec.request_id)
-            self._end_admission(r, EngineError(ErrorCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}"))
+            self._end_admission(r, request_error("prefill", e))
+            self._check_runner(e)
             return n
         r.prefill_s += time.monotonic() - t0
         if logits is not None:
@@ -279,7 +296,7 @@ class Engine:
         self._hook("on_prefill", r, r.job.end - r.job.begin, r.prefill_s)
         r.job = None
         r.start_sampling(self.runner)
-        self._postprocess(r, r.sampler.sample(logits, r.generated, r.context_ids), None)
+        self._step_row(r, logits, None)
 
     def _end_admission(self, r: ActiveRequest, error: EngineError) -> None:
         """The request being admitted fails: its partial prefill is undone, then it ends with ``error``."""
@@ -317,15 +334,54 @@ class Engine:
                                                with_stats=want_stats)  # (B, vocab)
         except Exception as e:
             log.exception("batched decode of %d requests failed", len(batch))
-            for r in batch:
-                self._fail(r, EngineError(ErrorCode.INTERNAL, f"decode failed: {type(e).__name__}: {e}"))
-            self._running = []
+            self._decode_alone(batch, want_stats, e)
             return
         self._hook("on_step", batch, time.monotonic() - t0, stats)
         for i, r in enumerate(batch):
-            token = r.sampler.sample(logits[i], r.generated, r.context_ids)
-            self._postprocess(r, token, stats[i] if stats is not None else None)
+            self._step_row(r, logits[i], stats[i] if stats is not None else None)
         self._running = [r for r in batch if not r.done]
+
+    def _decode_alone(self, batch: list[ActiveRequest], want_stats: bool, error: Exception) -> None:
+        """After a failed batched step: decode each request alone, so only those that fail alone end.
+
+        A row whose step fails gets its status (faults.request_error); when every row failed, the runner
+        is probed and a broken one ends the engine (EngineFailed). Layers the failed step reached may
+        have seen the token once already; their keys and values are overwritten by the retry.
+        """
+        failed = 0
+        for r in batch if len(batch) > 1 else ():
+            t0 = time.monotonic()
+            try:
+                logits, stats = self.runner.decode([r.record.session], [r.last_token], with_stats=want_stats)
+            except Exception as e:
+                log.exception("decode of request %s alone failed", r.spec.request_id)
+                self._fail(r, request_error("decode", e))
+                failed += 1
+                continue
+            self._hook("on_step", [r], time.monotonic() - t0, stats)
+            self._step_row(r, logits[0], stats[0] if stats is not None else None)
+        if len(batch) == 1:
+            self._fail(batch[0], request_error("decode", error))
+        self._running = [r for r in batch if not r.done]
+        if failed == len(batch) or len(batch) == 1:
+            self._check_runner(error)
+
+    def _check_runner(self, error: Exception) -> None:
+        """EngineFailed when the runner is broken after it raised ``error`` (engine/faults.py)."""
+        if (why := runner_broken(self.runner, error)) is not None:
+            raise EngineFailed(f"the runner is broken: {cause(error)}; probe: {cause(why)}") from why
+
+    def _step_row(self, r: ActiveRequest, logits, stats) -> None:
+        """Sample the request's next token from its logits (vocab,) and stream it. A failure ends this
+        request alone, with a status that names the stage."""
+        stage = "sampling"
+        try:
+            token = r.sampler.sample(logits, r.generated, r.context_ids)
+            stage = "streaming the token"
+            self._postprocess(r, token, stats)
+        except Exception as e:
+            log.exception("%s of request %s failed", stage, r.spec.request_id)
+            self._fail(r, request_error(stage, e))
 
     # ---- postprocess: stream the token, finish the request ----------------------------------------------
     def _postprocess(self, r: ActiveRequest, token: int, stats) -> None:
@@ -346,10 +402,14 @@ class Engine:
         self._hook("on_finish", r, event.finish_reason.name, event.usage, event.timings)
 
     def _fail(self, r: ActiveRequest, error: EngineError) -> None:
-        if r.done:
+        """End the request with ``error`` (unless its last event is out); a failed release is logged."""
+        if r.stream.closed:
             return
         try:
-            self._release(r)
+            if not r.done:
+                self._release(r)
+        except Exception:
+            log.exception("releasing the session of request %s failed", r.spec.request_id)
         finally:
             r.stream.fail(error)
             self._hook("on_error", r, error.code.value)
@@ -364,9 +424,8 @@ class Engine:
         r.remember_turn()
         self.sessions.release(r.record)
 
-    def _shutdown(self) -> None:
-        """Fail what is left, close every session, answer pending commands."""
-        error = EngineError(ErrorCode.UNAVAILABLE, "server shut down before the request finished")
+    def _shutdown(self, error: EngineError) -> None:
+        """Fail what is left with ``error``, close every session, answer pending commands."""
         if self._admitting is not None:
             self._end_admission(self._admitting, error)
         for r in list(self._running):

@@ -162,8 +162,8 @@ class ActiveRequest:
     def remember_turn(self) -> None:
         """Keep what the next turn needs in the session: the unfed last token, the chat, the turn count."""
         record = self.record
-        if self.generated:
-            record.pending = [self.last_token]
+        if self.generated:  # the tokens no decode step fed: the last one, none after a failed sampling
+            record.pending = self.generated[len(record.session.token_ids) - len(self.context_ids):]
         if self.prefilled and self.spec.chat is not None and not record.ephemeral:
             record.messages = record.messages + list(self.spec.chat) + [
                 {"role": "assistant", "content": "".join(self.text_parts)}]

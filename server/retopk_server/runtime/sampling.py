@@ -24,6 +24,10 @@ import torch
 
 from retopk_core.params import ParamError, check, param
 
+# Below this temperature sampling is greedy: the tempered logits l / T stay finite above it (|l| <= 1e4 after
+# a repetition penalty <= 100), and a distribution that sharp is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,11 +36,11 @@ class SamplingParams:
     These defaults are the neutral values (greedy, no filter, no penalty); a Generate request's unset fields
     take the served model's defaults instead (``sampling_defaults.resolve``)."""
 
-    temperature: float = param(0.0, "softmax temperature (0 = greedy)", low=0)
+    temperature: float = param(0.0, "softmax temperature (0 = greedy; so is any value below MIN_TEMPERATURE)", low=0)
     top_p: float = param(1.0, "nucleus mass in (0, 1]", high=1)
     top_k: int = param(0, "keep the k largest logits (0 = off)", low=0)
     min_p: float = param(0.0, "keep tokens with probability >= min_p x the largest", low=0, high=1)
-    repetition_penalty: float = param(1.0, "> 0 (1 = off), over prompt and generated tokens")
+    repetition_penalty: float = param(1.0, "1 = off; over prompt and generated tokens", low=0.01, high=100)
     presence_penalty: float = param(0.0, "subtracted once from every generated token's logit", low=-2, high=2)
     frequency_penalty: float = param(0.0, "subtracted per occurrence of a generated token", low=-2, high=2)
     seed: int | None = param(None, "seed of the request's generator (None: nondeterministic)", low=0)
@@ -45,14 +49,13 @@ class SamplingParams:
         check(self)
         if not self.top_p > 0:
             raise ParamError("top_p", f"top_p must lie in (0, 1], got {self.top_p!r}")
-        if not self.repetition_penalty > 0:
-            raise ParamError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.seed is not None and self.seed >= 2**63:
             raise ParamError("seed", f"seed must be a non-negative 64-bit integer or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that l / T would overflow float32: the argmax, as vLLM does."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, generated_ids: list[int],

@@ -13,7 +13,7 @@ from retopk_core.methods.registry import serving_method_names
 from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.commands import EngineStatus
-from retopk_server.engine.requests import FinishReason, GenerationRequest, TokenEvent
+from retopk_server.engine.requests import EngineError, FinishReason, GenerationRequest, TokenEvent
 from retopk_server.engine.sessions import SessionSnapshot
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
@@ -29,10 +29,19 @@ NAMED_PARAMS = tuple(f.name for f in pb.AttentionMethod.DESCRIPTOR.fields if f.n
 SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParameters.DESCRIPTOR.fields)
 
 
+MAX_MESSAGE_CHARS = EngineError.MAX_CHARS  # a status message at most
+
+
 class InvalidArgument(ValueError):
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        text = f"{_short(field, 120)}: {message}"
+        super().__init__(text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "...")
         self.field = field
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters: messages quote what a client sent, which may be huge."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _float32(value: float) -> float:
@@ -64,7 +73,7 @@ def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
     """
     name = message.name or default.name
     if name not in (names := serving_method_names()):  # evaluation wrappers are not a client's to pick
-        raise InvalidArgument("method.name", f"unknown method {name!r}; choose one of {', '.join(names)}")
+        raise InvalidArgument("method.name", f"unknown method {_short(name)!r}; choose one of {', '.join(names)}")
     params = dict(default.params) if name == default.name else {}
     given = {}
     for key in NAMED_PARAMS:
@@ -82,11 +91,15 @@ def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
         spec = MethodSpec(name, tuple(params.items()))
         spec.build()
     except ParamError as e:  # names the hyperparameter: a named field of method, or one of its params
-        field = e.field if e.field == "name" or e.field in NAMED_PARAMS else f"params[{e.field!r}]"
-        raise InvalidArgument(f"method.{field}", str(e)) from None
+        raise InvalidArgument(f"method.{method_field(e)}", str(e)) from None
     except ValueError as e:
         raise InvalidArgument("method", str(e)) from None
     return spec
+
+
+def method_field(e: ParamError) -> str:
+    """The AttentionMethod field a ParamError names: a named field ("cache_size") or "params['key']"."""
+    return e.field if e.field == "name" or e.field in NAMED_PARAMS else f"params[{_short(e.field)!r}]"
 
 
 def method_message(name: str, params: dict) -> pb.AttentionMethod:
@@ -131,7 +144,8 @@ def chat_messages(message: pb.ChatMessages, field: str = "chat") -> list[dict]:
     out = []
     for i, m in enumerate(message.messages):
         if m.role not in ROLES:
-            raise InvalidArgument(f"{field}.messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
+            raise InvalidArgument(f"{field}.messages[{i}].role",
+                                  f"must be one of {', '.join(ROLES)}, got {_short(m.role)!r}")
         out.append({"role": m.role, "content": m.content})
     return out
 

@@ -7,9 +7,11 @@ Lifecycle of ``serve``:
      --tls-client-ca); print "retopk-server listening on HOST:PORT"; SIGHUP reloads the keys file;
      with --http-port also the OpenAI-compatible HTTP front (retopk_server.http) in the same event loop,
      printing "retopk-server HTTP (OpenAI API) on http(s)://HOST:PORT/v1"; the drain below stops both
-  3. on SIGTERM / SIGINT drain: health NOT_SERVING, new Generate / CreateSession calls UNAVAILABLE,
-     queued and running requests get ``drain_grace_s`` to finish, then what is left is cut with
-     UNAVAILABLE, the server stops and ``serve`` returns 0.
+  3. on SIGTERM / SIGINT drain: readiness NOT_SERVING (liveness stays SERVING: supervision.py), new
+     Generate / CreateSession calls UNAVAILABLE, queued and running requests get ``drain_grace_s`` to
+     finish, then what is left is cut with UNAVAILABLE, the server stops and ``serve`` returns 0.
+  4. when the engine dies (engine/faults.py) health turns NOT_SERVING, the server stops and ``serve``
+     returns EXIT_ENGINE_FAILED (70), so that an orchestrator restarts the process.
 """
 
 from __future__ import annotations
@@ -21,23 +23,25 @@ import time
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineObserver, Runner
 from retopk_server.service.auth import KeyRing, KeysFileError
+from retopk_server.service.limits import InputLimits
 from retopk_server.service.servicer import ReTopKServicer
+from retopk_server.service.supervision import EXIT_ENGINE_FAILED, SERVICE_NAME, Supervisor
 
 log = logging.getLogger("retopk_server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # "retopk.v1.ReTopKService"
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # long prompts as text or token ids
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-]
+MAX_SEND_BYTES = 64 << 20  # replies: step statistics of long streams, session lists
+
+
+def grpc_options(max_receive_bytes: int) -> list[tuple[str, int]]:
+    """gRPC server options: requests up to ``max_receive_bytes`` (service/limits.py's max_message_bytes)."""
+    return [("grpc.max_receive_message_length", max_receive_bytes), ("grpc.max_send_message_length", MAX_SEND_BYTES)]
 
 
 def server_version() -> str:
@@ -87,6 +91,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 class RunningServer:
     """A started server: ``port``, ``engine``, ``health``, ``keys`` (the KeyRing); ``drain()`` shuts it down."""
 
+    supervisor: Supervisor | None = None  # keeps health in step with the engine (``start`` sets it)
+
     def __init__(self, config: ServerConfig, server: grpc.aio.Server, engine: Engine,
                  health_servicer, port: int, keys: KeyRing | None = None) -> None:
         self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
@@ -96,7 +102,8 @@ class RunningServer:
     async def drain(self, grace_s: float | None = None) -> None:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
         log.info("draining: not serving, waiting up to %.1f s for %d requests", grace_s, self.engine.in_flight())
-        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
+        if self.supervisor is not None:  # readiness NOT_SERVING; liveness SERVING while the engine runs
+            await self.supervisor.draining()
         self.engine.start_drain()
         deadline = time.monotonic() + grace_s
         while self.engine.in_flight() and time.monotonic() < deadline:
@@ -104,12 +111,23 @@ class RunningServer:
         if self.engine.in_flight():
             log.warning("drain grace over; cutting %d requests", self.engine.in_flight())
             await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
+        await self._stop()
+        log.info("stopped")
+
+    async def abort(self) -> None:
+        """The engine failed (the supervisor said so): stop at once; its requests already ended UNAVAILABLE."""
+        await self._stop()
+        log.info("stopped after an engine failure")
+
+    async def _stop(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+        await self.health.enter_graceful_shutdown()  # every name NOT_SERVING
         # Let the handlers write the last messages (and the statuses of cut requests) out.
         if self.http is not None:  # stops listening; open connections get its graceful timeout
             await self.http.stop()
         await self.server.stop(grace=2.0)
         await asyncio.to_thread(self.engine.stop)
-        log.info("stopped")
 
 
 async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = None) -> RunningServer:
@@ -120,7 +138,7 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     """
     keys = keys if keys is not None else KeyRing.from_config(config)
     credentials = server_credentials(config)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=grpc_options(InputLimits.of(config, engine.info).max_message_bytes))
     servicer = ReTopKServicer(engine, config, version=server_version(), keys=keys)
     pb_grpc.add_ReTopKServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -130,9 +148,8 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = RunningServer(config, server, engine, health_servicer, port, keys)
+    running.supervisor = await Supervisor(engine, health_servicer).start()  # liveness and readiness SERVING
     if config.http_port is not None:
         from retopk_server.http.serve import HttpFront  # fastapi and uvicorn load only when the front is on
 
@@ -186,6 +203,12 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
     print(f"retopk-server listening on {config.host}:{running.port}", flush=True)
     if running.http is not None:
         print(f"retopk-server HTTP (OpenAI API) on {running.http.url}/v1", flush=True)
-    await stop.wait()
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(running.supervisor.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if running.supervisor.failed.is_set():
+        await running.abort()
+        return EXIT_ENGINE_FAILED
     await running.drain()
     return 0

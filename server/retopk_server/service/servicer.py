@@ -33,6 +33,7 @@ from retopk_server.engine.requests import MAX_TOP_LOGPROBS
 from retopk_server.service import convert
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
+from retopk_server.service.limits import InputLimits
 from retopk_server.service.quota import StreamQuota, TooManyStreams
 
 log = logging.getLogger("retopk_server.service")
@@ -124,6 +125,11 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def _engine(self, future):
         return await asyncio.wrap_future(future)
 
+    @functools.cached_property
+    def limits(self) -> InputLimits:
+        """The input sizes a caller may send (service/limits.py), from the config and the loaded model."""
+        return InputLimits.of(self.config, self.engine.info)
+
     # ------------------------------------------------------------------------------------ Generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         t0, code = time.monotonic(), "OK"
@@ -142,9 +148,11 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             info = self.engine.info
+            self.limits.generate(request)
             spec = convert.generation_request(request, info.default_method, info.vocab_size,
                                               self.config.max_new_tokens, deadline, info.sampling_defaults)
             spec.owner = caller.name
+            self.limits.method(spec.method)
             stream = RequestStream()
             self.engine.submit(spec, stream)
         except Exception as exc:  # noqa: BLE001 - refused before the engine took it
@@ -175,6 +183,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         self._check_affinity(context, session_id)
         method = (convert.method_spec(request.method, self.engine.info.default_method)
                   if request.HasField("method") else None)
+        self.limits.method(method)
         return convert.session_info(await self._engine(self.engine.commands.create_session(
             session_id, method, caller.name, caller.max_sessions)))
 
@@ -202,6 +211,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         which = request.WhichOneof("input")
         if which is None:
             raise InvalidArgument("input", "set one of text, chat")
+        self.limits.tokenize(request)
         if which == "text":
             ids = await self._engine(self.engine.commands.encode(request.text))
         else:
@@ -211,6 +221,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
 
     @_unary
     async def Detokenize(self, request: pb.DetokenizeRequest, context, _caller: Caller) -> pb.DetokenizeResponse:
+        self.limits.detokenize(request)
         ids = convert.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
         text = await self._engine(self.engine.commands.detokenize(ids, request.skip_special_tokens))
         return pb.DetokenizeResponse(text=text)
@@ -224,6 +235,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                            max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=cfg.default_max_new_tokens,
                            max_sessions=cfg.max_sessions, max_running=cfg.max_running, max_queue=cfg.max_queue,
                            max_top_logprobs=MAX_TOP_LOGPROBS)
+        limits.MergeFrom(pb.Limits(**self.limits.reported()))
         return pb.ModelInfo(name=info.name, architecture=info.architecture, num_layers=info.num_layers,
                             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                             max_context=info.max_context, vocab_size=info.vocab_size,

@@ -1,0 +1,66 @@
+"""Health that tells the truth, and the exit of a server whose engine died.
+
+grpc.health.v1 answers for two names, which docker/k8s's probes ask for:
+
+    ""                       liveness: SERVING while the engine thread runs its loop (a drain included),
+                             NOT_SERVING once the engine failed
+    "retopk.v1.ReTopKService" readiness: SERVING while the model is loaded, the engine alive and the
+                             server not draining
+
+The Supervisor polls the engine every ``interval_s``. When the engine loop died (its ``failure``;
+engine/faults.py says when that happens) both names turn NOT_SERVING and ``failed`` is set:
+``serve`` then stops gRPC and exits with EXIT_ENGINE_FAILED, so that the orchestrator restarts the
+process. Requests the dead engine held already ended with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from grpc_health.v1 import health_pb2
+
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.engine import Engine
+
+log = logging.getLogger("retopk_server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # "retopk.v1.ReTopKService"
+LIVENESS, READINESS = "", SERVICE_NAME
+EXIT_ENGINE_FAILED = 70  # sysexits' EX_SOFTWARE: the engine died; restart the process
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Supervisor:
+    """Keeps ``health`` (a grpc_health aio HealthServicer) in step with ``engine``; see the module docstring."""
+
+    def __init__(self, engine: Engine, health, interval_s: float = 0.2) -> None:
+        self.engine, self.health, self.interval_s = engine, health, interval_s
+        self.failed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> Supervisor:
+        """Both names SERVING, then watch the engine (call on the server's event loop)."""
+        await self.health.set(LIVENESS, SERVING)
+        await self.health.set(READINESS, SERVING)
+        self._task = asyncio.create_task(self._watch(), name="retopk-supervisor")
+        return self
+
+    async def draining(self) -> None:
+        """Readiness NOT_SERVING (routers stop sending work); liveness stays SERVING while the engine runs."""
+        await self.health.set(READINESS, NOT_SERVING)
+
+    async def _watch(self) -> None:
+        while self.engine.failure is None:
+            await asyncio.sleep(self.interval_s)
+        log.critical("the engine failed (%s): health NOT_SERVING, the server exits", self.engine.failure)
+        await self.health.set(READINESS, NOT_SERVING)
+        await self.health.set(LIVENESS, NOT_SERVING)
+        self.failed.set()
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

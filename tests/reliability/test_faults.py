@@ -1,0 +1,312 @@
+"""Fault injection: an exception in sampling, decode, prefill, an allocation failure, a hook, the loop.
+
+Each per-request fault ends only the request it hit, with a status naming the stage; the requests
+batched with it finish with exactly the tokens they get alone (``fake_runner.greedy_reference``), and
+the engine keeps serving. A broken runner (the probe fails too) or a dead loop ends the engine:
+queued and running requests get UNAVAILABLE, health turns NOT_SERVING and ``serve`` exits with 70.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_server.config import ServerConfig
+from retopk_server.engine import EngineError, EngineObserver, ErrorCode, GenerationRequest, RequestStream
+from retopk_server.engine.faults import RunnerBroken
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.sampling import Sampler, SamplingParams
+from retopk_server.service.server import serve
+from retopk_server.service.supervision import EXIT_ENGINE_FAILED, READINESS
+from tests._live_server import free_port
+from tests.server.conftest import FakeServer
+from tests.server.fake_runner import FakeRunner, greedy_reference
+from tests.server.test_engine import collect, enc, make_engine, tokens
+
+pytestmark = pytest.mark.timeout(60)
+
+POISON = "!"  # a prompt holding it triggers the injected fault
+GOOD = ("hello", "abc", "fault-free", "zz")
+
+
+class FaultyRunner(FakeRunner):
+    """The fake model, failing where told: ``fail[stage]`` is the exception that stage raises for a poisoned
+    session (one whose tokens hold POISON); ``broken`` makes every prefill and decode raise."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.fail: dict[str, BaseException] = {}
+        self.broken = False
+        self.attempts: list[int] = []  # the batch size of every decode call, failed ones too
+
+    @staticmethod
+    def _poisoned(tokens) -> bool:
+        return ord(POISON) in tokens
+
+    def start_prefill(self, session, token_ids):
+        job = super().start_prefill(session, token_ids)
+        if self.broken or ("prefill" in self.fail and self._poisoned(token_ids)):
+            error = self.fail.get("prefill", RuntimeError("device lost"))
+
+            def step(max_tokens):  # fails inside the prefill's forward, as a model error would
+                raise error
+
+            job.step = step
+        return job
+
+    def decode(self, sessions, token_ids, with_stats=False):
+        self.attempts.append(len(sessions))
+        if self.broken or ("decode" in self.fail and any(self._poisoned(s.token_ids) for s in sessions)):
+            raise self.fail.get("decode", RuntimeError("device lost"))
+        return super().decode(sessions, token_ids, with_stats)
+
+
+def submit(engine, text: str, max_new_tokens: int = 8, **fields) -> RequestStream:
+    stream = RequestStream()
+    engine.submit(GenerationRequest(request_id=text, text=text, max_new_tokens=max_new_tokens, **fields), stream)
+    return stream
+
+
+async def run_batch(engine, texts, max_new_tokens: int = 8, **fields):
+    """Submit every text at once (they share the decode batch) -> {text: (tokens, error)}."""
+    streams = {t: submit(engine, t, max_new_tokens, **fields) for t in texts}
+    results = await asyncio.gather(*(collect(s) for s in streams.values()))
+    return {t: (tokens(events), error) for t, (events, error) in zip(streams, results, strict=True)}
+
+
+def assert_isolated(results, poisoned: str, code: ErrorCode, *words: str) -> None:
+    """The poisoned request failed with ``code`` and a message holding ``words``; the others match the reference."""
+    _, error = results[poisoned]
+    assert error is not None and error.code is code, error
+    assert all(w in error.message for w in words), error.message
+    for text, (got, err) in results.items():
+        if text != poisoned:
+            assert err is None and got == greedy_reference(enc(text), 8), (text, err)
+
+
+def still_serves(engine) -> None:
+    got, error = asyncio.run(run_batch(engine, ["again"]))["again"]
+    assert error is None and got == greedy_reference(enc("again"), 8)
+    assert engine.alive and engine.failure is None
+
+
+@pytest.fixture
+def faulty():
+    runner = FaultyRunner()
+    engine, _ = make_engine(runner)
+    yield engine, runner
+    engine.stop()
+
+
+@pytest.mark.parametrize("at_step", [0, 3])  # 0: the token sampled right after prefill; 3: in a decode step
+def test_sampling_failure_ends_only_its_request(faulty, monkeypatch, at_step):
+    engine, _ = faulty
+    real = Sampler.sample
+
+    def sample(self, logits, generated, context):
+        if self.params.seed == 666 and len(generated) == at_step:
+            raise FloatingPointError("injected sampling fault")
+        return real(self, logits, generated, context)
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+
+    async def batch():
+        streams = {t: submit(engine, t) for t in GOOD}
+        streams["bad"] = submit(engine, "bad", sampling=SamplingParams(seed=666))
+        return {t: (tokens(ev), err) for t, (ev, err) in
+                zip(streams, await asyncio.gather(*(collect(s) for s in streams.values())), strict=True)}
+
+    results = asyncio.run(batch())
+    assert_isolated(results, "bad", ErrorCode.INTERNAL, "sampling failed", "FloatingPointError", "injected")
+    assert len(results["bad"][0]) == at_step  # the tokens before the fault were streamed
+    still_serves(engine)
+
+
+def test_sampling_failure_keeps_a_named_session_consistent(faulty, monkeypatch):
+    """The token fed by the last decode step is in the cache; the next turn must not feed it again."""
+    engine, runner = faulty
+    engine.commands.create_session("s", None).result(10)
+    real = Sampler.sample
+
+    def sample(self, logits, generated, context):
+        if len(generated) == 2:  # after the decode step that fed the second token
+            raise ValueError("injected")
+        return real(self, logits, generated, context)
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+    events, error = asyncio.run(turn(engine, "hey", 8))
+    assert error is not None and error.code is ErrorCode.INTERNAL and len(tokens(events)) == 2
+    monkeypatch.setattr(Sampler, "sample", real)
+    events, error = asyncio.run(turn(engine, "yo", 3))
+    assert error is None
+    context = enc("hey") + greedy_reference(enc("hey"), 2) + enc("yo")
+    session = next(iter(runner.sessions.values()))
+    assert session.token_ids[:len(context)] == context  # each generated token fed exactly once
+    assert tokens(events) == greedy_reference(context, 3)
+
+
+async def turn(engine, text: str, max_new_tokens: int):
+    stream = RequestStream()
+    engine.submit(GenerationRequest(request_id=text, text=text, session_id="s", max_new_tokens=max_new_tokens), stream)
+    return await collect(stream)
+
+
+@pytest.mark.parametrize("exc, code, words", [
+    (RuntimeError("injected decode fault"), ErrorCode.INTERNAL, ("decode failed", "injected decode fault")),
+    (torch.OutOfMemoryError("CUDA out of memory"), ErrorCode.RESOURCE_EXHAUSTED, ("out of memory during decode",)),
+    (MemoryError(), ErrorCode.RESOURCE_EXHAUSTED, ("out of memory during decode",)),
+])
+def test_decode_failure_ends_only_the_row_that_fails_alone(faulty, exc, code, words):
+    engine, runner = faulty
+    runner.fail["decode"] = exc
+    results = asyncio.run(run_batch(engine, [*GOOD, "bad" + POISON]))
+    assert_isolated(results, "bad" + POISON, code, *words)
+    assert max(runner.attempts) == len(GOOD) + 1  # the fault hit a shared batch
+    still_serves(engine)
+
+
+@pytest.mark.parametrize("exc, code, words", [
+    (RuntimeError("injected prefill fault"), ErrorCode.INTERNAL, ("prefill failed", "injected prefill fault")),
+    (MemoryError("cannot allocate KV blocks"), ErrorCode.RESOURCE_EXHAUSTED,
+     ("out of memory during prefill", "cannot allocate KV blocks")),
+])
+def test_prefill_failure_ends_only_its_request(faulty, exc, code, words):
+    engine, runner = faulty
+    runner.fail["prefill"] = exc
+    results = asyncio.run(run_batch(engine, [*GOOD[:2], "bad" + POISON, *GOOD[2:]]))
+    assert_isolated(results, "bad" + POISON, code, *words)
+    still_serves(engine)
+
+
+def test_allocation_failure_opening_a_session(faulty, monkeypatch):
+    engine, runner = faulty
+    real = runner.open_session
+
+    def open_session(method=None, session_id=None):
+        if method is not None and dict(method.params).get("top_k") == 5:
+            raise MemoryError("method state")
+        return real(method, session_id)
+
+    monkeypatch.setattr(runner, "open_session", open_session)
+
+    async def both():
+        bad = submit(engine, "x", method=MethodSpec.of("retopk", top_k=5))
+        good = submit(engine, "hello")
+        return await asyncio.gather(collect(bad), collect(good))
+
+    (_, error), (events, ok) = asyncio.run(both())
+    assert error.code is ErrorCode.RESOURCE_EXHAUSTED and "out of memory during prefill" in error.message
+    assert ok is None and tokens(events) == greedy_reference(enc("hello"), 8)
+    still_serves(engine)
+
+
+def test_failing_observer_hooks_do_not_stop_streams():
+    class Broken(EngineObserver):
+        def on_token(self, *args):
+            raise RuntimeError("metrics bug")
+
+        def on_step(self, *args):
+            raise RuntimeError("metrics bug")
+
+    engine, _ = make_engine(FaultyRunner(), observer=Broken())
+    try:
+        results = asyncio.run(run_batch(engine, GOOD))
+        assert all(err is None and got == greedy_reference(enc(t), 8) for t, (got, err) in results.items())
+        still_serves(engine)
+    finally:
+        engine.stop()
+
+
+# --- unrecoverable: the engine ends, health says so -----------------------------------------------------
+def test_broken_runner_fails_the_engine_and_everything_it_holds(faulty):
+    engine, runner = faulty
+    gate = threading.Event()
+    runner.gate = gate  # hold the first decode step until every request is in
+
+    async def held():
+        streams = [submit(engine, t, max_new_tokens=50) for t in GOOD]
+        while engine.load()[1] < len(GOOD):
+            await asyncio.sleep(0.01)
+        streams.append(submit(engine, "late", max_new_tokens=2))  # queued behind the held step
+        runner.broken = True
+        gate.set()
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(held())
+    codes = {error.code for _, error in results}
+    assert codes <= {ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE} and ErrorCode.UNAVAILABLE in codes
+    assert any("engine failed" in error.message for _, error in results)
+    engine._thread.join(10)
+    assert not engine.alive and isinstance(engine.failure, Exception) and "probe" in str(engine.failure)
+
+    async def after():
+        with pytest.raises(EngineError) as refused:
+            submit(engine, "after")
+        return refused.value.code
+
+    assert asyncio.run(after()) is ErrorCode.UNAVAILABLE
+    with pytest.raises(EngineError):  # commands too: the queue is closed
+        engine.commands.status().result(5)
+
+
+def test_runner_broken_exception_needs_no_probe(faulty):
+    engine, runner = faulty
+    runner.fail["decode"] = RunnerBroken("context poisoned")
+    results = asyncio.run(run_batch(engine, ["only" + POISON]))
+    assert results["only" + POISON][1].code is ErrorCode.INTERNAL
+    engine._thread.join(10)
+    assert isinstance(engine.failure, Exception) and "context poisoned" in str(engine.failure)
+
+
+def test_a_dying_loop_turns_health_not_serving():
+    runner = FaultyRunner()
+    server = FakeServer(runner)
+    try:
+        health = health_pb2_grpc.HealthStub(server.channel)
+        for name in ("", READINESS):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == 1  # SERVING
+        server.engine.sessions.expire_idle = lambda: 1 / 0  # the loop itself raises
+        with server.engine._wake:
+            server.engine._wake.notify_all()
+        server.engine._thread.join(10)
+        assert isinstance(server.engine.failure, ZeroDivisionError)
+        for name in ("", READINESS):
+            while health.Check(health_pb2.HealthCheckRequest(service=name)).status != 2:  # NOT_SERVING
+                pass
+        with pytest.raises(grpc.RpcError) as refused:
+            list(server.stub.Generate(pb.GenerateRequest(text="hi")))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.close()
+
+
+def test_serve_exits_nonzero_when_the_runner_breaks():
+    """The real ``serve`` (signal handlers need the main thread): a request breaks the runner, the
+    stream gets its status, and serve returns EXIT_ENGINE_FAILED instead of hanging."""
+    runner = FaultyRunner()
+    runner.fail["decode"] = RunnerBroken("device lost")
+    port = free_port()
+    config = ServerConfig(host="127.0.0.1", port=port, metrics_port=0, drain_grace_s=1.0)
+    seen: dict = {}
+
+    def client():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(30)
+            try:
+                list(pb_grpc.ReTopKServiceStub(channel).Generate(pb.GenerateRequest(text="x" + POISON)))
+            except grpc.RpcError as e:
+                seen["code"], seen["details"] = e.code(), e.details()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    code = asyncio.run(asyncio.wait_for(serve(config, runner_factory=lambda: runner), 40))
+    thread.join(10)
+    assert code == EXIT_ENGINE_FAILED
+    assert seen["code"] == grpc.StatusCode.INTERNAL and "device lost" in seen["details"]
