@@ -62,12 +62,23 @@ def test_malformed_bodies_are_400(raw, model):
         chat_body(model, retopk={"method": {"name": "nope"}}).encode(): "retopk.method.name",
         chat_body(model, retopk={"method": {"top_k": "many"}}).encode(): "retopk.method",
         json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode(): "model",
+        chat_body(model, logit_bias={"42": 5}).encode(): "logit_bias",  # known to OpenAI, not implemented here
+        chat_body(model, tools=[{"type": "function"}]).encode(): "tools",
         b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}': "body",
     }
     for content, param in cases.items():
         error = error_of(post(raw, "/v1/chat/completions", content), 400)
         assert error["param"] == param, (content[:80], error)
         assert error["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(raw, model):
+    """What clients send by default for features this server lacks asks for nothing: it is accepted."""
+    body = chat_body(model, logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"},
+                     store=False, top_logprobs=0, n=1, user="someone", stream_options=None)
+    assert post(raw, "/v1/chat/completions", body).status_code == 200
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1, "echo": False, "best_of": 1, "suffix": None})
+    assert post(raw, "/v1/completions", body).status_code == 200
 
 
 def test_completion_prompt_shapes(raw, model):

@@ -191,7 +191,8 @@ def create_app(servicer, health_servicer, max_body_bytes: int = MAX_BODY_BYTES) 
         try:
             authenticate(context)
             try:
-                body = schema.model_validate(await read_json(request, max_body_bytes))
+                raw = convert.drop_neutral(await read_json(request, max_body_bytes), schema is ChatCompletionRequest)
+                body = schema.model_validate(raw)
             except ValidationError as e:
                 raise convert.validation_error(e) from None
             info = servicer.engine.info

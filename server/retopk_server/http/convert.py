@@ -32,6 +32,27 @@ _RETOPK_SAMPLING = ("top_k", "min_p", "repetition_penalty")
 _UNION_TAG = re.compile(r"^[A-Z]|[\[\]]|^(str|int|float|bool|list|dict|none)$")
 
 
+# OpenAI fields this server does not implement, accepted only with the value that asks for nothing (what
+# clients send by default); any other value is a 400 saying so. Every other unknown field is a 400 too.
+_NEUTRAL = {"logit_bias": [None, {}], "response_format": [None, {"type": "text"}], "tools": [None, []],
+            "tool_choice": [None, "none", "auto"], "functions": [None, []], "function_call": [None, "none", "auto"],
+            "parallel_tool_calls": [None, True, False], "store": [None, False], "metadata": [None, {}],
+            "service_tier": [None, "auto", "default"]}
+_NEUTRAL_COMPLETIONS = {"echo": [None, False], "best_of": [None, 1], "suffix": [None, ""]}
+
+
+def drop_neutral(body: dict, chat: bool) -> dict:
+    """The body without the unimplemented OpenAI fields that hold their neutral value (see _NEUTRAL)."""
+    neutral = _NEUTRAL if chat else {**_NEUTRAL, **_NEUTRAL_COMPLETIONS}
+    out = {}
+    for key, value in body.items():
+        if key not in neutral:
+            out[key] = value
+        elif not any(type(value) is type(n) and value == n for n in neutral[key]):
+            raise _bad(key, f"not supported by this server; only {' or '.join(map(repr, neutral[key]))} is accepted")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def _path(loc) -> str:
     """pydantic's error location as a field path: ("messages", 0, "role") -> "messages[0].role"."""
@@ -179,7 +200,7 @@ def generate_message(body: Body, vocab_size: int) -> pb.GenerateRequest:
         if options.stop_token_ids:
             message.stop_token_ids.extend(_token_ids("retopk.stop_token_ids", options.stop_token_ids, vocab_size))
     if chat:
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:
             raise _bad("top_logprobs", "needs logprobs: true")
         message.logprobs = body.logprobs
         _set(message, "top_logprobs", body.top_logprobs or 0, "top_logprobs")
