@@ -61,6 +61,11 @@ class FaultyRunner(FakeRunner):
             job.step = step
         return job
 
+    def reserve(self, session, length):
+        if "reserve" in self.fail and self._poisoned(session.token_ids) and length == session.length + 1:
+            raise self.fail["reserve"]  # the next token's KV block, before a decode step
+        return super().reserve(session, length)
+
     def decode(self, sessions, token_ids, with_stats=False):
         self.attempts.append(len(sessions))
         if self.broken or ("decode" in self.fail and any(self._poisoned(s.token_ids) for s in sessions)):
@@ -182,6 +187,15 @@ def test_prefill_failure_ends_only_its_request(faulty, exc, code, words):
     runner.fail["prefill"] = exc
     results = asyncio.run(run_batch(engine, [*GOOD[:2], "bad" + POISON, *GOOD[2:]]))
     assert_isolated(results, "bad" + POISON, code, *words)
+    still_serves(engine)
+
+
+def test_allocation_failure_reserving_the_next_block_ends_only_its_request(faulty):
+    engine, runner = faulty
+    runner.fail["reserve"] = MemoryError("no KV block")
+    results = asyncio.run(run_batch(engine, [*GOOD, "bad" + POISON]))
+    assert_isolated(results, "bad" + POISON, ErrorCode.RESOURCE_EXHAUSTED,
+                    "out of memory during reserving the next KV block", "no KV block")
     still_serves(engine)
 
 

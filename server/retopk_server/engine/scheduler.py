@@ -322,6 +322,9 @@ class Engine:
                 self._fail(r, e)
             except ValueError:  # past max_context: the decode step reports it
                 pass
+            except Exception as e:  # an allocation failure or a bug: this request alone ends (faults.py)
+                log.exception("reserving the next KV block of request %s failed", r.spec.request_id)
+                self._fail(r, request_error("reserving the next KV block", e))
         self._running = [r for r in self._running if not r.done]
 
     # ---- run: one batched decode step ------------------------------------------------------------------
