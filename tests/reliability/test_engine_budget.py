@@ -146,3 +146,17 @@ def test_metrics_report_the_budget_its_utilisation_and_the_evictions():
         assert value(samples, "retopk_kv_cache_utilization_ratio", model="fake") == (2 * 64 + 32) / (4 * 64)
     finally:
         engine.stop()
+
+
+def test_the_budget_flags_reach_the_runtime_and_the_engine():
+    from retopk_server.cli import config_from
+
+    config = config_from(["--kv-cache-bytes", "256MiB", "--max-step-tokens", "64"], {})
+    assert config.runtime_config().kv_cache_bytes == 256 * 2 ** 20 and config.engine_config().max_step_tokens == 64
+    assert config_from([], {"RETOPK_KV_CACHE_BYTES": "1e9"}).kv_cache_bytes == 10 ** 9
+    assert config_from([], {"RETOPK_KV_CACHE_FRACTION": "0.25"}).runtime_config().kv_cache_fraction == 0.25
+    assert config_from([], {}).kv_cache_bytes is None  # the default: a fraction of the free memory
+    for bad in (["--kv-cache-bytes", "12parsecs"], ["--kv-cache-bytes", "-1"], ["--kv-cache-fraction", "0"],
+                ["--max-step-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            config_from(bad, {})

@@ -14,8 +14,9 @@ from __future__ import annotations
 DEFAULT_CACHE_FRACTION = 0.5
 
 
-class BudgetExceeded(Exception):
-    """The cache budget cannot hold ``need`` more bytes for ``what``; nothing was allocated.
+class BudgetExceeded(MemoryError):
+    """The cache budget cannot hold ``need`` more bytes for ``what``; nothing was allocated. A MemoryError:
+    whoever handles running out of memory (engine/faults.py: memory pressure, not a broken runner) handles it.
 
     session_id  the session that asked (None when not known at that point)
     kv          whether KV blocks were asked for (only freed KV blocks can serve them)
