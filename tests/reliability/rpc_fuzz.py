@@ -286,8 +286,14 @@ def _short(request) -> str:
     return text if len(text) <= 600 else text[:600] + "..."
 
 
-def fuzz(address: str, n: int, seed: int | None = None, progress: bool = False) -> FuzzResult:
-    """Send ``n`` generated requests to ``address`` (one at a time) and count what came back."""
+class _TimeUp(Exception):
+    """Ends a run at its time limit (raised inside the hypothesis loop, caught by ``fuzz``)."""
+
+
+def fuzz(address: str, n: int, seed: int | None = None, progress: bool = False, max_seconds: float | None = None,
+         out: str | None = None) -> FuzzResult:
+    """Send ``n`` generated requests to ``address`` (one at a time) and count what came back; stop early after
+    ``max_seconds``; every 500 requests (and at the end) write the counts so far to ``out`` (JSON)."""
     result = FuzzResult()
     t0 = time.monotonic()
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1),
@@ -298,22 +304,38 @@ def fuzz(address: str, n: int, seed: int | None = None, progress: bool = False) 
                   suppress_health_check=list(HealthCheck))
         @given(requests())
         def one(case):
+            if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                raise _TimeUp
             rpc, request, metadata = case
             code, details = call(stub, rpc, request, metadata)
             result.counts[(rpc, code.name)] += 1
             result.reasons[(rpc, code.name, details.split(":")[0][:40])] += 1
             if code in BAD_CODES:
                 result.bad.append((rpc, code.name, details, _short(request)))
-            if progress and result.total % 500 == 0:
-                print(f"  {result.total} requests, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            if result.total % 500 == 0:
+                result.seconds = time.monotonic() - t0
+                if progress:
+                    print(f"  {result.total} requests, {result.seconds:.0f} s", file=sys.stderr, flush=True)
+                if out:
+                    write(result, out)
 
         if seed is not None:
             from hypothesis import seed as hypothesis_seed
 
             one = hypothesis_seed(seed)(one)
-        one()
+        try:
+            one()
+        except _TimeUp:
+            pass
     result.seconds = time.monotonic() - t0
     return result
+
+
+def write(result: FuzzResult, path: str, **extra) -> None:
+    with open(path, "w") as f:
+        json.dump({"requests": result.total, "seconds": result.seconds, **extra,
+                   "counts": {f"{r} {c}": n for (r, c), n in sorted(result.counts.items())},
+                   "bad": result.bad}, f, indent=1)
 
 
 def healthy(address: str) -> bool:
@@ -336,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=10_000, help="how many requests to send (default 10000)")
     parser.add_argument("--address", help="HOST:PORT of a running server (default: start one)")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: derandomized)")
-    parser.add_argument("--out", help="write the counts and failures as JSON here")
+    parser.add_argument("--out", help="write the counts and failures as JSON here (also every 500 requests)")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop sending after this long")
     args = parser.parse_args(argv)
     server = None
     if args.address is None:
@@ -348,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         address = args.address
     try:
-        result = fuzz(address, args.requests, args.seed, progress=True)
+        result = fuzz(address, args.requests, args.seed, progress=True, max_seconds=args.max_seconds, out=args.out)
         ok = healthy(address)
     finally:
         exit_code = server.stop() if server is not None else 0
@@ -362,10 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     for rpc, code, details, request in result.bad[:20]:
         print(f"  {rpc} {code}: {details}\n    {request}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"requests": result.total, "seconds": result.seconds, "healthy_after": ok,
-                       "exit_code": exit_code, "counts": {f"{r} {c}": n for (r, c), n in result.counts.items()},
-                       "bad": result.bad}, f, indent=1)
+        write(result, args.out, healthy_after=ok, exit_code=exit_code)
     return 0 if not result.bad and ok and exit_code == 0 else 1
 
 
