@@ -11,7 +11,10 @@ and a 7-digit value (seeded). Tasks:
 The queried needle (the first of the multi-value ones) sits at evenly spaced depths 0..1 of the
 haystack; other needles at seeded random line positions. The context is prefilled densely; the
 question (and the chat template's assistant prompt and an answer prefix) is decoded token by token
-with the method, then the answer is generated greedily. The prompt fills the context length, less
+with the method, then the answer is generated greedily (the paper's protocol, the stress case). With
+``--prefill-question`` (the serving protocol: a server prefills a whole prompt, and the method's prefill
+hook seeds its state from the prompt's last queries) everything but the prompt's last token is
+prefilled densely; that token and the answer are decoded with the method. The prompt fills the context length, less
 the answer tokens where that length reaches the model's positions. Score (RULER's string match): the share of
 the expected values that appear verbatim in the answer, averaged over examples, in percent. The
 path mix and group-read rate are counted over the question and answer decode steps.
@@ -53,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--needles", type=int, default=4, help="needles in multikey / values in multivalue")
     p.add_argument("--max-new", type=int, default=0, help="answer tokens (default 12 per expected value + 4)")
     p.add_argument("--no-chat", action="store_true", help="plain prompt even if the tokenizer has a chat template")
+    p.add_argument("--prefill-question", action="store_true",
+                   help="serving protocol: prefill the question with the context, decode only its last token "
+                        "and the answer with the method (default: decode the whole question, as the paper)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args(argv)
@@ -119,7 +125,8 @@ def score(text: str, values: list[str]) -> float:
 
 
 def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_depths: int, needles: int,
-             max_new: int = 0, chat: bool = True, seed: int = 0, desc: str = "niah", batch: int | None = None) -> dict:
+             max_new: int = 0, chat: bool = True, seed: int = 0, desc: str = "niah", batch: int | None = None,
+             prefill_question: bool = False) -> dict:
     """Every (length, task, depth) example answered by every method, in batches of at most ``batch``
     methods sharing the example's dense prefill.
     -> {"records": one per (example, method), "mix": {label: {L: PathMix}} over question + answer steps}."""
@@ -146,6 +153,8 @@ def evaluate(runner, runs, text: str, lengths: list[int], tasks: list[str], n_de
                 lines = haystack_lines(text, rng.random())
                 ex = build_example(task, depth, budget, lines, encode, rng, needles, overhead)
                 ctx, q = prompt_ids(runner, ex, chat)
+                if prefill_question:  # the serving protocol: only the prompt's last token is decoded
+                    ctx, q = ctx + q[:-1], q[-1:]
                 out = {}
                 with common.held_prefix(runner, ctx, tail=tail) as held:
                     for group in groups:
@@ -171,7 +180,8 @@ def main(argv=None, runner=None) -> dict:
     text = common.load_corpus(args.corpus)
     tasks = [t for t in args.tasks.split(",") if t]
     res = evaluate(runner, runs, text, args.lengths, tasks, args.depths, args.needles, args.max_new,
-                   not args.no_chat, args.seed, batch=args.batch)
+                   not args.no_chat, args.seed, batch=args.batch,
+                   prefill_question=args.prefill_question)
     records = res["records"]
     rows = table_rows(records, runs, args.lengths, tasks, res["mix"])
     cols = [("method", "method", "")] + [(f"avg_{L}", f"NIAH {L}", ".1f") for L in args.lengths] + \
