@@ -8,9 +8,12 @@ import signal
 import socket
 import time
 
+import grpc
 import pytest
 
-from retopk_server.http.app import MAX_BODY_BYTES
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_server.http.app import body_bytes
 from tests.http.conftest import KEY, TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -89,8 +92,13 @@ def test_completion_prompt_shapes(raw, model):
         assert error["param"] == param, (prompt, error)
 
 
-def test_oversized_body_is_413(raw, model):
-    big = chat_body(model, user="x" * MAX_BODY_BYTES).encode()
+def test_oversized_body_is_413(http_server, raw, model):
+    with grpc.insecure_channel(http_server.address) as channel:  # the gRPC front's receive limit
+        info = pb_grpc.ReTopKServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT,
+                                                               metadata=[("authorization", f"Bearer {KEY}")])
+    limit = body_bytes(info.limits.max_message_bytes)
+    assert limit >= info.limits.max_message_bytes > 0
+    big = chat_body(model, user="x" * limit).encode()
     error_of(post(raw, "/v1/chat/completions", big), 413)
     chunks = iter([big[:1000], big[1000:]])  # no Content-Length: the cap holds while reading
 

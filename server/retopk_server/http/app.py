@@ -7,7 +7,7 @@
                                 (model loaded, engine alive, not draining), else 503; no key needed
 
 Every /v1 route needs ``Authorization: Bearer <key>`` when the server has a key, checked by the servicer.
-A body is read up to MAX_BODY_BYTES (413 beyond), parsed as strict JSON (NaN / Infinity refused) and
+A body is read up to ``body_bytes`` (413 beyond), parsed as strict JSON (NaN / Infinity refused) and
 validated by ``schemas``; every refusal is an OpenAI error object with a 4xx status naming the field.
 A streamed request answers its errors as JSON with the matching status until the first token (prefill
 included); an error after it arrives as a last ``data: {"error": ...}`` event. A client that goes away
@@ -36,7 +36,7 @@ from retopk_server.service.auth import Unauthenticated
 
 log = logging.getLogger("retopk_server.http")
 
-MAX_BODY_BYTES = 8 * 1024 * 1024  # well above any prompt the context holds; the gRPC front allows 64 MiB
+JSON_EXPANSION = 3  # JSON may escape a character in 12 bytes ("\ud83d\ude00") where the gRPC message's UTF-8 takes 4
 READINESS = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # the health name routers probe
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 
@@ -111,8 +111,17 @@ async def _unless_disconnected(request: Request, awaitable):
     return task.result()
 
 
-def create_app(servicer, health_servicer, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app of one server: ``servicer`` its ReTopKServicer, ``health_servicer`` its grpc health."""
+def body_bytes(max_message_bytes: int) -> int:
+    """The largest body the front reads: the gRPC front's receive limit (service/limits.py's max_message_bytes,
+    ModelInfo.limits.max_message_bytes) times JSON_EXPANSION, so that a request gRPC takes fits as JSON too."""
+    return JSON_EXPANSION * max_message_bytes
+
+
+def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> FastAPI:
+    """The ASGI app of one server: ``servicer`` its ReTopKServicer (engine started), ``health_servicer`` its grpc
+    health; ``max_body_bytes`` defaults to ``body_bytes`` of the servicer's limits."""
+    if max_body_bytes is None:
+        max_body_bytes = body_bytes(servicer.limits.max_message_bytes)
     app = FastAPI(title="retopk (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
