@@ -334,6 +334,22 @@ def test_niah_runs_every_task_depth_and_method(tiny, tmp_path):
     assert [r["method"] for r in res["rows"]] == ["full", "exact_topk", "retopk"]
 
 
+
+def test_niah_prefill_question_decodes_only_the_prompts_last_token(tiny, tmp_path, monkeypatch):
+    """--prefill-question (the serving protocol) moves all but the question's last token into the prefill."""
+    from bench.eval import common, niah
+
+    real, calls = common.answer, []
+    monkeypatch.setattr(common, "answer", lambda runner, runs, context, question, *a, **kw:
+                        calls.append((len(context), len(question))) or real(runner, runs, context, question, *a, **kw))
+    args = common_args(tiny) + ["--methods", "retopk", "--top-k", "16", "--lengths", "600", "--depths", "2",
+                                "--tasks", "single", "--max-new", "2"]
+    niah.main(args + ["--out", str(tmp_path / "paper")])
+    paper, calls[:] = list(calls), []
+    niah.main(args + ["--prefill-question", "--out", str(tmp_path / "serving")])
+    assert len(paper) == len(calls) == 2 and all(q > 1 for _, q in paper)
+    assert calls == [(c + q - 1, 1) for c, q in paper]
+
 # ---- LongBench ------------------------------------------------------------------------------------
 SAMPLE = {
     "hotpotqa": [{"input": "Which city is the capital of the country where the tower stands?",
