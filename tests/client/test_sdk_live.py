@@ -115,7 +115,7 @@ def test_model_info_health_status_and_tokenizer(client):
     assert {"full", "exact_topk", "retopk"} <= set(info.methods) and info.default_method.name in info.methods
     assert info.limits.max_new_tokens >= info.limits.default_max_new_tokens > 0
     assert info.limits.max_top_logprobs == 20
-    assert info.default_sampling == Sampling(temperature=0.2, top_p=0.9, top_k=0, min_p=0.0, repetition_penalty=1.0,
+    assert info.default_sampling == Sampling(temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, repetition_penalty=1.0,
                                              presence_penalty=0.0, frequency_penalty=0.0)
     assert client.health() == "SERVING" and client.health("retopk.v1.ReTopKService") == "SERVING"
     status = client.server_status()

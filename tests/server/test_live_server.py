@@ -64,9 +64,9 @@ def test_health_reflection_and_model_info(live_server, live_stub):
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, info.max_context) == (30, 9, 3, 64, 8192)
     assert info.name == "smollm2-135m" and info.architecture.startswith("Llama")
     assert info.default_method.name == "retopk" and info.default_method.top_k == 64
-    # the embedded GGUF has no generation config: its model card's sampling (retopk_core.models)
-    assert (info.default_sampling.temperature, info.default_sampling.top_p) == (pytest.approx(0.2), pytest.approx(0.9))
-    assert "embedded" in info.default_sampling_source and info.limits.max_top_logprobs == 20
+    # the embedded GGUF has no generation config: the chat defaults (runtime/sampling_defaults.py)
+    assert (info.default_sampling.temperature, info.default_sampling.top_p) == (pytest.approx(0.7), pytest.approx(0.9))
+    assert "chat defaults" in info.default_sampling_source and info.limits.max_top_logprobs == 20
 
 
 def test_chat_answer_streams_token_by_token(live_stub):

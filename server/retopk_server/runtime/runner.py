@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from retopk_core.models import EMBEDDED_MODELS
 from retopk_server.runtime.attention import (
     ATTN_NAME,
     CTX_KWARG,
@@ -106,9 +105,7 @@ class ModelRunner:
         eos += _ids(getattr(cfg, "eos_token_id", None))
         if tokenizer is not None:
             eos += _ids(tokenizer.eos_token_id)
-        embedded = EMBEDDED_MODELS.get(str(config.model))
-        sampling, sampling_source = model_defaults(getattr(model, "generation_config", None),
-                                                   embedded.sampling if embedded else None)
+        sampling, sampling_source = model_defaults(getattr(model, "generation_config", None))
         self.info = ModelInfo(
             name=config.model, architecture=type(model).__name__, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_context=self.max_context,

@@ -45,9 +45,9 @@ def test_model_info(runner):
     assert info.max_context == 8192 and info.vocab_size == 49152 and 2 in info.eos_token_ids
     assert info.default_method == MethodSpec.of("retopk", **DEFAULT_METHOD_PARAMS)
     assert dict(info.default_method.params)["top_k"] == 64
-    # the GGUF file has no generation config: unset sampling fields take the model card's values
-    assert dict(info.sampling_defaults) == {"temperature": 0.2, "top_p": 0.9}
-    assert "embedded" in info.sampling_source
+    # the GGUF file has no generation config: unset sampling fields take the chat defaults
+    assert dict(info.sampling_defaults) == {"temperature": 0.7, "top_p": 0.9}
+    assert "chat defaults" in info.sampling_source
 
 
 def test_capital_of_france_is_paris_with_the_default_method(runner):

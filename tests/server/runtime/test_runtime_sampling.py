@@ -163,18 +163,17 @@ def test_logprobs_off_by_default_and_top_zero_gives_only_the_token():
 def test_defaults_come_from_the_generation_config_first():
     from transformers import GenerationConfig
 
-    from retopk_server.runtime.sampling_defaults import CHAT_DEFAULTS, model_defaults
+    from retopk_server.runtime.sampling_defaults import CHAT_DEFAULTS, CHAT_DEFAULTS_SOURCE, model_defaults
 
-    qwen_like = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
-    got, source = model_defaults(qwen_like, embedded=(("temperature", 0.2),))
-    assert dict(got) == pytest.approx({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05})
+    qwen_like = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    got, source = model_defaults(qwen_like)
+    assert dict(got) == pytest.approx({"temperature": 0.6, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05})
     assert "generation config" in source
-    assert model_defaults(GenerationConfig(), embedded=(("temperature", 0.2),))[0] == (("temperature", 0.2),)
-    assert model_defaults(GenerationConfig(), embedded=None)[0] == CHAT_DEFAULTS
-    assert model_defaults(None, embedded=None)[0] == CHAT_DEFAULTS
+    assert model_defaults(GenerationConfig()) == (CHAT_DEFAULTS, CHAT_DEFAULTS_SOURCE)  # sets no sampling field
+    assert model_defaults(None)[0] == CHAT_DEFAULTS
     # a value the sampler refuses is skipped, not fatal
     odd = SimpleNamespace(temperature=0.6, top_p=2.0, top_k=None)
-    assert dict(model_defaults(odd, None)[0]) == {"temperature": 0.6}
+    assert dict(model_defaults(odd)[0]) == {"temperature": 0.6}
 
 
 def test_a_request_overrides_only_the_fields_it_sets():
