@@ -105,6 +105,15 @@ def test_oversized_body_is_413(http_server, raw, model):
     error_of(raw.post("/v1/chat/completions", content=chunks, headers=AUTH), 413)
 
 
+def test_absurd_content_length_is_4xx(http_server):
+    host, port = http_server.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Length: {'9' * 5000}\r\n\r\n".encode())
+        status = sock.recv(64).split(b" ")[1]
+    assert status in (b"400", b"413")
+
+
 def test_no_key_is_401(raw, model):
     response = raw.post("/v1/chat/completions", content=chat_body(model))
     error = error_of(response, 401)
@@ -182,16 +191,16 @@ def test_full_queue_is_429_and_going_away_cancels(http_server, raw, grpc_client,
 
 def test_drain_finishes_the_stream_and_refuses_new_work(http_server, raw, model):
     """Last test of tests/http: SIGTERM drains the shared server."""
-    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 16, "stream": True,
+    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 64, "stream": True,
                        "retopk": {"ignore_eos": True}})
     with raw.stream("POST", "/v1/completions", headers=AUTH, content=body) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")  # running
+        lines = (line for line in response.iter_lines() if line)
+        assert next(lines).startswith("data: ") and next(lines).startswith("data: ")  # decoding in the batch
         http_server.process.send_signal(signal.SIGTERM)
         wait_for(lambda: raw.get("/health").status_code == 503, "/health to say draining")
         error = error_of(post(raw, "/v1/completions", json.dumps({"model": model, "prompt": "Hi"})), 503)
         assert error["type"] == "service_unavailable"
-        events = [line for line in lines if line]
+        events = list(lines)
     assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"  # all 16 tokens
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"  # all 64 tokens
     assert http_server.process.wait(120) == 0
