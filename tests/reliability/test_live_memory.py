@@ -2,7 +2,7 @@
 points leak nothing, a small cache budget evicts and refuses instead of growing, resident memory stays
 under the budget plus a stated overhead and flat over a soak.
 
-The default suite runs small versions (about 100 cancellations, a short soak) on one server. The full
+The default suite runs small versions (24 cancellations, a 16-request soak) on one server. The full
 sizes of docs/reliability.md run with RETOPK_RELIABILITY_FULL=1 (1,000 cancellations, a soak of 300
 requests); each test prints its figures (run pytest with -s to see them).
 
@@ -147,7 +147,7 @@ def cancel_one(stub, rng: random.Random, sessions: list[str]) -> tuple[str, int]
 
 
 def test_streams_cancelled_at_random_points_leak_no_session_slot_or_cache_byte(server):
-    stub, n = server.stub, 1000 if FULL else 40
+    stub, n = server.stub, 1000 if FULL else 24
     reference = greedy(stub, "The capital of France is")
     sessions = [stub.CreateSession(pb.CreateSessionRequest(session_id=f"cancel-{i}"), timeout=30).session_id
                 for i in range(6)]
@@ -235,7 +235,7 @@ def test_sessions_past_the_budget_are_evicted_or_refused_and_memory_stays_bounde
 # ---------------------------------------------------------------------------------------------- soak
 def test_soak_resident_memory_stays_flat(server):
     stub, rng = server.stub, random.Random(7)
-    n = 300 if FULL else 40
+    n = 300 if FULL else 16
     samples, t0 = [], time.monotonic()
     process = psutil.Process(server.process.pid)
     for i in range(n):
