@@ -282,11 +282,15 @@ class Engine:
             return n
         r.prefill_s += time.monotonic() - t0
         if logits is not None:
-            with self._wake:
-                self._admitting = None
-            self._prefilled(r, logits)
-            if not r.done:
-                self._running.append(r)
+            sampled = False
+            try:
+                self._prefilled(r, logits)
+                sampled = True
+            finally:
+                with self._wake:  # in one step, so in_flight() (a drain) never misses the request in between
+                    if sampled and not r.done:
+                        self._running.append(r)
+                    self._admitting = None
         return n
 
     def _prefilled(self, r: ActiveRequest, logits) -> None:
