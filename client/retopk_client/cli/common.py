@@ -50,7 +50,6 @@ def add_connection_args(p: argparse.ArgumentParser, environ: Mapping[str, str], 
                    help="private key of --cert (env RETOPK_TLS_CLIENT_KEY)")
 
 
-
 def connection_parent(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     """The connection options of a subcommand (see ``add_connection_args``)."""
     p = argparse.ArgumentParser(add_help=False)
