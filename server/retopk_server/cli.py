@@ -136,6 +136,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("default_max_new_tokens", int, "max_new_tokens of a request that sets none"),
     Option("max_step_tokens", int, "tokens one scheduler iteration computes: the running batch's decode tokens, "
                                    "the rest as prefill chunks (a long prompt no longer stalls running streams)"),
+    Option("watchdog_timeout_s", parse_optional_float, "with work pending, seconds one engine loop iteration may "
+                                                       "take before the engine counts as hung: health NOT_SERVING, "
+                                                       "exit 70 (none = no watchdog; raise it with a large "
+                                                       "--max-step-tokens on slow hardware)", "S"),
     Option("drain_grace_s", float, "seconds running requests get to finish after SIGTERM"),
     Option("api_key", parse_optional_str, "require metadata 'authorization: Bearer <key>' on every call "
                                           "(prefer the environment variable: flags show up in ps)", "KEY"),

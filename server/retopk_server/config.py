@@ -39,6 +39,8 @@ class ServerConfig:
     max_step_tokens       the engine's limits: documented in, and defaulting to, EngineConfig
     session_idle_timeout_s  a named session unused for this long is closed (None: never; the engine's own
                           default is None, a server's one hour)
+    watchdog_timeout_s    with work pending, the engine loop stuck in one iteration this long means a hung engine
+                          thread: health NOT_SERVING, exit 70 (None: no watchdog); EngineConfig documents it
     drain_grace_s         after SIGTERM, how long running requests may take to finish before they are cut
     api_key               when set, every retopk.v1 rpc needs metadata "authorization: Bearer <api_key>" (a key
                           named "default"; with api_keys_file, one more key)
@@ -80,6 +82,7 @@ class ServerConfig:
     max_new_tokens: int = EngineConfig.max_new_tokens
     default_max_new_tokens: int = EngineConfig.default_max_new_tokens
     max_step_tokens: int = EngineConfig.max_step_tokens
+    watchdog_timeout_s: float | None = EngineConfig.watchdog_timeout_s
     drain_grace_s: float = 30.0
     api_key: str | None = None
     api_keys_file: str | None = None
@@ -151,4 +154,5 @@ class ServerConfig:
         return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,
                             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
                             default_max_new_tokens=self.default_max_new_tokens, max_step_tokens=self.max_step_tokens,
-                            session_idle_timeout_s=self.session_idle_timeout_s)
+                            session_idle_timeout_s=self.session_idle_timeout_s,
+                            watchdog_timeout_s=self.watchdog_timeout_s)

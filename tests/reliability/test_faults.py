@@ -3,13 +3,18 @@
 Each per-request fault ends only the request it hit, with a status naming the stage; the requests
 batched with it finish with exactly the tokens they get alone (``fake_runner.greedy_reference``), and
 the engine keeps serving. A broken runner (the probe fails too) or a dead loop ends the engine:
-queued and running requests get UNAVAILABLE, health turns NOT_SERVING and ``serve`` exits with 70.
+queued and running requests get UNAVAILABLE, health turns NOT_SERVING and ``serve`` exits with 70. So does
+a loop that hangs with work pending (the watchdog, engine/supervision.py: here a decode step held on the
+fake's gate past a short --watchdog-timeout-s), and a failure during a drain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
+import time
 
 import grpc
 import pytest
@@ -20,7 +25,7 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import EngineError, EngineObserver, ErrorCode, GenerationRequest, RequestStream
-from retopk_server.engine.faults import RunnerBroken
+from retopk_server.engine.faults import EngineHung, RunnerBroken
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import Sampler, SamplingParams
 from retopk_server.service.server import serve
@@ -324,3 +329,121 @@ def test_serve_exits_nonzero_when_the_runner_breaks():
     thread.join(10)
     assert code == EXIT_ENGINE_FAILED
     assert seen["code"] == grpc.StatusCode.INTERNAL and "device lost" in seen["details"]
+
+
+def serve_with(runner, client, **config) -> int:
+    """Run the real ``serve`` (signal handlers need the main thread) on a free port while ``client(port)``
+    runs in a thread; returns serve's exit code."""
+    port = free_port()
+    config = ServerConfig(host="127.0.0.1", port=port, metrics_port=0, **config)
+    thread = threading.Thread(target=client, args=(port,))
+    thread.start()
+    try:
+        return asyncio.run(asyncio.wait_for(serve(config, runner_factory=lambda: runner), 40))
+    finally:
+        if runner.gate is not None:
+            runner.gate.set()  # a held step may end now
+        thread.join(10)
+
+
+def held_stream(channel):
+    """A Generate whose first token is out (sampled after the prefill); its first decode step then waits."""
+    grpc.channel_ready_future(channel).result(30)
+    stream = pb_grpc.ReTopKServiceStub(channel).Generate(pb.GenerateRequest(text="held", max_new_tokens=50))
+    next(stream)
+    return stream
+
+
+def test_serve_exits_nonzero_when_the_engine_fails_during_a_drain():
+    """SIGTERM starts a drain; the runner breaks under the stream the drain waits for: exit 70, not 0."""
+    runner = FaultyRunner(gate=threading.Event())
+    seen: dict = {}
+
+    def client(port):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = held_stream(channel)
+            os.kill(os.getpid(), signal.SIGTERM)  # serve's handler: drain
+            health = health_pb2_grpc.HealthStub(channel)
+            while health.Check(health_pb2.HealthCheckRequest(service=READINESS)).status != 2:  # draining
+                time.sleep(0.01)
+            runner.broken = True
+            runner.gate.set()
+            try:
+                list(stream)
+            except grpc.RpcError as e:
+                seen["code"] = e.code()
+
+    assert serve_with(runner, client, drain_grace_s=30.0) == EXIT_ENGINE_FAILED
+    assert seen["code"] == grpc.StatusCode.INTERNAL  # its decode step failed; the probe then failed too
+
+
+# --- a hung engine: the watchdog ------------------------------------------------------------------------
+def test_the_watchdog_counts_only_a_loop_stuck_with_work_pending():
+    engine, _ = make_engine(FaultyRunner(), watchdog_timeout_s=0.3)
+    stuck, release = threading.Event(), threading.Event()
+    sweep = engine.sessions.expire_idle
+
+    def expire_idle():  # the loop hangs in its idle-session sweep, holding no request
+        stuck.set()
+        release.wait()
+        return sweep()
+
+    engine.sessions.expire_idle = expire_idle
+    try:
+        assert stuck.wait(10)
+        while time.monotonic() - engine._beat <= 0.3:
+            time.sleep(0.05)
+        assert not engine.check_hung() and engine.alive  # stuck past the timeout, but nothing waits on it
+        status = engine.commands.status()  # now a command does
+        assert engine.check_hung() and isinstance(engine.failure, EngineHung) and not engine.alive
+        assert "made no progress" in str(engine.failure)
+        with pytest.raises(EngineError) as failed:
+            status.result(5)
+        assert failed.value.code is ErrorCode.UNAVAILABLE
+
+        async def after():
+            with pytest.raises(EngineError) as refused:
+                submit(engine, "after")
+            return refused.value.code
+
+        assert asyncio.run(after()) is ErrorCode.UNAVAILABLE
+    finally:
+        release.set()
+        engine.stop()
+
+
+def test_a_hung_decode_step_turns_health_not_serving_and_ends_its_stream():
+    runner = FaultyRunner(gate=threading.Event())  # never set: the first decode step hangs
+    server = FakeServer(runner, watchdog_timeout_s=1.0)
+    try:
+        health = health_pb2_grpc.HealthStub(server.channel)
+        stream = held_stream(server.channel)
+        with pytest.raises(grpc.RpcError) as ended:
+            list(stream)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "engine failed" in ended.value.details() and "made no progress" in ended.value.details()
+        assert isinstance(server.engine.failure, EngineHung) and not server.engine.alive
+        for name in ("", READINESS):
+            while health.Check(health_pb2.HealthCheckRequest(service=name)).status != 2:  # NOT_SERVING
+                time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(server.stub.Generate(pb.GenerateRequest(text="hi")))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        runner.gate.set()
+        server.close()
+
+
+def test_serve_exits_nonzero_when_the_engine_hangs():
+    runner = FaultyRunner(gate=threading.Event())
+    seen: dict = {}
+
+    def client(port):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                list(held_stream(channel))
+            except grpc.RpcError as e:
+                seen["code"], seen["details"] = e.code(), e.details()
+
+    assert serve_with(runner, client, watchdog_timeout_s=1.0) == EXIT_ENGINE_FAILED
+    assert seen["code"] == grpc.StatusCode.UNAVAILABLE and "made no progress" in seen["details"]

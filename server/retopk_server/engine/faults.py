@@ -10,7 +10,8 @@ runner that raised ``RunnerBroken``, or one that can no longer prefill and decod
 session (the probe), is. Then the engine loop ends with ``EngineFailed``: every request still queued or
 running gets UNAVAILABLE, health turns NOT_SERVING and the process exits non-zero
 (service/server.py), so that an orchestrator restarts it. An allocation failure of the probe means
-memory pressure, not a broken runner.
+memory pressure, not a broken runner. A loop that hangs without raising is caught by the watchdog
+(engine/supervision.py): ``EngineHung``, with the same outcome.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class RunnerBroken(Exception):
 
 class EngineFailed(Exception):
     """The engine loop cannot go on (the runner is broken); the server must restart."""
+
+
+class EngineHung(EngineFailed):
+    """The engine loop made no progress for longer than the watchdog's timeout while work was pending."""
 
 
 def _memory_errors() -> tuple[type[BaseException], ...]:
@@ -70,6 +75,12 @@ def request_error(stage: str, exc: BaseException) -> EngineError:
         return EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"out of memory during {stage} ({cause(exc)}); "
                                                          "retry later or with a shorter input")
     return EngineError(ErrorCode.INTERNAL, f"{stage} failed: {cause(exc)}")
+
+
+def engine_failed_error(failure: BaseException) -> EngineError:
+    """The status of every request still held by an engine that failed with ``failure``."""
+    return EngineError(ErrorCode.UNAVAILABLE, f"the server's engine failed ({cause(failure)}); retry on a "
+                                              "restarted server")
 
 
 def runner_broken(runner: Runner, exc: BaseException) -> BaseException | None:

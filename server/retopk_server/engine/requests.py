@@ -65,6 +65,9 @@ class EngineConfig:
     idle_wait_s             how long the idle loop sleeps between checks (it is woken on new work)
     session_idle_timeout_s  close a named session unused for this long, freeing its KV cache and
                             method state (None: keep sessions until closed)
+    watchdog_timeout_s      with work pending, a loop iteration that has not ended after this long means the
+                            engine thread hangs: the engine fails (engine/supervision.py; None: no watchdog).
+                            Far above the longest legitimate iteration, which ``max_step_tokens`` bounds
     """
 
     max_queue: int = 64
@@ -76,12 +79,14 @@ class EngineConfig:
     max_step_tokens: int = 512
     idle_wait_s: float = 0.5
     session_idle_timeout_s: float | None = None
+    watchdog_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
-        timeout = self.session_idle_timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise ValueError(f"session_idle_timeout_s must be a positive number or None, got {timeout!r}")
+        for name in ("session_idle_timeout_s", "watchdog_timeout_s"):
+            timeout = getattr(self, name)
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                        or not timeout > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {timeout!r}")
         for name in ("max_queue", "max_running", "max_sessions", "max_new_tokens", "default_max_new_tokens",
                      "max_step_tokens"):
             value = getattr(self, name)

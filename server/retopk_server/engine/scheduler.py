@@ -36,19 +36,27 @@ from collections import deque
 from collections.abc import Callable
 
 from retopk_server.engine.commands import CommandQueue, EngineCommands
-from retopk_server.engine.faults import EngineFailed, cause, request_error, runner_broken
+from retopk_server.engine.faults import (
+    EngineFailed,
+    EngineHung,
+    cause,
+    engine_failed_error,
+    request_error,
+    runner_broken,
+)
 from retopk_server.engine.observer import EngineObserver
 from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode, GenerationRequest, TokenEvent
 from retopk_server.engine.runner_protocol import Runner
 from retopk_server.engine.sessions import SessionTable
 from retopk_server.engine.stream import RequestStream
+from retopk_server.engine.supervision import Supervision
 from retopk_server.engine.turn import ActiveRequest
 
 log = logging.getLogger("retopk_server.engine")
 
 
-class Engine:
-    """Owns the runner on one thread; see the module docstring.
+class Engine(Supervision):
+    """Owns the runner on one thread; see the module docstring. ``check_hung``: the watchdog (supervision.py).
 
     runner_factory   builds the Runner (called on the engine thread, so the model is loaded there)
     commands         EngineCommands: sessions, tokenizer and status for other threads, as futures
@@ -99,7 +107,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        """The engine thread runs its loop (False before ``start``, after ``stop`` and once it failed)."""
+        """The engine thread runs its loop (False before ``start``, after ``stop`` and once it failed or hung)."""
         return self._thread is not None and self._thread.is_alive() and self.failure is None and not self._stop
 
     def in_flight(self) -> int:
@@ -120,7 +128,7 @@ class Engine:
         with self._wake:
             self._stop = self._commands.closed = True
             self._wake.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and not isinstance(self.failure, EngineHung):  # a hung thread does not end
             self._thread.join(timeout)
 
     # ------------------------------------------------------------------ requests (asyncio thread)
@@ -156,13 +164,13 @@ class Engine:
         self._hook("on_start", self.runner.info, self.runner.memory)
         self._ready.set()
         error = EngineError(ErrorCode.UNAVAILABLE, "server shut down before the request finished")
+        self._beat = time.monotonic()
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - the loop died: fail what is left, tell the supervisor
             self.failure = e
             log.critical("engine loop failed, the engine stops: %s", cause(e), exc_info=e)
-            error = EngineError(ErrorCode.UNAVAILABLE, f"the server's engine failed ({cause(e)}); retry on a "
-                                                       "restarted server")
+            error = engine_failed_error(e)
         finally:
             with self._wake:  # from now on submit and the commands answer UNAVAILABLE
                 self._stop = self._commands.closed = True
@@ -170,6 +178,7 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
+            self._beat = time.monotonic()  # the watchdog's sign of progress (supervision.py)
             self._commands.run_pending()
             self.sessions.expire_idle()
             with self._wake:

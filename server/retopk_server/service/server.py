@@ -10,8 +10,9 @@ Lifecycle of ``serve``:
   3. on SIGTERM / SIGINT drain: readiness NOT_SERVING (liveness stays SERVING: supervision.py), new
      Generate / CreateSession calls UNAVAILABLE, queued and running requests get ``drain_grace_s`` to
      finish, then what is left is cut with UNAVAILABLE, the server stops and ``serve`` returns 0.
-  4. when the engine dies (engine/faults.py) health turns NOT_SERVING, the server stops and ``serve``
-     returns EXIT_ENGINE_FAILED (70), so that an orchestrator restarts the process.
+  4. when the engine dies or hangs (engine/faults.py, engine/supervision.py) health turns NOT_SERVING, the
+     server stops and ``serve`` returns EXIT_ENGINE_FAILED (70), so that an orchestrator restarts the
+     process; during a drain too.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class RunningServer:
             await self.supervisor.draining()
         self.engine.start_drain()
         deadline = time.monotonic() + grace_s
-        while self.engine.in_flight() and time.monotonic() < deadline:
+        while self.engine.in_flight() and self.engine.failure is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.engine.in_flight():
             log.warning("drain grace over; cutting %d requests", self.engine.in_flight())
@@ -211,4 +212,7 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
         await running.abort()
         return EXIT_ENGINE_FAILED
     await running.drain()
+    if engine.failure is not None:  # it failed or hung while draining
+        log.critical("the engine failed during the drain (%s): the server exits", engine.failure)
+        return EXIT_ENGINE_FAILED
     return 0

@@ -3,12 +3,14 @@
 grpc.health.v1 answers for two names, which docker/k8s's probes ask for:
 
     ""                       liveness: SERVING while the engine thread runs its loop (a drain included),
-                             NOT_SERVING once the engine failed
+                             NOT_SERVING once the engine failed or hung
     "retopk.v1.ReTopKService" readiness: SERVING while the model is loaded, the engine alive and the
                              server not draining
 
-The Supervisor polls the engine every ``interval_s``. When the engine loop died (its ``failure``;
-engine/faults.py says when that happens) both names turn NOT_SERVING and ``failed`` is set:
+The Supervisor polls the engine every ``interval_s``, running its watchdog (``Engine.check_hung``,
+engine/supervision.py: with work pending, no loop iteration ended for ``--watchdog-timeout-s``). When the
+engine loop died or hung (its ``failure``; engine/faults.py says when that happens) both names turn
+NOT_SERVING and ``failed`` is set:
 ``serve`` then stops gRPC and exits with EXIT_ENGINE_FAILED, so that the orchestrator restarts the
 process. Requests the dead engine held already ended with UNAVAILABLE.
 """
@@ -54,6 +56,7 @@ class Supervisor:
     async def _watch(self) -> None:
         while self.engine.failure is None:
             await asyncio.sleep(self.interval_s)
+            self.engine.check_hung()  # a hung loop fails the engine (engine/supervision.py)
         log.critical("the engine failed (%s): health NOT_SERVING, the server exits", self.engine.failure)
         await self.health.set(READINESS, NOT_SERVING)
         await self.health.set(LIVENESS, NOT_SERVING)
