@@ -8,7 +8,9 @@ computed here independently from the state's definition (ReTopK: C x (4 d + 8 K)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import logging
 import math
 
 import grpc
@@ -16,10 +18,20 @@ import pytest
 
 from retopk_core.params import ParamError, check_context
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.runtime.method_limits import check_method, dense_kv_bytes, method_state_bytes, state_cap_bytes
+from retopk_server.config import ServerConfig
+from retopk_server.runtime.config import _default_method
+from retopk_server.runtime.method_limits import (
+    check_method,
+    check_server_method,
+    dense_kv_bytes,
+    method_state_bytes,
+    state_cap_bytes,
+)
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import MIN_TEMPERATURE, Sampler, SamplingParams
 from retopk_server.service.limits import CHARS_PER_TOKEN, MAX_CHAT_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from retopk_server.service.server import EXIT_USAGE, serve
+from tests._live_server import free_port
 from tests.server.conftest import FakeServer
 from tests.server.fake_runner import FakeInfo, FakeRunner
 
@@ -83,6 +95,35 @@ def test_the_defaults_and_the_edges_fit():
         check_method(MethodSpec.of(name), SMOLLM2)
     check_method(MethodSpec.of("retopk", top_k=8192, window=8192, refresh_every=8192, cache_size=2, recall=2),
                  SMOLLM2)
+
+
+def test_the_servers_own_default_method_is_held_to_the_bounds():
+    """--method-params get no pass for being the server's default (a request naming them does); the values the
+    server ships pass the context bound as a method's declared defaults do."""
+    operator = MethodSpec.of("retopk", window=9000)
+    server = dataclasses.replace(SMOLLM2, default_method=operator)  # what the runner holds
+    check_method(operator, server)
+    with pytest.raises(ParamError) as e:
+        check_server_method(operator, server)
+    assert e.value.field == "window" and "<= 8192" in str(e.value)
+    with pytest.raises(ParamError) as e:
+        check_server_method(MethodSpec.of("retopk", cache_size=2048), server)
+    assert e.value.field == "cache_size" and "MiB" in str(e.value)
+    shipped = _default_method()
+    assert dict(shipped.params)["dense_below"] == 1024
+    check_server_method(shipped, dataclasses.replace(SMOLLM2, max_context=512))
+    with pytest.raises(ParamError) as e:
+        check_server_method(MethodSpec.of("retopk", dense_below=1000), dataclasses.replace(SMOLLM2, max_context=512))
+    assert e.value.field == "dense_below"
+
+
+def test_serve_refuses_method_params_past_the_models_bounds(caplog):
+    config = ServerConfig(host="127.0.0.1", port=free_port(), metrics_port=0, method_params={"top_k": 5000})
+    with caplog.at_level(logging.ERROR, logger="retopk_server"):
+        code = asyncio.run(asyncio.wait_for(serve(config, runner_factory=FakeRunner), 30))
+    assert code == EXIT_USAGE == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["--method-params: top_k must be <= 4096 (the model's context length), got 5000"]
 
 
 def test_check_context_reads_the_declarations():

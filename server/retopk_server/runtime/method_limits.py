@@ -13,7 +13,12 @@
   default K = 512, C = 32 on SmolLM2-135M is 37.6 MB, the cap at float32 1.5 GB).
 
 The state is measured by building one layer's state of the method on the meta device: no memory is
-allocated, and every method is measured by its own code.
+allocated, and every method is measured by its own code (``method_state_bytes``; the runner's cache budget
+uses it too).
+
+``check_server_method`` holds the server's own default method (--method, --method-params) to the same
+bounds at startup, where only a field at the method's declared default or at the value the server ships
+(runtime/config.py's DEFAULT_METHOD_PARAMS) passes the context bound unchecked.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from retopk_core.methods.base import AttentionMethod
 from retopk_core.params import ParamError, check_context
+from retopk_server.runtime.config import _default_method
 from retopk_server.runtime.method_spec import MethodSpec
 
 STATE_CAP_FACTOR = 4  # per-session method state <= this x one full-context sequence's dense KV cache
@@ -47,12 +53,13 @@ def method_state_bytes(method: AttentionMethod, info) -> int:
     return info.num_layers * state.nbytes_per_slot()
 
 
-def check_method(spec: MethodSpec, info) -> None:
-    """ParamError naming the field unless ``spec`` fits the model ``info`` (see the module docstring)."""
+def check_method(spec: MethodSpec, info, default: MethodSpec | None = None) -> None:
+    """ParamError naming the field unless ``spec`` fits the model ``info`` (see the module docstring);
+    a field at its value in ``default`` (None: the server's, ``info.default_method``) passes the context bound."""
     method = spec.build()  # a bad name or hyperparameter: ParamError
     config = method.config
     if config is not None:
-        default = info.default_method
+        default = info.default_method if default is None else default
         check_context(config, info.max_context, dict(default.params) if default.name == spec.name else None)
     need, cap = method_state_bytes(method, info), state_cap_bytes(info)
     if need > cap:
@@ -61,3 +68,8 @@ def check_method(spec: MethodSpec, info) -> None:
         raise ParamError(fields[0], f"the method's state would take {need / 2**20:.1f} MiB per session, more than "
                                     f"the {cap / 2**20:.1f} MiB allowed ({STATE_CAP_FACTOR} x the dense KV cache of "
                                     f"a full {info.max_context}-token context); lower {' or '.join(fields)}")
+
+
+def check_server_method(spec: MethodSpec, info) -> None:
+    """ParamError naming the field unless the server's default method ``spec`` fits the model ``info``."""
+    check_method(spec, info, default=_default_method())

@@ -30,6 +30,7 @@ from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.loading import apply_rope_scaling, load
 from retopk_server.runtime.memory import MemoryUsage
+from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob
 from retopk_server.runtime.sampling_defaults import model_defaults
@@ -147,11 +148,19 @@ class ModelRunner:
         if group is None:
             backend = self.config.method_backend(spec.name)
             num_layers, num_heads, num_kv_heads, head_dim = self._shape
-            self.budget.check(_state_nbytes(spec, backend, self._shape), "the method state")
+            self.budget.check(self._state_bytes(spec, backend), "the method state")
             group = MethodGroup(spec.build(backend=backend), num_layers, num_heads, num_kv_heads, head_dim,
                                 self.device, budget=self.budget)
             self._groups[spec] = group
         return group
+
+    def _state_bytes(self, spec: MethodSpec, backend: str) -> int:
+        """One session's state of ``spec`` over all layers (method_limits.py, on a throwaway method object: its
+        init_state counts layers); 0 for a method that cannot be measured so, whose growth the budget checks."""
+        try:
+            return method_state_bytes(spec.build(backend=backend), self.info)
+        except Exception:  # noqa: BLE001 - a method whose init_state computes on the device
+            return 0
 
     def _drop_if_unused(self, spec: MethodSpec) -> None:
         group = self._groups.get(spec)
@@ -324,14 +333,3 @@ class ModelRunner:
                 out[row] = StepStats(path[:, j], max_sim[:, j], n_scored[:, j], ctx.attention_s[gi],
                                      num_kv_heads=self.info.num_kv_heads)
         return out
-
-
-def _state_nbytes(spec: MethodSpec, backend: str, shape: tuple[int, int, int, int]) -> int:
-    """Bytes one session's state of ``spec`` takes over all layers, measured on the meta device (nothing is
-    allocated; a throwaway method object, since init_state counts layers); 0 if the method cannot do that."""
-    num_layers, num_heads, num_kv_heads, head_dim = shape
-    try:
-        state = spec.build(backend=backend).init_state(num_heads, num_kv_heads, head_dim, device="meta")
-        return num_layers * state.capacity * state.nbytes_per_slot()
-    except Exception:  # noqa: BLE001 - a method whose init_state computes on the device: checked at growth
-        return 0

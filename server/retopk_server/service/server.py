@@ -1,7 +1,9 @@
 """Server startup and shutdown: engine, gRPC services (ours, health, reflection), signals, drain.
 
 Lifecycle of ``serve``:
-  1. load the model on the engine thread (SIGTERM during the load exits 0 right after it)
+  1. load the model on the engine thread (SIGTERM during the load exits 0 right after it); check the
+     default method (--method, --method-params) against the model's method limits
+     (runtime/method_limits.py): a value past them is one line naming it and exit code 2, as argparse's
   2. start grpc.aio with ReTopKService, grpc.health.v1.Health (SERVING, public: no key needed) and
      server reflection (unless --reflection false), over TLS when --tls-cert is set (mutual TLS with
      --tls-client-ca); print "retopk-server listening on HOST:PORT"; SIGHUP reloads the keys file;
@@ -27,9 +29,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineObserver, Runner
+from retopk_server.runtime.method_limits import check_server_method
 from retopk_server.service.auth import KeyRing, KeysFileError
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.servicer import ReTopKServicer
@@ -38,6 +42,7 @@ from retopk_server.service.supervision import EXIT_ENGINE_FAILED, SERVICE_NAME, 
 log = logging.getLogger("retopk_server")
 
 MAX_SEND_BYTES = 64 << 20  # replies: step statistics of long streams, session lists
+EXIT_USAGE = 2  # a flag's value is refused, as argparse exits
 
 
 def grpc_options(max_receive_bytes: int) -> list[tuple[str, int]]:
@@ -192,6 +197,12 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
         log.error("could not load the model: %s: %s", type(e).__name__, e)
         return 1
     log.info("model ready in %.1f s", time.monotonic() - t0)
+    try:
+        check_server_method(config.method_spec(), engine.info)
+    except ParamError as e:
+        log.error("--method-params: %s", e)
+        engine.stop()
+        return EXIT_USAGE
     if stop.is_set():
         engine.stop()
         return 0
