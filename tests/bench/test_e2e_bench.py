@@ -1,6 +1,5 @@
 """bench/e2e_cpu.py end to end on a tiny random Llama (structure and path accounting, no timings)."""
 
-import math
 
 import pytest
 import torch
@@ -38,9 +37,7 @@ def test_e2e_rows_for_every_method_and_length():
                       "retopk(cache_size=4,gqa_policy=promote,tau=0.5,top_k=8)", "transformers generate")]
     for r in rows:
         assert r["tokens"] == 3 * 2
-        # generate's ms/token is a difference of two timings (its prefill cancels), so on a busy machine it
-        # can come out negative: only the runtime's own rows are sums of step times
-        assert math.isfinite(r["ms_per_token"]) if r["label"] == "transformers generate" else r["ms_per_token"] > 0
+        assert r["ms_per_token"] > 0  # generate's too: it is timed from a prefilled cache, no difference
         if r["label"] != "transformers generate":
             assert 0 < r["attention_share"] < 1
             assert sum(r["paths"].values()) == 3 * 2 * 2 * 4  # tokens x rounds x layers x heads
