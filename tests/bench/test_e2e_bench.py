@@ -1,6 +1,5 @@
 """bench/e2e_cpu.py end to end on a tiny random Llama (structure and path accounting, no timings)."""
 
-
 import pytest
 import torch
 
