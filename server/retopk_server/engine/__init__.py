@@ -1,6 +1,9 @@
 """The engine: one thread that owns the model runner and runs the continuous-batching scheduler.
 
     scheduler.py        Engine: the thread and its loop (schedule, run, postprocess), submission, lifecycle
+    admission.py        the scheduling of prompts: queue -> chunked prefill -> batch, KV room for each step
+    supervision.py      the engine's failure handling: decode retried alone, runner probe, shutdown, watchdog
+    faults.py           what a failure ends (one request or the engine), the statuses it gets
     commands.py         EngineCommands (sessions, tokenizer, status as futures) over the CommandQueue
     runner_protocol.py  Runner: what the engine asks of a model runner (runtime.ModelRunner implements it)
     sessions.py         SessionTable: named and ephemeral sessions (SessionRecord), their commands and snapshots
