@@ -9,9 +9,10 @@ Kernel files (each holds ``@triton.jit`` code and a thin launcher that checks it
     paged.py          pool-row address of (sequence, KV head, position) in the PagedKV block pool
     dense.py          Full attention: split-K decode over the sequence + log-sum-exp merge
     exact.py          full-history QK scores, per-chunk Top-K, Top-K merge tree (exact/fallback/refresh)
-    selector.py       ReTopK stage 1: cosine recall, path decision, sorted unique candidate list
+    selector.py       ReTopK stage 1: cosine recall, path decision, sorted unique candidate list (sorts the
+                      recalled supports only; the window is appended)
     indexed_qk.py     ReTopK stage 2: exact scores of the packed candidates, keys read by index
-    select_attend.py  stage 3: Top-K of the path's scores, softmax, indexed value sum, FIFO write
+    select_attend.py  stage 3: Top-K of the path's scores, softmax, indexed value sum, FIFO write + counters
     workspace.py      grow-only scratch buffers per state / device (no allocation in the decode loop)
     launch.py         the three entry points the methods call (dense, exact Top-K, ReTopK)
     compile_check.py  compiles every kernel for a CUDA target without a GPU (catches compiler-only errors)

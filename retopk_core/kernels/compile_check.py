@@ -23,7 +23,7 @@ def kernel_specs(small: bool) -> list[tuple]:
     """(kernel, argument types, constexprs, num_warps) for every kernel and constexpr branch."""
     from retopk_core.kernels import dense, exact, indexed_qk, select_attend, selector
 
-    K_pad, n_pad, chunk, fan, D = (16, 64, 32, 4, 64) if small else (512, 4096, 2048, 4, 128)
+    K_pad, n_pad, n_sort, chunk, fan, D = (16, 64, 32, 32, 4, 64) if small else (512, 4096, 2048, 2048, 4, 128)
     p = {"f32": "*fp32", "bf16": "*bf16", "i64": "*i64", "i32": "*i32", "i8": "*i8"}
     specs = []
     for dt, dot_f32 in (("bf16", False), ("f32", True)):
@@ -50,8 +50,9 @@ def kernel_specs(small: bool) -> list[tuple]:
                            fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], phase_ptr=p["i64"],
                            path_ptr=p["i8"],
                            maxsim_ptr=p["f32"], nscored_ptr=p["i32"], cand_ptr=p["i32"], count_ptr=p["i32"],
-                           tau="fp32"),
-                      dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, ALL_CAND=all_cand), 8))
+                           at_ptr=p["i64"], tau="fp32"),
+                      dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, N_SORT=n_sort, BLOCK_W=32,
+                           ALL_CAND=all_cand), 8))
     specs.append((indexed_qk._indexed_qk_kernel,
                   dict(q_ptr=p["bf16"], k_ptr=p["bf16"], table_ptr=p["i64"], cand_ptr=p["i32"], count_ptr=p["i32"],
                        out_ptr=p["f32"], scale="fp32"),
@@ -61,7 +62,7 @@ def kernel_specs(small: bool) -> list[tuple]:
                       dict(q_ptr=p["bf16"], v_ptr=p["bf16"], table_ptr=p["i64"], path_ptr=p["i8"], cand_ptr=p["i32"],
                            cscore_ptr=p["f32"], count_ptr=p["i32"], exact_ptr=p["i64"], sel_ptr=p["i64"],
                            w_ptr=p["f32"], out_ptr=p["bf16"], slots_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
-                           wptr_ptr=p["i64"]),
+                           at_ptr=p["i64"], wptr_ptr=p["i64"], fill_ptr=p["i64"], step_ptr=p["i64"]),
                       dict(K_PAD=K_pad, N_PAD=n_pad, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_KV=64, RETOPK=retopk), 8))
     return specs
 

@@ -6,8 +6,8 @@
 
 Same semantics as the torch path. ReTopK runs a fixed sequence of launches whatever the paths of
 its heads (no host synchronisation): selector -> indexed QK (reuse heads) -> exact QK / chunk Top-K /
-merge (non-reuse heads) -> select + attend + FIFO write (each head reads its path's scores), then the
-FIFO pointer, fill and step counters advance with three tensor ops on the device. The dense floor
+merge (non-reuse heads) -> select + attend + FIFO write (each head reads its path's scores; the same
+launch advances the FIFO pointer, fill and step counters). The dense floor
 (``dense_below``) is decided on the device too: rows below it take path DENSE, get the exact Top-K
 for their FIFO entry from the exact kernels, and their output from the dense kernel (whose launch
 covers positions < dense_below only).
@@ -19,6 +19,7 @@ import contextlib
 import functools
 
 import torch
+import triton
 
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kernels.dense import dense_attention
@@ -114,21 +115,24 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         raise ValueError(f"state is on {state.queries.device}, q on {q.device}")
     ws = ws or WORKSPACES.shared(q.device)
     dev = q.device
-    N_pad = next_pow2(R * K + W, 16)
+    N_pad = next_pow2(R * K + W, 16)  # candidate row width (M_t <= R*K + W)
     path = torch.empty(B, H, dtype=torch.int8, device=dev)
     max_sim = torch.empty(B, H, dtype=torch.float32, device=dev)
     n_scored = torch.empty(B, H, dtype=torch.int32, device=dev)
     cand = ws.get("cand", (B, H, N_pad), torch.int32)
     count = ws.get("cand_count", (B, H), torch.int32)
     cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
-    big = N_pad >= 1024
+    at = ws.get("fifo_at", (B,), torch.long)  # each row's FIFO write position, for stage 3
+    N_sort = next_pow2(R * K, 2)  # the selector sorts the recalled supports only, not the window
+    big = N_sort >= 1024
     _selector_kernel[(B, H)](
         q, q.stride(0), q.stride(1), slots, kv.lengths,
         state.queries, state.support, state.fill, state.ptr, state.step, state.phase,
-        path, max_sim, n_scored, cand, count,
+        path, max_sim, n_scored, cand, count, at,
         float(cfg.tau), cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
-        N_PAD=N_pad, ALL_CAND=cfg.gqa_policy == "group", num_warps=8 if big else 4)
+        N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), ALL_CAND=cfg.gqa_policy == "group",
+        num_warps=8 if big else 4)
     if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg)
         count.masked_fill_(path != Path.REUSE, 0)
@@ -141,16 +145,14 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         n_scored = torch.where(dense, kv.lengths.to(torch.int32).view(B, 1), n_scored)
         max_sim = max_sim.masked_fill(dense, float("nan"))
     block_m = 64
-    _indexed_qk_kernel[(B, H, N_pad // block_m if N_pad >= block_m else 1)](
+    _indexed_qk_kernel[(B, H, triton.cdiv(R * K + W, block_m))](  # blocks up to the largest M_t
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,
         float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
     keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
-    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, state))
+    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, at, state))
     if dense is not None:  # dense rows attend to every position; their FIFO entry is the exact Top-K above
         out = torch.where(dense.unsqueeze(-1), dense_attention(q, kv, scale, ws, below=cfg.dense_below), out)
-    state.advance(slots)
-    state.step[slots] += 1
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel)
 
 
@@ -162,16 +164,17 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
     sel = torch.empty(B, H, K, dtype=torch.long, device=q.device)
     weights = ws.get("weights", (B, H, K_pad), torch.float32)
     if retopk is None:
-        path = cand = cand_scores = count = slots = exact_keys  # unused (RETOPK=False)
-        N_pad, queries, support, ptr, C = 16, q, exact_keys, exact_keys, 1
+        path = cand = cand_scores = count = slots = at = exact_keys  # unused (RETOPK=False)
+        N_pad, queries, support, ptr, fill, step, C = 16, q, exact_keys, exact_keys, exact_keys, exact_keys, 1
     else:
-        path, cand, cand_scores, count, N_pad, slots, state = retopk
-        queries, support, ptr, C = state.queries, state.support, state.ptr, state.queries.shape[2]
+        path, cand, cand_scores, count, N_pad, slots, at, state = retopk
+        queries, support, C = state.queries, state.support, state.queries.shape[2]
+        ptr, fill, step = state.ptr, state.fill, state.step
     _select_attend_kernel[(B, H)](
         q, q.stride(0), q.stride(1), kv.v_pool, kv.block_table, kv.block_table.stride(0),
         path, cand, cand_scores, count, exact_keys,
         sel, weights, out, out.stride(0), out.stride(1),
-        slots, queries, support, ptr,
+        slots, queries, support, at, ptr, fill, step,
         K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
         K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
         BLOCK_KV=64, RETOPK=retopk is not None, num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)

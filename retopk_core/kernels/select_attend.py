@@ -10,7 +10,12 @@ Attention over Ŝ (eq. 12), keys' scores recomputed by nothing: the selection ca
     o = Σ_{i∈Ŝ} exp(e_i - m) v_i / Σ_{i∈Ŝ} exp(e_i - m),   m = max_{i∈Ŝ} e_i,
 with values read from the PagedKV pool by position in blocks of BLOCK_KV. Outputs: o (q's dtype), the
 selected positions (B, H, K) int64 sorted by score, -1 padded. With FIFO (ReTopK), the unit query
-q̄ and Ŝ are also written into entry ``ptr[slot]`` of this head's FIFO; the caller advances ptr/fill.
+q̄ and Ŝ are also written into entry ``at[b]`` of this head's FIFO (the write pointer ptr[slot] the
+selector copied before this launch), and head 0 of each sequence advances that slot's counters as
+``QuerySupportCache.advance`` and the torch step do:
+    ptr = (at + 1) % C,   fill = min(fill + 1, C),   step = step + 1
+(no other program of this launch reads them: the other heads take the copy, hence no race), which
+saves the ~10 small torch ops per layer and step that did this after the launch.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from retopk_core.kernels.paged import pool_rows
 def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_tb,
                           path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
                           sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
-                          slots_ptr, cq_ptr, sup_ptr, wptr_ptr,
+                          slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr,
                           K, H, H_KV, P, G, C,
                           K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
@@ -71,9 +76,14 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dv, acc.to(out_ptr.dtype.element_ty), mask=dv < DV)
     if RETOPK:
         slot = tl.load(slots_ptr + b)
-        entry = (slot * H + h) * C + tl.load(wptr_ptr + slot)
+        at = tl.load(at_ptr + b)
+        entry = (slot * H + h) * C + at
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
         qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-12)
         tl.store(cq_ptr + entry * D + d, qn, mask=d < D)
         tl.store(sup_ptr + entry * K + r, sel, mask=r < K)
+        if h == 0:  # the slot's counters, once per sequence
+            tl.store(wptr_ptr + slot, (at + 1) % C)
+            tl.store(fill_ptr + slot, tl.minimum(tl.load(fill_ptr + slot) + 1, C))
+            tl.store(step_ptr + slot, tl.load(step_ptr + slot) + 1)

@@ -9,10 +9,21 @@
 
 Written per head: path (int8, the head's own decision), ρ_max, n_scored (M_t on reuse, L on exact
 paths), and for reuse heads the candidate positions sorted ascending and packed at the front of a row
-of width N_PAD (int32) with their count M_t (0 for exact-path heads). With ALL_CAND (the "group" GQA
-policy, where a head below tau may still reuse with its group) fallback heads get candidates too; the
-launcher then applies the policy on the device and fixes count / n_scored. Deduplication: a bitonic
-sort, a neighbour comparison, then a prefix-sum compaction of the first occurrences.
+of width N_PAD >= R*K + W (int32) with their count M_t (0 for exact-path heads). With ALL_CAND (the
+"group" GQA policy, where a head below tau may still reuse with its group) fallback heads get
+candidates too; the launcher then applies the policy on the device and fixes count / n_scored. Head 0
+of each sequence also copies the FIFO's write pointer ptr[slot] to ``at[b]``: stage 3 writes the new
+entry there while it advances ptr itself.
+
+Deduplication sorts only the R*K recalled support entries (N_SORT = next_pow2(R*K) keys: 2048 at
+K = 512, R = 4, not next_pow2(R*K + W) = 4096 with half of them padding): the window
+{w0, ..., L-1}, w0 = max(L-W, 0), is a run of consecutive positions that are candidates anyway, so
+support entries inside it are dropped before the sort (duplicates) and the window is written by
+arithmetic behind the kept entries below w0 (entries >= L, which only a stale FIFO could hold, go
+after it, as a sort would place them). Then a neighbour comparison and a prefix-sum compaction keep
+the first occurrences. Supports are not assumed sorted by position (which would leave only the merge
+stages of the network): the prompt's entries come from the torch prefill in score order, and a
+merge-only network fed an unsorted run silently yields a wrong candidate list.
 """
 
 from __future__ import annotations
@@ -26,10 +37,11 @@ from retopk_core.kernels.bitonic import POS_PAD, bitonic_sort
 @triton.jit
 def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                      cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr,
-                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr,
+                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, at_ptr,
                      tau, T_R, H, C, K, W,
                      R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, ALL_CAND: tl.constexpr):
+                     BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
+                     ALL_CAND: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -49,12 +61,14 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
     row = b * H + h
     tl.store(path_ptr + row, path.to(tl.int8))
     tl.store(maxsim_ptr + row, max_sim)
+    if h == 0:  # read by stage 3, which moves ptr[slot] on (the other heads here still read it)
+        tl.store(at_ptr + b, tl.load(wptr_ptr + slot))
     if (path == 0) | (ALL_CAND & (path == 1)):
         # recall: entry id and validity of each of the R recalled entries, spread over their K slots
-        i = tl.arange(0, N_PAD)
+        i = tl.arange(0, N_SORT)
         r_of = i // K
-        rid = tl.zeros((N_PAD,), tl.int64)
-        rok = tl.zeros((N_PAD,), tl.int1)
+        rid = tl.zeros((N_SORT,), tl.int64)
+        rok = tl.zeros((N_SORT,), tl.int1)
         work = sim
         for r in tl.static_range(R):
             if RECENT:
@@ -66,18 +80,20 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                 work = tl.where(c == idx, float("-inf"), work)
             rid = tl.where(r_of == r, idx, rid)
             rok = tl.where(r_of == r, ok, rok)
-        in_sup = i < R * K
-        sup = tl.load(sup_ptr + ((slot * H + h) * C + rid) * K + i % K, mask=in_sup & rok, other=-1)
-        wpos = L - W + (i - R * K)
-        in_win = (i >= R * K) & (i < R * K + W)
-        cand = tl.where(in_sup, sup, tl.where(in_win, wpos, -1))
-        cand = tl.where(cand >= 0, cand, POS_PAD).to(tl.int32)
+        sup = tl.load(sup_ptr + ((slot * H + h) * C + rid) * K + i % K, mask=(i < R * K) & rok, other=-1)
+        w0 = tl.maximum(L - W, 0)  # the window {w0, ..., L-1}
+        n_win = (L - w0).to(tl.int32)
+        live = (sup >= 0) & ((sup < w0) | (sup >= L))  # entries inside the window are its duplicates
+        cand = tl.where(live, sup, POS_PAD).to(tl.int32)
         cand = bitonic_sort(cand)
         prev = tl.gather(cand, tl.maximum(i - 1, 0), 0)
         keep = (cand != POS_PAD) & ((i == 0) | (cand != prev))
-        dest = tl.cumsum(keep.to(tl.int32), 0) - 1
+        dest = tl.cumsum(keep.to(tl.int32), 0) - 1 + tl.where(cand >= L, n_win, 0)  # >= L: behind the window
         tl.store(cand_ptr + row * N_PAD + dest, cand, mask=keep)
-        count = tl.sum(keep.to(tl.int32), 0)
+        n_below = tl.sum((keep & (cand < w0)).to(tl.int32), 0)
+        wj = tl.arange(0, BLOCK_W)
+        tl.store(cand_ptr + row * N_PAD + n_below + wj, (w0 + wj).to(tl.int32), mask=wj < n_win)
+        count = tl.sum(keep.to(tl.int32), 0) + n_win
         tl.store(count_ptr + row, count)
         tl.store(nscored_ptr + row, count)
     else:

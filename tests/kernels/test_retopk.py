@@ -177,3 +177,59 @@ def test_retopk_decode_allocates_no_scratch_after_first_step():
     for _ in _run(1, 3, 64, 8, 4, 4, 2, [100, 80], 16, "similarity", (0, 1), steps=3):
         counts.append(WORKSPACES.shared(DEVICE).allocations)
     assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
+
+
+def test_selector_drops_window_duplicates_and_keeps_union_with_torch():
+    """A crafted FIFO: supports holding positions inside the window (dropped before the selector's sort,
+    the window is appended in order), below it, repeated across entries, -1 padding, a stale position
+    >= L (after the window), R*K = 24 not a power of two, a row with fewer than R entries, L < W."""
+    from retopk_core.kernels.workspace import WORKSPACES
+
+    K, C, W, R, d, H = 8, 4, 6, 3, 16, 2
+    ref = ReTopK(ReTopKConfig(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0))
+    tri = ReTopK(ReTopKConfig(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0), backend="triton")
+    lengths = [40, 12, 4]
+    B = len(lengths)
+    kv, _, _ = make_kv(B, 1, 40, d, lengths, torch.float32, 8, seed=4)
+    st = ref.init_state(H, 1, d, device=DEVICE, capacity=B)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(B):
+        st.alloc()
+    st.queries[:] = torch.nn.functional.normalize(torch.randn(B, H, C, d, generator=gen), dim=-1).to(DEVICE)
+    sup = torch.full((B, H, C, K), -1, dtype=torch.long)
+    sup[0, :, 0] = torch.tensor([35, 5, 39, 33, 0, -1, -1, -1])  # 35, 39 in the window {34..39}
+    sup[0, :, 1] = torch.tensor([5, 34, 12, 33, 20, 21, 22, 23])
+    sup[0, :, 2] = torch.tensor([38, 37, 36, 2, 1, 3, 4, 6])
+    sup[0, :, 3] = torch.tensor([7, 8, 9, 10, 11, 13, 14, 15])
+    sup[1, :, 0] = torch.tensor([11, 10, 0, 6, 12, 5, -1, -1])  # window {6..11}; 12 >= L (stale)
+    sup[1, :, 1] = torch.tensor([5, 4, 3, 9, 8, 1, 2, 0])
+    sup[2, :, 0] = torch.tensor([3, 0, 2, 1, -1, -1, -1, -1])  # L = 4 < W: everything is window
+    st.support[:] = sup.to(DEVICE)
+    st.fill[:] = torch.tensor([C, 2, 1], device=DEVICE)
+    st.ptr[:] = torch.tensor([1, 2, 1], device=DEVICE)
+    st.step[:] = 3
+    sk = copy.deepcopy(st)
+    q = 2 * st.queries[:, :, 0] + 0.1 * torch.randn(B, H, d, generator=gen).to(DEVICE)  # near entry 0: reuse
+    slots = torch.arange(B, device=DEVICE)
+    pre = copy.deepcopy(st)
+    a, b = ref.decode(q, kv, st, slots), tri.decode(q, kv, sk, slots)
+    assert (a.path == Path.REUSE).all(), a.path
+    N_pad = next_pow2(R * K + W, 16)
+    ws = WORKSPACES.shared(q.device)
+    cand, count = ws.get("cand", (B, H, N_pad), torch.int32), ws.get("cand_count", (B, H), torch.int32)
+    sim, _ = ref._similarity(q.float() / q.float().norm(dim=-1, keepdim=True), pre, slots)
+    for bb in range(B):
+        for hh in range(H):
+            want = ref._candidates(sim[bb, hh].unsqueeze(0), pre, slots[bb:bb + 1], torch.tensor([hh]),
+                                   kv.lengths[bb:bb + 1])[0]
+            want = want[want >= 0].tolist()
+            assert int(count[bb, hh]) == len(want)
+            assert cand[bb, hh, :len(want)].tolist() == want
+    assert 12 in cand[1, 0, :int(count[1, 0])].tolist()  # the stale position was recalled
+    torch.testing.assert_close(b.max_sim, a.max_sim, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.n_scored, b.n_scored)
+    assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
+    torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+    for name in ("fill", "ptr", "step"):
+        assert torch.equal(getattr(sk, name), getattr(st, name)), name
