@@ -33,17 +33,21 @@ def kernel_specs(small: bool) -> list[tuple]:
                       dict(G=7, BLOCK_G=16, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_N=64, DOT_F32=dot_f32), 4))
         specs.append((exact._exact_qk_kernel,
                       dict(q_ptr=p[dt], k_ptr=p[dt], table_ptr=p["i64"], len_ptr=p["i64"], path_ptr=p["i8"],
-                           sc_ptr=p["f32"], scale="fp32"),
+                           groups_ptr=p["i32"], n_ptr=p["i32"], sc_ptr=p["f32"], scale="fp32"),
                       dict(G=3, BLOCK_G=16, D=D, BLOCK_D=D, BLOCK_N=64, HAS_PATH=not dot_f32, DOT_F32=dot_f32), 4))
     specs.append((dense._lse_merge_kernel, dict(po_ptr=p["f32"], pl_ptr=p["f32"], out_ptr=p["bf16"], len_ptr=p["i64"]),
                   dict(DV=D, BLOCK_DV=D, BLOCK_S=64), 4))
     for has_path in (False, True):
-        specs.append((exact._chunk_topk_kernel,
-                      dict(sc_ptr=p["f32"], len_ptr=p["i64"], path_ptr=p["i8"], out_ptr=p["i64"]),
-                      dict(CHUNK=chunk, K_PAD=K_pad, HAS_PATH=has_path), 8))
-        specs.append((exact._merge_topk_kernel,
-                      dict(in_ptr=p["i64"], len_ptr=p["i64"], path_ptr=p["i8"], out_ptr=p["i64"]),
-                      dict(FAN=fan, K_PAD=K_pad, HAS_PATH=has_path), 8))
+        specs.append((exact._exact_work_kernel,
+                      dict(path_ptr=p["i8"] if has_path else p["i64"], heads_ptr=p["i32"], groups_ptr=p["i32"],
+                           n_ptr=p["i32"]),
+                      dict(HAS_PATH=has_path, BLOCK=1024), 4))
+    specs.append((exact._chunk_topk_kernel,
+                  dict(sc_ptr=p["f32"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
+                  dict(CHUNK=chunk, K_PAD=K_pad), 8))
+    specs.append((exact._merge_topk_kernel,
+                  dict(in_ptr=p["i64"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
+                  dict(FAN=fan, K_PAD=K_pad), 8))
     for recent, all_cand in ((False, False), (True, False), (False, True)):
         specs.append((selector._selector_kernel,
                       dict(q_ptr=p["bf16"], slots_ptr=p["i64"], len_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],

@@ -12,9 +12,16 @@ Top-K over L scores in two phases without host synchronisation:
      The number of levels depends only on L_cap = max_blocks * P (host-known).
 The final list (B, H, K_pad) is sorted best-first; EMPTY pads sequences shorter than K_pad.
 
-Paths: with ``path`` given (ReTopK), every kernel early-exits for heads whose path is REUSE (0), so
-heads taking different paths share one launch per stage. A QK program serves the G query heads of
-one KV head (GQA: keys read once per group).
+Work sized on the device: with ``path`` given (ReTopK), only heads whose path is not REUSE (0) need
+this pass, and the step cannot know how many without a device-to-host copy. So one program
+(_exact_work_kernel) packs the rows b*H + h of those heads, and the KV groups b*H_kv + g holding one,
+into work lists with their counts; the three kernels then run persistent grids of a fixed size (a few
+programs per SM, host-known) that loop over count x blocks read from device memory. A step where
+every head reuses costs one small wave per kernel instead of B*H_kv*L_cap/BLOCK_N QK programs and
+B*H*(L_cap/CHUNK) chunk programs that each exit at once; a step with one exact head spreads its
+work over the whole grid. A QK work item serves the G query heads of one KV group (GQA: keys read
+once per group) and scores only the heads that need it. Without ``path`` (Exact Top-K) every head
+is listed.
 """
 
 from __future__ import annotations
@@ -30,80 +37,111 @@ from retopk_core.kv import PagedKV
 
 
 @triton.jit
-def _exact_qk_kernel(q_ptr, k_ptr, table_ptr, len_ptr, path_ptr, sc_ptr, scale,
-                     stride_qb, stride_qh, stride_tb, H_KV, P, L_CAP,
+def _exact_work_kernel(path_ptr, heads_ptr, groups_ptr, n_ptr, NH, G,
+                       HAS_PATH: tl.constexpr, BLOCK: tl.constexpr):
+    """One program. heads[:n[0]] = the rows b*H + h (ascending) whose path != REUSE (all NH rows without
+    path); groups[:n[1]] = the KV groups (b*H + h) // G holding such a head."""
+    i = tl.arange(0, BLOCK)
+    n = 0
+    for s in range(0, NH, BLOCK):
+        idx = s + i
+        need = idx < NH
+        if HAS_PATH:
+            need = need & (tl.load(path_ptr + idx, mask=idx < NH, other=0) != 0)
+        tl.store(heads_ptr + n + tl.cumsum(need.to(tl.int32), 0) - 1, idx, mask=need)
+        n += tl.sum(need.to(tl.int32), 0)
+    tl.store(n_ptr, n)
+    m = 0
+    for s in range(0, NH // G, BLOCK):
+        idx = s + i
+        need = idx < NH // G
+        if HAS_PATH:
+            any_head = tl.zeros((BLOCK,), tl.int32)
+            for j in range(0, G):
+                any_head += (tl.load(path_ptr + idx * G + j, mask=need, other=0) != 0).to(tl.int32)
+            need = need & (any_head > 0)
+        tl.store(groups_ptr + m + tl.cumsum(need.to(tl.int32), 0) - 1, idx, mask=need)
+        m += tl.sum(need.to(tl.int32), 0)
+    tl.store(n_ptr + 1, m)
+
+
+@triton.jit
+def _exact_qk_kernel(q_ptr, k_ptr, table_ptr, len_ptr, path_ptr, groups_ptr, n_ptr, sc_ptr, scale,
+                     stride_qb, stride_qh, stride_tb, H_KV, P, L_CAP, N_BLK,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_PATH: tl.constexpr, DOT_F32: tl.constexpr):
-    b = tl.program_id(0)
-    g = tl.program_id(1)
-    start = tl.program_id(2) * BLOCK_N
-    L = tl.load(len_ptr + b)
-    if start >= L:
-        return
     H = H_KV * G
     hs = tl.arange(0, BLOCK_G)
-    heads = g * G + hs
-    if HAS_PATH:
-        need = (hs < G) & (tl.load(path_ptr + b * H + heads, mask=hs < G, other=0) != 0)
-    else:
-        need = hs < G
-    if tl.sum(need.to(tl.int32), 0) == 0:  # every head of this group reuses: nothing to score
-        return
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=need[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = pos < L
-    rows = pool_rows(table_ptr, stride_tb, b, g, pos, valid, H_KV, P)
-    k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
-    if DOT_F32:
-        e = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        e = tl.dot(q, tl.trans(k))
-    e = tl.where(valid[None, :], e * scale, float("-inf"))  # (BLOCK_G, BLOCK_N)
-    tl.store(sc_ptr + (b * H + heads)[:, None] * L_CAP + pos[None, :], e,
-             mask=need[:, None] & (pos < L_CAP)[None, :])
+    for w in range(tl.program_id(0), tl.load(n_ptr + 1) * N_BLK, tl.num_programs(0)):  # (group, block) items
+        bg = tl.load(groups_ptr + w // N_BLK).to(tl.int64)
+        b = bg // H_KV
+        g = bg % H_KV
+        start = (w % N_BLK) * BLOCK_N
+        L = tl.load(len_ptr + b)
+        if start < L:
+            heads = g * G + hs
+            if HAS_PATH:  # score only the group's heads that take an exact path
+                need = (hs < G) & (tl.load(path_ptr + b * H + heads, mask=hs < G, other=0) != 0)
+            else:
+                need = hs < G
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                        mask=need[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+            pos = start + tl.arange(0, BLOCK_N)
+            valid = pos < L
+            rows = pool_rows(table_ptr, stride_tb, b, g, pos, valid, H_KV, P)
+            k = tl.load(k_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+            if DOT_F32:
+                e = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                e = tl.dot(q, tl.trans(k))
+            e = tl.where(valid[None, :], e * scale, float("-inf"))  # (BLOCK_G, BLOCK_N)
+            tl.store(sc_ptr + (b * H + heads)[:, None] * L_CAP + pos[None, :], e,
+                     mask=need[:, None] & (pos < L_CAP)[None, :])
 
 
 @triton.jit
-def _chunk_topk_kernel(sc_ptr, len_ptr, path_ptr, out_ptr, H, L_CAP, N_CHUNK,
-                       CHUNK: tl.constexpr, K_PAD: tl.constexpr, HAS_PATH: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    c = tl.program_id(2)
-    L = tl.load(len_ptr + b)
-    start = c * CHUNK
-    skip = start >= L  # the merge masks lists past the sequence: nothing to write
-    if HAS_PATH:
-        skip = skip | (tl.load(path_ptr + b * H + h) == 0)
-    if skip:  # one top-level early exit (nested early returns are not portable across triton versions)
-        return
-    pos = start + tl.arange(0, CHUNK)
-    valid = pos < L
-    e = tl.load(sc_ptr + (b * H + h) * L_CAP + pos, mask=valid, other=0.0)
-    key = tl.where(valid, pack_key(e, pos), EMPTY)
-    top = bitonic_topk(key, K_PAD, True)
-    tl.store(out_ptr + ((b * H + h) * N_CHUNK + c) * K_PAD + tl.arange(0, K_PAD), top)
+def _chunk_topk_kernel(sc_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, L_CAP, N_CHUNK,
+                       CHUNK: tl.constexpr, K_PAD: tl.constexpr):
+    for w in range(tl.program_id(0), tl.load(n_ptr) * N_CHUNK, tl.num_programs(0)):  # (head, chunk) items
+        row = tl.load(heads_ptr + w // N_CHUNK).to(tl.int64)  # b * H + h
+        c = w % N_CHUNK
+        start = c * CHUNK
+        L = tl.load(len_ptr + row // H)
+        if start < L:  # chunks past the sequence: the merge masks their lists, nothing to write
+            pos = start + tl.arange(0, CHUNK)
+            valid = pos < L
+            e = tl.load(sc_ptr + row * L_CAP + pos, mask=valid, other=0.0)
+            key = tl.where(valid, pack_key(e, pos), EMPTY)
+            top = bitonic_topk(key, K_PAD, True)
+            tl.store(out_ptr + (row * N_CHUNK + c) * K_PAD + tl.arange(0, K_PAD), top)
 
 
 @triton.jit
-def _merge_topk_kernel(in_ptr, len_ptr, path_ptr, out_ptr, H, N_IN, N_OUT, SPAN_IN,
-                       FAN: tl.constexpr, K_PAD: tl.constexpr, HAS_PATH: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    j = tl.program_id(2)
-    L = tl.load(len_ptr + b)
-    skip = j * FAN * SPAN_IN >= L
-    if HAS_PATH:
-        skip = skip | (tl.load(path_ptr + b * H + h) == 0)
-    if skip:
-        return
-    n_valid = (L + SPAN_IN - 1) // SPAN_IN  # input lists that cover some position < L
+def _merge_topk_kernel(in_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, N_IN, N_OUT, SPAN_IN,
+                       FAN: tl.constexpr, K_PAD: tl.constexpr):
     i = sorted_run_index(tl.arange(0, FAN * K_PAD), K_PAD)  # even lists back to front: alternating runs
-    li = j * FAN + i // K_PAD
-    key = tl.load(in_ptr + ((b * H + h) * N_IN + li) * K_PAD + i % K_PAD, mask=li < n_valid, other=EMPTY)
-    top = bitonic_topk(key, K_PAD, True, True)  # merging stages only: the input lists are sorted
-    tl.store(out_ptr + ((b * H + h) * N_OUT + j) * K_PAD + tl.arange(0, K_PAD), top)
+    for w in range(tl.program_id(0), tl.load(n_ptr) * N_OUT, tl.num_programs(0)):  # (head, output list) items
+        row = tl.load(heads_ptr + w // N_OUT).to(tl.int64)
+        j = w % N_OUT
+        L = tl.load(len_ptr + row // H)
+        if j * FAN * SPAN_IN < L:
+            n_valid = (L + SPAN_IN - 1) // SPAN_IN  # input lists that cover some position < L
+            li = j * FAN + i // K_PAD
+            key = tl.load(in_ptr + (row * N_IN + li) * K_PAD + i % K_PAD, mask=li < n_valid, other=EMPTY)
+            top = bitonic_topk(key, K_PAD, True, True)  # merging stages only: the input lists are sorted
+            tl.store(out_ptr + (row * N_OUT + j) * K_PAD + tl.arange(0, K_PAD), top)
+
+
+def persistent_programs(device: torch.device, per_sm: int, work: int, cpu: int = 3) -> int:
+    """Grid size of a persistent kernel: ``per_sm`` programs per SM (``cpu`` under the interpreter),
+    never more than the largest possible number of work items."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        n = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        n = cpu
+    return max(1, min(n, work))
 
 
 def exact_topk_keys(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: Workspace,
@@ -125,24 +163,29 @@ def exact_topk_keys(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: 
         raise ValueError(f"fan must be a power of two >= 2, got {fan}")
     has_path = path is not None
     path_arg = path if has_path else kv.lengths  # unused when HAS_PATH is false
+    heads = ws.get("exact_heads", (B * H,), torch.int32)
+    groups = ws.get("exact_groups", (B * H_kv,), torch.int32)
+    n_work = ws.get("exact_n_work", (2,), torch.int32)
+    _exact_work_kernel[(1,)](path_arg, heads, groups, n_work, B * H, G, HAS_PATH=has_path, BLOCK=1024)
     scores = ws.get("exact_scores", (B, H, L_cap), torch.float32)
     # 16-bit tensor-core dot when q and the cache share a 16-bit dtype; fp32 (IEEE) otherwise, and always
     # on CPU tensors: triton's interpreter multiplies 16-bit dot operands as raw bits (triton 3.9).
     dot_f32 = not q.is_cuda or not (q.dtype == kv.k_pool.dtype and q.dtype in (torch.float16, torch.bfloat16))
-    _exact_qk_kernel[(B, H_kv, triton.cdiv(L_cap, block_n))](
-        q, kv.k_pool, kv.block_table, kv.lengths, path_arg, scores, float(scale),
-        q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, L_cap,
+    n_blk = triton.cdiv(L_cap, block_n)
+    _exact_qk_kernel[(persistent_programs(q.device, 16, B * H_kv * n_blk),)](
+        q, kv.k_pool, kv.block_table, kv.lengths, path_arg, groups, n_work, scores, float(scale),
+        q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, L_cap, n_blk,
         G=G, BLOCK_G=next_pow2(G, 16), D=D, BLOCK_D=next_pow2(D, 16), BLOCK_N=block_n,
         HAS_PATH=has_path, DOT_F32=dot_f32, num_warps=4)
     n = triton.cdiv(L_cap, chunk)
     lists = ws.get("exact_lists_a", (B, H, n, K_pad), torch.int64)
-    _chunk_topk_kernel[(B, H, n)](scores, kv.lengths, path_arg, lists, H, L_cap, n,
-                                  CHUNK=chunk, K_PAD=K_pad, HAS_PATH=has_path, num_warps=8)
+    _chunk_topk_kernel[(persistent_programs(q.device, 4, B * H * n),)](
+        scores, kv.lengths, heads, n_work, lists, H, L_cap, n, CHUNK=chunk, K_PAD=K_pad, num_warps=8)
     span, names = chunk, ("exact_lists_b", "exact_lists_a")
     while n > 1:
         n_out = triton.cdiv(n, fan)
         merged = ws.get(names[0], (B, H, n_out, K_pad), torch.int64)
-        _merge_topk_kernel[(B, H, n_out)](lists, kv.lengths, path_arg, merged, H, n, n_out, span,
-                                          FAN=fan, K_PAD=K_pad, HAS_PATH=has_path, num_warps=8)
+        _merge_topk_kernel[(persistent_programs(q.device, 4, B * H * n_out),)](
+            lists, kv.lengths, heads, n_work, merged, H, n, n_out, span, FAN=fan, K_PAD=K_pad, num_warps=8)
         lists, n, span, names = merged, n_out, span * fan, names[::-1]
     return lists.view(B, H, K_pad)

@@ -55,3 +55,33 @@ def test_exact_rejects_bad_inputs():
         exact_topk_decode(torch.randn(1, 2, 32, device=DEVICE), kv, 4, 1.0)
     with pytest.raises(ValueError, match="unit stride"):
         exact_topk_decode(torch.randn(1, 64, 2, device=DEVICE).transpose(1, 2), kv, 4, 1.0)
+
+
+def test_exact_keys_for_heads_off_reuse_only_from_a_device_work_list():
+    """With a path (ReTopK), the work lists name exactly the heads whose path is not REUSE and their KV
+    groups, those heads get the exact Top-K (four merge levels over persistent grids), and a step where
+    every head reuses writes nothing."""
+    from retopk_core.kernels.bitonic import EMPTY
+    from retopk_core.kernels.exact import exact_topk_keys
+    from retopk_core.kernels.workspace import Workspace
+
+    B, H_kv, G, d, K, lengths = 2, 2, 2, 64, 8, [300, 70]
+    kv, k, _ = make_kv(B, H_kv, 300, d, lengths, torch.float32, 16, seed=5)
+    q = torch.randn(B, H_kv * G, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    scale = 1 / math.sqrt(d)
+    path = torch.tensor([[0, 1, 0, 0], [3, 0, 2, 2]], dtype=torch.int8, device=DEVICE)
+    ws = Workspace(DEVICE)
+    keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=32, fan=2).cpu()  # 10 -> 5 -> 3 -> 2 -> 1 lists
+    n = ws.get("exact_n_work", (2,), torch.int32).tolist()
+    assert n == [4, 3]
+    assert ws.get("exact_heads", (B * 4,), torch.int32)[:4].tolist() == [1, 4, 6, 7]
+    assert ws.get("exact_groups", (B * H_kv,), torch.int32)[:3].tolist() == [0, 2, 3]
+    sel = torch.where(keys == EMPTY.value, -1, 0x7FFFFFFF - (keys & 0xFFFFFFFF))[..., :K]  # (B, H, K) positions
+    scores = ref_scores(q.cpu(), k, lengths, scale)
+    for b, h in ((0, 1), (1, 0), (1, 2), (1, 3)):
+        assert_topk_support(sel[b:b + 1, h:h + 1], [scores[b][h:h + 1]], K)
+    out = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=32, fan=2)
+    out.fill_(7)
+    exact_topk_keys(q, kv, K, scale, ws, path=torch.zeros_like(path), chunk=32, fan=2)
+    assert ws.get("exact_n_work", (2,), torch.int32).tolist() == [0, 0]
+    assert (out == 7).all()
