@@ -26,6 +26,8 @@ is listed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -133,14 +135,15 @@ def _merge_topk_kernel(in_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, N_IN, N_OU
             tl.store(out_ptr + (row * N_OUT + j) * K_PAD + tl.arange(0, K_PAD), top)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def persistent_programs(device: torch.device, per_sm: int, work: int, cpu: int = 3) -> int:
     """Grid size of a persistent kernel: ``per_sm`` programs per SM (``cpu`` under the interpreter),
     never more than the largest possible number of work items."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        n = per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        n = cpu
+    n = per_sm * _sm_count(device) if device.type == "cuda" else cpu
     return max(1, min(n, work))
 
 
