@@ -447,3 +447,14 @@ def test_serve_exits_nonzero_when_the_engine_hangs():
 
     assert serve_with(runner, client, watchdog_timeout_s=1.0) == EXIT_ENGINE_FAILED
     assert seen["code"] == grpc.StatusCode.UNAVAILABLE and "made no progress" in seen["details"]
+
+
+def test_the_watchdog_timeout_is_a_flag_and_an_environment_variable(capsys):
+    from retopk_server.cli import config_from
+
+    assert config_from([], {}).engine_config().watchdog_timeout_s == 300.0
+    assert config_from(["--watchdog-timeout-s", "none"], {}).engine_config().watchdog_timeout_s is None
+    assert config_from([], {"RETOPK_WATCHDOG_TIMEOUT_S": "2.5"}).engine_config().watchdog_timeout_s == 2.5
+    with pytest.raises(SystemExit) as refused:
+        config_from(["--watchdog-timeout-s", "0"], {})
+    assert refused.value.code == 2 and "watchdog_timeout_s must be a positive number" in capsys.readouterr().err
