@@ -5,17 +5,20 @@
 // One task per (sequence b, KV group g), G = H / H_kv query heads h each (at::parallel_for over tasks):
 //   q̄_h   = q_h / max(||q_h||, 1e-12)                                  (float32)
 //   ρ_hc  = q̄_h · q̄_c for the fill valid FIFO entries c, ρ_max = max_c ρ_hc (-inf when empty)  eq. 6, 7
-//   path_h: REFRESH when T_r > 0, t_dec > 0, t_dec % T_r == 0; else FALLBACK when ρ_max < tau; else REUSE
-//           (eq. 13), then the GQA policy over the group's heads (as gqa_paths):
+//   path_h: REFRESH when T_r > 0, t_dec > 0, t_dec % T_r == 0; else FALLBACK when ρ_max < tau_h; else REUSE
+//           (eq. 13; tau_h = state.tau[slot, h]), then the GQA policy over the group's heads (as gqa_paths):
 //             head     unchanged
 //             promote  read_g = any_h path_h == FALLBACK
-//             group    read_g = mean_h ρ_max < tau or min_h ρ_max < tau_min
-//           a read group's heads take FALLBACK (own ρ_max < tau) or PROMOTED, an unread one's REUSE;
+//             group    read_g = mean_h ρ_max < mean_h tau_h or min_h ρ_max < tau_min
+//           a read group's heads take FALLBACK (own ρ_max < tau_h) or PROMOTED, an unread one's REUSE;
 //           REFRESH stays.
 //   REUSE:  R_h = TopR_c ρ_hc (retrieval "recent": the R newest entries), A_h = Unique(∪_{c∈R_h} Ŝ_c ∪
 //           {L-W..L-1}) (eq. 8, 9), e_i = (q_h * scale) · k_i for i ∈ A_h (eq. 10), Ŝ = TopK_{A_h} e (eq. 11)
 //   others: e_i for every i < L (the group's keys read once for all its exact heads), Ŝ = TopK e (eq. 1)
 //   o_h    = Σ_{i∈Ŝ} softmax(e_Ŝ)_i v_i (eq. 12); FIFO row ptr of (slot, h) <- (q̄_h, Ŝ -1 padded)
+//   tau_calibration r* > 0, on the exact heads with a non-empty FIFO (calibrate_tau in retopk.py): the
+//           recall reuse would have had, r = |Ŝ ∩ A_h| / |Ŝ|, moves tau_h when |ρ_max - tau_h| < band:
+//           tau_h += rate (r* - r), clamped to [lo, hi]
 // Then, per sequence: ptr <- (ptr + 1) % C, fill <- min(fill + 1, C), step <- step + 1.
 // Keys and values are read through the block table: position i of (b, g) is row
 // (block_table[b, i / P] * H_kv + g) * P + i % P of the pool viewed as (N_blocks * H_kv * P, d).
@@ -240,7 +243,8 @@ struct Codes {
 
 struct Params {
   int64_t B, H, H_kv, G, d, dv, C, K, R, W, P, P_shift, T_r, bt_stride;  // P_shift = log2 P, or -1
-  float tau, tau_min, scale;
+  float tau_min, scale;
+  float cal_target, cal_rate, cal_band, cal_lo, cal_hi;  // tau_calibration (target 0 = off)
   bool recent;
   int64_t policy;  // 0 head, 1 promote, 2 group
   Codes code;
@@ -295,8 +299,9 @@ struct Task {
   float* fifo_q(int64_t h, int64_t c) const { return queries + ((slot * p.H + h) * p.C + c) * p.d; }
   int64_t* fifo_s(int64_t h, int64_t c) const { return support + ((slot * p.H + h) * p.C + c) * p.K; }
 
-  // Recall (eq. 7), candidates (eq. 8, 9), exact scores (eq. 10), rerank (eq. 11) into `top`.
-  int64_t reuse(int64_t h, const float* sims, const float* qs, std::vector<Scored>& top) const {
+  // Recall (eq. 7) and candidates (eq. 8, 9) into scratch().cand, each also marked in scratch().seen
+  // until unmark() (which leaves the bitmap all-zero for the next use).
+  void candidates(int64_t h, const float* sims) const {
     Scratch& s = scratch();
     std::vector<int64_t>& recalled = s.rec;
     recalled.clear();
@@ -329,7 +334,19 @@ struct Task {
       for (int64_t j = 0; j < p.K; ++j) add(sup[j]);
     }
     for (int64_t pos = std::max<int64_t>(0, L - p.W); pos < L; ++pos) add(pos);
-    for (int64_t pos : cand) seen[pos >> 6] = 0;  // back to all-zero for the next use
+  }
+
+  void unmark() const {
+    Scratch& s = scratch();
+    for (int64_t pos : s.cand) s.seen[pos >> 6] = 0;
+  }
+
+  // The reuse path: candidates, their exact scores (eq. 10), rerank (eq. 11) into `top`; returns M_t.
+  int64_t reuse(int64_t h, const float* sims, const float* qs, std::vector<Scored>& top) const {
+    Scratch& s = scratch();
+    candidates(h, sims);
+    unmark();
+    const std::vector<int64_t>& cand = s.cand;
     const int64_t M = static_cast<int64_t>(cand.size());
     s.off.resize(M);
     s.scores.resize(M);
@@ -339,6 +356,17 @@ struct Task {
     for (int64_t j = 0; j < M; ++j) top.emplace_back(s.scores[j], cand[j]);
     keep_topk(top, p.K);
     return M;
+  }
+
+  // |top ∩ A_h| / |top|: the recall the reuse path would have had for this exact support.
+  float would_be_recall(int64_t h, const float* sims, const std::vector<Scored>& top) const {
+    if (top.empty()) return 1.f;
+    Scratch& s = scratch();
+    candidates(h, sims);
+    int64_t hits = 0;
+    for (const Scored& t : top) hits += (s.seen[t.second >> 6] >> (t.second & 63)) & 1;
+    unmark();
+    return static_cast<float>(hits) / static_cast<float>(top.size());
   }
 
   // Exact Top-K over every position for the heads in `heads` (eq. 1): one pass over the group's keys.
@@ -411,8 +439,8 @@ struct Outputs {
 template <typename KV>
 void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const int64_t* bt, const int64_t* lengths, const int64_t* slots, at::Tensor& queries,
-               at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, Outputs& o,
-               int64_t task) {
+               at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, float* tau,
+               Outputs& o, int64_t task) {
   const int64_t b = task / p.H_kv, g = task % p.H_kv, G = p.G, h0 = g * G;
   const int64_t slot = slots[b];
   Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
@@ -420,6 +448,7 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
   Scratch& s = scratch();
   std::vector<float> qn(G * p.d), qs(G * p.d), sims(G * p.C), ms(G);
   std::vector<int8_t> path(G);
+  float* tau_h = tau + slot * p.H + h0;  // (G,) this group's thresholds in state.tau
   const bool refresh = p.T_r > 0 && t.t_dec > 0 && t.t_dec % p.T_r == 0;
   const char* qbase = static_cast<const char*>(q.data_ptr());
   const int64_t qe = q.element_size();
@@ -439,19 +468,20 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     float mx = kNegInf;
     for (int64_t c = 0; c < t.fill; ++c) mx = std::max(mx, sj[c]);
     ms[j] = mx;
-    path[j] = refresh ? p.code.refresh : (mx < p.tau ? p.code.fallback : p.code.reuse);
+    path[j] = refresh ? p.code.refresh : (mx < tau_h[j] ? p.code.fallback : p.code.reuse);
   }
   if (p.policy != 0 && !refresh) {
     bool read = false;
     if (p.policy == 1) {
       for (int64_t j = 0; j < G; ++j) read |= path[j] == p.code.fallback;
     } else {
-      float sum = 0.f, mn = std::numeric_limits<float>::infinity();
+      float sum = 0.f, tau_sum = 0.f, mn = std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < G; ++j) {
         sum += ms[j];
+        tau_sum += tau_h[j];
         mn = std::min(mn, ms[j]);
       }
-      read = sum / static_cast<float>(G) < p.tau || mn < p.tau_min;
+      read = sum / static_cast<float>(G) < tau_sum / static_cast<float>(G) || mn < p.tau_min;
     }
     for (int64_t j = 0; j < G; ++j)
       path[j] = !read ? p.code.reuse : (path[j] == p.code.fallback ? p.code.fallback : p.code.promoted);
@@ -471,6 +501,13 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     std::vector<std::vector<Scored>> tops(exact_heads.size());
     t.exact(exact_heads, qs.data(), tops);
     for (size_t e = 0; e < exact_heads.size(); ++e) s.heaps[exact_heads[e]].swap(tops[e]);
+    for (int64_t j : exact_heads) {  // tau_calibration, before this step's entry enters the FIFO
+      if (p.cal_target <= 0.f || t.fill == 0) continue;
+      const float th = tau_h[j];
+      if (!(std::fabs(ms[j] - th) < p.cal_band)) continue;
+      const float r = t.would_be_recall(h0 + j, sims.data() + j * p.C, s.heaps[j]);
+      tau_h[j] = std::min(std::max(th + p.cal_rate * (p.cal_target - r), p.cal_lo), p.cal_hi);
+    }
   }
   s.acc.resize(p.dv);
   const at::ScalarType out_dt = o.out.scalar_type();
@@ -507,9 +544,10 @@ bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16
 std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
                                at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
-                               const at::Tensor& slots, int64_t top_k, int64_t recall, int64_t window, double tau,
+                               const at::Tensor& slots, at::Tensor tau, int64_t top_k, int64_t recall, int64_t window,
                                int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
-                               double group_tau_min, double scale, std::vector<int64_t> path_codes) {
+                               double group_tau_min, double scale, std::vector<int64_t> path_codes,
+                               std::vector<double> calibration) {
   // ---- the launcher's checks: shapes, strides, dtypes, devices, and the block table's reach --------
   CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got ", q.device());
   CHECK_VALUE(q.dim() == 3, "q must be (B, H, d), got shape ", q.sizes());
@@ -546,6 +584,11 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   check_int64_vector(fill, "state.fill", S);
   check_int64_vector(ptr, "state.ptr", S);
   check_int64_vector(step, "state.step", S);
+  CHECK_VALUE(tau.device().is_cpu() && tau.scalar_type() == at::kFloat && tau.is_contiguous() && tau.dim() == 2 &&
+                  tau.size(0) == S && tau.size(1) == H,
+              "state.tau must be a contiguous float32 (S, H=", H, ") tensor, got ", tau.scalar_type(), " ",
+              tau.sizes());
+  CHECK_VALUE(calibration.size() == 5, "calibration must be (target, rate, band, lo, hi)");
   CHECK_VALUE(top_k > 0 && recall > 0 && recall <= C && window >= 0 && refresh_every >= 0,
               "top_k, recall (<= C), window, refresh_every out of range: ", top_k, ", ", recall, ", ", window, ", ",
               refresh_every);
@@ -574,7 +617,10 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
 
   const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
   Params p{B, H, H_kv, H / H_kv, d, dv, C, top_k, recall, window, P, P_shift, refresh_every, bt_stride,
-           static_cast<float>(tau), static_cast<float>(group_tau_min), static_cast<float>(scale), retrieval == "recent", policy,
+           static_cast<float>(group_tau_min), static_cast<float>(scale),
+           static_cast<float>(calibration[0]), static_cast<float>(calibration[1]), static_cast<float>(calibration[2]),
+           static_cast<float>(calibration[3]), static_cast<float>(calibration[4]),
+           retrieval == "recent", policy,
            Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
                  static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])}};
   auto i8 = at::TensorOptions().dtype(at::kChar);
@@ -583,17 +629,18 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
             at::empty({B, H}, at::TensorOptions().dtype(at::kInt)),
             at::empty({B, H, top_k}, at::TensorOptions().dtype(at::kLong))};
   const int64_t* st = step.data_ptr<int64_t>();
+  float* tw = tau.data_ptr<float>();
   auto body = [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       switch (k_pool.scalar_type()) {
         case at::kFloat:
-          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, o, task);
+          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, o, task);
           break;
         case at::kBFloat16:
-          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, o, task);
+          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, o, task);
           break;
         default:
-          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, o, task);
+          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, o, task);
       }
     }
   };

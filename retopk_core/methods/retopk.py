@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from retopk_core.config import ReTopKConfig
+from retopk_core.fidelity import support_recall
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import (
@@ -55,10 +56,11 @@ class QuerySupportCache(SlotPool):
     fill    (S,) int64             valid entries (every head of a sequence inserts on every step,
     ptr     (S,) int64             so the fill count and write pointer are shared by its heads)
     step    (S,) int64             decode steps taken since the first prefill (t_dec)
+    tau     (S, H) float32         each head's fallback threshold (config.tau; moved by ``calibrate_tau``)
     phase   (H,) int64             each head's refresh phase φ (the layer's, not per slot; 0 = the paper)
     """
 
-    _fields = ("queries", "support", "fill", "ptr", "step")
+    _fields = ("queries", "support", "fill", "ptr", "step", "tau")
 
     def __init__(self, num_heads: int, head_dim: int, config: ReTopKConfig, device: torch.device | str = "cpu",
                  capacity: int = 1) -> None:
@@ -69,11 +71,14 @@ class QuerySupportCache(SlotPool):
         self.fill = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.ptr = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.step = torch.zeros(self.capacity, dtype=torch.long, device=device)
+        self.tau0 = config.tau
+        self.tau = torch.full((self.capacity, num_heads), config.tau, dtype=torch.float32, device=device)
         self.phase = torch.zeros(num_heads, dtype=torch.long, device=device)
 
     def reset_slot(self, slot: int) -> None:
         super().reset_slot(slot)
         self.support[slot] = -1
+        self.tau[slot] = self.tau0
 
     def push(self, slots: torch.Tensor, qn: torch.Tensor, support: torch.Tensor) -> None:
         """Insert one entry per (slot, head): slots (B,), qn (B, H, d), support (B, H, K)."""
@@ -160,7 +165,7 @@ class ReTopK(AttentionMethod):
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
         scale = resolve_scale(scale, q.shape[-1])
-        if self.backend == "triton":  # the whole step, dense floor included, on the device (no host sync)
+        if self.backend == "triton" and not self.config.tau_calibration:  # the whole step on the device
             from retopk_core.kernels.launch import retopk_decode
             return retopk_decode(self, q, kv, state, slots, scale)
         if self.config.dense_below:
@@ -202,17 +207,18 @@ class ReTopK(AttentionMethod):
     def _sparse_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                      scale: float) -> StepOutput:
         """ReTopK's step proper (eq. 6-13) on the backend's implementation (triton: see ``decode``)."""
-        if self.backend == "cpu" and q.device.type == "cpu" and not self.config.refresh_stagger:  # kernel: no phases
+        cfg = self.config
+        if self.backend == "cpu" and q.device.type == "cpu" and not cfg.refresh_stagger:  # kernel: no phases
             from retopk_core.cpu import launch
             if launch.available():
                 return launch.retopk_decode(self, q, kv, state, slots, scale)
-        cfg = self.config
         B, H, d = q.shape
         qn = _unit(q)  # (B, H, d) float32
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
-        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase), max_sim, kv.num_kv_heads,
-                         cfg)  # (B, H) int8
+        tau = state.tau.index_select(0, slots)  # (B, H)
+        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase, tau), max_sim, kv.num_kv_heads,
+                         cfg, tau)  # (B, H) int8
         mark = self.on_stage
         if mark:
             mark("similarity+path")
@@ -233,6 +239,8 @@ class ReTopK(AttentionMethod):
                 sel_pos[b, h], sel_scores[b, h], n_scored[b, h] = self._reuse_select(q[b, h], sim[b, h], kv, state,
                                                                                      slots, b, h, scale)
             exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores, ws=self._ws)
+            if cfg.tau_calibration:
+                self._calibrate(state, slots, sim, max_sim, ~reuse, sel_pos, kv)
             if mark:
                 mark("exact QK + top-K")
 
@@ -265,6 +273,21 @@ class ReTopK(AttentionMethod):
         if mark:
             mark("top-K rerank")
         return sp, ss, (cand >= 0).sum(-1).to(torch.int32)
+
+    def _calibrate(self, state: QuerySupportCache, slots: torch.Tensor, sim: torch.Tensor, max_sim: torch.Tensor,
+                   exact: torch.Tensor, sel_pos: torch.Tensor, kv: PagedKV) -> None:
+        """On the heads that took an exact support this step, the recall that reuse would have had
+        (|Ŝ_exact ∩ A_t| / K with A_t the candidates eq. 8-9 would have built: reuse reranks A_t by exact
+        scores, so that is its recall) moves each head's tau (``calibrate_tau``). The keys are read
+        already; the extra work is one candidate union per exact head."""
+        b, h = (exact & torch.isfinite(max_sim)).nonzero(as_tuple=True)  # (P,), (P,)
+        if b.numel() == 0:
+            return
+        cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M) ascending, -1 padded
+        recall = support_recall(cand, sel_pos[b, h])  # (P,)
+        rows = slots[b]
+        state.tau[rows, h] = calibrate_tau(state.tau[rows, h], max_sim[b, h], recall, self.config.tau_calibration,
+                                           state.tau0)
 
     def _similarity(self, qn: torch.Tensor, state: QuerySupportCache, slots: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,11 +331,12 @@ class ReTopK(AttentionMethod):
 
 
 def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,
-               phase: torch.Tensor | None = None) -> torch.Tensor:
+               phase: torch.Tensor | None = None, tau: torch.Tensor | None = None) -> torch.Tensor:
     """Equation 13, per (sequence, head): refresh, else fallback below tau, else reuse.
 
-    max_sim (B, H) float32, step (B,) int64 t_dec, phase (H,) int64 φ_h (None = 0)  ->  (B, H) int8 Path
-    codes; refresh when T_r > 0, t_dec > 0 and (t_dec + φ_h) % T_r == 0.
+    max_sim (B, H) float32, step (B,) int64 t_dec, phase (H,) int64 φ_h (None = 0), tau (B, H) the heads'
+    thresholds (None = cfg.tau)  ->  (B, H) int8 Path codes; refresh when T_r > 0, t_dec > 0 and
+    (t_dec + φ_h) % T_r == 0.
     """
     B, H = max_sim.shape
     T_r = cfg.refresh_every
@@ -321,7 +345,7 @@ def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,
         refresh = (step.view(B, 1) > 0) & (t % T_r == 0)
     else:
         refresh = torch.zeros(B, 1, dtype=torch.bool, device=max_sim.device)
-    path = torch.where(max_sim < cfg.tau, Path.FALLBACK, Path.REUSE).to(torch.int8)  # (B, H)
+    path = torch.where(max_sim < (cfg.tau if tau is None else tau), Path.FALLBACK, Path.REUSE).to(torch.int8)
     return torch.where(refresh, torch.tensor(Path.REFRESH, dtype=torch.int8), path)
 
 
@@ -343,14 +367,15 @@ def refresh_phases(layer: int, num_heads: int, num_kv_heads: int, T_r: int) -> t
     return torch.tensor(phases, dtype=torch.long)
 
 
-def gqa_paths(path: torch.Tensor, max_sim: torch.Tensor, num_kv_heads: int, cfg: ReTopKConfig) -> torch.Tensor:
+def gqa_paths(path: torch.Tensor, max_sim: torch.Tensor, num_kv_heads: int, cfg: ReTopKConfig,
+              tau: torch.Tensor | None = None) -> torch.Tensor:
     """The per-head decisions of eq. 13 turned into ``cfg.gqa_policy``'s (device ops only, no host sync).
 
     path (B, H) int8 from ``head_paths``, max_sim (B, H)  ->  (B, H) int8. With G = H / H_kv heads per
     KV group g and ρ_h the heads' max_sim:
         head     unchanged
         promote  read_g = any_h path_h != REUSE
-        group    read_g = mean_h ρ_h < tau  or  min_h ρ_h < group_tau_min
+        group    read_g = mean_h ρ_h < tau  or  min_h ρ_h < group_tau_min   (tau: mean of the heads' tau (B, H))
     then heads of a read group take FALLBACK (ρ_h < tau) or PROMOTED, those of an unread group REUSE.
     REFRESH (every head of a sequence at once) stays as it is.
     """
@@ -363,11 +388,41 @@ def gqa_paths(path: torch.Tensor, max_sim: torch.Tensor, num_kv_heads: int, cfg:
         read = below.any(-1)  # (B, H_kv)
     else:
         rho = max_sim.view(B, num_kv_heads, G)
-        read = (rho.mean(-1) < cfg.tau) | (rho.amin(-1) < cfg.group_tau_min)  # (B, H_kv); -inf (empty FIFO) reads
+        t = cfg.tau if tau is None else tau.view(B, num_kv_heads, G).mean(-1)
+        read = (rho.mean(-1) < t) | (rho.amin(-1) < cfg.group_tau_min)  # (B, H_kv); -inf (empty FIFO) reads
     exact = torch.where(below, torch.tensor(Path.FALLBACK, dtype=torch.int8), torch.tensor(Path.PROMOTED,
                                                                                           dtype=torch.int8))
     new = torch.where(read.unsqueeze(-1), exact, torch.tensor(Path.REUSE, dtype=torch.int8)).view(B, H)
     return torch.where(path == Path.REFRESH, path, new)
+
+
+# calibrate_tau's constants: observations within BAND of tau move it by RATE x (target - recall); tau stays
+# within [tau0 - SPAN, 1].
+_CAL_RATE, _CAL_BAND, _CAL_SPAN = 0.1, 0.05, 0.35
+
+
+def calibrate_tau(tau: torch.Tensor, rho: torch.Tensor, recall: torch.Tensor, target: float,
+                  tau0: float) -> torch.Tensor:
+    """One online update of per-head thresholds from exact-path observations (P rows).
+
+    tau, rho, recall (P,) float: the head's threshold, its ρ_max this step, the recall reuse would have had.
+    An observation near the threshold (|ρ - tau| < BAND) moves it:  tau <- tau + RATE (target - recall),
+    a stochastic approximation of the threshold at which reuse would recall ``target`` of the exact
+    support on average. Heads whose supports outlive their queries' drift (on the embedded model most
+    heads of the first third of the layers: reuse would recall 0.9-0.99 of their fallbacks' supports)
+    move down until they seldom fall back; heads whose fallbacks are needed move up.
+    """
+    near = (rho - tau).abs() < _CAL_BAND
+    return (tau + near * (_CAL_RATE * (target - recall))).clamp(*_tau_bounds(tau0))
+
+
+def _tau_bounds(tau0: float) -> tuple[float, float]:
+    return max(0.0, tau0 - _CAL_SPAN), 1.0
+
+
+def calibration_constants(cfg: ReTopKConfig) -> list[float]:
+    """calibrate_tau's (target, rate, band, lo, hi) for ``cfg``, as the fused CPU kernel takes them."""
+    return [cfg.tau_calibration, _CAL_RATE, _CAL_BAND, *_tau_bounds(cfg.tau)]
 
 
 def _unique_rows(cand: torch.Tensor, span: int) -> torch.Tensor:

@@ -22,11 +22,29 @@ class RefHead:
     """One query head of one sequence: its FIFO of (unit query, support) and the step counter."""
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
-                 phase: int = 0):
+                 phase: int = 0, calibration: float = 0.0):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
+        self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % T_r == 0
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
+
+    def _reuse_candidates(self, sims: list[float], L: int) -> set[int]:
+        """A_t of eq. 8-9: the recalled entries' supports and the recent window."""
+        if self.retrieval == "similarity":
+            recalled = sorted(range(len(sims)), key=lambda c: sims[c], reverse=True)[: self.R]
+        else:
+            recalled = list(range(len(self.fifo)))[-self.R:]
+        cand = set(range(max(0, L - self.W), L))  # eq. 8
+        for c in recalled:
+            cand |= set(self.fifo[c][1])  # eq. 9
+        return cand
+
+    def calibrate(self, max_sim: float, recall: float) -> None:
+        """tau_calibration's rule, written out: an observation within 0.05 of tau moves it by
+        0.1 x (target - recall); tau stays within [tau0 - 0.35, 1]."""
+        if abs(max_sim - self.tau) < 0.05:
+            self.tau = min(1.0, max(self.tau0 - 0.35, self.tau + 0.1 * (self.calibration - recall)))
 
     def _push(self, q: torch.Tensor, support: list[int]) -> None:
         self.fifo.append((q / q.norm(), support))
@@ -61,18 +79,12 @@ class RefHead:
         L = keys.shape[0]
         qbar = q / q.norm()
         sims = [float(qbar @ qc) for qc, _ in self.fifo]
-        if path == REUSE:
-            if self.retrieval == "similarity":
-                recalled = sorted(range(len(sims)), key=lambda c: sims[c], reverse=True)[: self.R]
-            else:
-                recalled = list(range(len(self.fifo)))[-self.R:]
-            cand = set(range(max(0, L - self.W), L))  # eq. 8
-            for c in recalled:
-                cand |= set(self.fifo[c][1])  # eq. 9
-        else:
-            cand = set(range(L))
+        reuse_cand = self._reuse_candidates(sims, L)
+        cand = reuse_cand if path == REUSE else set(range(L))
         scores = {i: float(q @ keys[i].double()) * scale for i in cand}  # eq. 10 / eq. 4
         support = topk_positions(scores, self.K)  # eq. 11 / eq. 1
+        if self.calibration and path != REUSE and sims:
+            self.calibrate(max_sim, len(set(support) & reuse_cand) / len(support))
         m = max(scores[i] for i in support)
         w = torch.tensor([math.exp(scores[i] - m) for i in support], dtype=torch.float64)
         out = (w / w.sum()) @ values[support].double()  # eq. 12
@@ -106,7 +118,7 @@ def group_paths(heads: list[RefHead], queries: list[torch.Tensor], policy: str, 
     if policy == "promote":
         read = any(p == FALLBACK for p, _ in own)
     elif policy == "group":
-        read = sum(sims) / len(sims) < heads[0].tau or min(sims) < tau_min
+        read = sum(sims) / len(sims) < sum(h.tau for h in heads) / len(heads) or min(sims) < tau_min
     else:
         raise ValueError(policy)
     if not read:

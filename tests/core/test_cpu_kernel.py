@@ -75,6 +75,7 @@ def assert_same_step(a, b, sa, sb, tol: float = 1e-5) -> None:
         assert torch.equal(getattr(sa, name), getattr(sb, name)), name
     torch.testing.assert_close(sb.queries, sa.queries, atol=1e-6, rtol=1e-6)
     assert torch.equal(sa.support.sort(-1).values, sb.support.sort(-1).values)
+    torch.testing.assert_close(sb.tau, sa.tau, atol=1e-6, rtol=0)  # per-head thresholds (tau_calibration)
 
 
 @needs_kernel
@@ -87,6 +88,26 @@ def test_matches_torch_path(case, policy, use_paged):
         assert_same_step(a, b, sa, sb)
         seen |= set(b.path.flatten().tolist())
     assert_case_exercised(seen, case, policy)
+
+
+@needs_kernel
+@pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0), ("group", 0.0)], ids=["head", "promote", "group"])
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["mha", "gqa3", "gqa7"])
+def test_calibrated_tau_matches_torch_path(case, policy):
+    """tau_calibration in the kernel: the would-be reuse recall of its exact heads moves state.tau as the
+    torch path's calibrate_tau does, step by step (the thresholds are compared in assert_same_step)."""
+    from tests.core.test_retopk import CASES
+
+    case = CASES[case]
+    cfg, _ = case_scenario(case, policy, tau_calibration=0.8)
+    cfg["tau"] = 0.8
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
+                       T=case[4] + 2, noise=0.4)
+    moved = False
+    for a, b, sa, sb in twin_run(cfg, trace, case[0], case[1], use_paged=True):
+        assert_same_step(a, b, sa, sb)
+        moved |= bool((sb.tau != 0.8).any())
+    assert moved
 
 
 @needs_kernel

@@ -14,9 +14,10 @@ from tests.core._reference import RefHead, group_paths, stagger_phase
 from tests.core._scenario import make_trace, paged
 
 
-def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0):
+def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None):
     """Drive core and reference through the same trace; yield per step (core output, reference rows).
-    ``layer``: the state is the method's layer-th (the refresh phases under refresh_stagger depend on it)."""
+    ``layer``: the state is the method's layer-th (the refresh phases under refresh_stagger depend on it).
+    ``keep``: a dict that receives the core's state, its slots and the reference heads."""
     B = len(trace.prompt_lens)
     d = trace.keys.shape[-1]
     scale = 1 / math.sqrt(d)
@@ -29,7 +30,10 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     T_r = cfg["refresh_every"]
     phase = [stagger_phase(layer, h // G, H_kv, T_r) if cfg.get("refresh_stagger") and T_r else 0 for h in range(H)]
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
-                     T_r, cfg.get("retrieval", "similarity"), phase[h]) for h in range(H)] for _ in range(B)]
+                     T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0))
+             for h in range(H)] for _ in range(B)]
+    if keep is not None:
+        keep.update(state=state, slots=slots, refs=refs)
     keys, values = trace.keys.to(dtype), trace.values.to(dtype)
     for b, P in enumerate(trace.prompt_lens):
         if no_prefill:
@@ -143,6 +147,40 @@ def test_staggered_refresh_matches_reference(layer, policy):
                     refresh_steps[h // (H // H_kv)].add(t)
     assert all(len(s) == 3 for s in refresh_steps.values()), refresh_steps  # t_dec 1..12, T_r = 4: same rate
     assert len({min(s) for s in refresh_steps.values()}) > 1, refresh_steps  # not all groups on one step
+
+
+@pytest.mark.parametrize("policy", [("head", 0.0), ("group", 0.0)], ids=["head", "group"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
+def test_calibrated_tau_matches_reference(case, policy):
+    """tau_calibration: each head's tau moves on its exact steps by the would-be reuse recall (torch core vs
+    the reference loop's scalar rule): paths, supports and outputs still agree step by step, and the
+    thresholds really moved (both ways: the trace has hits near tau and misses)."""
+    cfg, trace = case_scenario(case, policy, tau_calibration=0.8)
+    cfg["tau"] = 0.8
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
+                       T=case[4] + 2, noise=0.4)  # noisy clusters: similarities near tau, hits and misses
+    seen, keep = set(), {}
+    for out, rows in run_both(cfg, trace, case[0], case[1], keep=keep):
+        seen |= assert_step_matches_reference(out, rows)
+    assert {Path.REUSE, Path.FALLBACK} <= seen
+    ref_tau = torch.tensor([[h.tau for h in heads] for heads in keep["refs"]], dtype=torch.float64)  # (B, H)
+    core_tau = keep["state"].tau[keep["slots"]].double()
+    torch.testing.assert_close(core_tau, ref_tau, atol=1e-5, rtol=0)
+    assert (ref_tau < 0.8 - 1e-9).any() and (ref_tau > 0.8 + 1e-9).any(), ref_tau
+
+
+def test_calibrate_tau_rule():
+    """The update itself on hand-made observations (tau0 = 0.85, target recall 0.9)."""
+    from retopk_core.methods.retopk import calibrate_tau
+
+    tau = torch.tensor([0.85, 0.85, 0.85, 0.85, 0.85, 0.51, 0.99])
+    rho = torch.tensor([0.82, 0.82, 0.70, 0.88, 0.91, 0.50, 0.99])
+    rec = torch.tensor([1.00, 0.50, 0.10, 0.40, 0.00, 1.00, 0.00])
+    new = calibrate_tau(tau, rho, rec, 0.9, 0.85)
+    # near below, a hit: down by 0.1 x 0.1; a miss: up by 0.1 x 0.4; far below: unchanged; near above, a
+    # miss (a refresh): up; 0.06 above: not near; never below tau0 - 0.35 or above 1
+    expected = torch.tensor([0.84, 0.89, 0.85, 0.90, 0.85, 0.50, 1.0])
+    torch.testing.assert_close(new, expected)
 
 
 def test_staggered_refresh_spreads_a_model_over_the_period():
