@@ -53,9 +53,9 @@ class ReTopKConfig(MethodConfig):
                                          "T_r steps at its own phase (same average rate), so no step refreshes every "
                                          "layer at once; False = the paper (all at t_dec = T_r, 2T_r, ...)")
 
-    tau_calibration: float = param(0.0, "r*: calibrate each head's tau online towards the lowest similarity at which "
-                                        "reuse would still recall a share r* of the exact support (0 = the paper's "
-                                        "fixed tau; see retopk.calibrate_tau)", low=0.0, high=1.0)
+    tau_calibration: float = param(0.0, "r*: lower each head's tau online (to tau - 0.35 at most) towards the "
+                                        "similarity at which reuse would still recall a share r* of the exact support "
+                                        "(0 = the paper's fixed tau; see retopk.calibrate_tau)", low=0.0, high=1.0)
 
     def validate(self) -> None:
         if self.recall > self.cache_size:

@@ -42,9 +42,9 @@ class RefHead:
 
     def calibrate(self, max_sim: float, recall: float) -> None:
         """tau_calibration's rule, written out: an observation within 0.05 of tau moves it by
-        0.1 x (target - recall); tau stays within [tau0 - 0.35, 1]."""
+        0.1 x (target - recall); tau stays within [tau0 - 0.35, tau0]."""
         if abs(max_sim - self.tau) < 0.05:
-            self.tau = min(1.0, max(self.tau0 - 0.35, self.tau + 0.1 * (self.calibration - recall)))
+            self.tau = min(self.tau0, max(self.tau0 - 0.35, self.tau + 0.1 * (self.calibration - recall)))
 
     def _push(self, q: torch.Tensor, support: list[int]) -> None:
         self.fifo.append((q / q.norm(), support))

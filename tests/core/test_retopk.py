@@ -166,20 +166,20 @@ def test_calibrated_tau_matches_reference(case, policy):
     ref_tau = torch.tensor([[h.tau for h in heads] for heads in keep["refs"]], dtype=torch.float64)  # (B, H)
     core_tau = keep["state"].tau[keep["slots"]].double()
     torch.testing.assert_close(core_tau, ref_tau, atol=1e-5, rtol=0)
-    assert (ref_tau < 0.8 - 1e-9).any() and (ref_tau > 0.8 + 1e-9).any(), ref_tau
+    assert (ref_tau < 0.8 - 1e-9).any() and (ref_tau <= 0.8).all(), ref_tau  # relaxed, never above tau0
 
 
 def test_calibrate_tau_rule():
     """The update itself on hand-made observations (tau0 = 0.85, target recall 0.9)."""
     from retopk_core.methods.retopk import calibrate_tau
 
-    tau = torch.tensor([0.85, 0.85, 0.85, 0.85, 0.85, 0.51, 0.99])
-    rho = torch.tensor([0.82, 0.82, 0.70, 0.88, 0.91, 0.50, 0.99])
-    rec = torch.tensor([1.00, 0.50, 0.10, 0.40, 0.00, 1.00, 0.00])
+    tau = torch.tensor([0.80, 0.80, 0.85, 0.80, 0.85, 0.51, 0.84])
+    rho = torch.tensor([0.78, 0.78, 0.70, 0.83, 0.91, 0.50, 0.84])
+    rec = torch.tensor([1.00, 0.50, 0.10, 0.80, 0.00, 1.00, 0.00])
     new = calibrate_tau(tau, rho, rec, 0.9, 0.85)
-    # near below, a hit: down by 0.1 x 0.1; a miss: up by 0.1 x 0.4; far below: unchanged; near above, a
-    # miss (a refresh): up; 0.06 above: not near; never below tau0 - 0.35 or above 1
-    expected = torch.tensor([0.84, 0.89, 0.85, 0.90, 0.85, 0.50, 1.0])
+    # near below, a hit: down by 0.1 x 0.1; a miss: up by 0.1 x 0.4; far below: unchanged; near above, a miss: up
+    # by 0.1 x 0.1; 0.06 above: not near; never below tau0 - 0.35 or above tau0 (the last: a miss at tau0)
+    expected = torch.tensor([0.79, 0.84, 0.85, 0.81, 0.85, 0.50, 0.85])
     torch.testing.assert_close(new, expected)
 
 
