@@ -100,7 +100,8 @@ def short_label(run) -> str:
     parts = [d["gqa_policy"], f"tau={d['tau']:g}"]
     if d["gqa_policy"] == "group":
         parts.append(f"min={d['group_tau_min']:g}")
-    names = {"cache_size": "C", "window": "W", "recall": "R", "refresh_every": "T_r", "retrieval": "retrieval"}
+    names = {"cache_size": "C", "window": "W", "recall": "R", "refresh_every": "T_r", "retrieval": "retrieval",
+             "tau_calibration": "r*", "refresh_stagger": "stagger"}
     parts += [f"{n}={d[k]}" for k, n in names.items() if d[k] != getattr(base, k)]
     return " ".join(parts)
 
