@@ -216,7 +216,7 @@ class ReTopK(AttentionMethod):
         qn = _unit(q)  # (B, H, d) float32
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
-        tau = state.tau.index_select(0, slots)  # (B, H)
+        tau = state.tau.index_select(0, slots) if cfg.tau_calibration else None  # (B, H); else cfg.tau everywhere
         path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase, tau), max_sim, kv.num_kv_heads,
                          cfg, tau)  # (B, H) int8
         mark = self.on_stage

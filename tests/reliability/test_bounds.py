@@ -19,7 +19,7 @@ import pytest
 from retopk_core.params import ParamError, check_context
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.config import ServerConfig
-from retopk_server.runtime.config import _default_method
+from retopk_server.runtime.config import default_method_spec
 from retopk_server.runtime.method_limits import (
     check_method,
     check_server_method,
@@ -109,7 +109,7 @@ def test_the_servers_own_default_method_is_held_to_the_bounds():
     with pytest.raises(ParamError) as e:
         check_server_method(MethodSpec.of("retopk", cache_size=2048), server)
     assert e.value.field == "cache_size" and "MiB" in str(e.value)
-    shipped = _default_method()
+    shipped = default_method_spec()
     assert dict(shipped.params)["dense_below"] == 1024
     check_server_method(shipped, dataclasses.replace(SMOLLM2, max_context=512))
     with pytest.raises(ParamError) as e:

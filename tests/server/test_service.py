@@ -442,9 +442,9 @@ def test_wire_field_names_come_from_the_proto_and_the_config():
                          "method.recall"), (_method(params={"bogus": pb.ParamValue(int_value=1)}),
                          "method.params['bogus']"), (_method(name="magic"), "method.name")])
 def test_a_bad_method_names_its_field(method, field):
-    from retopk_server.runtime.config import _default_method
+    from retopk_server.runtime.config import default_method_spec
     from retopk_server.service.convert import InvalidArgument, method_spec
 
     with pytest.raises(InvalidArgument) as info:
-        method_spec(method, _default_method())
+        method_spec(method, default_method_spec())
     assert info.value.field == field

@@ -26,7 +26,8 @@ DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "cache_
                          "dense_below": 1024}
 
 
-def _default_method() -> MethodSpec:
+def default_method_spec() -> MethodSpec:
+    """The server's default method: ReTopK with DEFAULT_METHOD_PARAMS."""
     return MethodSpec("retopk", tuple(DEFAULT_METHOD_PARAMS.items()))
 
 
@@ -59,7 +60,7 @@ class RuntimeConfig:
     device: str = "cpu"
     dtype: str = "float32"
     backend: str = "auto"
-    default_method: MethodSpec = field(default_factory=_default_method)
+    default_method: MethodSpec = field(default_factory=default_method_spec)
     max_context: int | None = None
     rope_scaling: dict | None = None
     prefill_chunk: int = 512

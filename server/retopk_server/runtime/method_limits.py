@@ -29,7 +29,7 @@ import torch
 
 from retopk_core.methods.base import AttentionMethod
 from retopk_core.params import ParamError, check_context
-from retopk_server.runtime.config import _default_method
+from retopk_server.runtime.config import default_method_spec
 from retopk_server.runtime.method_spec import MethodSpec
 
 STATE_CAP_FACTOR = 4  # per-session method state <= this x one full-context sequence's dense KV cache
@@ -72,4 +72,4 @@ def check_method(spec: MethodSpec, info, default: MethodSpec | None = None) -> N
 
 def check_server_method(spec: MethodSpec, info) -> None:
     """ParamError naming the field unless the server's default method ``spec`` fits the model ``info``."""
-    check_method(spec, info, default=_default_method())
+    check_method(spec, info, default=default_method_spec())
