@@ -46,8 +46,9 @@ class ReTopKConfig(MethodConfig):
     group_tau_min: float = param(0.0, "'group' policy: the lowest ρ_max of a group that still lets it reuse (0 = only "
                                       "the mean decides)", low=0.0, high=1.0)
     dense_below: int = param(0, "L_min: a sequence shorter than this (the current token included) attends to every "
-                                "position (path DENSE) and pushes the exact Top-K of those scores into its FIFO, so "
-                                "the first sparse step at L_min finds exact supports; 0 = never (the paper)", low=0,
+                                "position (path DENSE); its last cache_size such steps also push the exact Top-K of "
+                                "those scores into the FIFO, so the first sparse step at L_min finds exact supports; "
+                                "0 = never (the paper)", low=0,
                              context=True)
     refresh_stagger: bool = param(False, "stagger scheduled refreshes over (layer, KV group): each refreshes every "
                                          "T_r steps at its own phase (same average rate), so no step refreshes every "

@@ -37,6 +37,7 @@ from retopk_core.methods.sparse import (
     NEG_INF,
     SHORT_BATCH_KEYS,
     Workspace,
+    dense_attend,
     dense_attend_topk,
     exact_select,
     group_scores,
@@ -130,14 +131,15 @@ class ReTopK(AttentionMethod):
     def prefill(self, state: QuerySupportCache, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,
                 kv: PagedKV, scale: float | None = None) -> None:
         """Push the prompt's final queries with their exact causal Top-K supports (equation 5), all T of a
-        layer in one write. Skipped when the dense floor will refill the FIFO first: a sequence of L
-        positions with L + C <= dense_below takes at least C dense steps, each pushing an exact support,
-        before its first sparse one."""
+        layer in one write. Skipped when the dense floor will refill the FIFO first: after a prompt of L
+        positions with L + C < dense_below, the decode steps at L_t = dense_below - C, ..., dense_below - 1
+        (L_t counts the current token) are C dense steps that each push an exact support (``_dense_step``)
+        before the first sparse one."""
         cfg = self.config
         if q is None or q.shape[1] == 0:
             return
         L = int(kv.lengths[0])
-        if L + cfg.cache_size <= cfg.dense_below:
+        if L + cfg.cache_size < cfg.dense_below:
             return
         q, positions = q[:, -cfg.cache_size:], positions[-cfg.cache_size:]
         H, T, d = q.shape
@@ -195,10 +197,25 @@ class ReTopK(AttentionMethod):
 
     def _dense_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                     scale: float) -> StepOutput:
-        """Full attention for every head (path DENSE); the FIFO receives (q̄_t, TopK of the same scores)."""
+        """Full attention for every head (path DENSE). Rows within C steps of the floor
+        (L_t + C >= dense_below) also push (q̄_t, TopK of the same scores) into the FIFO, so it holds C exact
+        entries when sparse decoding starts. Earlier rows push nothing and select nothing (``selected``
+        -1): the FIFO keeps only its last C entries, so their pushes would be overwritten unread, and
+        without them a step costs what Full attention's does."""
         B, H, _ = q.shape
-        out, sel_pos = dense_attend_topk(q, kv, scale, self.config.top_k)  # (B, H, d_v), (B, H, K)
-        state.push(slots, _unit(q), sel_pos)
+        K = self.config.top_k
+        push = kv.lengths + self.config.cache_size >= self.config.dense_below  # (B,)
+        if bool(push.any()):
+            out, sel_pos = dense_attend_topk(q, kv, scale, K)  # (B, H, d_v), (B, H, K)
+            if bool(push.all()):
+                state.push(slots, _unit(q), sel_pos)
+            else:
+                rows = push.nonzero().flatten()  # (n,)
+                sel_pos.masked_fill_(~push.view(B, 1, 1), -1)
+                state.push(slots.index_select(0, rows), _unit(q.index_select(0, rows)), sel_pos.index_select(0, rows))
+        else:
+            out = dense_attend(q, kv, scale)  # (B, H, d_v): FullAttention's own step
+            sel_pos = torch.full((B, H, K), -1, dtype=torch.long, device=q.device)
         state.step[slots] += 1
         return StepOutput(out=out, path=torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device),
                           max_sim=torch.full((B, H), float("nan"), device=q.device),

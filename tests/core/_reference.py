@@ -67,6 +67,10 @@ class RefHead:
             return REFRESH, max_sim
         return (FALLBACK if max_sim < self.tau else REUSE), max_sim
 
+    def plain_step(self) -> None:
+        """A dense-floor step more than C steps below the floor: it selects and pushes nothing, but counts."""
+        self.t_dec += 1
+
     def step(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, path: int | None = None):
         """One decode step over keys/values (L, d) (the current token included); ``path`` overrides the
         head's own decision (a GQA policy's verdict for its group).

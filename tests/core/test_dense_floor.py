@@ -18,9 +18,10 @@ from tests.core._scenario import make_trace
 @pytest.mark.parametrize("H,H_kv", [(4, 4), (6, 2)])
 def test_dense_below_floor_then_reference_above(H, H_kv, policy):
     K, C, W, R, floor = 8, 4, 4, 2, 30
-    # above the floor; unseeded, crossing it after 6 dense steps; unseeded, never crossing; seeded (27 + C > 30),
-    # crossing it after 2 dense steps
-    prompt_lens = (40, 23, 9, 27)
+    # above the floor; unseeded, crossing it after 6 dense steps (2 plain, then C that push); unseeded, never
+    # crossing (plain until L_t + C >= 30, then pushing); seeded (26 + C >= 30: 3 dense steps could not refill
+    # the FIFO), crossing it after 3 dense steps
+    prompt_lens = (40, 23, 15, 26)
     B, d, steps = len(prompt_lens), 16, 12
     trace = make_trace(B=B, H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=steps, T=C + 2)
     scale, G = 1 / math.sqrt(d), H // H_kv
@@ -33,20 +34,32 @@ def test_dense_below_floor_then_reference_above(H, H_kv, policy):
         pos = torch.arange(P - C - 2, P).clamp(min=0)
         method.prefill(state, int(slots[b]), trace.prompt_queries[b], pos,
                        PagedKV.contiguous(trace.keys[b:b + 1], trace.values[b:b + 1], torch.tensor([P])))
-        if P + C > floor:  # the spec: seeding is skipped when C dense steps will refill the FIFO first
+        if P + C >= floor:  # the spec: seeding is skipped when C dense steps will refill the FIFO first
             for h in range(H):
                 refs[b][h].prefill(trace.prompt_queries[b, h].double(), pos.tolist(), trace.keys[b, h // G].double(),
                                    scale)
     assert state.fill[slots].tolist() == [C, 0, 0, C]
-    seen_dense = seen_sparse = 0
+    seen_dense = seen_sparse = seen_plain = 0
+    full = make_method("full")
     for t in range(steps):
         lengths = trace.lengths_at(t)
         kv = PagedKV.contiguous(trace.keys, trace.values, lengths)
         q = trace.queries[t]
+        fill_before = state.fill[slots].clone()
         out = method.decode(q, kv, state, slots)
+        dense_out = full.decode(q, kv, full.init_state(H, H_kv, d, capacity=B), slots).out
         for b in range(B):
             L = int(lengths[b])
             keys, values = trace.keys[b, :, :L], trace.values[b, :, :L]
+            if L + C < floor:  # plain dense: Full attention's own step, nothing selected or pushed
+                seen_plain += 1
+                assert (out.path[b] == Path.DENSE).all()
+                torch.testing.assert_close(out.out[b], dense_out[b], atol=1e-6, rtol=1e-6)  # batched differently
+                assert (out.selected[b] == -1).all()
+                assert int(state.fill[slots[b]]) == int(fill_before[b])
+                for ref in refs[b]:
+                    ref.plain_step()
+                continue
             if L < floor:  # dense: SDPA's output; the FIFO gets the exact support (a reference fallback step)
                 seen_dense += 1
                 assert (out.path[b] == Path.DENSE).all()
@@ -67,7 +80,8 @@ def test_dense_below_floor_then_reference_above(H, H_kv, policy):
                 sel = out.selected[b, h]
                 assert sorted(sel[sel >= 0].tolist()) == sorted(support)
                 torch.testing.assert_close(out.out[b, h].double(), ref_out, atol=1e-4, rtol=1e-4)
-    assert seen_dense and seen_sparse
+    assert seen_dense and seen_sparse and seen_plain
+    assert state.fill[slots].tolist() == [C, C, 2, C]  # row 2 pushed at L_t = 26, 27 only (floor - C = 26)
 
 
 def test_floor_zero_is_the_paper():
