@@ -10,7 +10,9 @@ merge (non-reuse heads) -> select + attend + FIFO write (each head reads its pat
 launch advances the FIFO pointer, fill and step counters). The dense floor
 (``dense_below``) is decided on the device too: rows below it take path DENSE, get the exact Top-K
 for their FIFO entry from the exact kernels, and their output from the dense kernel (whose launch
-covers positions < dense_below only).
+covers positions < dense_below only). Each head's threshold is state.tau[slot, h]; with
+``tau_calibration`` the selector builds every head's candidates A_t and the select + attend launch moves
+the thresholds of the exact (non-DENSE) heads by the recall reuse would have had (``calibrate_tau``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from retopk_core.kernels.selector import _selector_kernel
 from retopk_core.kernels.workspace import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path, StepOutput
-from retopk_core.methods.retopk import gqa_paths
+from retopk_core.methods.retopk import calibration_constants, gqa_paths
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -113,6 +115,8 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         raise ValueError(f"slots must be (B,) int64 on {q.device}")
     if state.queries.device != q.device:
         raise ValueError(f"state is on {state.queries.device}, q on {q.device}")
+    if state.tau.shape != (S, H) or state.tau.dtype != torch.float32 or not state.tau.is_contiguous():
+        raise ValueError(f"state.tau must be a contiguous float32 (S, H) = ({S}, {H}) tensor")
     ws = ws or WORKSPACES.shared(q.device)
     dev = q.device
     N_pad = next_pow2(R * K + W, 16)  # candidate row width (M_t <= R*K + W)
@@ -120,7 +124,9 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     max_sim = torch.empty(B, H, dtype=torch.float32, device=dev)
     n_scored = torch.empty(B, H, dtype=torch.int32, device=dev)
     cand = ws.get("cand", (B, H, N_pad), torch.int32)
-    count = ws.get("cand_count", (B, H), torch.int32)
+    count = ws.get("cand_count", (B, H), torch.int32)  # M_t of the heads that reuse, else 0
+    calibrate = cfg.tau_calibration > 0
+    cal_count = ws.get("cand_count_all", (B, H), torch.int32) if calibrate else count  # every head's M_t
     cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
     at = ws.get("fifo_at", (B,), torch.long)  # each row's FIFO write position, for stage 3
     N_sort = next_pow2(R * K, 2)  # the selector sorts the recalled supports only, not the window
@@ -128,14 +134,15 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     _selector_kernel[(B, H)](
         q, q.stride(0), q.stride(1), slots, kv.lengths,
         state.queries, state.support, state.fill, state.ptr, state.step, state.phase,
-        path, max_sim, n_scored, cand, count, at,
-        float(cfg.tau), cfg.refresh_every, H, C, K, W,
+        path, max_sim, n_scored, cand, count, cal_count, at,
+        state.tau, cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
         N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), ALL_CAND=cfg.gqa_policy == "group",
-        num_warps=8 if big else 4)
+        CALIBRATE=calibrate, num_warps=8 if big else 4)
     if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
-        path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg)
-        count.masked_fill_(path != Path.REUSE, 0)
+        tau = state.tau.index_select(0, slots) if calibrate else None  # (B, H), as the torch path's
+        path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg, tau)
+        count.masked_fill_(path != Path.REUSE, 0)  # cal_count keeps every head's M_t
         n_scored = torch.where(path == Path.REUSE, count, kv.lengths.to(torch.int32).view(B, 1))
     dense = None
     if cfg.dense_below:  # the dense floor, decided on the device: rows with L < L_min take path DENSE
@@ -150,13 +157,14 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
     keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
-    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, at, state))
+    cal = (cal_count, max_sim, state.tau, calibration_constants(cfg)) if calibrate else None  # max_sim NaN: DENSE
+    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, at, state), cal=cal)
     if dense is not None:  # dense rows attend to every position; their FIFO entry is the exact Top-K above
         out = torch.where(dense.unsqueeze(-1), dense_attention(q, kv, scale, ws, below=cfg.dense_below), out)
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel)
 
 
-def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: torch.Tensor, retopk):
+def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: torch.Tensor, retopk, cal=None):
     B, H, D = q.shape
     DV = kv.v_pool.shape[-1]
     K_pad = exact_keys.shape[-1]
@@ -170,12 +178,15 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         path, cand, cand_scores, count, N_pad, slots, at, state = retopk
         queries, support, C = state.queries, state.support, state.queries.shape[2]
         ptr, fill, step = state.ptr, state.fill, state.step
+    cal_count, max_sim, tau, (target, rate, band, lo, hi) = cal or (exact_keys,) * 3 + ((0.0,) * 5,)  # unused: None
     _select_attend_kernel[(B, H)](
         q, q.stride(0), q.stride(1), kv.v_pool, kv.block_table, kv.block_table.stride(0),
         path, cand, cand_scores, count, exact_keys,
         sel, weights, out, out.stride(0), out.stride(1),
         slots, queries, support, at, ptr, fill, step,
+        cal_count, max_sim, tau, target, rate, band, lo, hi,
         K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
         K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
-        BLOCK_KV=64, RETOPK=retopk is not None, num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)
+        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, LOG_N=N_pad.bit_length(),
+        num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)
     return out, sel

@@ -16,6 +16,13 @@ selector copied before this launch), and head 0 of each sequence advances that s
     ptr = (at + 1) % C,   fill = min(fill + 1, C),   step = step + 1
 (no other program of this launch reads them: the other heads take the copy, hence no race), which
 saves the ~10 small torch ops per layer and step that did this after the launch.
+
+With CALIBRATE (``tau_calibration``), a head whose path is exact (not REUSE, not DENSE) and whose FIFO
+is not empty (ρ_max > -inf) also moves its threshold as ``calibrate_tau`` does: the recall reuse would
+have had, r = |Ŝ ∩ A_t| / |Ŝ| (``fidelity.support_recall``; A_t the selector's candidate row, sorted
+ascending, of length cal_count: one vectorised binary search per selected position), gives
+    tau_h <- clamp(tau_h + [|ρ_max - tau_h| < BAND] RATE (TARGET - r), LO, HI)
+(``calibration_constants``), written back to state.tau[slot, h] by the head's own program.
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
                           path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
                           sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
                           slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr,
+                          cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI,
                           K, H, H_KV, P, G, C,
                           K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
-                          RETOPK: tl.constexpr):
+                          RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, LOG_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * H + h
@@ -58,6 +66,28 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
     valid = (top != EMPTY) & (r < K)
     e = tl.where(valid, unpack_score(top), float("-inf"))
     sel = tl.where(valid, unpack_pos(top), -1)  # (K_PAD,) int64
+    if CALIBRATE:  # RETOPK only
+        path = tl.load(path_ptr + row)
+        rho = tl.load(maxsim_ptr + row)
+        if (path != 0) & (path != 4) & (rho > float("-inf")):  # exact, not DENSE, FIFO not empty
+            n = tl.load(cal_count_ptr + row)  # |A_t|
+            x = sel.to(tl.int32)
+            lo = tl.zeros((K_PAD,), tl.int32)
+            hi = lo + n
+            for _ in tl.static_range(LOG_N):  # lo <- the first index with A_t[lo] >= x
+                go = lo < hi
+                mid = (lo + hi) // 2
+                v = tl.load(cand_ptr + row * N_PAD + mid, mask=go, other=0)
+                right = go & (v < x)
+                lo = tl.where(right, mid + 1, lo)
+                hi = tl.where(go & (v >= x), mid, hi)
+            found = valid & (lo < n)
+            hit = found & (tl.load(cand_ptr + row * N_PAD + lo, mask=found, other=-1) == x)
+            recall = tl.sum(hit.to(tl.float32), 0) / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
+            tau_at = tau_ptr + tl.load(slots_ptr + b) * H + h
+            th = tl.load(tau_at)
+            move = tl.where(tl.abs(rho - th) < BAND, RATE * (TARGET - recall), 0.0)
+            tl.store(tau_at, tl.minimum(tl.maximum(th + move, LO), HI))
     p = tl.where(valid, tl.exp(e - tl.max(e, 0)), 0.0)
     p = p / tl.sum(p, 0)
     tl.store(sel_ptr + row * K + r, sel, mask=r < K)

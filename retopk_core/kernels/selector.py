@@ -3,17 +3,21 @@
     q̄      = q / ||q||                                                  unit query
     ρ_c    = q̄ · q̄_c  for the fill_b valid FIFO entries, -inf elsewhere   (eq. 6)
     ρ_max  = max_c ρ_c;  R_t = TopR_c ρ_c (or the R newest entries)        (eq. 7)
-    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_r == 0 else FALLBACK if ρ_max < tau else REUSE (eq. 13;
+    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_r == 0 else FALLBACK if ρ_max < tau_h else REUSE (eq. 13;
              φ_h the head's refresh phase, 0 unless ``refresh_stagger``)
     A_t    = Unique(∪_{c∈R_t} Ŝ_c ∪ {L-W, ..., L-1} ∩ [0, L))            (eq. 8, 9)
 
-Written per head: path (int8, the head's own decision), ρ_max, n_scored (M_t on reuse, L on exact
-paths), and for reuse heads the candidate positions sorted ascending and packed at the front of a row
-of width N_PAD >= R*K + W (int32) with their count M_t (0 for exact-path heads). With ALL_CAND (the
-"group" GQA policy, where a head below tau may still reuse with its group) fallback heads get
-candidates too; the launcher then applies the policy on the device and fixes count / n_scored. Head 0
-of each sequence also copies the FIFO's write pointer ptr[slot] to ``at[b]``: stage 3 writes the new
-entry there while it advances ptr itself.
+tau is the head's own threshold state.tau[slot, h] (every head's cfg.tau unless ``tau_calibration``
+moves them). Written per head: path (int8, the head's own decision), ρ_max, n_scored (M_t on reuse, L
+on exact paths), and for reuse heads the candidate positions sorted ascending and packed at the front
+of a row of width N_PAD >= R*K + W (int32) with their count M_t in ``count`` (0 for exact-path heads).
+With ALL_CAND (the "group" GQA policy, where a head below tau may still reuse with its group)
+fallback heads get candidates and a count too; the launcher then applies the policy on the device and
+fixes count / n_scored. With CALIBRATE (``tau_calibration``) every head builds A_t, whatever its path,
+and writes M_t to ``cal_count`` as well: stage 3 measures on the exact heads the recall reuse would
+have had (``count`` stays the reuse heads' own, so the indexed QK and the reuse selection ignore them).
+Head 0 of each sequence also copies the FIFO's write pointer ptr[slot] to ``at[b]``: stage 3 writes the
+new entry there while it advances ptr itself.
 
 Deduplication sorts only the R*K recalled support entries (N_SORT = next_pow2(R*K) keys: 2048 at
 K = 512, R = 4, not next_pow2(R*K + W) = 4096 with half of them padding): the window
@@ -37,11 +41,11 @@ from retopk_core.kernels.bitonic import POS_PAD, bitonic_sort
 @triton.jit
 def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                      cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr,
-                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, at_ptr,
-                     tau, T_R, H, C, K, W,
+                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, cal_count_ptr, at_ptr,
+                     tau_ptr, T_R, H, C, K, W,
                      R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
-                     ALL_CAND: tl.constexpr):
+                     ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -57,13 +61,14 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
     sim = tl.where(c < fill, tl.sum(cq * qn[None, :], 1), float("-inf"))  # (BLOCK_C,)
     max_sim = tl.max(sim, 0)
     refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.maximum(T_R, 1) == 0)
-    path = tl.where(refresh, 2, tl.where(max_sim < tau, 1, 0))
+    path = tl.where(refresh, 2, tl.where(max_sim < tl.load(tau_ptr + slot * H + h), 1, 0))
     row = b * H + h
     tl.store(path_ptr + row, path.to(tl.int8))
     tl.store(maxsim_ptr + row, max_sim)
     if h == 0:  # read by stage 3, which moves ptr[slot] on (the other heads here still read it)
         tl.store(at_ptr + b, tl.load(wptr_ptr + slot))
-    if (path == 0) | (ALL_CAND & (path == 1)):
+    reusable = (path == 0) | (ALL_CAND & (path == 1))  # may reuse: gets M_t in count
+    if reusable | CALIBRATE:
         # recall: entry id and validity of each of the R recalled entries, spread over their K slots
         i = tl.arange(0, N_SORT)
         r_of = i // K
@@ -94,8 +99,10 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
         wj = tl.arange(0, BLOCK_W)
         tl.store(cand_ptr + row * N_PAD + n_below + wj, (w0 + wj).to(tl.int32), mask=wj < n_win)
         count = tl.sum(keep.to(tl.int32), 0) + n_win
-        tl.store(count_ptr + row, count)
-        tl.store(nscored_ptr + row, count)
+        tl.store(count_ptr + row, tl.where(reusable, count, 0))
+        tl.store(nscored_ptr + row, tl.where(reusable, count, L.to(tl.int32)))
+        if CALIBRATE:
+            tl.store(cal_count_ptr + row, count)
     else:
         tl.store(count_ptr + row, 0)
         tl.store(nscored_ptr + row, L.to(tl.int32))

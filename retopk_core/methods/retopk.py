@@ -57,7 +57,8 @@ class QuerySupportCache(SlotPool):
     fill    (S,) int64             valid entries (every head of a sequence inserts on every step,
     ptr     (S,) int64             so the fill count and write pointer are shared by its heads)
     step    (S,) int64             decode steps taken since the first prefill (t_dec)
-    tau     (S, H) float32         each head's fallback threshold (config.tau; moved by ``calibrate_tau``)
+    tau     (S, H) float32         each head's fallback threshold (config.tau; moved by ``calibrate_tau``;
+                                   the CPU and Triton kernels read and move it in place)
     phase   (H,) int64             each head's refresh phase φ (the layer's, not per slot; 0 = the paper)
     """
 
@@ -167,7 +168,7 @@ class ReTopK(AttentionMethod):
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
         scale = resolve_scale(scale, q.shape[-1])
-        if self.backend == "triton" and not self.config.tau_calibration:  # the whole step on the device
+        if self.backend == "triton":  # the whole step on the device, tau_calibration included
             from retopk_core.kernels.launch import retopk_decode
             return retopk_decode(self, q, kv, state, slots, scale)
         if self.config.dense_below:

@@ -26,9 +26,10 @@ STEPS = 4
 
 
 def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=STEPS, seed=0,
-         policy=("head", 0.0, 0.8), layer=0, **extra):
+         policy=("head", 0.0, 0.8), layer=0, noise=0.15, **extra):
     """Yield (torch StepOutput, triton StepOutput, torch state, triton state) for each decode step;
-    ``extra``: further ReTopKConfig fields; the state is the method's layer-th (its refresh phases)."""
+    ``extra``: further ReTopKConfig fields; the state is the method's layer-th (its refresh phases);
+    ``noise``: how far the near heads' queries stray from their last prompt query."""
     B, H = len(lengths), H_kv * G
     gen = torch.Generator().manual_seed(seed)
     cap = max(lengths) + steps
@@ -58,7 +59,7 @@ def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=
         lens = [x + 1 for x in lens]
         kv = PagedKV(kv_all.k_pool, kv_all.v_pool, kv_all.block_table, torch.tensor(lens, device=DEVICE))
         fresh = torch.randn(B, H, d, generator=gen).to(DEVICE)
-        q = torch.where(near, prompt_q[:, :, -1] + 0.15 * fresh, fresh)
+        q = torch.where(near, prompt_q[:, :, -1] + noise * fresh, fresh)
         pre_t, pre_k = copy.deepcopy(st), copy.deepcopy(sk)
         a = ref.decode(q, kv, st, slots)
         b = tri.decode(q, kv, sk, slots)
@@ -100,28 +101,72 @@ def test_retopk_triton_matches_torch_reference(H_kv, G, d, K, C, W, R, lengths, 
             assert Path.PROMOTED in seen or policy[:2] == ("group", 0.0), seen
 
 
-@pytest.mark.parametrize("policy", [("head", 0.0, 0.8), ("group", 0.0, 0.8)], ids=lambda p: p[0])
-def test_dense_floor_on_the_device_matches_torch(policy):
+@pytest.mark.parametrize("policy,calibration", [(("head", 0.0, 0.8), 0.0), (("group", 0.0, 0.8), 0.0),
+                                                (("head", 0.0, 0.8), 0.8)], ids=["head", "group", "head-calibrated"])
+def test_dense_floor_on_the_device_matches_torch(policy, calibration):
     """dense_below decided on the device: the short row takes path DENSE (full attention, an exact FIFO
-    entry) until it crosses the floor mid-run, the long row the sparse step, as in the torch code."""
+    entry) until it crosses the floor mid-run, the long row the sparse step, as in the torch code. With
+    tau_calibration (GQA, the paper's policy) the sparse row's thresholds move as the torch path moves them
+    and the dense row's do not while it is dense."""
     seen = set()
-    for a, b, st, sk, (_, kv, *_rest) in _run(1, 3, 64, 8, 4, 4, 2, [120, 60], 16, "similarity", (0, 1), steps=4,
-                                              policy=policy, dense_below=62):
+    noise = 0.75 if calibration else 0.15  # calibrated: similarities near tau, so that exact heads move it
+    for a, b, st, sk, (_, kv, pre_t, *_rest) in _run(1, 3, 64, 8, 4, 4, 2, [120, 60], 16, "similarity", (0, 1),
+                                                     steps=4, policy=policy, noise=noise, dense_below=62,
+                                                     tau_calibration=calibration):
         lengths = kv.lengths.tolist()
-        assert torch.equal(a.path, b.path), (a.path, b.path)
-        seen |= set(a.path.flatten().tolist())
         dense = a.path == Path.DENSE
         assert torch.equal(b.max_sim.isnan(), dense)
-        torch.testing.assert_close(b.max_sim[~dense], a.max_sim[~dense], atol=1e-5, rtol=1e-5)
-        assert torch.equal(a.n_scored, b.n_scored), (a.n_scored, b.n_scored)
-        assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
-        torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(sk.queries, st.queries, atol=1e-6, rtol=1e-6)
-        assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
-        for name in ("fill", "ptr", "step"):
-            assert torch.equal(getattr(sk, name), getattr(st, name)), name
+        _assert_same_step(a, b, st, sk, skip_max_sim=dense)
+        seen |= set(a.path.flatten().tolist())
+        assert torch.equal(st.tau[dense], pre_t.tau[dense])
     assert Path.DENSE in seen and Path.REUSE in seen, seen
     assert lengths[1] >= 62  # the short row crossed the floor during the run
+    if calibration:
+        assert (st.tau[0] < 0.8).any(), st.tau
+
+
+def _assert_same_step(a, b, st, sk, skip_max_sim=None):
+    """One step of the triton path (b, sk) equals the torch path's (a, st), thresholds included."""
+    assert torch.equal(a.path, b.path), (a.path, b.path)
+    keep = slice(None) if skip_max_sim is None else ~skip_max_sim
+    torch.testing.assert_close(b.max_sim[keep], a.max_sim[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.n_scored, b.n_scored), (a.n_scored, b.n_scored)
+    assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
+    torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sk.queries, st.queries, atol=1e-6, rtol=1e-6)
+    assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+    for name in ("fill", "ptr", "step"):
+        assert torch.equal(getattr(sk, name), getattr(st, name)), name
+    torch.testing.assert_close(sk.tau, st.tau, atol=1e-6, rtol=0)
+
+
+# (H_kv, G, policy): MHA under the paper's policy, GQA under the two group policies (GQA under the paper's:
+# the calibrated dense floor case below)
+CALIBRATED = [(3, 1, "head"), (1, 3, "promote"), (1, 3, "group")]
+
+
+@pytest.mark.parametrize("H_kv,G,policy", CALIBRATED, ids=lambda x: str(x))
+def test_calibrated_tau_on_the_device_matches_torch(H_kv, G, policy):
+    """tau_calibration in the kernels: the selector reads state.tau per head and builds every head's A_t,
+    select + attend moves the thresholds of the exact heads (fallback, refresh, promoted) by the recall
+    reuse would have had. Near heads stray to ρ ~ 0.8 = tau, so some fall back within the band and move
+    their tau (both ways), some just above it are refreshed or promoted, and (group) some below it reuse
+    with their group and keep theirs; paths, supports, outputs and state.tau equal the torch path's."""
+    moved = set()
+    for a, b, st, sk, (_, _, pre_t, *_r) in _run(H_kv, G, 64, 8, 4, 4, 2, [40, 20], 16, "similarity", (0, 1),
+                                                steps=5, policy=(policy, 0.0, 0.8), noise=0.75, tau_calibration=0.8):
+        _assert_same_step(a, b, st, sk)
+        changed = st.tau != pre_t.tau  # (B, H): slots are 0..B-1
+        assert not (changed & (a.path == Path.REUSE)).any()
+        moved |= set(a.path[changed].tolist())
+        if policy == "group":
+            moved |= {"reused below tau"} if bool(((a.max_sim < pre_t.tau) & (a.path == Path.REUSE)).any()) else set()
+    assert (st.tau < 0.8).any() and (st.tau <= 0.8).all(), st.tau
+    assert Path.FALLBACK in moved and Path.REFRESH in moved, moved
+    if policy == "promote":
+        assert Path.PROMOTED in moved, moved
+    if policy == "group":
+        assert "reused below tau" in moved, moved
 
 
 @pytest.mark.parametrize("layer", [0, 1])
