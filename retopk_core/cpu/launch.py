@@ -5,7 +5,8 @@
 The same step as the torch reference ``ReTopK._sparse_step`` (retopk_core/methods/retopk.py), eq. 6-13
 and the GQA policy of ``gqa_paths``, for every (sequence, head) of the batch: similarity to the cached
 queries and the path, Top-R recall (or the "recent" ablation), candidates = recalled supports ∪ window
-(deduplicated), their exact scores through the block table, Top-K rerank, softmax-value, and the exact
+(deduplicated), their exact scores through the block table, scheduled refreshes at each KV group's phase
+(``refresh_stagger``), Top-K rerank, softmax-value, and the exact
 Top-K over the whole history for the heads whose path is not REUSE (the group's keys read once for all
 of them), on those heads the per-head threshold update of ``tau_calibration`` (``state.tau``); then the
 FIFO write and the ptr / fill / step advance of ``state``. The source's header
@@ -73,6 +74,6 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     cfg = method.config
     out, path, max_sim, n_scored, selected = extension().decode(
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, state.queries, state.support, state.fill, state.ptr,
-        state.step, slots, state.tau, cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every, cfg.retrieval,
+        state.step, slots, state.tau, state.phase, cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every, cfg.retrieval,
         cfg.gqa_policy, float(cfg.group_tau_min), float(scale), _CODES, calibration_constants(cfg))
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=selected)

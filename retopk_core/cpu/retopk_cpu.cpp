@@ -5,7 +5,8 @@
 // One task per (sequence b, KV group g), G = H / H_kv query heads h each (at::parallel_for over tasks):
 //   q̄_h   = q_h / max(||q_h||, 1e-12)                                  (float32)
 //   ρ_hc  = q̄_h · q̄_c for the fill valid FIFO entries c, ρ_max = max_c ρ_hc (-inf when empty)  eq. 6, 7
-//   path_h: REFRESH when T_r > 0, t_dec > 0, t_dec % T_r == 0; else FALLBACK when ρ_max < tau_h; else REUSE
+//   path_h: REFRESH when T_r > 0, t_dec > 0, (t_dec + φ_g) % T_r == 0 (φ_g = phase[h], the group's refresh
+//           phase, 0 unless refresh_stagger); else FALLBACK when ρ_max < tau_h; else REUSE
 //           (eq. 13; tau_h = state.tau[slot, h]), then the GQA policy over the group's heads (as gqa_paths):
 //             head     unchanged
 //             promote  read_g = any_h path_h == FALLBACK
@@ -440,7 +441,7 @@ template <typename KV>
 void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const int64_t* bt, const int64_t* lengths, const int64_t* slots, at::Tensor& queries,
                at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, float* tau,
-               Outputs& o, int64_t task) {
+               const int64_t* phase, Outputs& o, int64_t task) {
   const int64_t b = task / p.H_kv, g = task % p.H_kv, G = p.G, h0 = g * G;
   const int64_t slot = slots[b];
   Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
@@ -449,7 +450,7 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
   std::vector<float> qn(G * p.d), qs(G * p.d), sims(G * p.C), ms(G);
   std::vector<int8_t> path(G);
   float* tau_h = tau + slot * p.H + h0;  // (G,) this group's thresholds in state.tau
-  const bool refresh = p.T_r > 0 && t.t_dec > 0 && t.t_dec % p.T_r == 0;
+  const bool refresh = p.T_r > 0 && t.t_dec > 0 && (t.t_dec + phase[h0]) % p.T_r == 0;  // one phase per group
   const char* qbase = static_cast<const char*>(q.data_ptr());
   const int64_t qe = q.element_size();
   for (int64_t j = 0; j < G; ++j) {
@@ -544,7 +545,8 @@ bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16
 std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
                                at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
-                               const at::Tensor& slots, at::Tensor tau, int64_t top_k, int64_t recall, int64_t window,
+                               const at::Tensor& slots, at::Tensor tau, const at::Tensor& phase, int64_t top_k,
+                               int64_t recall, int64_t window,
                                int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
                                double group_tau_min, double scale, std::vector<int64_t> path_codes,
                                std::vector<double> calibration) {
@@ -588,6 +590,11 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
                   tau.size(0) == S && tau.size(1) == H,
               "state.tau must be a contiguous float32 (S, H=", H, ") tensor, got ", tau.scalar_type(), " ",
               tau.sizes());
+  check_int64_vector(phase, "state.phase", H);
+  const int64_t* ph = phase.data_ptr<int64_t>();
+  for (int64_t h = 0; h < H; ++h)
+    CHECK_VALUE(ph[h] >= 0 && ph[h] == ph[h - h % (H / H_kv)], "state.phase[", h, "] = ", ph[h],
+                ": phases must be >= 0 and shared by the heads of a KV group");
   CHECK_VALUE(calibration.size() == 5, "calibration must be (target, rate, band, lo, hi)");
   CHECK_VALUE(top_k > 0 && recall > 0 && recall <= C && window >= 0 && refresh_every >= 0,
               "top_k, recall (<= C), window, refresh_every out of range: ", top_k, ", ", recall, ", ", window, ", ",
@@ -634,13 +641,15 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
     for (int64_t task = begin; task < end; ++task) {
       switch (k_pool.scalar_type()) {
         case at::kFloat:
-          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, o, task);
+          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, ph, o, task);
           break;
         case at::kBFloat16:
-          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, o, task);
+          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, ph, o,
+                                 task);
           break;
         default:
-          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, o, task);
+          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, ph, o,
+                                 task);
       }
     }
   };

@@ -226,7 +226,7 @@ class ReTopK(AttentionMethod):
                      scale: float) -> StepOutput:
         """ReTopK's step proper (eq. 6-13) on the backend's implementation (triton: see ``decode``)."""
         cfg = self.config
-        if self.backend == "cpu" and q.device.type == "cpu" and not cfg.refresh_stagger:  # kernel: no phases
+        if self.backend == "cpu" and q.device.type == "cpu":
             from retopk_core.cpu import launch
             if launch.available():
                 return launch.retopk_decode(self, q, kv, state, slots, scale)

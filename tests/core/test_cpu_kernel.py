@@ -165,6 +165,21 @@ def test_dense_floor_rows_and_sparse_rows_in_one_batch():
 
 
 @needs_kernel
+@pytest.mark.parametrize("policy", ["head", "group"])
+def test_staggered_refresh_matches_torch_path(policy):
+    """refresh_stagger: each KV group refreshes at its own phase, in the kernel as in the torch code."""
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=4, refresh_stagger=True,
+               gqa_policy=policy)
+    trace = make_trace(B=2, H=6, H_kv=3, prompt_lens=(40, 23), steps=10, T=6)
+    refreshed = []  # (step, b, group) with a refresh
+    for t, (a, b, sa, sb) in enumerate(twin_run(cfg, trace, 6, 3)):
+        assert_same_step(a, b, sa, sb)
+        refreshed += [(t, i, g) for i in range(2) for g in range(3) if bool((b.path[i, 2 * g] == Path.REFRESH))]
+    steps_of = {g: {t for t, _, gg in refreshed if gg == g} for g in range(3)}
+    assert steps_of[0] and steps_of[1] and steps_of[0] != steps_of[1]  # phases 0 and T_r / 2 (layer 0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("block", [16, 100])  # 100: blocks longer than the exact pass's 64-row tile, not a multiple
 def test_long_history_many_blocks_and_threads(block):
     """A few hundred positions over paged blocks, batch 4 x 3 groups on every thread torch has."""
@@ -210,6 +225,10 @@ def test_launcher_checks_name_the_culprit():
         run(method, q, PagedKV(kv.k_pool, kv.v_pool, torch.tensor([[0], [7]]), kv.lengths), state, slots, 0.3)
     with pytest.raises(ValueError, match="lengths"):
         run(method, q, PagedKV(kv.k_pool, kv.v_pool, kv.block_table, torch.tensor([10, 11])), state, slots, 0.3)
+    state.phase = torch.tensor([0, 1, 1, 1])  # heads 0 and 1 share KV group 0
+    with pytest.raises(ValueError, match=r"state.phase\[1\]"):
+        run(method, q, kv, state, slots, 0.3)
+    state.phase = torch.zeros(4, dtype=torch.long)
     other = make_method("retopk", backend="cpu", top_k=5, cache_size=2, window=2, recall=1)
     with pytest.raises(ValueError, match="state.support"):
         run(other, q, kv, state, slots, 0.3)
