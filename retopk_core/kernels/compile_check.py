@@ -68,8 +68,8 @@ def kernel_specs(small: bool) -> list[tuple]:
                            cscore_ptr=p["f32"], count_ptr=p["i32"], exact_ptr=p["i64"], sel_ptr=p["i64"],
                            w_ptr=p["f32"], out_ptr=p["bf16"], slots_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            at_ptr=p["i64"], wptr_ptr=p["i64"], fill_ptr=p["i64"], step_ptr=p["i64"],
-                           cal_count_ptr=p["i32"], maxsim_ptr=p["f32"], tau_ptr=p["f32"], TARGET="fp32", RATE="fp32",
-                           BAND="fp32", LO="fp32", HI="fp32"),
+                           len_ptr=p["i64"], cal_count_ptr=p["i32"], maxsim_ptr=p["f32"], tau_ptr=p["f32"],
+                           TARGET="fp32", RATE="fp32", BAND="fp32", LO="fp32", HI="fp32"),
                       dict(K_PAD=K_pad, N_PAD=n_pad, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_KV=64, RETOPK=retopk,
                            CALIBRATE=calibrate, LOG_N=n_pad.bit_length()), 8))
     return specs

@@ -10,9 +10,11 @@ merge (non-reuse heads) -> select + attend + FIFO write (each head reads its pat
 launch advances the FIFO pointer, fill and step counters). The dense floor
 (``dense_below``) is decided on the device too: rows below it take path DENSE, get the exact Top-K
 for their FIFO entry from the exact kernels, and their output from the dense kernel (whose launch
-covers positions < dense_below only). Each head's threshold is state.tau[slot, h]; with
-``tau_calibration`` the selector builds every head's candidates A_t and the select + attend launch moves
-the thresholds of the exact (non-DENSE) heads by the recall reuse would have had (``calibrate_tau``).
+covers positions < dense_below only); as in the torch path, rows with L + C < dense_below are plain
+dense steps (no exact Top-K, no FIFO entry, ``selected`` -1, only the step counter advances). Each
+head's threshold is state.tau[slot, h]; with ``tau_calibration`` the selector builds every head's
+candidates A_t and the select + attend launch moves the thresholds of the exact (non-DENSE) heads by
+the recall reuse would have had (``calibrate_tau``).
 """
 
 from __future__ import annotations
@@ -144,22 +146,26 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg, tau)
         count.masked_fill_(path != Path.REUSE, 0)  # cal_count keeps every head's M_t
         n_scored = torch.where(path == Path.REUSE, count, kv.lengths.to(torch.int32).view(B, 1))
-    dense = None
+    dense, exact_path = None, path
     if cfg.dense_below:  # the dense floor, decided on the device: rows with L < L_min take path DENSE
         dense = (kv.lengths < cfg.dense_below).view(B, 1)  # (B, 1)
         path = torch.where(dense, torch.tensor(Path.DENSE, dtype=torch.int8, device=dev), path)
         count.masked_fill_(dense, 0)  # no candidates: the exact kernels give the FIFO its exact Top-K
         n_scored = torch.where(dense, kv.lengths.to(torch.int32).view(B, 1), n_scored)
         max_sim = max_sim.masked_fill(dense, float("nan"))
+        # plain dense rows (L + C < L_min, their FIFO entries would be overwritten before L_min): no exact Top-K
+        # here, and select + attend (by the same test) selects nothing and pushes nothing for them
+        exact_path = path.masked_fill((kv.lengths + C < cfg.dense_below).view(B, 1), Path.REUSE)
     block_m = 64
     _indexed_qk_kernel[(B, H, triton.cdiv(R * K + W, block_m))](  # blocks up to the largest M_t
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,
         float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
-    keys = exact_topk_keys(q, kv, K, scale, ws, path=path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
+    keys = exact_topk_keys(q, kv, K, scale, ws, path=exact_path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
     cal = (cal_count, max_sim, state.tau, calibration_constants(cfg)) if calibrate else None  # max_sim NaN: DENSE
-    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, at, state), cal=cal)
-    if dense is not None:  # dense rows attend to every position; their FIFO entry is the exact Top-K above
+    out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, at, state,
+                                                   cfg.dense_below), cal=cal)
+    if dense is not None:  # dense rows attend to every position; a push row's FIFO entry is the exact Top-K above
         out = torch.where(dense.unsqueeze(-1), dense_attention(q, kv, scale, ws, below=cfg.dense_below), out)
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel)
 
@@ -174,8 +180,9 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
     if retopk is None:
         path = cand = cand_scores = count = slots = at = exact_keys  # unused (RETOPK=False)
         N_pad, queries, support, ptr, fill, step, C = 16, q, exact_keys, exact_keys, exact_keys, exact_keys, 1
+        dense_below = 0
     else:
-        path, cand, cand_scores, count, N_pad, slots, at, state = retopk
+        path, cand, cand_scores, count, N_pad, slots, at, state, dense_below = retopk
         queries, support, C = state.queries, state.support, state.queries.shape[2]
         ptr, fill, step = state.ptr, state.fill, state.step
     cal_count, max_sim, tau, (target, rate, band, lo, hi) = cal or (exact_keys,) * 3 + ((0.0,) * 5,)  # unused: None
@@ -183,7 +190,7 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         q, q.stride(0), q.stride(1), kv.v_pool, kv.block_table, kv.block_table.stride(0),
         path, cand, cand_scores, count, exact_keys,
         sel, weights, out, out.stride(0), out.stride(1),
-        slots, queries, support, at, ptr, fill, step,
+        slots, queries, support, at, ptr, fill, step, kv.lengths, dense_below,
         cal_count, max_sim, tau, target, rate, band, lo, hi,
         K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
         K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),

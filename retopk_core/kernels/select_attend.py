@@ -15,7 +15,9 @@ selector copied before this launch), and head 0 of each sequence advances that s
 ``QuerySupportCache.advance`` and the torch step do:
     ptr = (at + 1) % C,   fill = min(fill + 1, C),   step = step + 1
 (no other program of this launch reads them: the other heads take the copy, hence no race), which
-saves the ~10 small torch ops per layer and step that did this after the launch.
+saves the ~10 small torch ops per layer and step that did this after the launch. A plain dense row
+(L + C < DENSE_BELOW, the torch path's test) selects nothing (``selected`` -1) and writes no FIFO
+entry: only its step counter advances (the launcher takes its output from the dense kernel).
 
 With CALIBRATE (``tau_calibration``), a head whose path is exact (not REUSE, not DENSE) and whose FIFO
 is not empty (ρ_max > -inf) also moves its threshold as ``calibrate_tau`` does: the recall reuse would
@@ -38,7 +40,7 @@ from retopk_core.kernels.paged import pool_rows
 def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_tb,
                           path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
                           sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
-                          slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr,
+                          slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr, len_ptr, DENSE_BELOW,
                           cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI,
                           K, H, H_KV, P, G, C,
                           K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -48,8 +50,12 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
     h = tl.program_id(1)
     row = b * H + h
     r = tl.arange(0, K_PAD)
+    plain = False
     if RETOPK:
-        if tl.load(path_ptr + row) == 0:
+        plain = tl.load(len_ptr + b) + C < DENSE_BELOW  # a plain dense row: no selection, no FIFO entry
+        if plain:
+            top = tl.full((K_PAD,), EMPTY, tl.int64)
+        elif tl.load(path_ptr + row) == 0:
             n = tl.load(count_ptr + row)  # M_t <= N_PAD
             top = tl.full((K_PAD,), EMPTY, tl.int64)
             for j0 in range(0, n, K_PAD):  # only the tiles holding candidates
@@ -88,8 +94,9 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
             th = tl.load(tau_at)
             move = tl.where(tl.abs(rho - th) < BAND, RATE * (TARGET - recall), 0.0)
             tl.store(tau_at, tl.minimum(tl.maximum(th + move, LO), HI))
-    p = tl.where(valid, tl.exp(e - tl.max(e, 0)), 0.0)
-    p = p / tl.sum(p, 0)
+    m = tl.max(e, 0)
+    p = tl.where(valid, tl.exp(e - tl.where(m > float("-inf"), m, 0.0)), 0.0)
+    p = p / tl.maximum(tl.sum(p, 0), 1.0)  # the sum is >= 1 (exp(0) at the max) unless nothing is selected (plain)
     tl.store(sel_ptr + row * K + r, sel, mask=r < K)
     tl.store(w_ptr + row * K_PAD + r, p)
     tl.debug_barrier()  # the value loop below re-reads sel / p in blocks from other threads' writes
@@ -107,13 +114,15 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
     if RETOPK:
         slot = tl.load(slots_ptr + b)
         at = tl.load(at_ptr + b)
-        entry = (slot * H + h) * C + at
-        d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-        qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-12)
-        tl.store(cq_ptr + entry * D + d, qn, mask=d < D)
-        tl.store(sup_ptr + entry * K + r, sel, mask=r < K)
+        if not plain:
+            entry = (slot * H + h) * C + at
+            d = tl.arange(0, BLOCK_D)
+            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+            qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-12)
+            tl.store(cq_ptr + entry * D + d, qn, mask=d < D)
+            tl.store(sup_ptr + entry * K + r, sel, mask=r < K)
         if h == 0:  # the slot's counters, once per sequence
-            tl.store(wptr_ptr + slot, (at + 1) % C)
-            tl.store(fill_ptr + slot, tl.minimum(tl.load(fill_ptr + slot) + 1, C))
+            if not plain:
+                tl.store(wptr_ptr + slot, (at + 1) % C)
+                tl.store(fill_ptr + slot, tl.minimum(tl.load(fill_ptr + slot) + 1, C))
             tl.store(step_ptr + slot, tl.load(step_ptr + slot) + 1)

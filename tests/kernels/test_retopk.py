@@ -101,28 +101,42 @@ def test_retopk_triton_matches_torch_reference(H_kv, G, d, K, C, W, R, lengths, 
             assert Path.PROMOTED in seen or policy[:2] == ("group", 0.0), seen
 
 
-@pytest.mark.parametrize("policy,calibration", [(("head", 0.0, 0.8), 0.0), (("group", 0.0, 0.8), 0.0),
-                                                (("head", 0.0, 0.8), 0.8)], ids=["head", "group", "head-calibrated"])
+@pytest.mark.parametrize("policy,calibration", [(("head", 0.0, 0.8), 0.0), (("group", 0.0, 0.8), 0.8)],
+                         ids=["head", "group-calibrated"])
 def test_dense_floor_on_the_device_matches_torch(policy, calibration):
-    """dense_below decided on the device: the short row takes path DENSE (full attention, an exact FIFO
-    entry) until it crosses the floor mid-run, the long row the sparse step, as in the torch code. With
-    tau_calibration (GQA, the paper's policy) the sparse row's thresholds move as the torch path moves them
-    and the dense row's do not while it is dense."""
-    seen = set()
+    """dense_below = 62 decided on the device, C = 4: the shortest row (L_t = 56..59) takes plain dense
+    steps (full attention, nothing selected, no FIFO entry: L_t + C < 62) and then dense steps that push
+    their exact Top-K, the middle one (61..64) a pushing dense step and then the sparse step after it crossed
+    the floor, the long row the sparse step, as in the torch code. With tau_calibration (the group policy)
+    the sparse rows' thresholds move as the torch path moves them (some of its heads below tau reuse with
+    their group and keep theirs), the dense rows' do not."""
+    seen, kinds, reused_below = set(), set(), False
     noise = 0.75 if calibration else 0.15  # calibrated: similarities near tau, so that exact heads move it
-    for a, b, st, sk, (_, kv, pre_t, *_rest) in _run(1, 3, 64, 8, 4, 4, 2, [120, 60], 16, "similarity", (0, 1),
-                                                     steps=4, policy=policy, noise=noise, dense_below=62,
-                                                     tau_calibration=calibration):
+    for a, b, st, sk, (_, kv, pre_t, pre_k, *_r) in _run(1, 3, 64, 8, 4, 4, 2, [120, 60, 55], 16, "similarity",
+                                                         (0, 1, 2), steps=4, policy=policy, noise=noise,
+                                                         dense_below=62, tau_calibration=calibration):
         lengths = kv.lengths.tolist()
         dense = a.path == Path.DENSE
         assert torch.equal(b.max_sim.isnan(), dense)
         _assert_same_step(a, b, st, sk, skip_max_sim=dense)
         seen |= set(a.path.flatten().tolist())
         assert torch.equal(st.tau[dense], pre_t.tau[dense])
-    assert Path.DENSE in seen and Path.REUSE in seen, seen
-    assert lengths[1] >= 62  # the short row crossed the floor during the run
+        reused_below |= bool(((a.max_sim < pre_t.tau) & (a.path == Path.REUSE)).any())
+        for row, L in enumerate(lengths):
+            if L + 4 < 62:  # plain: the FIFO as it was, only the step counter moved
+                kinds.add("plain")
+                assert (b.selected[row] == -1).all() and (b.path[row] == Path.DENSE).all()
+                assert torch.equal(sk.queries[row], pre_k.queries[row]) and torch.equal(sk.support[row],
+                                                                                          pre_k.support[row])
+                assert (sk.fill[row], sk.ptr[row], sk.step[row]) == (pre_k.fill[row], pre_k.ptr[row],
+                                                                      pre_k.step[row] + 1)
+            else:
+                kinds.add("push" if L < 62 else "sparse")
+                assert sk.fill[row] == min(pre_k.fill[row] + 1, 4) and (b.selected[row, :, 0] >= 0).all()
+    assert kinds == {"plain", "push", "sparse"} and Path.REUSE in seen, (kinds, seen)
+    assert lengths[1] >= 62 and lengths[2] + 4 >= 62  # rows crossed the floor / the push limit during the run
     if calibration:
-        assert (st.tau[0] < 0.8).any(), st.tau
+        assert (st.tau[0] < 0.8).any() and reused_below, st.tau
 
 
 def _assert_same_step(a, b, st, sk, skip_max_sim=None):
@@ -140,9 +154,9 @@ def _assert_same_step(a, b, st, sk, skip_max_sim=None):
     torch.testing.assert_close(sk.tau, st.tau, atol=1e-6, rtol=0)
 
 
-# (H_kv, G, policy): MHA under the paper's policy, GQA under the two group policies (GQA under the paper's:
-# the calibrated dense floor case below)
-CALIBRATED = [(3, 1, "head"), (1, 3, "promote"), (1, 3, "group")]
+# (H_kv, G, policy): MHA and GQA under the paper's policy, GQA under "promote" ("group": the calibrated dense
+# floor case below)
+CALIBRATED = [(3, 1, "head"), (1, 3, "head"), (1, 3, "promote")]
 
 
 @pytest.mark.parametrize("H_kv,G,policy", CALIBRATED, ids=lambda x: str(x))
