@@ -79,7 +79,7 @@ def _sessions(runner, spec):
 
 
 SPEC = MethodSpec.of("retopk", top_k=16, cache_size=8, window=4, recall=2, tau=0.5, refresh_every=3,
-                     dense_below=48, gqa_policy="group")
+                     dense_below=48, gqa_policy="group", tau_calibration=0.85)  # the server default calibrates
 
 
 def _forward_counted(runner, monkeypatch, counter: SyncCounter, host_calls, seen: list):
