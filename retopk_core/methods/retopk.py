@@ -295,7 +295,7 @@ class ReTopK(AttentionMethod):
     def _calibrate(self, state: QuerySupportCache, slots: torch.Tensor, sim: torch.Tensor, max_sim: torch.Tensor,
                    exact: torch.Tensor, sel_pos: torch.Tensor, kv: PagedKV) -> None:
         """On the heads that took an exact support this step, the recall that reuse would have had
-        (|Ŝ_exact ∩ A_t| / K with A_t the candidates eq. 8-9 would have built: reuse reranks A_t by exact
+        (|Ŝ_exact ∩ A_t| / |Ŝ_exact| with A_t the candidates eq. 8-9 would have built: reuse reranks A_t by exact
         scores, so that is its recall) moves each head's tau (``calibrate_tau``). The keys are read
         already; the extra work is one candidate union per exact head."""
         b, h = (exact & torch.isfinite(max_sim)).nonzero(as_tuple=True)  # (P,), (P,)

@@ -361,27 +361,3 @@ def test_describe_lists_the_config_fields():
     method = make_method("retopk", top_k=8)
     assert method.describe() == {"method": "retopk", **ReTopKConfig(top_k=8).as_dict(), "backend": "torch"}
     assert ReTopKConfig() == ReTopKConfig(top_k=512, cache_size=32, window=32, recall=4, tau=0.85, refresh_every=128)
-
-
-def test_staggered_refresh_on_the_cpu_backend_runs_the_torch_code(monkeypatch):
-    """The fused CPU kernel has no refresh phases: a staggered config on backend "cpu" takes the torch code
-    (the kernel is not called), with the torch backend's paths."""
-    from retopk_core.cpu import launch
-
-    def kernel(*args, **kwargs):
-        raise AssertionError("the fused kernel must not run a staggered config")
-
-    monkeypatch.setattr(launch, "available", lambda: True)
-    monkeypatch.setattr(launch, "retopk_decode", kernel)
-    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=3, refresh_stagger=True)
-    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(30, 17), steps=7, T=5)
-    outs = {}
-    for backend in ("torch", "cpu"):
-        method = make_method("retopk", backend=backend, **cfg)
-        state = method.init_state(4, 2, 16, capacity=2)
-        slots = torch.tensor([state.alloc() for _ in range(2)])
-        outs[backend] = [method.decode(trace.queries[t], PagedKV.contiguous(trace.keys, trace.values,
-                                                                            trace.lengths_at(t)), state, slots).path
-                         for t in range(7)]
-    assert all(torch.equal(a, b) for a, b in zip(outs["torch"], outs["cpu"], strict=True))
-    assert any((p == Path.REFRESH).any() for p in outs["cpu"])
