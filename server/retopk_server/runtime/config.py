@@ -15,15 +15,16 @@ ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 
 
 # The default method of a server, sized for the embedded 8K-position model and chosen by measurement
-# (docs/evaluation.md "GQA policies", BENCHMARKS.md): K = 64 rather than the paper's 512 (the paper's K is
-# sized for 32K-128K contexts; 64 keeps its ~1-2% support ratio at 4K-8K); the paper's per-head rule at
-# tau = 0.85 with a 128-entry FIFO and a 128-token window, the one setting measured to keep Exact Top-K's
-# perplexity AND its needle retrieval at 8K (every per-KV-group rule at <= 25% group reads loses deep
-# needles there); dense attention below 1K tokens. It reads ~42% of KV groups per step; the faster
-# "gqa_policy=group, tau=0.8" (~6%) is a per-request choice for workloads without long-range retrieval.
-# The core's ReTopKConfig() keeps the paper's defaults.
-DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "cache_size": 128, "window": 128,
-                         "dense_below": 1024}
+# (docs/evaluation.md "GQA policies" and "Per-head thresholds calibrated online", BENCHMARKS.md): K = 64
+# rather than the paper's 512 (the paper's K is sized for 32K-128K contexts; 64 keeps its ~1-2% support
+# ratio at 4K-8K); the paper's per-head rule at tau = 0.85 with a 128-entry FIFO and a 128-token window,
+# each head's threshold calibrated online towards a would-be reuse recall of 0.85 (tau_calibration): the
+# setting measured to keep Exact Top-K's perplexity AND its needle retrieval at 8K at ~25% group reads
+# (every per-KV-group rule at <= 25% group reads loses deep needles there; the uncalibrated rule reads
+# ~42%); dense attention below 1K tokens. "gqa_policy=group, tau=0.8" (~6% group reads) is a per-request
+# choice for workloads without long-range retrieval. The core's ReTopKConfig() keeps the paper's defaults.
+DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "tau_calibration": 0.85, "cache_size": 128,
+                         "window": 128, "dense_below": 1024}
 
 
 def default_method_spec() -> MethodSpec:
