@@ -21,6 +21,14 @@ patterns (``--pattern``; rows in this order):
               only orthogonal to q_prev and the max is about rho). Every GQA policy then decides on the
               recorded similarities. The FIFO's queries do not depend on the paths taken (every step
               pushes its query), so one precomputed trace serves every method.
+  replay-paths  each head's recorded *path*, step by step (--replay-paths, default
+              docs/bench/paths_smollm2_kjv_default.json, a recording of the server's default method):
+              rho = 0.99 where the recording reused (or refreshed: the bench keeps its own schedule) and
+              0 where it took an exact path, so the per-head rule at any tau in (0, 0.99) takes exactly the
+              recorded decisions. For decisions that a fixed tau cannot replay: per-head thresholds
+              calibrated online (``tau_calibration``) move each head's tau with the recall of its exact
+              steps, which the bench's random keys do not reproduce. Its rows are meaningful for the
+              per-head policy only (the others decide on these 0 / 0.99 similarities).
   whole-step  --exact-share of the steps (default 0.12, the paper's exact share, spread evenly) bring an
               unrelated query to every head of every layer. The kindest case: every head of a step
               falls back together, so the exact share costs the fewest group reads.
@@ -76,8 +84,10 @@ from retopk_server.cli import parse_params  # the server's key=value grammar
 
 PATTERNS = {"per-head": "each head alone gets an unrelated query with probability --head-p",
             "replay": "each head's max cached-query similarity replayed from a recording of the embedded model",
+            "replay-paths": "each head's exact / reuse decisions replayed from a recording of the server default",
             "whole-step": "kindest case: every head of a step falls back together"}
 DEFAULT_REPLAY = FsPath(__file__).resolve().parent.parent / "docs" / "bench" / "paths_smollm2_kjv.json"
+DEFAULT_REPLAY_PATHS = DEFAULT_REPLAY.with_name("paths_smollm2_kjv_default.json")
 
 
 def baseline_params(K: int, d: int) -> dict[str, dict]:
@@ -102,8 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=1,
                    help="independent layers (own KV, own state) decoded in turn per step, as in a model")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method before the rounds")
-    p.add_argument("--pattern", nargs="+", choices=list(PATTERNS), default=list(PATTERNS),
-                   help="query patterns ReTopK is timed on (default: all, in this order)")
+    p.add_argument("--pattern", nargs="+", choices=list(PATTERNS), default=["per-head", "replay", "whole-step"],
+                   help="query patterns ReTopK is timed on, in this order (default: %(default)s)")
     p.add_argument("--policies", nargs="+", choices=GQA_POLICIES, default=list(GQA_POLICIES),
                    help="ReTopK GQA policies, one row each per pattern (default: all)")
     p.add_argument("--tau", type=float, default=ReTopKConfig.tau, help="ReTopK's fallback threshold")
@@ -115,6 +125,8 @@ def parse_args(argv=None):
                    help="whole-step pattern: share of steps with an unrelated query (paper: about 12%%)")
     p.add_argument("--replay", type=FsPath, default=DEFAULT_REPLAY,
                    help="replay pattern: a recording of bench/record_paths.py (default: %(default)s)")
+    p.add_argument("--replay-paths", type=FsPath, default=DEFAULT_REPLAY_PATHS,
+                   help="replay-paths pattern: a recording of bench/record_paths.py (default: %(default)s)")
     p.add_argument("--baselines", action="store_true", help="also time the baselines that are registered")
     p.add_argument("--params", type=parse_params, default={},
                    help='more ReTopK hyperparameters for the policy rows, e.g. "cache_size=64,window=128"')
@@ -251,17 +263,22 @@ class Trace:
     steps: list[list[torch.Tensor]]
 
 
-def make_trace(pattern: str, works: list[Workload], args, replay: Replay | None) -> Trace:
+def make_trace(pattern: str, works: list[Workload], args, replay: dict[str, Replay]) -> Trace:
     """warm-up + rounds x steps consecutive decode steps of ``pattern`` for every layer (one FIFO history:
     a query repeated in a later round would be recalled)."""
     C = ReTopKConfig().cache_size
     n = args.warmup + args.rounds * args.steps
     B, H, _ = works[0].shape
     prefill = [w.similar(C).permute(1, 2, 0, 3) for w in works]  # (B, H, C, d) per layer
-    if pattern == "replay":
-        rho = replay.take(replay.max_sim, n, B, len(works), H, args.kv_heads)  # (n, layers, B, H)
+    if pattern.startswith("replay"):
+        rec = replay[pattern]
+        if pattern == "replay":
+            rho = rec.take(rec.max_sim, n, B, len(works), H, args.kv_heads)  # (n, layers, B, H)
+        else:  # the recorded decisions: exact -> 0 (below any tau), reuse or refresh -> 0.99
+            exact = sum(rec.path == p for p in (Path.FALLBACK, Path.PROMOTED, Path.DENSE))  # (T, L_r, H_r)
+            rho = rec.take(torch.where(exact.bool(), 0.0, 0.99), n, B, len(works), H, args.kv_heads)
         if bool(rho.isnan().any()):
-            raise SystemExit(f"{replay.file}: the replayed heads have steps without a recorded similarity")
+            raise SystemExit(f"{rec.file}: the replayed heads have steps without a recorded similarity")
         per_layer = [walk(pre, rho[:, i], w.g).to(w.dt) for i, (pre, w) in enumerate(zip(prefill, works, strict=True))]
     else:
         if pattern in ("per-head", "similar"):  # "similar": no unrelated query, for the rows without a pattern
@@ -359,7 +376,7 @@ def label(r: dict) -> str:
             "exact_topk_cpu": "exact top-k (fused cpu kernel)"}.get(r["method"], r["method"])
 
 
-def run(args, replay: Replay | None = None) -> list[dict]:
+def run(args, replay: dict[str, Replay] | None = None) -> list[dict]:
     rows = []
     for L in args.lengths:
         works = [Workload(args, L, seed=layer) for layer in range(args.layers)]
@@ -427,7 +444,8 @@ def plot(rows: list[dict], path: FsPath) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     styles = {"head": "-", "promote": "--", "group": ":"}  # ReTopK: colour by pattern, line style by policy
-    pattern_colors = {"per-head": "tab:red", "replay": "tab:purple", "whole-step": "tab:gray"}
+    pattern_colors = {"per-head": "tab:red", "replay": "tab:purple", "replay-paths": "tab:pink",
+                      "whole-step": "tab:gray"}
     other_colors = iter(["tab:blue", "tab:orange", "tab:green", "tab:olive", "tab:cyan", "tab:pink", "tab:brown",
                          "black"] * 2)
     for name in dict.fromkeys(r["label"] for r in rows):
@@ -450,7 +468,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    replay = Replay(args.replay) if "replay" in args.pattern else None
+    files = {"replay": args.replay, "replay-paths": args.replay_paths}
+    replay = {p: Replay(files[p]) for p in args.pattern if p in files}
     print(f"# attention_cpu: {args.layers} layer(s), H={args.heads}"
           f" H_kv={args.kv_heads} d={args.head_dim} K={args.top_k} B={args.batch} "
           f"{args.dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}", flush=True)
@@ -458,10 +477,10 @@ def main(argv=None) -> list[dict]:
     notes.update({"per-head": f"{PATTERNS['per-head']} = {args.head_p}"} if "per-head" in notes else {})
     for p, note in notes.items():
         print(f"# {p}: {note}")
-    replayed = replay.describe(args.batch, args.layers, args.heads, args.kv_heads) if replay else None
-    if replayed:
-        share, rate = replayed["recorded_head_exact_share"], replayed["recorded_group_read_rate"]
-        print(f"# replay: {replayed['recorded']}; recorded layers {replayed['recorded_layers_replayed']}; "
+    replayed = {p: r.describe(args.batch, args.layers, args.heads, args.kv_heads) for p, r in replay.items()}
+    for p, described in replayed.items():
+        share, rate = described["recorded_head_exact_share"], described["recorded_group_read_rate"]
+        print(f"# {p}: {described['recorded']}; recorded layers {described['recorded_layers_replayed']}; "
               f"recorded heads exact {100 * share['replayed']:.1f}% (all layers {100 * share['all']:.1f}%); "
               f"groups read {100 * rate['replayed_regrouped']:.1f}% with the recorded paths regrouped into the "
               f"bench's groups ({100 * rate['as_recorded_all']:.1f}% in the recording's own groups)", flush=True)
@@ -474,7 +493,8 @@ def main(argv=None) -> list[dict]:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(
-            {"args": {k: str(v) for k, v in vars(args).items()}, "patterns": notes, "replay": replayed,
+            {"args": {k: str(v) for k, v in vars(args).items()}, "patterns": notes, "replay": replayed.get("replay"),
+             "replay_paths": replayed.get("replay-paths"),
              "rows": rows}, indent=1))
         plot(rows, args.out.with_suffix(".png"))
     return rows

@@ -1,11 +1,11 @@
 """Record ReTopK's per-head decisions on a real model, for the replay pattern of bench.attention_cpu.
 
 Runs the model (default the embedded SmolLM2-135M: 30 layers, 9 query heads in 3 KV groups of 3)
-with ReTopK at the server's defaults (K = 64, tau = 0.85, C = W = 32, R = 4, T_r = 128) and the
-paper's per-head policy (gqa_policy = "head") over a passage of text: the first --context tokens are
-prefilled densely, then --steps decode steps are fed the passage's next tokens (teacher forcing: the
-model reads natural text, as in the perplexity evaluation; ``--greedy`` feeds its own argmax instead,
-which on a small model tends to loop and so flatters reuse). For each (step, layer, head) the max
+with the server's default method (``retopk_server.runtime.config.DEFAULT_METHOD_PARAMS``) and the
+paper's per-head policy (gqa_policy = "head"), ``--params`` on top, over a passage of text: the first
+--context tokens are prefilled densely, then --steps decode steps are fed the passage's next tokens
+(teacher forcing: the model reads natural text, as in the perplexity evaluation; ``--greedy`` feeds its
+own argmax instead, which on a small model tends to loop and so flatters reuse). For each (step, layer, head) the max
 cached-query similarity and the path taken are written to a compact JSON file:
 
     meta      the model's shape, the method's hyperparameters, the passage, the command, the seconds
@@ -31,6 +31,7 @@ import torch
 
 from bench.eval.common import load_corpus, progress_bar, split_documents
 from retopk_core.methods.base import FULL_READ_PATHS, PATH_NAMES, group_reads
+from retopk_server.cli import parse_params  # the server's key=value grammar
 from retopk_server.config import ServerConfig
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
@@ -46,15 +47,17 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=4096, help="prompt tokens prefilled before the first step")
     p.add_argument("--steps", type=int, default=128, help="decode steps recorded")
     p.add_argument("--greedy", action="store_true", help="feed the model's argmax instead of the passage's tokens")
+    p.add_argument("--params", type=parse_params, default={},
+                   help='method hyperparameters over the server default, e.g. "tau_calibration=0.85"')
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=FsPath, default=DEFAULT_OUT, help="JSON file written (default: %(default)s)")
     return p.parse_args(argv)
 
 
-def method_spec() -> MethodSpec:
-    """The server's default method (ReTopK, K = 64) with the paper's per-head GQA policy spelled out."""
+def method_spec(params: dict | None = None) -> MethodSpec:
+    """The server's default method with the paper's per-head GQA policy spelled out, ``params`` on top."""
     server = ServerConfig()
-    return MethodSpec.of(server.method, **{**server.method_params, "gqa_policy": "head"})
+    return MethodSpec.of(server.method, **{**server.method_params, "gqa_policy": "head", **(params or {})})
 
 
 @torch.inference_mode()
@@ -104,7 +107,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.time()
-    spec = method_spec()
+    spec = method_spec(args.params)
     runner = ModelRunner(RuntimeConfig(model=args.model, default_method=spec))
     info = runner.info
     loaded = time.time()

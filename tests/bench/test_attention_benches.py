@@ -75,10 +75,10 @@ def test_replay_mapping_as_documented():
     assert set(layer.flatten().tolist()) == set(range(L_r))
 
 
-def replay_decode(replay, args, L=128, **method_params):
-    """Decode the replay pattern step by step with ReTopK -> (rho, recorded path, max_sim, path), each (n, B, H)."""
+def replay_decode(replay, args, L=128, pattern="replay", **method_params):
+    """Decode a replay pattern step by step with ReTopK -> (rho, recorded path, max_sim, path), each (n, B, H)."""
     work = attention_cpu.Workload(args, L)
-    trace = attention_cpu.make_trace("replay", [work], args, replay)
+    trace = attention_cpu.make_trace(pattern, [work], args, {pattern: replay})
     n = len(trace.steps)
     B, H, _ = work.shape
     method = make_method("retopk", top_k=args.top_k, **method_params)
@@ -107,6 +107,24 @@ def test_replay_hits_recorded_similarities_and_paths():
     assert bool(((recorded == Path.FALLBACK) & far).any()) and bool(((recorded == Path.REUSE) & far).any())
 
 
+def test_replay_paths_takes_the_recorded_decisions():
+    """replay-paths: the per-head rule takes each recorded head's path, whatever its tau."""
+    args = attention_cpu.parse_args([*TINY, "--steps", "40"])
+    replay = attention_cpu.Replay(attention_cpu.DEFAULT_REPLAY)  # any recording: the paths are what is replayed
+    for tau in (0.5, 0.95):
+        _, recorded, _, path = replay_decode(replay, args, pattern="replay-paths", tau=tau)
+        want = torch.where(recorded == Path.FALLBACK, Path.FALLBACK, Path.REUSE).to(torch.int8)
+        assert torch.equal(path, want), tau
+        assert bool((path == Path.FALLBACK).any()) and bool((path == Path.REUSE).any())
+
+
+def test_default_paths_recording_is_the_server_default():
+    """The committed replay-paths recording was made with the server's default method (per-head policy)."""
+    replay = attention_cpu.Replay(attention_cpu.DEFAULT_REPLAY_PATHS)
+    want = record_paths.method_spec().build().describe()
+    assert {k: replay.meta["method"].get(k) for k in want} == want
+
+
 def test_record_paths_round_trip(tmp_path):
     """record_paths on a tiny random Llama: its file replays into the same paths."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -129,6 +147,7 @@ def test_record_paths_round_trip(tmp_path):
     assert torch.allclose(replay.max_sim, torch.stack(sims), atol=5e-5)
     assert "group-read rate" in record_paths.summary(torch.stack(paths), 2)
     assert record_paths.method_spec().build().config.gqa_policy == "head"
+    assert record_paths.method_spec({"tau_calibration": 0.85}).build().config.tau_calibration == 0.85
 
 
 def test_attention_stages_tiny(tmp_path, capsys):
