@@ -174,7 +174,7 @@ def test_staggered_refresh_matches_torch_path(policy):
     refreshed = []  # (step, b, group) with a refresh
     for t, (a, b, sa, sb) in enumerate(twin_run(cfg, trace, 6, 3)):
         assert_same_step(a, b, sa, sb)
-        refreshed += [(t, i, g) for i in range(2) for g in range(3) if bool((b.path[i, 2 * g] == Path.REFRESH))]
+        refreshed += [(t, i, g) for i in range(2) for g in range(3) if bool(b.path[i, 2 * g] == Path.REFRESH)]
     steps_of = {g: {t for t, _, gg in refreshed if gg == g} for g in range(3)}
     assert steps_of[0] and steps_of[1] and steps_of[0] != steps_of[1]  # phases 0 and T_r / 2 (layer 0)
 
