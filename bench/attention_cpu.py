@@ -112,8 +112,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=1,
                    help="independent layers (own KV, own state) decoded in turn per step, as in a model")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method before the rounds")
-    p.add_argument("--pattern", nargs="+", choices=list(PATTERNS), default=["per-head", "replay", "whole-step"],
-                   help="query patterns ReTopK is timed on, in this order (default: %(default)s)")
+    p.add_argument("--pattern", nargs="+", choices=list(PATTERNS), default=list(PATTERNS),
+                   help="query patterns ReTopK is timed on (default: all, in this order)")
     p.add_argument("--policies", nargs="+", choices=GQA_POLICIES, default=list(GQA_POLICIES),
                    help="ReTopK GQA policies, one row each per pattern (default: all)")
     p.add_argument("--tau", type=float, default=ReTopKConfig.tau, help="ReTopK's fallback threshold")

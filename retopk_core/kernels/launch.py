@@ -34,7 +34,7 @@ from retopk_core.kernels.selector import _selector_kernel
 from retopk_core.kernels.workspace import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path, StepOutput
-from retopk_core.methods.retopk import calibration_constants, gqa_paths
+from retopk_core.methods.retopk import calibration_constants, gqa_paths, plain_dense
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -155,7 +155,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         max_sim = max_sim.masked_fill(dense, float("nan"))
         # plain dense rows (L + C < L_min, their FIFO entries would be overwritten before L_min): no exact Top-K
         # here, and select + attend (by the same test) selects nothing and pushes nothing for them
-        exact_path = path.masked_fill((kv.lengths + C < cfg.dense_below).view(B, 1), Path.REUSE)
+        exact_path = path.masked_fill(plain_dense(kv.lengths, cfg).view(B, 1), Path.REUSE)
     block_m = 64
     _indexed_qk_kernel[(B, H, triton.cdiv(R * K + W, block_m))](  # blocks up to the largest M_t
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,

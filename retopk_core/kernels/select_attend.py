@@ -52,7 +52,7 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
     r = tl.arange(0, K_PAD)
     plain = False
     if RETOPK:
-        plain = tl.load(len_ptr + b) + C < DENSE_BELOW  # a plain dense row: no selection, no FIFO entry
+        plain = tl.load(len_ptr + b) + C < DENSE_BELOW  # retopk.plain_dense: no selection, no FIFO entry
         if plain:
             top = tl.full((K_PAD,), EMPTY, tl.int64)
         elif tl.load(path_ptr + row) == 0:

@@ -205,7 +205,7 @@ class ReTopK(AttentionMethod):
         without them a step costs what Full attention's does."""
         B, H, _ = q.shape
         K = self.config.top_k
-        push = kv.lengths + self.config.cache_size >= self.config.dense_below  # (B,)
+        push = ~plain_dense(kv.lengths, self.config)  # (B,)
         if bool(push.any()):
             out, sel_pos = dense_attend_topk(q, kv, scale, K)  # (B, H, d_v), (B, H, K)
             if bool(push.all()):
@@ -346,6 +346,13 @@ class ReTopK(AttentionMethod):
             from retopk_core.cpu import launch
             described["backend"] = "cpu" if launch.available() else "torch (cpu kernel not built)"
         return described
+
+
+def plain_dense(lengths: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
+    """Rows on plain dense-floor steps: lengths (B,) L_t (the current token included) -> (B,) bool,
+    L_t + C < dense_below. The FIFO keeps only its last C entries, so these steps' entries would be
+    overwritten before the first sparse step at L_min: they select and push nothing (every backend)."""
+    return lengths + cfg.cache_size < cfg.dense_below
 
 
 def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,

@@ -24,7 +24,7 @@ def test_attention_cpu_tiny(tmp_path, capsys):
     assert "Exact/ReTopK: per-head" in printed
     res = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert list(res["patterns"]) == ["per-head", "replay", "whole-step"]
+    assert list(res["patterns"]) == ["per-head", "replay", "replay-paths", "whole-step"]
     assert res["replay"]["file"] == attention_cpu.DEFAULT_REPLAY.name
     by = rows_by(res["rows"])
     for L in (64, 256):
@@ -35,7 +35,7 @@ def test_attention_cpu_tiny(tmp_path, capsys):
         floor = by[(L, "retopk_reuse", None, None)]
         assert set(floor["paths"]) == {"reuse"} and floor["group_read_rate"] == 0  # tau = 0: every step reuses
         assert floor["mean_scored"] <= 4 * 8 + 32  # M <= R*K + W
-        for pattern in ("per-head", "replay", "whole-step"):
+        for pattern in ("per-head", "replay", "replay-paths", "whole-step"):
             head, promote, group = (by[(L, "retopk", pattern, p)] for p in ("head", "promote", "group"))
             for r in (head, promote, group):
                 assert {"ms", "label", "head_exact_share", "group_read_rate", "speedup_vs_exact"} <= set(r)
