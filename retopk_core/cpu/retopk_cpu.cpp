@@ -157,18 +157,32 @@ RETOPK_INLINE void sum4(v8f a, v8f b, v8f c, v8f d, float* out) {
 }
 
 // out[e * ostride + j] = q_e · rows[j] for NH query rows (d floats each, d % 8 == 0) and m consecutive
-// key rows: each key vector is loaded once for the NH heads, four rows at a time.
+// key rows: each key vector is loaded once for the NH heads. Rows are read in memory order, one after
+// the other, so the pass is a single forward stream: interleaving four rows (c outer, rows inner) sent
+// the loads 512 B back and forth and held one core at ~7.7 GB/s against ~12 GB/s for the same bytes
+// read in order (a standalone AVX2 test on the BENCHMARKS.md machine). Two accumulators per head and
+// row halve the FMA chains.
 template <typename T, int NH>
 RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride) {
   int64_t j = 0;
   for (; j + 4 <= m; j += 4) {
-    v8f acc[NH][4] = {};
-    const T* r = rows + j * d;
-    for (int64_t c = 0; c < d; c += 8) {
-      for (int i = 0; i < 4; ++i) {  // one key vector live at a time: 4 NH accumulators + 1 fit the registers
-        const v8f k = load8(r + i * d + c);
-        for (int e = 0; e < NH; ++e) acc[e][i] += load8(q + e * d + c) * k;
+    v8f acc[NH][4];
+    for (int i = 0; i < 4; ++i) {
+      const T* r = rows + (j + i) * d;
+      v8f a[NH] = {}, b[NH] = {};
+      int64_t c = 0;
+      for (; c + 16 <= d; c += 16) {
+        const v8f k0 = load8(r + c), k1 = load8(r + c + 8);
+        for (int e = 0; e < NH; ++e) {
+          a[e] += load8(q + e * d + c) * k0;
+          b[e] += load8(q + e * d + c + 8) * k1;
+        }
       }
+      if (c < d) {  // d % 16 == 8
+        const v8f k0 = load8(r + c);
+        for (int e = 0; e < NH; ++e) a[e] += load8(q + e * d + c) * k0;
+      }
+      for (int e = 0; e < NH; ++e) acc[e][i] = a[e] + b[e];
     }
     for (int e = 0; e < NH; ++e) sum4(acc[e][0], acc[e][1], acc[e][2], acc[e][3], out + e * ostride + j);
   }

@@ -153,6 +153,22 @@ def test_empty_cache_then_reuse_and_head_dim_not_a_multiple_of_8():
 
 
 @needs_kernel
+@pytest.mark.parametrize("d", [8, 24, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_pass_head_dims_and_head_counts(d, dtype):
+    """The exact pass's vector dot products: d % 16 == 8 (a half chunk after the paired ones) and
+    d % 16 == 0, with 7 heads of a group taking the exact path together (head runs of 3, 3, 1) on
+    refresh steps and 1-2 heads on fallbacks."""
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=3)
+    trace = make_trace(B=2, H=14, H_kv=2, d=d, prompt_lens=(70, 41), steps=7, T=6)
+    paths = set()
+    for a, b, sa, sb in twin_run(cfg, trace, 14, 2, use_paged=True, dtype=dtype):
+        assert_same_step(a, b, sa, sb, tol=1e-5 if dtype == torch.float32 else 2e-2)
+        paths |= set(b.path.flatten().tolist())
+    assert {Path.REFRESH, Path.FALLBACK, Path.REUSE} <= paths
+
+
+@needs_kernel
 def test_dense_floor_rows_and_sparse_rows_in_one_batch():
     """dense_below splits the batch: short rows attend densely (torch), the others go through the kernel."""
     cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0, dense_below=24)
