@@ -64,11 +64,24 @@ RETOPK_INLINE float to_float(c10::BFloat16 x) {
 }
 RETOPK_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// Gathered rows sit at random positions, so no hardware prefetcher sees them coming and each row's
+// cache lines wait out a full memory latency; asking for the rows a few iterations ahead keeps several
+// in flight. A standalone test here (512 random rows of a 512 MB pool) halved the weighted sum's time
+// with 4-8 rows ahead and shortened the dot products' by about a fifth at d = 64.
+constexpr int64_t kGatherAhead = 8;  // rows ahead in weighted_sum
+constexpr int64_t kDotAhead = 4;     // rows ahead in dot_gather (which already has four rows in flight)
+template <typename T>
+RETOPK_INLINE void prefetch_row(const T* r, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(r);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 // out[j] = q · rows[off[j] .. off[j] + d), four rows at a time for independent accumulators.
 template <typename T>
 RETOPK_CLONES void dot_gather(const float* q, const T* pool, const int64_t* off, int64_t n, int64_t d, float* out) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
+    for (int64_t a = j + kDotAhead; a < std::min(j + kDotAhead + 4, n); ++a) prefetch_row(pool + off[a], d);
     const T* r0 = pool + off[j];
     const T* r1 = pool + off[j + 1];
     const T* r2 = pool + off[j + 2];
@@ -223,6 +236,7 @@ RETOPK_CLONES void dot_heads(const float* q, int64_t nq, const T* rows, int64_t 
 template <typename T>
 RETOPK_CLONES void weighted_sum(const float* w, const T* pool, const int64_t* off, int64_t n, int64_t dv, float* acc) {
   for (int64_t j = 0; j < n; ++j) {
+    if (j + kGatherAhead < n) prefetch_row(pool + off[j + kGatherAhead], dv);
     const T* r = pool + off[j];
     const float wj = w[j];
 #pragma omp simd
