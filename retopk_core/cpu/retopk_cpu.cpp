@@ -308,6 +308,22 @@ void keep_topk(std::vector<Scored>& top, int64_t k) {
   }
 }
 
+struct Better {  // higher score first, the lower position among equal scores (as a heap that never
+  bool operator()(const Scored& a, const Scored& b) const {  // replaces on a tie would keep)
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  }
+};
+
+// The exact pass's running Top-K: `buf` collects the scores above the K-th best kept so far and,
+// whenever it reaches 2k, is cut back to its k best; returns their worst score, the new entry bar.
+// O(1) amortised per entry whatever the order of the scores (a k-heap pays O(log k) per replacement,
+// and rising scores, as recency can give, would replace on most of the L rows).
+float keep_best(std::vector<Scored>& buf, int64_t k) {
+  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), Better{});
+  buf.resize(k);
+  return buf[k - 1].first;
+}
+
 template <typename KV>
 struct Task {
   const Params& p;
@@ -408,10 +424,11 @@ struct Task {
     const int64_t tile = std::min<int64_t>(kTile, p.P);
     s.scores.resize(n * tile);
     s.qe.resize(n * p.d);
+    std::vector<float> kth_of(n, kNegInf);  // per head: a score must beat it to enter (the K-th best kept)
     for (int64_t e = 0; e < n; ++e) {
       std::memcpy(s.qe.data() + e * p.d, qs_all + heads[e] * p.d, p.d * sizeof(float));
       tops[e].clear();
-      tops[e].reserve(p.K);
+      tops[e].reserve(2 * p.K);
     }
     for (int64_t first = 0; first < L;) {  // tiles of up to `tile` rows, none straddling a block
       const int64_t rows = std::min({tile, L - first, p.P - first % p.P});
@@ -419,24 +436,20 @@ struct Task {
       dot_heads<KV>(s.qe.data(), n, keys, rows, p.d, s.scores.data(), tile);  // (n, rows) scores
       for (int64_t e = 0; e < n; ++e) {
         const float* sc = s.scores.data() + e * tile;
-        std::vector<Scored>& heap = tops[e];  // min-heap of the K best so far (front = the K-th best)
-        int64_t i = 0;
-        for (; i < rows && static_cast<int64_t>(heap.size()) < p.K; ++i) {
-          heap.emplace_back(sc[i], first + i);
-          std::push_heap(heap.begin(), heap.end(), greater_score);
-        }
-        float kth = heap.empty() ? kNegInf : heap.front().first;
-        for (; i < rows; ++i) {
-          if (sc[i] > kth) {  // rare past the first blocks: about K ln(L / K) replacements in all
-            std::pop_heap(heap.begin(), heap.end(), greater_score);
-            heap.back() = Scored(sc[i], first + i);
-            std::push_heap(heap.begin(), heap.end(), greater_score);
-            kth = heap.front().first;
+        std::vector<Scored>& buf = tops[e];
+        float kth = kth_of[e];
+        for (int64_t i = 0; i < rows; ++i) {
+          if (sc[i] > kth) {  // rare past the first blocks (about K ln(L / K) for scores in random order)
+            buf.emplace_back(sc[i], first + i);
+            if (static_cast<int64_t>(buf.size()) == 2 * p.K) kth = keep_best(buf, p.K);
           }
         }
+        kth_of[e] = kth;
       }
       first += rows;
     }
+    for (int64_t e = 0; e < n; ++e)
+      if (static_cast<int64_t>(tops[e].size()) > p.K) keep_best(tops[e], p.K);
   }
 
   // Softmax over the selected scores and the weighted sum of their values (eq. 12) -> acc (dv floats).
