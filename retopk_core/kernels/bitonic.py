@@ -37,13 +37,15 @@ def _min(a, b):
 
 
 @constexpr_function
-def _runs_stage(i, log_k, sorted_runs):
-    """Whether stage i runs: every stage, or with sorted input runs only the merging ones (i > log K)."""
-    return i > log_k or not sorted_runs
+def _runs_stage(i, log_k, sorted_runs, skip):
+    """Whether stage i runs: not the first ``skip`` (their runs are given sorted), and with sorted input
+    runs of K only the merging ones (i > log K)."""
+    return i > skip and (i > log_k or not sorted_runs)
 
 
 @triton.jit
-def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr, SORTED_RUNS: tl.constexpr = False):
+def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr, SORTED_RUNS: tl.constexpr = False,
+                 SKIP: tl.constexpr = 0):
     """The K largest (DESCENDING) or smallest entries of a 1-D block x, sorted; K and len(x) powers of 2,
     2 <= K <= len(x).
 
@@ -51,7 +53,8 @@ def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr, SORTED_RUNS: tl.c
     leaves them, run r ascending when r is even and descending when r is odd (``sorted_run_index``). The
     stages that sort the runs are then skipped and only the log(len(x) / K) merging ones run (each: keep
     the elementwise better of a run pair, a bitonic top K, then log K half-cleaner steps), e.g. 20 of
-    the 65 compare-exchange rounds for 4 sorted lists of 512.
+    the 65 compare-exchange rounds for 4 sorted lists of 512. SKIP (K = len(x), a full sort): the first
+    SKIP stages are skipped, x being made of runs of 2^SKIP sorted that way (``bitonic_merge_sort``).
 
     Written as one function calling only builtins (tl.reduce with triton's own min/max combiners, as
     tl.min / tl.max do): the interpreter re-patches triton.language on every nested jit call, which
@@ -63,7 +66,7 @@ def bitonic_topk(x, K: tl.constexpr, DESCENDING: tl.constexpr, SORTED_RUNS: tl.c
     log_k: tl.constexpr = _log2(K)
     h = tl.reshape(x, [2] * log_n)
     for i in tl.static_range(1, log_n + 1):
-        if _runs_stage(i, log_k, SORTED_RUNS):
+        if _runs_stage(i, log_k, SORTED_RUNS, SKIP):
             if i > log_k:  # bitonic Top-K: keep the better half of each pair of 2^log_k runs
                 if DESCENDING:
                     h = tl.reduce(h, _log2(h.numel) - 1 - log_k, _elementwise_max)
@@ -93,6 +96,16 @@ def sorted_run_index(i, K: tl.constexpr):
 def bitonic_sort(x):
     """x (1-D, power-of-two length >= 2) sorted ascending."""
     return bitonic_topk(x, x.shape[0], False)
+
+
+@triton.jit
+def bitonic_merge_sort(x, RUN: tl.constexpr):
+    """x (1-D, power-of-two length n >= 2) sorted ascending, given that x is made of runs of RUN (a power
+    of two <= n) each sorted the way the network's stage log RUN leaves them: run r ascending when r is
+    even, descending when odd. Only the merging stages log RUN + 1 .. log n run (a full sort runs stages
+    1 .. log n, stage i having i compare-exchange steps): 21 of 66 steps for 4 runs of 512. A run not
+    sorted that way gives a wrong result, not an error: callers check their runs first."""
+    return bitonic_topk(x, x.shape[0], False, False, _log2(RUN))
 
 
 @triton.jit

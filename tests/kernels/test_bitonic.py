@@ -9,7 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
-from retopk_core.kernels.bitonic import EMPTY, bitonic_sort, bitonic_topk, pack_key, unpack_pos, unpack_score
+from retopk_core.kernels.bitonic import (
+    EMPTY,
+    bitonic_merge_sort,
+    bitonic_sort,
+    bitonic_topk,
+    pack_key,
+    unpack_pos,
+    unpack_score,
+)
 from tests.kernels._helpers import DEVICE
 
 
@@ -21,6 +29,11 @@ def _sort_kernel(x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, DESC: tl.cons
     else:
         y = bitonic_topk(x, K, DESC)
     tl.store(out_ptr + tl.arange(0, K), y)
+
+
+@triton.jit
+def _merge_sort_kernel(x_ptr, out_ptr, N: tl.constexpr, RUN: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, N), bitonic_merge_sort(tl.load(x_ptr + tl.arange(0, N)), RUN))
 
 
 @triton.jit
@@ -51,6 +64,28 @@ def test_sort_and_topk_match_torch(dtype, n, k):
     low = torch.empty(k, dtype=dtype, device=DEVICE)
     _sort_kernel[(1,)](x, low, N=n, K=k, DESC=False, FULL=False)
     assert torch.equal(low, x.topk(k, largest=False).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n,run", [(16, 4), (64, 64), (64, 1), (256, 32), (2048, 512)])
+def test_merge_sort_of_alternating_sorted_runs_matches_torch(dtype, n, run):
+    """bitonic_merge_sort skips the stages that sort runs of ``run``: given runs sorted ascending at even
+    run indices and descending at odd ones (with duplicates inside and across runs, constant runs like
+    padding), its result is torch.sort's; run = n is a no-op, run = 1 the full sort."""
+    gen = torch.Generator().manual_seed(n + run)
+    x = torch.randint(-50, 50, (n // run, run), generator=gen).to(dtype)
+    if n // run > 2:
+        x[-1] = 2**31 - 1  # a padding run
+    x = x.sort(-1).values
+    x[1::2] = x[1::2].flip(-1)
+    x = x.flatten().to(DEVICE)
+    out = torch.empty(n, dtype=dtype, device=DEVICE)
+    _merge_sort_kernel[(1,)](x, out, N=n, RUN=run)
+    assert torch.equal(out, x.sort().values)
+    if 2 < run < n:  # the odd runs must be reversed: all runs ascending are not merged
+        y = x.view(n // run, run).sort(-1).values.flatten().contiguous()
+        _merge_sort_kernel[(1,)](y, out, N=n, RUN=run)
+        assert not torch.equal(out, y.sort().values)
 
 
 def test_sort_key_orders_by_score_then_lower_position():
