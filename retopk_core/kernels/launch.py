@@ -132,15 +132,16 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
     at = ws.get("fifo_at", (B,), torch.long)  # each row's FIFO write position, for stage 3
     N_sort = next_pow2(R * K, 2)  # the selector sorts the recalled supports only, not the window
+    merged = ws.get("cand_merged", (B, H), torch.int8)  # 1: merge stages only (sorted runs), 0: full sort
     big = N_sort >= 1024
     _selector_kernel[(B, H)](
         q, q.stride(0), q.stride(1), slots, kv.lengths,
         state.queries, state.support, state.fill, state.ptr, state.step, state.phase,
-        path, max_sim, n_scored, cand, count, cal_count, at,
+        path, max_sim, n_scored, cand, count, cal_count, at, merged,
         state.tau, cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
-        N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), ALL_CAND=cfg.gqa_policy == "group",
-        CALIBRATE=calibrate, num_warps=8 if big else 4)
+        N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), RUN=K if K & (K - 1) == 0 else 0,
+        ALL_CAND=cfg.gqa_policy == "group", CALIBRATE=calibrate, num_warps=8 if big else 4)
     if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
         tau = state.tau.index_select(0, slots) if calibrate else None  # (B, H), as the torch path's
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg, tau)

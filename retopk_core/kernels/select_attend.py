@@ -11,7 +11,11 @@ Attention over Ŝ (eq. 12), keys' scores recomputed by nothing: the selection ca
 with values read from the PagedKV pool by position in blocks of BLOCK_KV. Outputs: o (q's dtype), the
 selected positions (B, H, K) int64 sorted by score, -1 padded. With FIFO (ReTopK), the unit query
 q̄ and Ŝ are also written into entry ``at[b]`` of this head's FIFO (the write pointer ptr[slot] the
-selector copied before this launch), and head 0 of each sequence advances that slot's counters as
+selector copied before this launch), Ŝ sorted by position with the -1s after it (the selector's
+merge-only path relies on it, after checking): a reuse head rescans its candidate tiles, which are in
+position order, keeping the keys >= its K-th best key at a running prefix count (no sort); an exact
+head sorts its K positions (one bitonic sort of K_PAD, beside its pass over all L keys). Head 0 of
+each sequence advances that slot's counters as
 ``QuerySupportCache.advance`` and the torch step do:
     ptr = (at + 1) % C,   fill = min(fill + 1, C),   step = step + 1
 (no other program of this launch reads them: the other heads take the copy, hence no race), which
@@ -32,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from retopk_core.kernels.bitonic import EMPTY, bitonic_topk, pack_key, unpack_pos, unpack_score
+from retopk_core.kernels.bitonic import EMPTY, POS_PAD, bitonic_sort, bitonic_topk, pack_key, unpack_pos, unpack_score
 from retopk_core.kernels.paged import pool_rows
 
 
@@ -120,7 +124,23 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
             q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
             qn = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-12)
             tl.store(cq_ptr + entry * D + d, qn, mask=d < D)
-            tl.store(sup_ptr + entry * K + r, sel, mask=r < K)
+            if tl.load(path_ptr + row) == 0:  # reuse: Ŝ by position, a prefix scan of the candidate row
+                kth = tl.max(tl.where(r == K - 1, top, EMPTY), 0)  # the K-th best key (EMPTY: M_t < K)
+                n = tl.load(count_ptr + row)
+                base = 0
+                for j0 in range(0, n, K_PAD):  # the rerank's tiles again, in position order
+                    j = j0 + r
+                    inside = j < n
+                    pos = tl.load(cand_ptr + row * N_PAD + j, mask=inside, other=0)
+                    e_j = tl.load(cscore_ptr + row * N_PAD + j, mask=inside, other=0.0)
+                    keep = inside & (pack_key(e_j, pos) >= kth)
+                    dest = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+                    tl.store(sup_ptr + entry * K + dest, pos.to(tl.int64), mask=keep & (dest < K))
+                    base += tl.sum(keep.to(tl.int32), 0)
+                tl.store(sup_ptr + entry * K + r, tl.full((K_PAD,), -1, tl.int64), mask=(r >= base) & (r < K))
+            else:  # exact paths: their Top-K comes in score order, sorted by position once (K_PAD keys)
+                by_pos = bitonic_sort(tl.where(valid, sel, POS_PAD).to(tl.int32))
+                tl.store(sup_ptr + entry * K + r, tl.where(by_pos != POS_PAD, by_pos, -1).to(tl.int64), mask=r < K)
         if h == 0:  # the slot's counters, once per sequence
             if not plain:
                 tl.store(wptr_ptr + slot, (at + 1) % C)

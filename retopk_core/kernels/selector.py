@@ -22,20 +22,22 @@ new entry there while it advances ptr itself.
 Deduplication sorts only the R*K recalled support entries (N_SORT = next_pow2(R*K) keys: 2048 at
 K = 512, R = 4, not next_pow2(R*K + W) = 4096 with half of them padding): the window
 {w0, ..., L-1}, w0 = max(L-W, 0), is a run of consecutive positions that are candidates anyway, so
-support entries inside it are dropped before the sort (duplicates) and the window is written by
-arithmetic behind the kept entries below w0 (entries >= L, which only a stale FIFO could hold, go
-after it, as a sort would place them). Then a neighbour comparison and a prefix-sum compaction keep
-the first occurrences. Supports are not assumed sorted by position (which would leave only the merge
-stages of the network): the prompt's entries come from the torch prefill in score order, and a
-merge-only network fed an unsorted run silently yields a wrong candidate list. What sorted supports
-would buy, counted in compare-exchange stages (a bitonic sort of 2^n keys has n(n+1)/2): at K = 512,
-R = 4 the selector's 2048-key sort has 66 stages, merging 4 sorted runs of 512 would take 10 + 11 = 21;
-but every support written (select + attend, every head, every step) would first need its own sort by
-position, 45 stages over 512 keys. One program per (sequence, head) runs these stages one after the
-other, so at small batches (latency-bound: 28 programs on 132 SMs at batch 1) the 45 stages saved in
-the selector and the 45 added at the write cancel; only at batches large enough to fill the GPU
-(throughput-bound) would the element work drop, from 66 x 2048 to 21 x 2048 + 45 x 512 keys, about
-2x for this sort. Not done without a GPU to measure it.
+support entries inside it become w0 and are dropped after the sort (duplicates), -1 padding becomes
+POS_PAD, and the window is written by arithmetic behind the kept entries below w0 (entries >= L, which
+only a stale FIFO could hold, go after it, as a sort would place them). Then a neighbour comparison
+and a prefix-sum compaction keep the first occurrences.
+
+Supports are stored sorted by position, -1s last: select + attend writes them so (reuse heads by a
+prefix scan of their position-ordered candidates, no sort; exact heads by one sort of K_PAD, 45 steps
+at K = 512, beside their pass over all L keys) and so does the torch prefill. The map above is
+monotone, so each recalled run of K then stays sorted. The selector checks it and never trusts it:
+with K a power of two (constexpr RUN = K), odd runs are read back to front and one neighbour
+comparison over N_SORT (run boundaries ignored) tells whether every run is sorted the way the bitonic
+network's stage log K leaves them (even ascending, odd descending; padding runs are all POS_PAD). If
+so only the merging stages run (``bitonic_merge_sort``: stages log K + 1 .. log N_SORT, 10 + 11 = 21
+compare-exchange steps at K = 512, R = 4), else the full sort (66 steps); both give the same row, and
+``merged`` records which ran (1 / 0; -1 for heads that build no candidates). K not a power of two:
+always the full sort.
 """
 
 from __future__ import annotations
@@ -43,17 +45,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from retopk_core.kernels.bitonic import POS_PAD, bitonic_sort
+from retopk_core.kernels.bitonic import POS_PAD, bitonic_merge_sort, bitonic_sort
 
 
 @triton.jit
 def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                      cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr,
-                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, cal_count_ptr, at_ptr,
+                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, cal_count_ptr, at_ptr, merged_ptr,
                      tau_ptr, T_R, H, C, K, W,
                      R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
-                     ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr):
+                     RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -93,14 +95,29 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                 work = tl.where(c == idx, float("-inf"), work)
             rid = tl.where(r_of == r, idx, rid)
             rok = tl.where(r_of == r, ok, rok)
-        sup = tl.load(sup_ptr + ((slot * H + h) * C + rid) * K + i % K, mask=(i < R * K) & rok, other=-1)
+        w = i % K  # slot in the run
+        if RUN > 0:  # odd runs read back to front: stored ascending, the merge stages want them descending
+            w = tl.where(r_of % 2 == 1, K - 1 - w, w)
+        sup = tl.load(sup_ptr + ((slot * H + h) * C + rid) * K + w, mask=(i < R * K) & rok, other=-1)
         w0 = tl.maximum(L - W, 0)  # the window {w0, ..., L-1}
         n_win = (L - w0).to(tl.int32)
-        live = (sup >= 0) & ((sup < w0) | (sup >= L))  # entries inside the window are its duplicates
-        cand = tl.where(live, sup, POS_PAD).to(tl.int32)
-        cand = bitonic_sort(cand)
+        # entries inside the window are its duplicates: they become w0 (dropped below), -1 padding POS_PAD;
+        # a monotone map, so a run stored by position (-1s last) stays sorted
+        cand = tl.where(sup < 0, POS_PAD, tl.where((sup >= w0) & (sup < L), w0, sup)).to(tl.int32)
+        if RUN > 0:  # merge stages only when every recalled run is sorted (checked: the FIFO is not trusted)
+            prev = tl.gather(cand, tl.maximum(i - 1, 0), 0)
+            unsorted = (i % K != 0) & tl.where(r_of % 2 == 1, prev < cand, prev > cand)
+            merged = tl.sum(unsorted.to(tl.int32), 0) == 0
+            if merged:
+                cand = bitonic_merge_sort(cand, RUN)
+            else:
+                cand = bitonic_sort(cand)
+            tl.store(merged_ptr + row, merged.to(tl.int8))
+        else:
+            cand = bitonic_sort(cand)
+            tl.store(merged_ptr + row, 0)
         prev = tl.gather(cand, tl.maximum(i - 1, 0), 0)
-        keep = (cand != POS_PAD) & ((i == 0) | (cand != prev))
+        keep = (cand != POS_PAD) & ((cand < w0) | (cand >= L)) & ((i == 0) | (cand != prev))
         dest = tl.cumsum(keep.to(tl.int32), 0) - 1 + tl.where(cand >= L, n_win, 0)  # >= L: behind the window
         tl.store(cand_ptr + row * N_PAD + dest, cand, mask=keep)
         n_below = tl.sum((keep & (cand < w0)).to(tl.int32), 0)
@@ -114,3 +131,4 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
     else:
         tl.store(count_ptr + row, 0)
         tl.store(nscored_ptr + row, L.to(tl.int32))
+        tl.store(merged_ptr + row, -1)

@@ -53,7 +53,9 @@ class QuerySupportCache(SlotPool):
     """One layer's query-support FIFOs, for every slot (sequence) and query head.
 
     queries (S, H, C, d) float32   unit-norm cached queries q̄_c
-    support (S, H, C, K) int64     their supports Ŝ_c, -1 padded (prompts shorter than K)
+    support (S, H, C, K) int64     their supports Ŝ_c, -1 padded (prompts shorter than K); with the
+                                   Triton backend (its prefill and steps) rows by position, -1s last;
+                                   the torch and CPU code read them as sets, in any order
     fill    (S,) int64             valid entries (every head of a sequence inserts on every step,
     ptr     (S,) int64             so the fill count and write pointer are shared by its heads)
     step    (S,) int64             decode steps taken since the first prefill (t_dec)
@@ -162,6 +164,9 @@ class ReTopK(AttentionMethod):
             scores = group_scores(qs, kv, 0, L, group=g)[0].view(G, T, L).masked_fill(~causal, NEG_INF)
             sel, _ = topk_select(scores.view(G * T, L), None, K)  # (G*T, K)
             support[g * G:(g + 1) * G] = sel.view(G, T, K)
+        if L > K and self.backend == "triton":  # Top-K rows come in score order (the causal masks are sorted)
+            support = by_position(support)  # for the selector's merge-only path; ~7 ms a layer on a CPU core,
+            # so not for the torch and CPU steps, which read supports as sets
         state.push_many(slot, _unit(q), support)
 
     # -- decode ----------------------------------------------------------------------------------
@@ -491,6 +496,14 @@ def _unique_rows_bitmap(cand: torch.Tensor, span: int) -> torch.Tensor:
     out = torch.full((P, M), -1, dtype=torch.long, device=cand.device)
     out[row, rank] = pos
     return out
+
+
+def by_position(support: torch.Tensor) -> torch.Tensor:
+    """Support rows (..., K) int64 with their positions ascending and the -1 padding after them: the
+    order the Triton selector's merge-only path expects (it checks, see kernels/selector.py)."""
+    last = torch.iinfo(torch.long).max
+    rows = support.masked_fill(support < 0, last).sort(-1).values
+    return rows.masked_fill_(rows == last, -1)
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from retopk_core.config import ReTopKConfig
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path
-from retopk_core.methods.retopk import ReTopK
+from retopk_core.methods.retopk import ReTopK, by_position
 from tests.kernels._helpers import DEVICE, make_kv
 
 CASES = [  # (H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows)
@@ -26,10 +26,11 @@ STEPS = 4
 
 
 def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=STEPS, seed=0,
-         policy=("head", 0.0, 0.8), layer=0, noise=0.15, **extra):
+         policy=("head", 0.0, 0.8), layer=0, noise=0.15, edit=None, **extra):
     """Yield (torch StepOutput, triton StepOutput, torch state, triton state) for each decode step;
     ``extra``: further ReTopKConfig fields; the state is the method's layer-th (its refresh phases);
-    ``noise``: how far the near heads' queries stray from their last prompt query."""
+    ``noise``: how far the near heads' queries stray from their last prompt query; ``edit(state)``
+    changes the prefilled state before both paths get a copy."""
     B, H = len(lengths), H_kv * G
     gen = torch.Generator().manual_seed(seed)
     cap = max(lengths) + steps
@@ -47,8 +48,11 @@ def _run(H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows, steps=
         if b in prefill_rows:
             one = PagedKV(kv_all.k_pool, kv_all.v_pool, kv_all.block_table[b:b + 1],
                           torch.tensor([lengths[b]], device=DEVICE))
-            ref.prefill(st, b, prompt_q[b], torch.arange(lengths[b] - T, lengths[b], device=DEVICE), one)
+            # the Triton method's prefill (rows by position), the state both paths start from
+            tri.prefill(st, b, prompt_q[b], torch.arange(lengths[b] - T, lengths[b], device=DEVICE), one)
     st.step[1] = 1  # the two sequences reach the refresh step (t_dec = 3) at different decode steps
+    if edit is not None:
+        edit(st)
     sk = copy.deepcopy(st)
     slots = torch.arange(B, device=DEVICE)
     lens = list(lengths)
@@ -141,9 +145,20 @@ def _assert_same_step(a, b, st, sk, skip_max_sim=None):
     torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sk.queries, st.queries, atol=1e-6, rtol=1e-6)
     assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+    _assert_rows_by_position(sk.support)
     for name in ("fill", "ptr", "step"):
         assert torch.equal(getattr(sk, name), getattr(st, name)), name
     torch.testing.assert_close(sk.tau, st.tau, atol=1e-6, rtol=0)
+
+
+def _assert_rows_by_position(support):
+    """Every support row (..., K): its positions strictly ascending, then only -1s (what the Triton step
+    writes and the torch prefill too, so the selector's merge-only path applies)."""
+    s = support.reshape(-1, support.shape[-1]).cpu()
+    valid = s >= 0
+    assert (s[~valid] == -1).all()
+    assert not (~valid[:, :-1] & valid[:, 1:]).any(), "a position after the -1 padding"
+    assert ((s[:, 1:] > s[:, :-1]) | ~valid[:, 1:]).all(), "positions not ascending"
 
 
 # (H_kv, G, policy): MHA and GQA under the paper's policy, GQA under "promote" ("group": the calibrated dense
@@ -191,21 +206,39 @@ def test_staggered_refresh_matches_torch(layer):
         assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
         torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
         assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
+        _assert_rows_by_position(sk.support)
         assert torch.equal(sk.step, st.step)
     assert seen_split
 
 
-def test_selector_candidates_equal_torch_candidates():
-    """Stage 1 alone: the packed candidate rows written by the selector are the sorted unique union."""
+def _score_order(state):
+    """Supports by descending position (-1s still last): unsorted runs, as supports in score order are."""
+    state.support[:] = state.support.sort(-1, descending=True).values
+
+
+@pytest.mark.parametrize("order,K", [("by position", 8), ("score order", 8), ("by position", 6)])
+def test_selector_candidates_equal_torch_candidates(order, K):
+    """Stage 1 alone: the packed candidate rows written by the selector are the sorted unique union,
+    from the merge stages alone when every recalled run is sorted (the prefill's and the kernel's rows;
+    K a power of two), from the full sort when some run is not (a state with unsorted supports: every
+    entry at the first step) or K is not a power of two; ``cand_merged`` says which ran."""
     from retopk_core.kernels.workspace import WORKSPACES
 
-    H_kv, G, d, K, C, W, R = 1, 3, 64, 8, 8, 6, 3
-    for a, _b, _, _sk, (q, kv, pre_t, _, ref, _) in _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1),
-                                                       steps=2):
+    H_kv, G, d, C, W, R = 1, 3, 64, 8, 6, 3
+    edit = _score_order if order == "score order" else None
+    for step, (a, _b, _, _sk, (q, kv, pre_t, _, ref, _)) in enumerate(
+            _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1), steps=2, edit=edit)):
         B, H = q.shape[:2]
         N_pad = next_pow2(R * K + W, 16)
         ws = WORKSPACES.shared(q.device)
         cand, count = ws.get("cand", (B, H, N_pad), torch.int32), ws.get("cand_count", (B, H), torch.int32)
+        merged = ws.get("cand_merged", (B, H), torch.int8).cpu()
+        reuse_heads = (a.path == Path.REUSE).cpu()
+        assert (merged[~reuse_heads] == -1).all()  # no candidates built
+        if order == "by position" and K == 8:
+            assert (merged[reuse_heads] == 1).all(), merged
+        elif K == 6 or step == 0:  # later steps may recall only the entries the kernel wrote, sorted
+            assert (merged[reuse_heads] == 0).all(), merged
         sim, _ = ref._similarity(q.float() / q.float().norm(dim=-1, keepdim=True), pre_t, torch.arange(B))
         reuse = (a.path == Path.REUSE).nonzero().tolist()
         assert reuse, "the scenario must have reuse heads"
@@ -230,10 +263,14 @@ def test_retopk_decode_allocates_no_scratch_after_first_step():
     assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
 
 
-def test_selector_drops_window_duplicates_and_keeps_union_with_torch():
-    """A crafted FIFO: supports holding positions inside the window (dropped before the selector's sort,
+@pytest.mark.parametrize("order", ["as crafted", "by position"])
+def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order):
+    """A crafted FIFO: supports holding positions inside the window (dropped after the selector's sort,
     the window is appended in order), below it, repeated across entries, -1 padding, a stale position
-    >= L (after the window), R*K = 24 not a power of two, a row with fewer than R entries, L < W."""
+    >= L (after the window), R*K = 24 not a power of two, a row with fewer than R entries, L < W. As
+    crafted the rows are unsorted (full sort) except where the window covers every entry (L = 4: every
+    entry maps to w0, a sorted run); by position every run is sorted (merge stages only), the stale
+    position and the window's entries included."""
     from retopk_core.kernels.workspace import WORKSPACES
 
     K, C, W, R, d, H = 8, 4, 6, 3, 16, 2
@@ -255,6 +292,8 @@ def test_selector_drops_window_duplicates_and_keeps_union_with_torch():
     sup[1, :, 0] = torch.tensor([11, 10, 0, 6, 12, 5, -1, -1])  # window {6..11}; 12 >= L (stale)
     sup[1, :, 1] = torch.tensor([5, 4, 3, 9, 8, 1, 2, 0])
     sup[2, :, 0] = torch.tensor([3, 0, 2, 1, -1, -1, -1, -1])  # L = 4 < W: everything is window
+    if order == "by position":
+        sup = by_position(sup)
     st.support[:] = sup.to(DEVICE)
     st.fill[:] = torch.tensor([C, 2, 1], device=DEVICE)
     st.ptr[:] = torch.tensor([1, 2, 1], device=DEVICE)
@@ -277,6 +316,10 @@ def test_selector_drops_window_duplicates_and_keeps_union_with_torch():
             assert int(count[bb, hh]) == len(want)
             assert cand[bb, hh, :len(want)].tolist() == want
     assert 12 in cand[1, 0, :int(count[1, 0])].tolist()  # the stale position was recalled
+    merged = ws.get("cand_merged", (B, H), torch.int8).cpu()
+    assert merged.tolist() == ([[1] * H] * B if order == "by position" else [[0] * H, [0] * H, [1] * H]), merged
+    written = sk.support[torch.arange(B), :, pre.ptr]  # (B, H, K): the entry each row's step wrote
+    _assert_rows_by_position(sk.support if order == "by position" else written)
     torch.testing.assert_close(b.max_sim, a.max_sim, atol=1e-5, rtol=1e-5)
     assert torch.equal(a.n_scored, b.n_scored)
     assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
