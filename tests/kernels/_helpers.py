@@ -92,3 +92,13 @@ def assert_topk_support(sel: torch.Tensor, scores: list[torch.Tensor], K: int, t
             assert len(set(chosen.tolist())) == n, f"duplicate positions (b={b}, h={h})"
             kth = scores[b][h].topk(n).values[-1]
             assert scores[b][h][chosen].min() >= kth - tol, f"a selected score is below the K-th best (b={b}, h={h})"
+
+
+def assert_rows_by_position(support: torch.Tensor) -> None:
+    """Every support row (..., K): its positions strictly ascending, then only -1s (what the Triton
+    method's prefill and steps write, so that its selector's merge-only path applies)."""
+    s = support.reshape(-1, support.shape[-1]).cpu()
+    valid = s >= 0
+    assert (s[~valid] == -1).all()
+    assert not (~valid[:, :-1] & valid[:, 1:]).any(), "a position after the -1 padding"
+    assert ((s[:, 1:] > s[:, :-1]) | ~valid[:, 1:]).all(), "positions not ascending"

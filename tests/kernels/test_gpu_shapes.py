@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from retopk_core.config import ReTopKConfig
+from retopk_core.kernels.workspace import WORKSPACES
 from retopk_core.kv import PagedKV
+from retopk_core.methods.base import Path
 from retopk_core.methods.exact import ExactTopK, ExactTopKConfig
 from retopk_core.methods.full import FullAttention
 from retopk_core.methods.retopk import ReTopK
-from tests.kernels._helpers import assert_topk_support, paged_from_dense, ref_scores
+from tests.kernels._helpers import assert_rows_by_position, assert_topk_support, paged_from_dense, ref_scores
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +57,7 @@ def test_retopk_at_qwen_shapes_mixed_paths():
     for b in range(B):
         st.alloc()
         one = PagedKV(kv_all.k_pool, kv_all.v_pool, kv_all.block_table[b:b + 1], torch.tensor([lengths[b]]).cuda())
-        ref.prefill(st, b, prompt_q[b], torch.arange(lengths[b] - 32, lengths[b]).cuda(), one)
+        tri.prefill(st, b, prompt_q[b], torch.arange(lengths[b] - 32, lengths[b]).cuda(), one)  # rows by position
     sk = copy.deepcopy(st)
     near = (torch.arange(H) % 3 != 0).view(1, H, 1).cuda()
     lens = list(lengths)
@@ -69,4 +71,7 @@ def test_retopk_at_qwen_shapes_mixed_paths():
         same = (a.selected.sort(-1).values == b.selected.sort(-1).values).float().mean()
         assert same > 0.99, same
         torch.testing.assert_close(b.out.float(), a.out.float(), atol=3e-2, rtol=3e-2)
+        merged = WORKSPACES.shared(q.device).get("cand_merged", (B, H), torch.int8)
+        assert (merged[b.path == Path.REUSE] == 1).all(), merged  # sorted runs: merge stages only
+        assert_rows_by_position(sk.support)
         st, sk = copy.deepcopy(sk), sk  # continue both from the triton state, so near-tie swaps do not compound

@@ -13,7 +13,7 @@ from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path
 from retopk_core.methods.retopk import ReTopK, by_position
-from tests.kernels._helpers import DEVICE, make_kv
+from tests.kernels._helpers import DEVICE, assert_rows_by_position, make_kv
 
 CASES = [  # (H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows)
     (1, 3, 64, 8, 8, 4, 2, [200, 90], 16, "similarity", (0, 1)),
@@ -145,20 +145,10 @@ def _assert_same_step(a, b, st, sk, skip_max_sim=None):
     torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sk.queries, st.queries, atol=1e-6, rtol=1e-6)
     assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
-    _assert_rows_by_position(sk.support)
+    assert_rows_by_position(sk.support)
     for name in ("fill", "ptr", "step"):
         assert torch.equal(getattr(sk, name), getattr(st, name)), name
     torch.testing.assert_close(sk.tau, st.tau, atol=1e-6, rtol=0)
-
-
-def _assert_rows_by_position(support):
-    """Every support row (..., K): its positions strictly ascending, then only -1s (what the Triton step
-    writes and the torch prefill too, so the selector's merge-only path applies)."""
-    s = support.reshape(-1, support.shape[-1]).cpu()
-    valid = s >= 0
-    assert (s[~valid] == -1).all()
-    assert not (~valid[:, :-1] & valid[:, 1:]).any(), "a position after the -1 padding"
-    assert ((s[:, 1:] > s[:, :-1]) | ~valid[:, 1:]).all(), "positions not ascending"
 
 
 # (H_kv, G, policy): MHA and GQA under the paper's policy, GQA under "promote" ("group": the calibrated dense
@@ -206,7 +196,7 @@ def test_staggered_refresh_matches_torch(layer):
         assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
         torch.testing.assert_close(b.out, a.out, atol=1e-5, rtol=1e-5)
         assert torch.equal(sk.support.sort(-1).values, st.support.sort(-1).values)
-        _assert_rows_by_position(sk.support)
+        assert_rows_by_position(sk.support)
         assert torch.equal(sk.step, st.step)
     assert seen_split
 
@@ -319,7 +309,7 @@ def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order):
     merged = ws.get("cand_merged", (B, H), torch.int8).cpu()
     assert merged.tolist() == ([[1] * H] * B if order == "by position" else [[0] * H, [0] * H, [1] * H]), merged
     written = sk.support[torch.arange(B), :, pre.ptr]  # (B, H, K): the entry each row's step wrote
-    _assert_rows_by_position(sk.support if order == "by position" else written)
+    assert_rows_by_position(sk.support if order == "by position" else written)
     torch.testing.assert_close(b.max_sim, a.max_sim, atol=1e-5, rtol=1e-5)
     assert torch.equal(a.n_scored, b.n_scored)
     assert torch.equal(a.selected.sort(-1).values, b.selected.sort(-1).values)
