@@ -12,6 +12,7 @@ from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method
 from tests.core._reference import RefHead, group_paths, stagger_phase
 from tests.core._scenario import make_trace, paged
+from tests.kernels._helpers import assert_rows_by_position
 
 
 def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None):
@@ -322,16 +323,18 @@ def test_long_prompt_seeding_group_by_group_matches_reference(monkeypatch):
 
 @pytest.mark.parametrize("length", [12, 16, 40])  # K = 16: fewer keys than K, exactly K, more (three branches)
 @pytest.mark.parametrize("short", [True, False])  # every group in one matmul, or one group at a time
-def test_prefill_fifo_holds_exact_causal_supports(length, short, monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_fifo_holds_exact_causal_supports(length, short, backend, monkeypatch):
     """After prefill the FIFO holds each prompt query with its exact causal Top-K (equation 5): the
-    query at position p never names a key after p, whatever the branch."""
+    query at position p never names a key after p, whatever the branch. The Triton method's rows are
+    by position, -1s last (its selector's merge-only path; the prefill is torch code either way)."""
     import retopk_core.methods.retopk as retopk_module
 
     if not short:
         monkeypatch.setattr(retopk_module, "SHORT_BATCH_KEYS", 0)
     H, H_kv, d, K, C = 6, 2, 16, 16, 8
     trace = make_trace(B=1, H=H, H_kv=H_kv, d=d, prompt_lens=(length,), steps=1, T=C)
-    method = make_method("retopk", top_k=K, cache_size=C, window=4, recall=2)
+    method = make_method("retopk", top_k=K, cache_size=C, window=4, recall=2, backend=backend)
     state = method.init_state(H, H_kv, d, capacity=1)
     slot = state.alloc()
     pos = torch.arange(length - C, length).clamp(min=0)
@@ -343,6 +346,8 @@ def test_prefill_fifo_holds_exact_causal_supports(length, short, monkeypatch):
                     1 / math.sqrt(d))
         got = [sorted(s[s >= 0].tolist()) for s in state.support[slot, h]]
         assert got == [sorted(sup) for _, sup in ref.fifo], h
+    if backend == "triton":
+        assert_rows_by_position(state.support)
 
 
 @pytest.mark.parametrize("name,params,field", [("retopk", {"top_k": 0}, "top_k"), ("retopk", {"recall": 40}, "recall"),
