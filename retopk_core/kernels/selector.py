@@ -29,7 +29,8 @@ and a prefix-sum compaction keep the first occurrences.
 
 Supports are stored sorted by position, -1s last: select + attend writes them so (reuse heads by a
 prefix scan of their position-ordered candidates, no sort; exact heads by one sort of K_PAD, 45 steps
-at K = 512, beside their pass over all L keys) and so does the torch prefill. The map above is
+at K = 512, beside their pass over all L keys) and so does the prefill of a Triton-backed method
+(``retopk.by_position``; the torch and CPU steps write theirs in no such order). The map above is
 monotone, so each recalled run of K then stays sorted. The selector checks it and never trusts it:
 with K a power of two (constexpr RUN = K), odd runs are read back to front and one neighbour
 comparison over N_SORT (run boundaries ignored) tells whether every run is sorted the way the bitonic
