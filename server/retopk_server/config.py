@@ -32,7 +32,7 @@ class ServerConfig:
     metrics_per_head      export the metrics built from every step's per-head statistics (path decisions
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
-    model, device, dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size, kv_cache_bytes,
+    model, device, weights, kv_dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size, kv_cache_bytes,
     kv_cache_fraction     the model runtime's settings: documented in, and defaulting to, RuntimeConfig
     method, method_params default attention method of requests and sessions that name none
     max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens,
@@ -64,7 +64,8 @@ class ServerConfig:
     metrics_per_head: bool = True
     model: str = RuntimeConfig.model
     device: str = RuntimeConfig.device
-    dtype: str = RuntimeConfig.dtype
+    weights: str = RuntimeConfig.weights
+    kv_dtype: str = RuntimeConfig.kv_dtype
     backend: str = RuntimeConfig.backend
     method: str = "retopk"
     method_params: dict = field(default_factory=_default_method_params)
@@ -119,7 +120,7 @@ class ServerConfig:
             self.method_spec().build()
         except ValueError as e:
             raise ValueError(f"method: {e}") from None
-        self.runtime_config()  # validates model, dtype, backend, max_context, rope_scaling, chunk and block sizes
+        self.runtime_config()  # validates model, weights, kv_dtype, backend, max_context, rope_scaling, chunk and block sizes
         self.engine_config()  # validates the limits
 
     def _check_security(self) -> None:
@@ -144,7 +145,8 @@ class ServerConfig:
         return MethodSpec(self.method, tuple(self.method_params.items()))
 
     def runtime_config(self) -> RuntimeConfig:
-        return RuntimeConfig(model=self.model, device=self.device, dtype=self.dtype, backend=self.backend,
+        return RuntimeConfig(model=self.model, device=self.device, weights=self.weights, kv_dtype=self.kv_dtype,
+                             backend=self.backend,
                              default_method=self.method_spec(), max_context=self.max_context,
                              rope_scaling=self.rope_scaling, prefill_chunk=self.prefill_chunk,
                              kv_block_size=self.kv_block_size, kv_cache_bytes=self.kv_cache_bytes,

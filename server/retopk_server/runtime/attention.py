@@ -1,9 +1,8 @@
-"""The attention function the runner registers with transformers, and the per-step context it reads.
+"""The decoder's attention in the runtime (``attend``), and the per-step context it reads.
 
-transformers' attention modules compute q, k, v and RoPE themselves, hand k, v to ``cache.update``
-(our ``RuntimeCache`` writes them into the session blocks) and then call the function registered
-under ``ATTN_NAME`` with the forward's extra keyword arguments; the runner passes a ``StepContext``
-as ``retopk_ctx`` there. The matching mask function returns None: each row's length is in the context.
+The decoder (decoder/llama.py) computes each layer's q, k, v and RoPE and calls ``attend(ctx, layer, q, k,
+v, scale)``: the new keys and values go into the rows' KV blocks, then the layer's attention runs over the
+pool with each row's length from the context.
 
 Prefill (one session, a chunk of T tokens at positions s..s+T-1): dense softmax attention, causal
 within the chunk and full to the session's earlier positions, via SDPA with GQA. After the last
@@ -30,10 +29,8 @@ from retopk_core.methods.base import AttentionMethod, SlotPool
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
 from retopk_server.runtime.kv_pool import OUT_OF_MEMORY, KVPool, allocation_failed
 
-ATTN_NAME = "retopk"
 # Largest prefill score matrix (heads x query rows x keys) materialised at once, in elements (256 MiB in fp32).
 PREFILL_SCORES_BUDGET = 1 << 26
-CTX_KWARG = "retopk_ctx"
 
 
 class MethodGroup:
@@ -180,19 +177,14 @@ def _finish_stats(ctx: StepContext) -> None:
         pairs.clear()
 
 
-def retopk_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    """transformers attention interface: query (B, H, T, d) after RoPE -> ((B, T, H, d), None)."""
-    ctx: StepContext | None = kwargs.get(CTX_KWARG)
-    if ctx is None:
-        raise RuntimeError(f"the {ATTN_NAME!r} attention needs the runner's step context (kwarg {CTX_KWARG!r})")
-    layer = module.layer_idx
-    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+def attend(ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q (B, H, T, d), k, v (B, H_kv, T, d) after RoPE -> (B, H, T, d): k, v stored at each row's positions
+    ctx.start .. + T - 1, then dense causal prefill (one row) or one decode step of the rows' methods (T = 1)."""
+    ctx.pool.write(layer, ctx.table, ctx.start, k, v)
     if ctx.mode == "prefill":
-        out = _prefill(ctx, layer, query, scale)
-    else:
-        out = _decode(ctx, layer, query[:, :, 0], scale).unsqueeze(2)  # (B, H, 1, d)
-    return out.transpose(1, 2), None
+        return _prefill(ctx, layer, q, scale)
+    return _decode(ctx, layer, q[:, :, 0], scale).unsqueeze(2)  # (B, H, 1, d)
 
 
 def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -268,17 +260,3 @@ def _decode(ctx: StepContext, layer: int, q: torch.Tensor, scale: float) -> torc
     if ctx.with_stats and ctx.groups and layer == ctx.groups[0].slots.shape[0] - 1:
         _finish_stats(ctx)
     return out
-
-
-def no_mask(*args, **kwargs):
-    """Mask interface for ``ATTN_NAME``: no mask tensor; the attention function knows each row's length."""
-    return None
-
-
-def register_attention() -> None:
-    """Register the attention and mask functions with transformers (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_NAME, retopk_attention)
-    AttentionMaskInterface.register(ATTN_NAME, no_mask)

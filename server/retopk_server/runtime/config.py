@@ -8,7 +8,8 @@ from retopk_core.params import check_int, check_number
 from retopk_server.runtime.budget import DEFAULT_CACHE_FRACTION
 from retopk_server.runtime.method_spec import MethodSpec
 
-DTYPES = ("float32", "bfloat16", "float16")
+WEIGHTS = ("auto", "as-stored", "float32", "bfloat16", "float16", "int8", "int4")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton", "cpu")
 # "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
 ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
@@ -37,7 +38,13 @@ class RuntimeConfig:
     """How the runner loads and drives the model.
 
     model           a name known to ``retopk_core.models`` (e.g. "smollm2-135m") or a local checkpoint path
-    device, dtype   where the weights, KV cache and method state live
+    device          where the weights, KV cache and method state live
+    weights         the matmul weights' format (runtime/decoder/load.py): "as-stored" (a GGUF file's quantized
+                    tensors without widening them: Q4_0 / Q4_1 as int4 groups of 32; a checkpoint's own float
+                    dtype), "float32", "bfloat16", "float16", "int8", "int4" (weight-only, group-wise 32), or
+                    "auto": as-stored on a CPU, bfloat16 on CUDA (the packed int4 / int8 ops used are CPU ones)
+    kv_dtype        the KV cache's dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 (half the bytes
+                    every exact pass and dense step reads; attention accumulates in float32 either way)
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK through its
                     fused C++ kernel, retopk_core/cpu, the other methods' torch code) or "auto": "cpu" on a CPU
                     device where that kernel was built and loads, else "torch"; see ``method_backend``
@@ -59,7 +66,8 @@ class RuntimeConfig:
 
     model: str = "smollm2-135m"
     device: str = "cpu"
-    dtype: str = "float32"
+    weights: str = "auto"
+    kv_dtype: str = "auto"
     backend: str = "auto"
     default_method: MethodSpec = field(default_factory=default_method_spec)
     max_context: int | None = None
@@ -72,8 +80,10 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not isinstance(self.default_method, MethodSpec):
@@ -105,8 +115,17 @@ class RuntimeConfig:
             backend = "cpu" if cpu and method == "retopk" and launch.available() else "torch"
         return "torch" if backend == "cpu" and method != "retopk" else backend
 
-    @property
-    def torch_dtype(self):
+    def weight_format(self) -> str:
+        """``weights`` with "auto" resolved for the device."""
+        if self.weights != "auto":
+            return self.weights
         import torch
 
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return "as-stored" if torch.device(self.device).type == "cpu" else "bfloat16"
+
+    @property
+    def kv_torch_dtype(self):
+        import torch
+
+        return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16}[self.kv_dtype]

@@ -1,28 +1,91 @@
-"""Loading a causal LM and its tokenizer by name or path, and extending its RoPE context."""
+"""Loading a model for the runner: its config, tokenizer and generation defaults, and its weights as a Decoder
+in the chosen format (decoder/load.py); extending its RoPE context.
+
+A GGUF file is read directly (its quantized tensors kept as stored, or converted); a checkpoint directory
+goes through transformers' from_pretrained first. Nothing is downloaded: every read is local_files_only.
+"""
 
 from __future__ import annotations
 
-import torch
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from retopk_server.runtime.decoder.llama import Decoder
+from retopk_server.runtime.decoder.load import from_gguf, from_transformers, rotary_for
+
+log = logging.getLogger(__name__)
 
 
-def load(name: str, device: str, dtype: torch.dtype):
-    """(model, tokenizer) for an embedded model name or a local checkpoint folder / .gguf file.
+@dataclass
+class LoadedModel:
+    decoder: Decoder
+    tokenizer: object | None
+    config: object  # the transformers PretrainedConfig (RoPE scaling applied)
+    generation_config: object | None
+    architecture: str  # e.g. "LlamaForCausalLM"
 
-    Nothing is downloaded; an unknown name or missing files raise retopk_core.models.ModelNotFoundError.
-    """
-    from retopk_core.models import load_model
 
-    return load_model(name, dtype=dtype, device=device)
+def architecture_of(config) -> str:
+    names = getattr(config, "architectures", None) or []
+    if names:
+        return str(names[0])
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        config.model_type, config.model_type)
 
 
-def apply_rope_scaling(model, rope_scaling: dict) -> None:
-    """Replace the model's RoPE parameters (keeping rope_theta) and rebuild its rotary embedding."""
-    config = model.config
+def with_rope_scaling(config, rope_scaling: dict | None):
+    """A copy of ``config`` whose RoPE parameters are updated by ``rope_scaling`` (rope_theta kept)."""
+    config = copy.deepcopy(config)
+    if rope_scaling is None:
+        return config
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(rope_scaling)
     if params.get("rope_type") in ("yarn", "longrope", "llama3"):
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     config.rope_parameters = params
-    base = model.base_model
-    old = base.rotary_emb
-    base.rotary_emb = type(old)(config=config).to(old.inv_freq.device)
+    return config
+
+
+def load(name: str, weights: str, rope_scaling: dict | None = None) -> LoadedModel:
+    """The model ``name`` (an embedded name, a checkpoint directory or a .gguf file) with its weights in
+    format ``weights``; ModelNotFoundError (retopk_core.models) when it is not on this machine."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from retopk_core.models import resolve_model
+
+    source = resolve_model(name)
+    kwargs = {"local_files_only": True}
+    started = time.perf_counter()
+    if source.gguf_file is None:
+        from retopk_core.models import load_model
+
+        log.info("loading checkpoint %s with transformers", source.path)
+        model, tokenizer = load_model(name)
+        config = with_rope_scaling(model.config, rope_scaling)
+        decoder = from_transformers(model, weights)
+        generation = getattr(model, "generation_config", None)
+        del model
+    else:
+        kwargs["gguf_file"] = source.gguf_file
+        log.info("reading %s: config and tokenizer", source.gguf_file)
+        config = with_rope_scaling(AutoConfig.from_pretrained(source.path, **kwargs), rope_scaling)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+        log.info("reading %s: weights (%s)", source.gguf_file, weights)
+        decoder = from_gguf(str(Path(source.path) / source.gguf_file), config, weights)
+        generation = GenerationConfig.from_model_config(config)
+    decoder.rotary = rotary_for(config)
+    log.info("model loaded in %.1f s: %s weights, %.1f MB read per decode step", time.perf_counter() - started,
+             decoder.weight_format, decoder.weight_bytes / 1e6)
+    return LoadedModel(decoder, tokenizer, config, generation, architecture_of(config))
+
+
+def from_model(model, weights: str, rope_scaling: dict | None = None) -> LoadedModel:
+    """A LoadedModel over an already loaded transformers causal LM (tests, the evaluation)."""
+    config = with_rope_scaling(model.config, rope_scaling)
+    decoder = from_transformers(model, weights)
+    decoder.rotary = rotary_for(config)
+    return LoadedModel(decoder, None, config, getattr(model, "generation_config", None), type(model).__name__)
+

@@ -1,11 +1,12 @@
-"""ModelRunner: a transformers causal LM whose attention runs through the ReTopK core, with sessions.
+"""ModelRunner: a Llama-family decoder (runtime/decoder) whose attention runs through the ReTopK core, with sessions.
 
 Prefill is dense and chunked (one session at a time; ``start_prefill`` hands out a PrefillJob a scheduler
 advances chunk by chunk, prefill.py); decoding advances any set of open sessions by one token in a single
 forward, each row with its own length and its session's method. The KV pool and the method-state pools
 share one CacheBudget (budget.py, ``RuntimeConfig.kv_cache_bytes``): an allocation it cannot hold raises
-BudgetExceeded with nothing changed. See attention.py for
-how the steps plug into transformers (attention interface + cache class, no model code copied).
+BudgetExceeded with nothing changed. One forward (``_forward``) is decoder.llama.forward with the runtime's
+attention (attention.py's ``attend``: each layer's new keys and values into the KV pool, then dense prefill
+or the rows' methods).
 """
 
 from __future__ import annotations
@@ -13,22 +14,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from retopk_server.runtime.attention import (
-    ATTN_NAME,
-    CTX_KWARG,
-    DecodeGroup,
-    MethodGroup,
-    StepContext,
-    register_attention,
-)
+from retopk_server.runtime.attention import DecodeGroup, MethodGroup, StepContext, attend
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
-from retopk_server.runtime.cache import RuntimeCache
 from retopk_server.runtime.config import RuntimeConfig
+from retopk_server.runtime.decoder.llama import forward
 from retopk_server.runtime.kv_pool import KVPool
-from retopk_server.runtime.loading import apply_rope_scaling, load
+from retopk_server.runtime.loading import from_model, load
 from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
@@ -54,13 +49,16 @@ class ModelInfo:
     max_context: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
-    dtype: str
+    dtype: str  # of activations: the residual stream and every matmul's result
     device: str
     backend: str
     default_method: MethodSpec
     # what an unset sampling field of a request takes, and where that comes from (sampling_defaults.py)
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     sampling_source: str = ""
+    weight_format: str = ""  # the matmuls' weight formats, e.g. "int4, lm_head int8" (decoder/linear.py)
+    weight_bytes: int = 0  # weight bytes one decode step reads
+    kv_dtype: str = ""
 
 
 def _ids(value) -> list[int]:
@@ -75,17 +73,21 @@ class ModelRunner:
     """Owns the model, the KV block pool, the method states and the open sessions. One thread only."""
 
     def __init__(self, config: RuntimeConfig, model=None, tokenizer=None) -> None:
+        """``model``: an already loaded transformers causal LM to serve instead of ``config.model`` (its
+        weights are copied into the decoder in ``config.weights``; "as-stored" keeps its dtype)."""
         self.config = config
         self.device = torch.device(config.device)
+        fmt = config.weight_format()
         if model is None:
-            model, tokenizer = load(config.model, config.device, config.torch_dtype)
+            loaded = load(config.model, fmt, config.rope_scaling)
         else:
-            model = model.to(device=self.device, dtype=config.torch_dtype).eval()
-        self.model, self.tokenizer = model, tokenizer
-        cfg = model.config
+            loaded = from_model(model, fmt, config.rope_scaling)
+            loaded.tokenizer = tokenizer
+        self.decoder = loaded.decoder.to(self.device)
+        self.tokenizer = loaded.tokenizer
+        cfg = loaded.config
         trained = int(cfg.max_position_embeddings)
         if config.rope_scaling is not None:
-            apply_rope_scaling(model, config.rope_scaling)
             trained = int(trained * float(config.rope_scaling["factor"]))
         window = getattr(cfg, "sliding_window", None)
         if window is not None:
@@ -95,27 +97,29 @@ class ModelRunner:
             raise ValueError(f"max_context {config.max_context} exceeds the model's {trained} positions; "
                              "set rope_scaling to extend the context")
         self.max_context = config.max_context or trained
-        register_attention()
 
         num_layers, num_heads = int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
         num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
         self._shape = (num_layers, num_heads, num_kv_heads, head_dim)
-        eos = _ids(getattr(model.generation_config, "eos_token_id", None)) if hasattr(model, "generation_config") \
-            else []
+        generation = loaded.generation_config
+        eos = _ids(getattr(generation, "eos_token_id", None))
         eos += _ids(getattr(cfg, "eos_token_id", None))
-        if tokenizer is not None:
-            eos += _ids(tokenizer.eos_token_id)
-        sampling, sampling_source = model_defaults(getattr(model, "generation_config", None))
+        if self.tokenizer is not None:
+            eos += _ids(self.tokenizer.eos_token_id)
+        sampling, sampling_source = model_defaults(generation)
+        kv_dtype = config.kv_torch_dtype
         self.info = ModelInfo(
-            name=config.model, architecture=type(model).__name__, num_layers=num_layers, num_heads=num_heads,
+            name=config.model, architecture=loaded.architecture, num_layers=num_layers, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, max_context=self.max_context,
-            vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(dict.fromkeys(eos)), dtype=config.dtype,
+            vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(dict.fromkeys(eos)), dtype="float32",
             device=str(self.device), backend=config.method_backend(config.default_method.name),
-            default_method=config.default_method, sampling_defaults=sampling, sampling_source=sampling_source)
+            default_method=config.default_method, sampling_defaults=sampling, sampling_source=sampling_source,
+            weight_format=self.decoder.weight_format, weight_bytes=self.decoder.weight_bytes,
+            kv_dtype=str(kv_dtype).removeprefix("torch."))
         limit = config.kv_cache_bytes or default_cache_bytes(self.device, config.kv_cache_fraction)
         self.budget = CacheBudget(limit)
-        self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, config.torch_dtype, self.device,
+        self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, kv_dtype, self.device,
                            budget=self.budget)
         self._groups: dict[MethodSpec, MethodGroup] = {}
         self.sessions: dict[str, Session] = {}
@@ -253,16 +257,8 @@ class ModelRunner:
 
     # ---- steps -------------------------------------------------------------------------------------
     def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # Every attention module dispatches on config._attn_implementation at call time. Switching it only
-        # for our own forwards leaves the model usable as before (e.g. for transformers' generate).
-        cfg = self.model.config
-        previous, cfg._attn_implementation = cfg._attn_implementation, ATTN_NAME
-        try:
-            out = self.model(input_ids=input_ids, position_ids=position_ids, cache=RuntimeCache(ctx),
-                             use_cache=True, logits_to_keep=1, **{CTX_KWARG: ctx})
-        finally:
-            cfg._attn_implementation = previous
-        return out.logits[:, -1].float()  # (B, V)
+        """input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token."""
+        return forward(self.decoder, input_ids, position_ids, partial(attend, ctx))
 
     def start_prefill(self, session: Session, token_ids: list[int]) -> PrefillJob:
         """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).

@@ -44,6 +44,9 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def runner_for(model, method: MethodSpec | None = None, **kw) -> ModelRunner:
+    """A runner over ``model``'s weights as they are (float32) with a float32 KV cache unless ``kw`` says
+    otherwise: the setting in which greedy tokens equal transformers' generate."""
+    kw.setdefault("kv_dtype", "float32")
     config = RuntimeConfig(model="tiny", default_method=method or MethodSpec("full"), **kw)
     return ModelRunner(config, model=model)
 
