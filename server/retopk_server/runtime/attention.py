@@ -127,6 +127,7 @@ class StepContext:
     table: torch.Tensor
     start: torch.Tensor
     lengths: torch.Tensor
+    rows: torch.Tensor | None = None  # (B, H_kv, T) pool rows of the new tokens (KVPool.rows), made on first use
     # decode
     groups: list[DecodeGroup] = field(default_factory=list)
     with_stats: bool = False
@@ -181,7 +182,9 @@ def attend(ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: to
            scale: float) -> torch.Tensor:
     """q (B, H, T, d), k, v (B, H_kv, T, d) after RoPE -> (B, H, T, d): k, v stored at each row's positions
     ctx.start .. + T - 1, then dense causal prefill (one row) or one decode step of the rows' methods (T = 1)."""
-    ctx.pool.write(layer, ctx.table, ctx.start, k, v)
+    if ctx.rows is None:
+        ctx.rows = ctx.pool.rows(ctx.table, ctx.start, k.shape[2])  # (B, H_kv, T), shared by every layer
+    ctx.pool.write(layer, ctx.rows, k, v)
     if ctx.mode == "prefill":
         return _prefill(ctx, layer, q, scale)
     return _decode(ctx, layer, q[:, :, 0], scale).unsqueeze(2)  # (B, H, 1, d)

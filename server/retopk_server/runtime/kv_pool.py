@@ -173,15 +173,20 @@ class KVPool:
             table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         return table.to(device)
 
-    def write(self, layer: int, table: torch.Tensor, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys/values k, v: (B, H_kv, T, d) of rows whose first new position is start (B,)."""
-        B, _, T, _ = k.shape
+    def rows(self, table: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:
+        """(B, H_kv, T) int64 rows of the (N_blocks * H_kv * P, d) pool view where the T new positions
+        start .. start + T - 1 of each row live; the same for every layer, so a forward computes them once."""
+        B = table.shape[0]
         pos = start.view(B, 1) + torch.arange(T, device=start.device).view(1, T)  # (B, T)
-        blocks = table.gather(1, pos // self.block_size)  # (B, T)
-        off = pos % self.block_size  # (B, T)
-        # advanced indices on dims 0 and 2 around a slice: the indexed view is (B, T, H_kv, d)
-        self.k[layer][blocks, :, off] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][blocks, :, off] = v.transpose(1, 2).to(self.v[layer].dtype)
+        block = table.gather(1, pos // self.block_size)  # (B, T)
+        g = torch.arange(self.num_kv_heads, device=start.device).view(1, -1, 1)  # (1, H_kv, 1)
+        return (block.unsqueeze(1) * self.num_kv_heads + g) * self.block_size + (pos % self.block_size).unsqueeze(1)
+
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values k, v: (B, H_kv, T, d) at ``rows`` (B, H_kv, T) from ``rows()``."""
+        flat = rows.view(-1)
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            pool.view(-1, pool.shape[-1]).index_copy_(0, flat, x.reshape(-1, x.shape[-1]).to(pool.dtype))
 
     def paged(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedKV:
         return PagedKV(self.k[layer], self.v[layer], table, lengths)

@@ -46,7 +46,8 @@ def test_pool_growth_is_all_or_nothing_when_an_allocation_fails(monkeypatch):
     blocks = p.alloc(2)
     table = p.block_table([blocks], "cpu")
     for layer in range(p.num_layers):
-        p.write(layer, table, torch.tensor([0]), torch.full((1, 1, 8, 2), float(layer)), torch.ones(1, 1, 8, 2))
+        p.write(layer, p.rows(table, torch.tensor([0]), 8), torch.full((1, 1, 8, 2), float(layer)),
+                torch.ones(1, 1, 8, 2))
     calls = []
     real = KVPool._resized
 

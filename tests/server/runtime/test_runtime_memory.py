@@ -23,7 +23,7 @@ def test_pool_write_and_history_round_trip_across_growth():
         capacities.append(pool.capacity)
         k, v = torch.randn(1, 2, chunk, 3, generator=g), torch.randn(1, 2, chunk, 3, generator=g)
         table = pool.block_table([blocks], "cpu")
-        pool.write(1, table, torch.tensor([start]), k, v)
+        pool.write(1, pool.rows(table, torch.tensor([start]), k.shape[2]), k, v)
         written_k.append(k[0])
         written_v.append(v[0])
     got_k, got_v = pool.history(1, torch.tensor(blocks), 24)  # (H_kv, 24, d)

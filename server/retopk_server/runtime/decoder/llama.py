@@ -9,7 +9,8 @@ the logits after each row's last token. Per layer, with x the float32 residual s
 
 rmsnorm(x) = x / sqrt(mean(x^2) + eps). The projections are fused (one QKV matmul, one gate-up matmul)
 and held in any weight format of linear.py; RoPE's cos / sin come from transformers' own rotary
-embedding for the model's config (every RoPE type it supports), once per forward for all layers.
+embedding for the model's config (every RoPE type it supports), once per forward for all layers, and
+rotate q and k in one pass.
 """
 
 from __future__ import annotations
@@ -77,18 +78,22 @@ class Decoder:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (N, D) float32 -> x / sqrt(mean(x^2) + eps) * weight."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x (N, D) float32 -> x / sqrt(mean(x^2) + eps) * weight (torch's fused op)."""
+    return torch.rms_norm(x, weight.shape, weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_tables(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin (B, 1, T, d) for ``rope``: transformers' rotate-half RoPE, x * cos + rotate_half(x) *
+    sin with rotate_half(x) = (-x2, x1), is x * cos + roll(x, d/2) * (-sin1, sin2)."""
+    cos, sin = rotary(x, positions)  # (B, T, d)
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(1), signed.unsqueeze(1)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, d), cos / sin (B, 1, T, d) -> x rotated (transformers' rotate-half convention)."""
-    return x * cos + rotate_half(x) * sin
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, d) -> x rotated."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, shape: tuple[int, int],
@@ -96,9 +101,9 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     """One decoder layer on x (B*T, D) -> the new residual stream (B*T, D)."""
     B, T = shape
     H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
-    qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps))  # (B*T, (H + 2 H_kv) d)
-    q, k, v = qkv.view(B, T, H + 2 * H_kv, d).transpose(1, 2).split((H, H_kv, H_kv), dim=1)  # (B, ., T, d)
-    out = attend(index, rope(q, cos, sin), rope(k, cos, sin), v, 1.0 / math.sqrt(d))  # (B, H, T, d)
+    qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps)).view(B, T, H + 2 * H_kv, d).transpose(1, 2)
+    qk = rope(qkv[:, :H + H_kv], cos, sin)  # (B, H + H_kv, T, d): q and k rotated together
+    out = attend(index, qk[:, :H], qk[:, H:], qkv[:, H + H_kv:], 1.0 / math.sqrt(d))  # (B, H, T, d)
     x = x + layer.o(out.transpose(1, 2).reshape(B * T, H * d))
     gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps)).chunk(2, dim=-1)  # (B*T, F) each
     return x + layer.down(F.silu(gate) * up)
@@ -108,8 +113,7 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     """ids, positions (B, T) int64 -> float32 logits (B, V) after each row's last token."""
     B, T = ids.shape
     x = dec.embed(ids.reshape(-1))  # (B*T, D) float32
-    cos, sin = dec.rotary(x, positions)  # (B, T, d)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, d)
+    cos, sin = rope_tables(dec.rotary, x, positions)
     for index, layer in enumerate(dec.layers):
         x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
     last = x.view(B, T, -1)[:, -1]  # (B, D)
