@@ -1,6 +1,7 @@
-"""The launcher of ReTopK's fused CPU decode step (retopk_cpu.cpp): one call per layer for the whole batch.
+"""The launcher of the fused CPU decode steps (retopk_cpu.cpp): one call per layer for the whole batch.
 
     retopk_decode(method, q, kv, state, slots, scale) -> StepOutput
+    dense_decode(q, kv, scale, top_k=0, exact=False) -> (out, selected or None)
 
 The same step as the torch reference ``ReTopK._sparse_step`` (retopk_core/methods/retopk.py), eq. 6-13
 and the GQA policy of ``gqa_paths``, for every (sequence, head) of the batch: similarity to the cached
@@ -12,6 +13,10 @@ of them), on those heads the per-head threshold update of ``tau_calibration`` (`
 FIFO write and the ptr / fill / step advance of ``state``. The source's header
 states the math. The kernel's entry checks shapes, strides, dtypes and devices and raises ValueError
 naming the culprit; this launcher only passes the config along.
+
+``dense_decode`` is Full attention (``dense_attend``), Full attention with each head's Top-K of the same
+scores (``dense_attend_topk``: ReTopK's dense floor), or Exact Top-K attention (``exact_select`` +
+``sparse_attend``), every key row read once per KV group for all of its query heads.
 
 ``extension()`` loads the library built by ``retopk_core.cpu.build`` once per process; when it is
 missing, stale (built from another source or torch) or fails to load, it logs one warning and returns
@@ -39,7 +44,7 @@ _CODES = [int(Path.REUSE), int(Path.FALLBACK), int(Path.REFRESH), int(Path.PROMO
 @functools.cache
 def extension():
     """The compiled module, or None (one warning in the log) when it cannot be used."""
-    fallback = "ReTopK backend 'cpu' runs the torch code"
+    fallback = "backend 'cpu' runs the torch code"
     if not build.LIBRARY.exists():
         log.warning("fused CPU kernel not built (%s missing; run `make install` or `python -m retopk_core.cpu.build`):"
                     " %s", build.LIBRARY, fallback)
@@ -61,6 +66,21 @@ def extension():
 def available() -> bool:
     """Whether the fused kernel is built and loads in this process."""
     return extension() is not None
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether a step on ``q`` can run in the fused kernel: a CPU tensor, and the kernel loads."""
+    return q.device.type == "cpu" and available()
+
+
+def dense_decode(q: torch.Tensor, kv: PagedKV, scale: float, top_k: int = 0,
+                 exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q (B, H, d) -> out (B, H, d_v) in q.dtype: softmax over every position (``exact`` False) or over each
+    head's top_k best scores (``exact`` True); with top_k > 0 also selected (B, H, top_k) int64, -1 padded,
+    in no particular order (ties to the lower position), else None. Needs ``available()``."""
+    out, selected = extension().dense_decode(q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, float(scale),
+                                             int(top_k), bool(exact))
+    return out, (selected if top_k else None)
 
 
 def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tensor, scale: float) -> StepOutput:

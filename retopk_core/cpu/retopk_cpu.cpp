@@ -324,6 +324,34 @@ float keep_best(std::vector<Scored>& buf, int64_t k) {
   return buf[k - 1].first;
 }
 
+// w[0..n) <- softmax(w): exp(w_i - max) / Σ.
+RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
+  float m = kNegInf, sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, w[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = std::exp(w[i] - m);
+    sum += w[i];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) w[i] *= inv;
+}
+
+// acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for nh heads and m consecutive value rows.
+template <typename T>
+RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
+                                 float* acc) {
+  for (int64_t j = 0; j < m; ++j) {
+    const T* r = rows + j * dv;
+    for (int64_t e = 0; e < nh; ++e) {
+      const float wj = w[e * wstride + j];
+      float* a = acc + e * dv;
+#pragma omp simd
+      for (int64_t c = 0; c < dv; ++c) a[c] += wj * to_float(r[c]);
+    }
+  }
+}
+
 template <typename KV>
 struct Task {
   const Params& p;
@@ -472,6 +500,38 @@ struct Task {
     }
     weighted_sum<KV>(s.w.data(), v_pool, s.off.data(), n, p.dv, acc);
   }
+
+  // Full attention of the group's G heads (queries qs, scale applied) over all L positions -> acc
+  // (G, dv): scores block run by block run (each key row read once for the G heads), a softmax per
+  // head, then one pass over the value rows in memory order, each row read once for the G heads.
+  // With p.K > 0 also each head's Top-K of the same scores (the dense floor's exact supports) in
+  // tops[e], ties to the lower position as in exact().
+  void dense(const float* qs, float* acc, std::vector<std::vector<Scored>>* tops) const {
+    Scratch& s = scratch();
+    const int64_t G = p.G;
+    s.scores.resize(G * L);
+    for (int64_t first = 0; first < L;) {  // runs of consecutive rows: the rest of a block
+      const int64_t rows = std::min(L - first, p.P - first % p.P);
+      dot_heads<KV>(qs, G, k_pool + key_off(first), rows, p.d, s.scores.data() + first, L);
+      first += rows;
+    }
+    for (int64_t e = 0; e < G; ++e) {
+      float* w = s.scores.data() + e * L;
+      if (tops != nullptr) {
+        std::vector<Scored>& top = (*tops)[e];
+        top.clear();
+        for (int64_t i = 0; i < L; ++i) top.emplace_back(w[i], i);
+        if (L > p.K) keep_best(top, p.K);
+      }
+      softmax_inplace(w, L);
+    }
+    std::fill(acc, acc + G * p.dv, 0.f);
+    for (int64_t first = 0; first < L;) {
+      const int64_t rows = std::min(L - first, p.P - first % p.P);
+      weighted_rows<KV>(s.scores.data() + first, L, G, v_pool + val_off(first), rows, p.dv, acc);
+      first += rows;
+    }
+  }
 };
 
 struct Outputs {
@@ -570,7 +630,7 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
   }
 }
 
-#define CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "retopk_cpu.decode: ", __VA_ARGS__)
+#define CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "retopk_cpu: ", __VA_ARGS__)
 
 void check_int64_vector(const at::Tensor& t, const char* name, int64_t n) {
   CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU, got ", t.device());
@@ -581,17 +641,14 @@ void check_int64_vector(const at::Tensor& t, const char* name, int64_t n) {
 
 bool float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-}  // namespace
+// The checks every entry makes of q, the pools, the block table and the lengths (shapes, strides, dtypes,
+// devices, and the block table's reach) -> their sizes.
+struct KVShape {
+  int64_t B, H, d, N, H_kv, P, dv, max_blocks, bt_stride;
+};
 
-std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                               const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
-                               at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
-                               const at::Tensor& slots, at::Tensor tau, const at::Tensor& phase, int64_t top_k,
-                               int64_t recall, int64_t window,
-                               int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
-                               double group_tau_min, double scale, std::vector<int64_t> path_codes,
-                               std::vector<double> calibration) {
-  // ---- the launcher's checks: shapes, strides, dtypes, devices, and the block table's reach --------
+KVShape check_kv(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
+                 const at::Tensor& lengths) {
   CHECK_VALUE(q.device().is_cpu(), "q must be on the CPU, got ", q.device());
   CHECK_VALUE(q.dim() == 3, "q must be (B, H, d), got shape ", q.sizes());
   CHECK_VALUE(float_type(q.scalar_type()), "q must be float32, bfloat16 or float16, got ", q.scalar_type());
@@ -613,6 +670,32 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
                   block_table.size(0) == B && block_table.stride(1) == 1,
               "block_table must be a CPU int64 (B=", B, ", max_blocks) tensor with unit stride along blocks");
   check_int64_vector(lengths, "lengths", B);
+  const int64_t max_blocks = block_table.size(1), bt_stride = block_table.stride(0);
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    CHECK_VALUE(len[b] >= 1 && len[b] <= max_blocks * P, "lengths[", b, "] = ", len[b], " outside [1, ",
+                max_blocks * P, "] (max_blocks x block size)");
+    for (int64_t j = 0; j < (len[b] + P - 1) / P; ++j) {
+      const int64_t blk = bt[b * bt_stride + j];
+      CHECK_VALUE(blk >= 0 && blk < N, "block_table[", b, ", ", j, "] = ", blk, " outside the pool's ", N, " blocks");
+    }
+  }
+  return {B, H, d, N, H_kv, P, dv, max_blocks, bt_stride};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                               const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
+                               at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
+                               const at::Tensor& slots, at::Tensor tau, const at::Tensor& phase, int64_t top_k,
+                               int64_t recall, int64_t window,
+                               int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
+                               double group_tau_min, double scale, std::vector<int64_t> path_codes,
+                               std::vector<double> calibration) {
+  // ---- the launcher's checks: shapes, strides, dtypes, devices, and the block table's reach --------
+  const auto [B, H, d, N, H_kv, P, dv, max_blocks, bt_stride] = check_kv(q, k_pool, v_pool, block_table, lengths);
   check_int64_vector(slots, "slots", B);
   CHECK_VALUE(queries.device().is_cpu() && queries.scalar_type() == at::kFloat && queries.dim() == 4 &&
                   queries.is_contiguous() && queries.size(1) == H && queries.size(3) == d,
@@ -649,18 +732,11 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t *fl = fill.data_ptr<int64_t>(), *pt = ptr.data_ptr<int64_t>();
-  const int64_t max_blocks = block_table.size(1), bt_stride = block_table.stride(0);
   for (int64_t b = 0; b < B; ++b) {
-    CHECK_VALUE(len[b] >= 1 && len[b] <= max_blocks * P, "lengths[", b, "] = ", len[b], " outside [1, ",
-                max_blocks * P, "] (max_blocks x block size)");
     CHECK_VALUE(sl[b] >= 0 && sl[b] < S, "slots[", b, "] = ", sl[b], " outside the state's ", S, " slots");
     for (int64_t a = 0; a < b; ++a) CHECK_VALUE(sl[a] != sl[b], "slots[", a, "] and slots[", b, "] are both ", sl[b]);
     CHECK_VALUE(fl[sl[b]] >= 0 && fl[sl[b]] <= C && pt[sl[b]] >= 0 && pt[sl[b]] < C, "state.fill / state.ptr of slot ",
                 sl[b], " outside [0, C=", C, "]");
-    for (int64_t j = 0; j < (len[b] + P - 1) / P; ++j) {
-      const int64_t blk = bt[b * bt_stride + j];
-      CHECK_VALUE(blk >= 0 && blk < N, "block_table[", b, ", ", j, "] = ", blk, " outside the pool's ", N, " blocks");
-    }
   }
 
   const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
@@ -705,7 +781,68 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   return {o.out, o.path, o.max_sim, o.n_scored, o.selected};
 }
 
+// Full attention (top_k = 0), full attention plus each head's exact Top-K of the same scores (top_k > 0,
+// exact = false: the dense floor's steps that push a FIFO entry), or Exact Top-K attention (top_k > 0,
+// exact = true: softmax over the K best scores only, eq. 1 and 12) for q (B, H, d) over the paged
+// keys and values, one task per (sequence, KV group). Returns out (B, H, dv) in q's dtype and, with
+// top_k > 0, selected (B, H, top_k) int64 (-1 padded when L < top_k, in no particular order).
+std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                     const at::Tensor& block_table, const at::Tensor& lengths, double scale,
+                                     int64_t top_k, bool exact) {
+  const auto [B, H, d, N, H_kv, P, dv, max_blocks, bt_stride] = check_kv(q, k_pool, v_pool, block_table, lengths);
+  CHECK_VALUE(top_k >= 0 && (top_k > 0 || !exact), "top_k must be >= 0 (> 0 with exact), got ", top_k);
+  const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
+  Params p{B, H, H_kv, H / H_kv, d, dv, 0, top_k, 0, 0, P, P_shift, 0, bt_stride, 0.f, static_cast<float>(scale),
+           0.f, 0.f, 0.f, 0.f, 0.f, false, 0, Codes{}};
+  at::Tensor out = at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor selected = at::full({B, top_k > 0 ? H : 0, top_k}, -1, at::TensorOptions().dtype(at::kLong));
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const char* qbase = static_cast<const char*>(q.data_ptr());
+  char* obase = static_cast<char*>(out.data_ptr());
+  auto run = [&](auto kv_type, int64_t task) {
+    using KV = decltype(kv_type);
+    const int64_t b = task / H_kv, g = task % H_kv, G = p.G, h0 = g * G;
+    Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * bt_stride, b, g, len[b], 0,
+               nullptr, nullptr, 0, 0, 0};
+    std::vector<float> qs(G * d), acc(G * dv);
+    for (int64_t j = 0; j < G; ++j) {
+      float* x = qs.data() + j * d;
+      read_row(q, qbase + (b * q.stride(0) + (h0 + j) * q.stride(1)) * q.element_size(), q.stride(2), d, x);
+      for (int64_t i = 0; i < d; ++i) x[i] *= p.scale;
+    }
+    std::vector<std::vector<Scored>> tops(G);
+    if (exact) {
+      std::vector<int64_t> heads(G);
+      for (int64_t j = 0; j < G; ++j) heads[j] = j;
+      t.exact(heads, qs.data(), tops);
+      for (int64_t j = 0; j < G; ++j) t.attend(tops[j], acc.data() + j * dv);
+    } else {
+      t.dense(qs.data(), acc.data(), top_k > 0 ? &tops : nullptr);
+    }
+    for (int64_t j = 0; j < G; ++j) {
+      const int64_t h = h0 + j;
+      write_row(out.scalar_type(), acc.data() + j * dv, dv, obase + (b * H + h) * dv * out.element_size());
+      if (top_k > 0) {
+        int64_t* sel = selected.data_ptr<int64_t>() + (b * H + h) * top_k;
+        for (size_t k = 0; k < tops[j].size(); ++k) sel[k] = tops[j][k].second;
+      }
+    }
+  };
+  at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      switch (k_pool.scalar_type()) {
+        case at::kFloat: run(float{}, task); break;
+        case at::kBFloat16: run(c10::BFloat16{}, task); break;
+        default: run(c10::Half{}, task);
+      }
+    }
+  });
+  return {out, selected};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ReTopK's fused CPU decode step (see retopk_core/cpu/launch.py)";
   m.def("decode", &decode, "One ReTopK decode step for every (sequence, head) of a batch; updates the FIFO state");
+  m.def("dense_decode", &dense_decode, "Full attention (with the exact Top-K of its scores) or Exact Top-K attention");
 }

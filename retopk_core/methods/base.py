@@ -200,5 +200,9 @@ class AttentionMethod:
 
     def describe(self) -> dict:
         """Name, every config field and the backend, for logs, model info, session info and result tables."""
-        return {"method": self.name, **(self.config.as_dict() if self.config is not None else {}),
-                "backend": self.backend}
+        backend = self.backend
+        if backend == "cpu":
+            from retopk_core.cpu import launch  # the launcher imports this module
+
+            backend = "cpu" if launch.available() else "torch (cpu kernel not built)"
+        return {"method": self.name, **(self.config.as_dict() if self.config is not None else {}), "backend": backend}

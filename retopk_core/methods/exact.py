@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from retopk_core.cpu import launch as cpu_launch
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import Workspace, exact_select, resolve_scale, sparse_attend
@@ -25,6 +26,7 @@ class ExactTopKConfig(MethodConfig):
 class ExactTopK(AttentionMethod):
     name = "exact_topk"
     config_class = ExactTopKConfig
+    backends = ("torch", "triton", "cpu")  # cpu: the fused C++ kernel (retopk_core/cpu), else the torch code
 
     def __init__(self, config: ExactTopKConfig | None = None, backend: str = "torch") -> None:
         super().__init__(config, backend)
@@ -41,6 +43,8 @@ class ExactTopK(AttentionMethod):
         if self.backend == "triton":
             from retopk_core.kernels.launch import exact_topk_decode
             out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
+        elif self.backend == "cpu" and cpu_launch.usable(q):
+            out, sel_pos = cpu_launch.dense_decode(q, kv, scale, self.top_k, exact=True)
         else:
             sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale, ws=self._ws)  # (B, H, K)
             if self.on_stage:

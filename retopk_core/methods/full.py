@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from retopk_core.cpu import launch as cpu_launch
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
 from retopk_core.methods.sparse import dense_attend, resolve_scale
@@ -11,6 +12,7 @@ from retopk_core.methods.sparse import dense_attend, resolve_scale
 
 class FullAttention(AttentionMethod):
     name = "full"  # no hyperparameters: its config is the empty MethodConfig
+    backends = ("torch", "triton", "cpu")  # cpu: the fused C++ kernel (retopk_core/cpu), else the torch code
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: SlotPool, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
@@ -19,6 +21,8 @@ class FullAttention(AttentionMethod):
         if self.backend == "triton":
             from retopk_core.kernels.launch import dense_decode
             out = dense_decode(q, kv, scale)
+        elif self.backend == "cpu" and cpu_launch.usable(q):
+            out, _ = cpu_launch.dense_decode(q, kv, scale)
         else:
             out = dense_attend(q, kv, scale)  # (B, H, d_v)
         n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from retopk_core.config import ReTopKConfig
+from retopk_core.cpu import launch as cpu_launch
 from retopk_core.fidelity import support_recall
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
@@ -211,8 +212,12 @@ class ReTopK(AttentionMethod):
         B, H, _ = q.shape
         K = self.config.top_k
         push = ~plain_dense(kv.lengths, self.config)  # (B,)
+        fused = self.backend == "cpu" and cpu_launch.usable(q)
         if bool(push.any()):
-            out, sel_pos = dense_attend_topk(q, kv, scale, K)  # (B, H, d_v), (B, H, K)
+            if fused:
+                out, sel_pos = cpu_launch.dense_decode(q, kv, scale, K)  # (B, H, d_v), (B, H, K)
+            else:
+                out, sel_pos = dense_attend_topk(q, kv, scale, K)
             if bool(push.all()):
                 state.push(slots, _unit(q), sel_pos)
             else:
@@ -220,7 +225,7 @@ class ReTopK(AttentionMethod):
                 sel_pos.masked_fill_(~push.view(B, 1, 1), -1)
                 state.push(slots.index_select(0, rows), _unit(q.index_select(0, rows)), sel_pos.index_select(0, rows))
         else:
-            out = dense_attend(q, kv, scale)  # (B, H, d_v): FullAttention's own step
+            out = cpu_launch.dense_decode(q, kv, scale)[0] if fused else dense_attend(q, kv, scale)  # Full's step
             sel_pos = torch.full((B, H, K), -1, dtype=torch.long, device=q.device)
         state.step[slots] += 1
         return StepOutput(out=out, path=torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device),
@@ -231,10 +236,8 @@ class ReTopK(AttentionMethod):
                      scale: float) -> StepOutput:
         """ReTopK's step proper (eq. 6-13) on the backend's implementation (triton: see ``decode``)."""
         cfg = self.config
-        if self.backend == "cpu" and q.device.type == "cpu":
-            from retopk_core.cpu import launch
-            if launch.available():
-                return launch.retopk_decode(self, q, kv, state, slots, scale)
+        if self.backend == "cpu" and cpu_launch.usable(q):
+            return cpu_launch.retopk_decode(self, q, kv, state, slots, scale)
         B, H, d = q.shape
         qn = _unit(q)  # (B, H, d) float32
 
@@ -344,13 +347,6 @@ class ReTopK(AttentionMethod):
             supports = supports.masked_fill(~r_ok.repeat_interleave(cfg.top_k, dim=1), -1)
         window = length.view(P, 1) - cfg.window + torch.arange(cfg.window, device=sim.device).view(1, -1)  # (P, W)
         return _unique_rows(torch.cat([supports, window], dim=1), int(length.max()) + 1)  # (P, R*K + W) -> (P, M)
-
-    def describe(self) -> dict:
-        described = super().describe()
-        if self.backend == "cpu":
-            from retopk_core.cpu import launch
-            described["backend"] = "cpu" if launch.available() else "torch (cpu kernel not built)"
-        return described
 
 
 def plain_dense(lengths: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:

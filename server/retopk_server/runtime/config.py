@@ -11,6 +11,7 @@ from retopk_server.runtime.method_spec import MethodSpec
 WEIGHTS = ("auto", "as-stored", "float32", "bfloat16", "float16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton", "cpu")
+FUSED_CPU = ("retopk", "full", "exact_topk")  # methods with a step in retopk_core/cpu
 # "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
 ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 
@@ -45,8 +46,8 @@ class RuntimeConfig:
                     "auto": as-stored on a CPU, bfloat16 on CUDA (the packed int4 / int8 ops used are CPU ones)
     kv_dtype        the KV cache's dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 (half the bytes
                     every exact pass and dense step reads; attention accumulates in float32 either way)
-    backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK through its
-                    fused C++ kernel, retopk_core/cpu, the other methods' torch code) or "auto": "cpu" on a CPU
+    backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and Exact
+                    Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or "auto": "cpu" on a CPU
                     device where that kernel was built and loads, else "torch"; see ``method_backend``
     default_method  the method of a session opened without one
     max_context     longest context a session may hold; default the model's max_position_embeddings
@@ -104,7 +105,8 @@ class RuntimeConfig:
                 raise ValueError(f"rope_scaling factor must be a number >= 1, got {factor!r}")
 
     def method_backend(self, method: str) -> str:
-        """The backend handed to method ``method`` (a registry name): only ReTopK has a fused CPU kernel."""
+        """The backend handed to method ``method`` (a registry name): "cpu" only to the methods with a fused CPU
+        kernel (FUSED_CPU: ReTopK, Full attention, Exact Top-K), the others' torch code otherwise."""
         backend = self.backend
         if backend == "auto":
             import torch
@@ -112,8 +114,8 @@ class RuntimeConfig:
             from retopk_core.cpu import launch
 
             cpu = torch.device(self.device).type == "cpu"
-            backend = "cpu" if cpu and method == "retopk" and launch.available() else "torch"
-        return "torch" if backend == "cpu" and method != "retopk" else backend
+            backend = "cpu" if cpu and method in FUSED_CPU and launch.available() else "torch"
+        return "torch" if backend == "cpu" and method not in FUSED_CPU else backend
 
     def weight_format(self) -> str:
         """``weights`` with "auto" resolved for the device."""

@@ -1,4 +1,4 @@
-"""How the runtime picks ReTopK's fused CPU kernel: backend "auto" (the default) on a CPU device where it
+"""How the runtime picks the fused CPU kernel (ReTopK, Full, Exact Top-K): backend "auto" (the default) on a CPU device where it
 loaded, "cpu" explicitly; the tokens then equal those of the torch reference code."""
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ def test_method_backend_resolution():
     assert RuntimeConfig(device="cuda").method_backend("retopk") == "torch"
     for backend in ("torch", "triton"):
         assert RuntimeConfig(backend=backend).method_backend("retopk") == backend
+    for method in ("full", "exact_topk"):  # the dense baselines have fused steps too
+        assert RuntimeConfig().method_backend(method) == fused
+        assert RuntimeConfig(backend="cpu").method_backend(method) == "cpu"
     for backend in ("auto", "cpu"):  # the other methods have no fused CPU kernel: their torch code
-        assert RuntimeConfig(backend=backend).method_backend("exact_topk") == "torch"
+        assert RuntimeConfig(backend=backend).method_backend("quest") == "torch"
     assert RuntimeConfig(backend="cpu").method_backend("retopk") == "cpu"
     with pytest.raises(ValueError, match="backend"):
         RuntimeConfig(backend="cuda")
