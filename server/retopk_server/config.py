@@ -120,7 +120,7 @@ class ServerConfig:
             self.method_spec().build()
         except ValueError as e:
             raise ValueError(f"method: {e}") from None
-        self.runtime_config()  # validates model, weights, kv_dtype, backend, max_context, rope_scaling, chunk and block sizes
+        self.runtime_config()  # validates the runtime's settings (model, weights, kv_dtype, backend, sizes, ...)
         self.engine_config()  # validates the limits
 
     def _check_security(self) -> None:

@@ -18,7 +18,6 @@ layer all of them travel to the host in one packed copy, which also completes th
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 

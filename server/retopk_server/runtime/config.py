@@ -46,9 +46,10 @@ class RuntimeConfig:
                     "auto": as-stored on a CPU, bfloat16 on CUDA (the packed int4 / int8 ops used are CPU ones)
     kv_dtype        the KV cache's dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 (half the bytes
                     every exact pass and dense step reads; attention accumulates in float32 either way)
-    backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and Exact
-                    Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or "auto": "cpu" on a CPU
-                    device where that kernel was built and loads, else "torch"; see ``method_backend``
+    backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
+                    Exact Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or
+                    "auto": "cpu" on a CPU device where that kernel was built and loads, else "torch"; see
+                    ``method_backend``
     default_method  the method of a session opened without one
     max_context     longest context a session may hold; default the model's max_position_embeddings
                     (times the RoPE scaling factor when ``rope_scaling`` is set). Larger than the trained

@@ -1,5 +1,5 @@
-"""How the runtime picks the fused CPU kernel (ReTopK, Full, Exact Top-K): backend "auto" (the default) on a CPU device where it
-loaded, "cpu" explicitly; the tokens then equal those of the torch reference code."""
+"""How the runtime picks the fused CPU kernel (ReTopK, Full, Exact Top-K): backend "auto" (the default) on a
+CPU device where it loaded, "cpu" explicitly; the tokens then equal those of the torch reference code."""
 
 from __future__ import annotations
 

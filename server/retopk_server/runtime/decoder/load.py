@@ -156,7 +156,8 @@ class GGUFTensors:
 
         qtype, data = self.rows(name)
         t = self.tensors[name]
-        return torch.from_numpy(np.ascontiguousarray(dequantize(data, t.tensor_type))).float().reshape(data.shape[0], -1)
+        w = np.array(dequantize(data, t.tensor_type), dtype=np.float32)  # a writable copy (F32 tensors map the file)
+        return torch.from_numpy(w).float().reshape(data.shape[0], -1)
 
     def linear(self, names: list[str], weights: str) -> Linear:
         """The named matmul weights stacked along their outputs (fused QKV, gate-up), in ``weights``."""
