@@ -324,31 +324,69 @@ float keep_best(std::vector<Scored>& buf, int64_t k) {
   return buf[k - 1].first;
 }
 
+RETOPK_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) on 8 lanes for x <= 0 (a softmax's scores minus their max): 2^t with t = x log2(e) = n + f,
+// n = round(t), |f| <= 1/2, 2^f = e^(f ln 2) by its Taylor series to degree 7 (relative error below
+// 2e-8 for |f ln 2| <= 0.35), 2^n put into the exponent bits. Lanes below -87 (2^n would underflow) give 0.
+RETOPK_INLINE v8f exp8(v8f x) {
+  const v8i tiny = x < -87.f;
+  const v8f t = x * 1.44269504088896341f;
+  const v8i n = __builtin_convertvector(t + (t < 0.f ? -0.5f : 0.5f) * 1.f, v8i);  // round half away from 0
+  const v8f f = (t - __builtin_convertvector(n, v8f)) * 0.69314718055994531f;  // f ln 2, |.| <= 0.347
+  v8f p = f * (1.f / 5040) + 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  v8i bits = (n + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  v8f r = p * scale;
+  v8i out;
+  std::memcpy(&out, &r, sizeof out);
+  out &= ~tiny;
+  std::memcpy(&r, &out, sizeof r);
+  return r;
+}
+
 // w[0..n) <- softmax(w): exp(w_i - max) / Σ.
 RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
   float m = kNegInf, sum = 0.f;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, w[i]);
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  v8f acc{};
+  for (; i + 8 <= n; i += 8) {
+    const v8f e = exp8(load8(w + i) - m);
+    store8(w + i, e);
+    acc += e;
+  }
+  for (int l = 0; l < 8; ++l) sum += acc[l];
+  for (; i < n; ++i) {
     w[i] = std::exp(w[i] - m);
     sum += w[i];
   }
   const float inv = 1.f / sum;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) w[i] *= inv;
+  for (int64_t k = 0; k < n; ++k) w[k] *= inv;
 }
 
-// acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for nh heads and m consecutive value rows.
+// acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for nh heads and m consecutive value rows:
+// each value row is loaded (and widened) once for the nh heads, whose accumulators stay in L1.
 template <typename T>
 RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
                                  float* acc) {
   for (int64_t j = 0; j < m; ++j) {
     const T* r = rows + j * dv;
-    for (int64_t e = 0; e < nh; ++e) {
-      const float wj = w[e * wstride + j];
-      float* a = acc + e * dv;
-#pragma omp simd
-      for (int64_t c = 0; c < dv; ++c) a[c] += wj * to_float(r[c]);
+    int64_t c = 0;
+    for (; c + 8 <= dv; c += 8) {
+      const v8f x = load8(r + c);
+      for (int64_t e = 0; e < nh; ++e) store8(acc + e * dv + c, load8(acc + e * dv + c) + w[e * wstride + j] * x);
     }
+    for (; c < dv; ++c)
+      for (int64_t e = 0; e < nh; ++e) acc[e * dv + c] += w[e * wstride + j] * to_float(r[c]);
   }
 }
 

@@ -186,7 +186,8 @@ class KVPool:
         """Store new keys/values k, v: (B, H_kv, T, d) at ``rows`` (B, H_kv, T) from ``rows()``."""
         flat = rows.view(-1)
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-            pool.view(-1, pool.shape[-1]).index_copy_(0, flat, x.reshape(-1, x.shape[-1]).to(pool.dtype))
+            x = x.to(pool.dtype, memory_format=torch.contiguous_format)  # cast and lay out rows in one copy
+            pool.view(-1, pool.shape[-1]).index_copy_(0, flat, x.reshape(-1, x.shape[-1]))
 
     def paged(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedKV:
         return PagedKV(self.k[layer], self.v[layer], table, lengths)
