@@ -34,6 +34,7 @@ from bench.eval.common import load_corpus, prefill_all, progress_bar
 from retopk_server.cli import parse_params, parse_rope_scaling
 from retopk_server.config import ServerConfig
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+from retopk_server.runtime.config import KV_DTYPES, WEIGHTS
 
 DEFAULT_METHODS = ["full", "exact_topk:top_k=64", "retopk:top_k=64", "default"]
 
@@ -56,7 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                    help='method specs "name[:key=value,...]" (default: %(default)s)')
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
-    p.add_argument("--no-generate", action="store_true", help="skip transformers' generate baseline")
+    p.add_argument("--no-generate", action="store_true", help="skip transformers' generate baseline (always "
+                   "skipped with --rope-scaling)")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS, help="matmul weight format (RuntimeConfig.weights)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="KV cache dtype (RuntimeConfig.kv_dtype)")
     p.add_argument("--rope-scaling", type=parse_rope_scaling, default=None,
                    help='extend the context by RoPE scaling, e.g. "linear:4" (lengths past the trained positions)')
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -140,17 +144,19 @@ def tokens_needed(length: int, n: int, rounds: int) -> int:
 
 
 def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: list[int], n: int,
-        with_generate: bool = True, rounds: int = 1, progress=None, on_length=None) -> list[dict]:
+        generate_model=None, rounds: int = 1, progress=None, on_length=None) -> list[dict]:
     """Every method (and transformers' generate) at every length on the prompt ids[:L].
 
     The prompt's dense prefix is computed once per length and copied into every method's session
     (``bench.eval.common.prefill_all``; each method prefills the prompt's last tokens itself, so its
     prefill hook sees them as after a plain prefill). The methods take turns, n tokens each per round,
     for ``rounds`` rounds: the machine's speed drifts over minutes, and turns spread that drift over
-    every method alike. ``progress`` (a tqdm bar or None) advances once per method and round;
+    every method alike. ``generate_model``: a transformers model of the same weights whose own ``generate``
+    is timed too (a slower outside baseline; None: not timed). ``progress`` (a tqdm bar or None) advances once per method and round;
     ``on_length(rows)`` is called with the rows so far after each length.
     """
     rows = []
+    with_generate = generate_model is not None
     for L in lengths:
         prompt = ids[:L]
         opened = [runner.open_session(spec) for spec in specs]
@@ -170,7 +176,7 @@ def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: l
                         progress.update(1)
                 if with_generate:
                     with torch.inference_mode():
-                        generate_ms.append(time_generate(runner.model, prompt, n))
+                        generate_ms.append(time_generate(generate_model, prompt, n))
                     if progress is not None:
                         progress.update(1)
         finally:
@@ -195,7 +201,8 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     specs = [parse_method(m) for m in args.methods]
-    runner = ModelRunner(RuntimeConfig(model=args.model, default_method=specs[0], rope_scaling=args.rope_scaling))
+    runner = ModelRunner(RuntimeConfig(model=args.model, default_method=specs[0], rope_scaling=args.rope_scaling,
+                                       weights=args.weights, kv_dtype=args.kv_dtype))
     ids = runner.encode(load_corpus(args.corpus)[:8 * max(args.lengths)], add_special_tokens=False)  # ~4 chars a token
     if len(ids) < max(args.lengths):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the longest length {max(args.lengths)}")
@@ -216,9 +223,14 @@ def main(argv=None) -> list[dict]:
         bar.write(table([r for r in rows if r["L"] == rows[-1]["L"]]))
         save(rows)
 
-    bar = progress_bar(len(args.lengths) * args.rounds * (len(specs) + (not args.no_generate)), "e2e_cpu")
+    generate_model = None
+    if not (args.no_generate or args.rope_scaling):
+        from retopk_core.models import load_model
+
+        generate_model = load_model(args.model)[0]  # float32, transformers' own modules
+    bar = progress_bar(len(args.lengths) * args.rounds * (len(specs) + (generate_model is not None)), "e2e_cpu")
     with bar:
-        rows = run(runner, specs, ids, args.lengths, args.new_tokens, not args.no_generate, args.rounds, bar,
+        rows = run(runner, specs, ids, args.lengths, args.new_tokens, generate_model, args.rounds, bar,
                    on_length=report)
     print(table(rows))
     save(rows)

@@ -26,7 +26,7 @@ import torch
 from retopk_client.params import parse_params
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
-from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
+from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
 
 KJV = "kjv"  # the default corpus: the King James Bible from Debian's bible-kjv package
 KJV_COMMAND = ["bible", "-f", "Gen1:1-Rev22:21"]
@@ -90,8 +90,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m",
                    help="embedded model name or a local transformers checkpoint dir / .gguf file")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    g.add_argument("--weights", default="float32", choices=WEIGHTS,
+                   help="matmul weight format (RuntimeConfig.weights; float32 = the dequantized reference model; "
+                        "the server's auto is as-stored on a CPU)")
+    g.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                   help="KV cache dtype (RuntimeConfig.kv_dtype; the server's auto is bfloat16)")
+    g.add_argument("--backend", default="torch", choices=["torch", "triton", "cpu"])
     g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="extend the context past the model's positions, e.g. linear:4 or yarn:8")
     g.add_argument("--threads", type=int, default=1,
@@ -146,7 +150,7 @@ def corpus_documents(args, runner, n_docs: int, lengths: list[int]) -> dict[int,
 
 
 def make_runner(args):
-    """A ModelRunner from the parsed --model/--device/--dtype/--backend/--rope-scaling options."""
+    """A ModelRunner from the parsed --model/--device/--weights/--kv-dtype/--backend/--rope-scaling options."""
     from retopk_server.runtime import ModelRunner, RuntimeConfig
 
     if args.threads:
@@ -155,8 +159,8 @@ def make_runner(args):
     if args.rope_scaling:
         kind, _, factor = args.rope_scaling.partition(":")
         rope = {"rope_type": kind, "factor": float(factor or 1)}
-    return ModelRunner(RuntimeConfig(model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
-                                     rope_scaling=rope))
+    return ModelRunner(RuntimeConfig(model=args.model, device=args.device, weights=args.weights,
+                                     kv_dtype=args.kv_dtype, backend=args.backend, rope_scaling=rope))
 
 
 # ---- methods -------------------------------------------------------------------------------------
@@ -454,8 +458,9 @@ def run_meta(args, runner, started: float, **extra) -> dict:
     info = runner.info
     return {"command": command_line(), "model": info.name, "architecture": info.architecture,
             "layers": info.num_layers, "heads": info.num_heads, "kv_heads": info.num_kv_heads,
-            "head_dim": info.head_dim, "max_context": info.max_context, "dtype": info.dtype, "device": info.device,
-            "backend": info.backend, "corpus": getattr(args, "corpus", None), "top_k": getattr(args, "top_k", None),
+            "head_dim": info.head_dim, "max_context": info.max_context, "weights": info.weight_format,
+            "kv_dtype": info.kv_dtype, "device": info.device, "backend": info.backend,
+            "corpus": getattr(args, "corpus", None), "top_k": getattr(args, "top_k", None),
             "torch_threads": torch.get_num_threads(), "host": platform.node(), "python": platform.python_version(),
             "seconds": round(time.time() - started, 1), **extra}
 
@@ -491,7 +496,7 @@ def write_results(out: Path, name: str, title: str, tables: list[tuple[str, str]
     out.mkdir(parents=True, exist_ok=True)
     md = [f"# {title}", "", f"`{meta['command']}`", "",
           f"model {meta['model']} ({meta['layers']} layers, {meta['heads']} heads, {meta['kv_heads']} KV heads), "
-          f"{meta['dtype']} on {meta['device']}, backend {meta['backend']}, corpus {meta.get('corpus')}, "
+          f"weights {meta['weights']}, KV cache {meta['kv_dtype']} on {meta['device']}, backend {meta['backend']}, corpus {meta.get('corpus')}, "
           f"{meta['seconds']} s", ""]
     for caption, table in tables:
         if caption:

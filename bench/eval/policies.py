@@ -113,8 +113,8 @@ def spec_key(run) -> str:
 # ---- stored results -----------------------------------------------------------------------------
 def stage_settings(args, runner, stage: str) -> dict:
     info = runner.info
-    base = {"model": info.name, "dtype": info.dtype, "backend": info.backend, "corpus": args.corpus,
-            "rope_scaling": args.rope_scaling, "top_k": args.top_k}
+    base = {"model": info.name, "weights": info.weight_format, "kv_dtype": info.kv_dtype, "backend": info.backend,
+            "corpus": args.corpus, "rope_scaling": args.rope_scaling, "top_k": args.top_k}
     if stage == "ppl":
         return {**base, "lengths": args.lengths, "docs": args.docs, "suffix": args.suffix}
     if stage == "niah":

@@ -29,7 +29,7 @@ def test_e2e_rows_for_every_method_and_length():
     assert specs[3].build().config.gqa_policy == "promote"
     runner = ModelRunner(RuntimeConfig(model="tiny", default_method=specs[0]), model=model)
     ids = torch.randint(0, 128, (100,)).tolist()
-    rows = e2e_cpu.run(runner, specs, ids, [40, 90], n=3, rounds=2, progress=(bar := Ticks()))
+    rows = e2e_cpu.run(runner, specs, ids, [40, 90], n=3, generate_model=model, rounds=2, progress=(bar := Ticks()))
     assert [(r["L"], r["label"]) for r in rows] == [
         (L, label) for L in (40, 90)
         for label in ("full", "exact_topk(top_k=8)", "retopk(cache_size=4,tau=0.5,top_k=8)",

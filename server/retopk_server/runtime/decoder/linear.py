@@ -10,6 +10,11 @@
 
 Every format keeps the float32 residual stream outside: only the matmul runs in 16 bits, its result is
 widened again. ``nbytes`` is what one matmul reads, the decode step's weight traffic.
+
+The packed ops are GEMVs: at prefill's row counts they run an order of magnitude slower than a GEMM
+(BENCHMARKS.md). The quantized formats therefore also hold their weights dequantized in ``WIDE_DTYPE``
+(bfloat16 where the CPU has bf16 dot products, else float32) and multiply through it from ``WIDE_ROWS``
+rows on: decode steps read the packed bytes, prefill chunks run a GEMM.
 """
 
 from __future__ import annotations
@@ -17,6 +22,18 @@ from __future__ import annotations
 import torch
 
 INT4_GROUP = 32
+WIDE_ROWS = 16  # rows of x from which a quantized linear multiplies through its dequantized copy
+
+
+def wide_dtype() -> torch.dtype:
+    """The dtype of the quantized formats' dequantized copies: bfloat16 where the CPU multiplies it natively."""
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+
+
+def wide_matmul(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) float32 @ wide (out, in)^T -> (M, out) float32 (+ bias): the GEMM of a prefill chunk."""
+    y = torch.nn.functional.linear(x.to(wide.dtype), wide).float()
+    return y if bias is None else y + bias
 
 
 class DenseLinear:
@@ -59,6 +76,8 @@ class Int4Linear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (in/g, out, 2)
         self.bias = None if bias is None else bias.float()
+        s, z = (self.scale_zero[..., i].t().float().unsqueeze(-1) for i in (0, 1))  # (out, in/g, 1), as the op reads
+        self.wide = ((q.float().view(out, -1, group) - 8) * s + z).view(out, inp).to(wide_dtype())  # (out, in)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP) -> Int4Linear:
@@ -75,6 +94,8 @@ class Int4Linear:
         return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= WIDE_ROWS:
+            return wide_matmul(x, self.wide, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group,
                                                        self.scale_zero).float()  # (M, out)
         return y if self.bias is None else y + self.bias
@@ -98,6 +119,7 @@ class Int8Linear:
         self.q = q.to(torch.int8).contiguous()
         self.scale = scale.to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.float()
+        self.wide = (self.q.float() * self.scale.float().unsqueeze(1)).to(wide_dtype())  # (out, in)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -115,6 +137,8 @@ class Int8Linear:
         return self.q.numel() + self.scale.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= WIDE_ROWS:
+            return wide_matmul(x, self.wide, self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).float()  # (M, out)
         return y if self.bias is None else y + self.bias
 
