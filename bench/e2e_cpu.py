@@ -152,8 +152,8 @@ def run(runner: ModelRunner, specs: list[MethodSpec], ids: list[int], lengths: l
     prefill hook sees them as after a plain prefill). The methods take turns, n tokens each per round,
     for ``rounds`` rounds: the machine's speed drifts over minutes, and turns spread that drift over
     every method alike. ``generate_model``: a transformers model of the same weights whose own ``generate``
-    is timed too (a slower outside baseline; None: not timed). ``progress`` (a tqdm bar or None) advances once per method and round;
-    ``on_length(rows)`` is called with the rows so far after each length.
+    is timed too (a slower outside baseline; None: not timed). ``progress`` (a tqdm bar or None) advances
+    once per method and round; ``on_length(rows)`` is called with the rows so far after each length.
     """
     rows = []
     with_generate = generate_model is not None

@@ -496,7 +496,8 @@ def write_results(out: Path, name: str, title: str, tables: list[tuple[str, str]
     out.mkdir(parents=True, exist_ok=True)
     md = [f"# {title}", "", f"`{meta['command']}`", "",
           f"model {meta['model']} ({meta['layers']} layers, {meta['heads']} heads, {meta['kv_heads']} KV heads), "
-          f"weights {meta['weights']}, KV cache {meta['kv_dtype']} on {meta['device']}, backend {meta['backend']}, corpus {meta.get('corpus')}, "
+          f"weights {meta['weights']}, KV cache {meta['kv_dtype']} on {meta['device']}, backend {meta['backend']}, "
+          f"corpus {meta.get('corpus')}, "
           f"{meta['seconds']} s", ""]
     for caption, table in tables:
         if caption:
