@@ -455,6 +455,9 @@ class ModelInfo(_Dictable):
     server_version: str
     default_sampling: Sampling = Sampling()  # what each unset sampling field of a request takes
     default_sampling_source: str = ""
+    weight_format: str = ""  # the matmul weights as served, e.g. "int4, lm_head int8"
+    weight_bytes: int = 0  # weight bytes one decode step reads
+    kv_dtype: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:

@@ -35,7 +35,7 @@ Traffic and load
   retopk_kv_cache_bytes{kind=used|reserved}, retopk_query_cache_bytes{kind=used|reserved} (ReTopK's per-head
   query-support FIFOs and the other methods' state), retopk_cache_budget_bytes (the budget both share,
   --kv-cache-bytes), retopk_sessions_evicted_total (idle sessions closed to make room in it),
-  retopk_model_info{architecture,layers,heads,...} = 1
+  retopk_model_info{architecture,layers,heads,...,weight_format,kv_dtype} = 1
 Router-facing load (plain gauges a gateway or the Gateway API Inference Extension's endpoint picker scores
 replicas by; docs/deploy.md names the picker's flags)
   retopk_requests_waiting, retopk_requests_running, retopk_kv_cache_utilization_ratio (0..1: the share of the
@@ -293,7 +293,7 @@ class Metrics:
                                  registry=r)
         self.model_info = Gauge(PREFIX + "model_info", "The served model (value 1).",
                                 [*m, "architecture", "layers", "heads", "kv_heads", "head_dim", "device",
-                                 "backend", "default_method"], registry=r)
+                                 "backend", "default_method", "weight_format", "kv_dtype"], registry=r)
 
 
 _MODEL_ONLY = ("exact_share", "running", "waiting", "kv_utilization", "cache_budget", "evictions", "prompt_tokens",
@@ -346,7 +346,8 @@ class MetricsObserver(EngineObserver):
                 counter.add(self.model, np.zeros(info.num_layers, np.int64))
         self.metrics.model_info.labels(
             self.model, info.architecture, str(info.num_layers), str(info.num_heads), str(info.num_kv_heads),
-            str(info.head_dim), str(info.device), str(info.backend), info.default_method.name).set(1)
+            str(info.head_dim), str(info.device), str(info.backend), info.default_method.name, info.weight_format,
+            info.kv_dtype).set(1)
 
     def on_queue_wait(self, request, seconds: float) -> None:
         self._one["queue_wait"].observe(seconds)

@@ -78,6 +78,9 @@ class FakeInfo:
     # the real runner's fallback (no generation config); top_p 0.9 keeps only the fake's one likely token
     sampling_defaults: tuple = CHAT_DEFAULTS
     sampling_source: str = CHAT_DEFAULTS_SOURCE
+    weight_format: str = "float32, lm_head float32"
+    weight_bytes: int = 1024
+    kv_dtype: str = "float32"
 
 
 class FakeRunner:

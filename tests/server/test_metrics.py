@@ -261,7 +261,8 @@ def test_router_load_gauges_follow_the_engines_load_and_the_kv_pool():
     usage = [MemoryUsage()]
     observer = MetricsObserver("m", per_head=False, memory_interval_s=0.0)
     info = SimpleNamespace(architecture="A", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, device="cpu",
-                           backend="torch", default_method=SimpleNamespace(name="full"))
+                           backend="torch", default_method=SimpleNamespace(name="full"), weight_format="int4",
+                           kv_dtype="bfloat16")
     observer.on_start(info, lambda: usage[0])
     observer.on_load(0, 0, 0)
     samples = scrape(observer.metrics)

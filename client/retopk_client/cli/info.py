@@ -38,7 +38,9 @@ def run_info(args: argparse.Namespace) -> int:
         f"model           {m.name} ({m.architecture})",
         f"shape           {m.num_layers} layers, {m.num_heads} heads, {m.num_kv_heads} kv heads, head dim {m.head_dim}",
         f"context         {m.max_context} tokens, vocabulary {m.vocab_size}",
-        f"device          {m.device} {m.dtype}, attention backend {m.backend}",
+        f"device          {m.device}, attention backend {m.backend}",
+        f"weights         {m.weight_format} ({m.weight_bytes / 1e6:.1f} MB read per decode step), "
+        f"KV cache {m.kv_dtype}, activations {m.dtype}",
         f"default method  {m.default_method.describe()}",
         f"methods         {', '.join(m.methods)}",
         f"sampling        {_sampling(m.default_sampling)} for unset fields ({m.default_sampling_source})",

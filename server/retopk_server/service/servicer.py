@@ -244,7 +244,8 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                             default_method=convert.method_message(default.name, describe_method(default)),
                             methods=serving_method_names(), limits=limits, server_version=self.version,
                             default_sampling=convert.sampling_message(info.sampling_defaults),
-                            default_sampling_source=info.sampling_source)
+                            default_sampling_source=info.sampling_source, weight_format=info.weight_format,
+                            weight_bytes=info.weight_bytes, kv_dtype=info.kv_dtype)
 
     @_unary
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context, _caller: Caller) -> pb.ServerStatus:
