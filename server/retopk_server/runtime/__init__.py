@@ -1,4 +1,4 @@
-"""The model runtime: transformers causal LMs with attention routed to the ReTopK core, sessions, sampling.
+"""The model runtime: a Llama-family decoder with attention routed to the ReTopK core, sessions, sampling.
 
     runner = ModelRunner(RuntimeConfig())                      # the embedded SmolLM2-135M-Instruct
     session = runner.open_session(MethodSpec.of("retopk", top_k=64))
@@ -8,9 +8,9 @@
     logits, stats = runner.decode([session], [token], with_stats=True)   # (1, vocab), [StepStats]
 
 Files: config.py (RuntimeConfig), method_spec.py (MethodSpec), runner.py (ModelRunner, ModelInfo,
-ContextTooLong), session.py, kv_pool.py (per-layer KV block pools), attention.py (the attention function
-registered with transformers, grouping a batch by method), cache.py (the Cache subclass that writes k/v to
-the pool), sampling.py (SamplingParams, Sampler, StopChecker), stats.py (StepStats), memory.py (MemoryUsage),
+ContextTooLong), decoder/ (the forward over weights in their served format: linear.py, llama.py, load.py),
+session.py, kv_pool.py (per-layer KV block pools), attention.py (each layer's attention: k/v into the pool,
+dense prefill or the rows' methods, a batch grouped by method), sampling.py (SamplingParams, Sampler, StopChecker), stats.py (StepStats), memory.py (MemoryUsage),
 loading.py. ModelRunner is the engine's ``Runner`` (retopk_server/engine/runner_protocol.py).
 
 Contexts longer than the model's trained positions are refused (ContextTooLong) unless
