@@ -11,7 +11,8 @@ Files: config.py (RuntimeConfig), method_spec.py (MethodSpec), runner.py (ModelR
 ContextTooLong), decoder/ (the forward over weights in their served format: linear.py, llama.py, load.py),
 session.py, kv_pool.py (per-layer KV block pools), attention.py (each layer's attention: k/v into the pool,
 dense prefill or the rows' methods, a batch grouped by method), sampling.py (SamplingParams, Sampler,
-StopChecker), stats.py (StepStats), memory.py (MemoryUsage), loading.py. ModelRunner is the engine's ``Runner`` (retopk_server/engine/runner_protocol.py).
+StopChecker), stats.py (StepStats), memory.py (MemoryUsage), loading.py. ModelRunner is the engine's
+``Runner`` (retopk_server/engine/runner_protocol.py).
 
 Contexts longer than the model's trained positions are refused (ContextTooLong) unless
 RuntimeConfig.rope_scaling is set, e.g. {"rope_type": "linear", "factor": 4.0} for 4x the positions.
