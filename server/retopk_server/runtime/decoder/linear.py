@@ -81,13 +81,14 @@ class Int4Linear:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP) -> Int4Linear:
-        """Round-to-nearest asymmetric quantization of a float weight (out, in): per group, s = (max - min) / 15,
-        q = round((w - min) / s), and w ~ s q + min, i.e. z = min + 8 s."""
+        """Round-to-nearest asymmetric quantization of a float weight (out, in): per group, s = (max - min) / 15
+        and z = min + 8 s, both rounded to the bfloat16 the op stores, then q = round((w - z) / s) + 8."""
         w = weight.float().unflatten(1, (-1, group))  # (out, in/g, g)
         lo, hi = w.amin(-1), w.amax(-1)  # (out, in/g)
-        s = ((hi - lo) / 15).clamp_min(1e-12)
-        q = ((w - lo.unsqueeze(-1)) / s.unsqueeze(-1)).round().clamp(0, 15).flatten(1)
-        return cls(q, s, lo + 8 * s, bias, group)
+        s = ((hi - lo) / 15).clamp_min(1e-12).bfloat16().float()
+        z = (lo + 8 * s).bfloat16().float()
+        q = ((w - z.unsqueeze(-1)) / s.unsqueeze(-1) + 8).round().clamp(0, 15).flatten(1)
+        return cls(q, s, z, bias, group)
 
     @property
     def nbytes(self) -> int:
@@ -123,9 +124,9 @@ class Int8Linear:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per-row quantization: s = max |w| / 127, q = round(w / s)."""
+        """Symmetric per-row quantization: s = max |w| / 127 rounded to the bfloat16 the op stores, q = round(w / s)."""
         w = weight.float()
-        s = (w.abs().amax(1) / 127).clamp_min(1e-12)  # (out,)
+        s = (w.abs().amax(1) / 127).clamp_min(1e-12).bfloat16().float()  # (out,)
         return cls((w / s.unsqueeze(1)).round().clamp(-127, 127), s, bias)
 
     @property
