@@ -31,8 +31,9 @@ needs_kernel = pytest.mark.skipif(not launch.available(),
 
 
 def twin_run(cfg: dict, trace, H: int, H_kv: int, use_paged=False, dtype=torch.float32, no_prefill=False,
-             strided_q=False):
-    """Yield per step (torch StepOutput, cpu StepOutput, torch state, cpu state) over the same trace."""
+             strided_q=False, q_dtype=None):
+    """Yield per step (torch StepOutput, cpu StepOutput, torch state, cpu state) over the same trace; keys
+    and values in ``dtype``, queries in ``q_dtype`` (default: ``dtype``)."""
     B, d = len(trace.prompt_lens), trace.keys.shape[-1]
     methods = {name: make_method("retopk", backend=name, **cfg) for name in ("torch", "cpu")}
     state = methods["torch"].init_state(H, H_kv, d, capacity=1)  # grows while allocating B slots
@@ -52,7 +53,7 @@ def twin_run(cfg: dict, trace, H: int, H_kv: int, use_paged=False, dtype=torch.f
             kv = PagedKV(kv.k_pool.to(dtype), kv.v_pool.to(dtype), kv.block_table, kv.lengths)
         else:
             kv = PagedKV.contiguous(keys, values, lengths)
-        q = trace.queries[t].to(dtype)
+        q = trace.queries[t].to(q_dtype or dtype)
         if strided_q:  # as the runner passes it: a view into (B, H, 1, d) with padding around
             q = torch.zeros(B, H, 3, d, dtype=dtype).index_copy(2, torch.tensor([1]), q.unsqueeze(2))[:, :, 1]
         outs = {name: methods[name].decode(q, kv, states[name], slots) for name in ("torch", "cpu")}
@@ -128,6 +129,20 @@ def test_half_precision_kv_matches_torch_path(dtype, use_paged):
     for a, b, sa, sb in twin_run(cfg, trace, 6, 2, use_paged, dtype=dtype):
         assert b.out.dtype == dtype
         assert_same_step(a, b, sa, sb, tol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_paged", [False, True])
+def test_16_bit_kv_with_float32_queries_matches_torch_path_at_float32_tolerance(dtype, use_paged):
+    """The runtime's setting: float32 queries over a 16-bit KV cache. Both backends widen the same 16-bit
+    values exactly and accumulate in float32, so paths, selected sets and the whole state must agree and
+    the outputs within float32 rounding, as tightly as with a float32 cache."""
+    cfg = dict(top_k=16, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=5, gqa_policy="promote")
+    trace = make_trace(B=3, H=6, H_kv=2, d=32, prompt_lens=(40, 20, 9), steps=10, T=6)
+    for a, b, sa, sb in twin_run(cfg, trace, 6, 2, use_paged, dtype=dtype, q_dtype=torch.float32):
+        assert b.out.dtype == torch.float32
+        assert_same_step(a, b, sa, sb)
 
 
 @needs_kernel
