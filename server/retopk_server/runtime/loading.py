@@ -8,7 +8,10 @@ goes through transformers' from_pretrained first. Nothing is downloaded: every r
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +55,7 @@ def with_rope_scaling(config, rope_scaling: dict | None):
 def load(name: str, weights: str, rope_scaling: dict | None = None) -> LoadedModel:
     """The model ``name`` (an embedded name, a checkpoint directory or a .gguf file) with its weights in
     format ``weights``; ModelNotFoundError (retopk_core.models) when it is not on this machine."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     from retopk_core.models import resolve_model
 
@@ -72,7 +75,7 @@ def load(name: str, weights: str, rope_scaling: dict | None = None) -> LoadedMod
         kwargs["gguf_file"] = source.gguf_file
         log.info("reading %s: config and tokenizer", source.gguf_file)
         config = with_rope_scaling(AutoConfig.from_pretrained(source.path, **kwargs), rope_scaling)
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+        tokenizer = gguf_tokenizer(Path(source.path) / source.gguf_file)
         log.info("reading %s: weights (%s)", source.gguf_file, weights)
         decoder = from_gguf(str(Path(source.path) / source.gguf_file), config, weights)
         generation = GenerationConfig.from_model_config(config)
@@ -89,3 +92,36 @@ def from_model(model, weights: str, rope_scaling: dict | None = None) -> LoadedM
     decoder.rotary = rotary_for(config)
     return LoadedModel(decoder, None, config, getattr(model, "generation_config", None), type(model).__name__)
 
+
+
+def tokenizer_cache(gguf: Path) -> Path:
+    """Where the tokenizer converted from ``gguf`` is kept: $XDG_CACHE_HOME (or ~/.cache)/retopk/tokenizers/,
+    keyed by the file's path, size and modification time."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "retopk" / "tokenizers" / key
+
+
+def gguf_tokenizer(gguf: Path):
+    """The tokenizer of a GGUF file. transformers builds it from the file's vocabulary and merges, which takes
+    most of a start (about 10 s for SmolLM2's 49K tokens); the result is saved once and read back after."""
+    from transformers import AutoTokenizer
+
+    cache = tokenizer_cache(gguf)
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt below
+            log.warning("tokenizer cache %s unreadable (%s): converting the GGUF's vocabulary again", cache, e)
+    log.info("converting the tokenizer of %s (once; kept in %s)", gguf.name, cache)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        tmp.replace(cache)  # one rename: a concurrent start reads no half-written folder
+    except OSError as e:  # a read-only home, or another start renamed first: convert on every start / use theirs
+        log.warning("could not keep the converted tokenizer in %s: %s", cache, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer

@@ -89,3 +89,27 @@ def test_quantized_linear_packed_and_wide_paths_equal_the_float_matmul(cls):
         scale = x.abs().double() @ ref_w.abs().T + b.abs().double()  # what the rounding errors scale with
         assert y.dtype == torch.float32 and y.shape == (rows, 96)
         assert ((y.double() - ref).abs() <= 4 * BF16 * scale).all()
+
+
+@pytest.mark.slow
+def test_gguf_tokenizer_is_converted_once_and_read_back_the_same(tmp_path, monkeypatch):
+    """The tokenizer built from the GGUF's vocabulary is saved under $XDG_CACHE_HOME and a second load reads
+    it back: same ids for the same texts, same chat template rendering."""
+    from pathlib import Path
+
+    from retopk_server.runtime.loading import gguf_tokenizer, tokenizer_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gguf = Path(embedded_gguf())
+    converted = gguf_tokenizer(gguf)
+    cache = tokenizer_cache(gguf)
+    assert (cache / "tokenizer.json").is_file() and str(cache).startswith(str(tmp_path))
+    assert not list(cache.parent.glob("*.tmp*"))
+    cached = gguf_tokenizer(gguf)
+    texts = ["The capital of France is Paris.", "  indented\tcode = {'a': 1}\n", "naïve café – 東京 🙂"]
+    for text in texts:
+        assert cached.encode(text) == converted.encode(text)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        converted.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert cached.eos_token_id == converted.eos_token_id
