@@ -2,6 +2,8 @@
 #   make serve   create/refresh .venv and run the gRPC server on the embedded model (ports 50051, 9464)
 #   make test    the same install plus test extras and system packages, then ruff and pytest
 #   make lint | make proto | make install | make install-test | make clean
+#   make bench-llamacpp-deps   benchmark only, never part of test: build llama-cpp-python from source
+#                into the venv (about 15 minutes on 2 cores) for bench/vs_llamacpp.py, llama.cpp as the yardstick
 # An existing .venv is used as it is (VENV=path picks another). Installs are skipped while a stamp
 # keyed on the packaging files' hash exists, so the second run is quick. Each of them also compiles ReTopK's
 # fused CPU kernel (retopk_core/cpu; g++ with OpenMP), a no-op while its build stamp matches; install and
@@ -28,10 +30,10 @@ TEST_STAMP := $(VENV)/.retopk-install-test-$(INSTALL_HASH)
 # Compile retopk_core/cpu/retopk_cpu.cpp into retopk_core/cpu/_build (see retopk_core/cpu/build.py).
 CPU_KERNEL := $(PY) -m retopk_core.cpu.build
 
-.PHONY: help serve test lint proto install install-test system-deps clean
+.PHONY: help serve test lint proto install install-test system-deps clean bench-llamacpp-deps
 
 help:
-	@sed -n '2,6p' Makefile | sed 's/^# //'
+	@sed -n '2,8p' Makefile | sed 's/^# //'
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +79,21 @@ lint: $(TEST_STAMP)
 # pytest exits 5 when it collects no test; make treats that as the failure it is.
 test: install-test proto system-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# llama.cpp as the yardstick (bench/vs_llamacpp.py): llama-cpp-python built from source with the machine's
+# own SIMD (GGML_NATIVE), so it runs as fast as a user's own build would. --no-deps keeps torch and the
+# rest of the venv as they are; its four runtime dependencies are installed here, pinned where absent.
+# A no-op once the pinned version imports; LLAMACPP_CMAKE_ARGS overrides the flags (then pip uninstall
+# llama-cpp-python first).
+LLAMACPP := llama-cpp-python==0.3.36
+LLAMACPP_DEPS := diskcache==5.6.3 "jinja2>=2.11.3" "numpy>=1.20.0" "typing-extensions>=4.5.0"
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+
+bench-llamacpp-deps: | $(PY)
+	$(PIP) install $(LLAMACPP_DEPS)
+	@$(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(word 2,$(subst ==, ,$(LLAMACPP)))')" 2>/dev/null \
+		&& echo "$(LLAMACPP) is already installed" \
+		|| CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir --no-binary llama-cpp-python --no-deps "$(LLAMACPP)"
 
 clean:
 	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_proto .pytest_cache .ruff_cache \
