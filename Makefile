@@ -83,17 +83,31 @@ test: install-test proto system-deps lint
 # llama.cpp as the yardstick (bench/vs_llamacpp.py): llama-cpp-python built from source with the machine's
 # own SIMD (GGML_NATIVE), so it runs as fast as a user's own build would. --no-deps keeps torch and the
 # rest of the venv as they are; its four runtime dependencies are installed here, pinned where absent.
-# A no-op once the pinned version imports; LLAMACPP_CMAKE_ARGS overrides the flags (then pip uninstall
-# llama-cpp-python first).
+# A no-op while the installed build runs (`bench.vs_llamacpp --check` prefills and decodes the embedded
+# GGUF). -march=native turns on ggml's AMX kernels where the CPU reports AMX, and on some VMs those fault
+# (a general protection fault on ldtilecfg at the first prompt; llama.cpp #20824, ollama #17249): a build
+# that crashes in the check is rebuilt once without them (LLAMACPP_NO_AMX). LLAMACPP_CMAKE_ARGS overrides
+# the flags (then pip uninstall llama-cpp-python first).
 LLAMACPP := llama-cpp-python==0.3.36
 LLAMACPP_DEPS := diskcache==5.6.3 "jinja2>=2.11.3" "numpy>=1.20.0" "typing-extensions>=4.5.0"
 LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+LLAMACPP_NO_AMX := -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+	-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+LLAMACPP_BUILD := $(PIP) install --force-reinstall --no-cache-dir --no-binary llama-cpp-python --no-deps "$(LLAMACPP)"
+LLAMACPP_INSTALLED := $(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(word 2,$(subst ==, ,$(LLAMACPP)))')"
+LLAMACPP_CHECK := $(PY) -m bench.vs_llamacpp --check
 
 bench-llamacpp-deps: | $(PY)
 	$(PIP) install $(LLAMACPP_DEPS)
-	@$(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(word 2,$(subst ==, ,$(LLAMACPP)))')" 2>/dev/null \
-		&& echo "$(LLAMACPP) is already installed" \
-		|| CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir --no-binary llama-cpp-python --no-deps "$(LLAMACPP)"
+	@if $(LLAMACPP_INSTALLED) 2>/dev/null && $(LLAMACPP_CHECK) >/dev/null 2>&1; then \
+		echo "$(LLAMACPP) is installed and runs here"; exit 0; fi; \
+	if ! $(LLAMACPP_INSTALLED) 2>/dev/null; then \
+		echo "building $(LLAMACPP) with CMAKE_ARGS=$(LLAMACPP_CMAKE_ARGS) (about 15 minutes on 2 cores)"; \
+		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_BUILD) || exit 1; \
+		if $(LLAMACPP_CHECK); then exit 0; fi; \
+	fi; \
+	echo "llama.cpp crashed on this CPU: rebuilding it without ggml's AMX kernels"; \
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS) $(LLAMACPP_NO_AMX)" $(LLAMACPP_BUILD) && $(LLAMACPP_CHECK)
 
 clean:
 	rm -rf build dist *.egg-info client/build client/*.egg-info client/retopk_proto .pytest_cache .ruff_cache \

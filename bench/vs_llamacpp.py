@@ -82,6 +82,10 @@ def parse_args(argv=None):
                         "(default: %(default)s)")
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json (after every length) and <out>.png")
+    p.add_argument("--check", action="store_true",
+                   help="only check that llama.cpp runs here: prefill and decode a few tokens of --model with both "
+                        "attention settings, print its CPU features (make bench-llamacpp-deps runs this after "
+                        "building; a build whose kernels this CPU cannot run crashes here)")
     args = p.parse_args(argv)
     for name in ("new_tokens", "rounds", "threads"):
         if getattr(args, name) < 1:
@@ -91,7 +95,7 @@ def parse_args(argv=None):
     if args.rope_factor < 1:
         p.error("--rope-factor must be at least 1")
     try:
-        args.runtime_options = parse_runtime(args.runtime)
+        args.runtime_options = parse_runtime(args.runtime) if args.runtime else {}
     except ValueError as e:
         p.error(str(e))
     return args
@@ -366,6 +370,20 @@ class RetopkEngine:
         pass
 
 
+def check_llama_cpp(model: str, threads: int) -> None:
+    """Prefill 32 tokens and decode 2 with llama.cpp on ``model``'s GGUF, flash attention off and on."""
+    llama_cpp = import_llama_cpp()
+    path = gguf_path(model)
+    for flash_attn in (False, True):
+        engine = LlamaCppEngine(llama_cpp, path, threads, 64, flash_attn, None)
+        try:
+            engine.turn(list(range(100, 132)), 2)
+        finally:
+            engine.close()
+    print(f"llama.cpp {llama_cpp.__version__} prefills and decodes {path.name} here "
+          f"({llama_cpp.llama_print_system_info().decode(errors='replace').strip()})", flush=True)
+
+
 def measure(L: int, engines: list, prompt: list[int], n: int, rounds: int, progress=None,
             weights: dict | None = None) -> list[dict]:
     """The engines take turns on ``prompt`` for ``rounds`` rounds -> one summarized row per engine (in
@@ -416,6 +434,9 @@ def _cpu_model() -> str:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.check:
+        check_llama_cpp(args.model, args.threads)
+        return []
     llama_cpp = import_llama_cpp()  # before minutes of loading: say how to build it, exit 2
     enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
     import gc

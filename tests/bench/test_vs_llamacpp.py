@@ -266,3 +266,14 @@ def test_retopk_side_on_the_embedded_model(embedded_model):
     rows = vs.compare(vs.measure(len(ids), engines, ids, 2, 1))
     assert rows[0]["tokens"] == rows[1]["tokens"] and not runner.sessions
     assert all(r["ms_per_token"] > 0 and r["yardstick"] is None for r in rows)
+
+
+def test_check_prefills_and_decodes_with_both_settings(monkeypatch, tmp_path, capsys):
+    """--check (what make bench-llamacpp-deps runs after a build): both attention settings, a prompt and steps."""
+    created = []
+    monkeypatch.setattr(vs, "import_llama_cpp", lambda: _fake_llama_cpp(created))
+    monkeypatch.setattr(vs, "gguf_path", lambda model: tmp_path / "model.gguf")
+    assert vs.main(["--check", "--threads", "1"]) == []
+    assert [c.kwargs["flash_attn"] for c in created] == [False, True] and all(c.closed for c in created)
+    assert all([len(t) for t in c.evals] == [32, 1, 1, 1] for c in created)
+    assert "prefills and decodes model.gguf here (AVX2 = 1 | test)" in capsys.readouterr().out
