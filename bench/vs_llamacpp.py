@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -438,6 +439,7 @@ def main(argv=None) -> list[dict]:
         check_llama_cpp(args.model, args.threads)
         return []
     llama_cpp = import_llama_cpp()  # before minutes of loading: say how to build it, exit 2
+    load_before = os.getloadavg()[0]  # other processes' share of the cores, before this one loads anything
     enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
     import gc
 
@@ -464,13 +466,18 @@ def main(argv=None) -> list[dict]:
             "new_tokens": args.new_tokens, "methods": {t: s.describe() for t, s in methods},
             "runtime": args.runtime_options, "llama_cpp": llama_cpp.__version__,
             "llama_cpp_system": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-            "torch": torch.__version__, "cpu": _cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node()}
+            "torch": torch.__version__, "cpu": _cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node(),
+            "load_average_before": load_before, "cores": os.cpu_count()}
     print(f"# vs_llamacpp: {path.name} ({gguf_bytes / 1e6:.1f} MB of tensors, {trained} trained positions), "
           f"{args.threads} threads, {args.rounds} rounds of {args.new_tokens} tokens; retopk runtime "
           f"{args.runtime_options or 'defaults'}; llama.cpp {llama_cpp.__version__} ({meta['llama_cpp_system']})",
           flush=True)
     for text, spec in methods:
         print(f"#   retopk {text} = {spec.describe()}", flush=True)
+    if load_before > 0.5:
+        print(f"# WARNING: load average {load_before:.2f} before the run on {os.cpu_count()} cores: other processes "
+              "compete for the cores, and these timings are not an idle machine's (llama.cpp's threads wait on "
+              "each other at every operation, so it loses most)", flush=True)
     rows: list[dict] = []
 
     def save() -> None:  # after every length, so a stopped run keeps what it measured
@@ -499,14 +506,16 @@ def main(argv=None) -> list[dict]:
             finally:
                 for e in engines:
                     e.close()
+            load = os.getloadavg()[0]  # this run's threads included
             for r in length_rows:
-                r["rope_factor"] = rope
+                r["rope_factor"], r["load_average"] = rope, load
             compare(length_rows, bandwidth, cached)
             rows.extend(length_rows)
             scaled = f"RoPE linear x{rope:g}" if rope else "RoPE as trained"
             bar.write(f"\n## L = {L} ({scaled}; read bandwidth {bandwidth / 1e9:.1f} GB/s from DRAM, "
                       + ", ".join(f"{cached[b] / 1e9:.1f} GB/s over {b / 1e6:.0f} MB" for b in sorted(cached))
-                      + f"; yardstick {length_rows[0]['yardstick']})\n" + table(length_rows))
+                      + f"; load average {load:.1f} with this run's {args.threads} threads; "
+                      f"yardstick {length_rows[0]['yardstick']})\n" + table(length_rows))
             save()
     print("\n" + table(rows))
     if args.out:
