@@ -256,6 +256,15 @@ def weight_bytes(runner: ModelRunner) -> int:
     return total
 
 
+def openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; [] elsewhere)."""
+    try:
+        maps = FsPath("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps if "omp" in line.rsplit("/", 1)[-1] and "/" in line})
+
+
 def gguf_facts(path: FsPath) -> tuple[int, int]:
     """(bytes of the GGUF file's tensors, the model's trained context length) from its header. Every
     tensor is read per step (SmolLM2's output layer is its token embedding)."""
@@ -438,12 +447,15 @@ def main(argv=None) -> list[dict]:
     if args.check:
         check_llama_cpp(args.model, args.threads)
         return []
-    llama_cpp = import_llama_cpp()  # before minutes of loading: say how to build it, exit 2
     load_before = os.getloadavg()[0]  # other processes' share of the cores, before this one loads anything
     enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
     import gc
 
     import torch
+
+    # After torch: a process holds one libgomp.so.1, the first loaded, and so retopk runs on torch's own
+    # OpenMP runtime as in its server (llama.cpp's OpenMP calls then go to it too: meta "openmp").
+    llama_cpp = import_llama_cpp()  # before minutes of loading: say how to build it, exit 2
 
     from bench.e2e_cpu import parse_method, plot
     from bench.eval.common import load_corpus, progress_bar
@@ -467,7 +479,7 @@ def main(argv=None) -> list[dict]:
             "runtime": args.runtime_options, "llama_cpp": llama_cpp.__version__,
             "llama_cpp_system": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             "torch": torch.__version__, "cpu": _cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node(),
-            "load_average_before": load_before, "cores": os.cpu_count()}
+            "load_average_before": load_before, "cores": os.cpu_count(), "openmp": openmp_runtimes()}
     print(f"# vs_llamacpp: {path.name} ({gguf_bytes / 1e6:.1f} MB of tensors, {trained} trained positions), "
           f"{args.threads} threads, {args.rounds} rounds of {args.new_tokens} tokens; retopk runtime "
           f"{args.runtime_options or 'defaults'}; llama.cpp {llama_cpp.__version__} ({meta['llama_cpp_system']})",
