@@ -7,7 +7,8 @@ with the same thread count, by:
 - llama.cpp (llama-cpp-python, built from source with the machine's SIMD by ``make bench-llamacpp-deps``)
   on the model's GGUF file, flash attention off and on (its CPU flash attention can be the slower one);
 - retopk's runner, once per method of ``--methods`` ("default": the server's default method), with the
-  runtime options of ``--runtime KEY=VALUE`` (any ``RuntimeConfig`` field, e.g. ``dtype=float32``).
+  runtime options of ``--runtime KEY=VALUE`` (any ``RuntimeConfig`` field, e.g.
+  ``weights=float32 kv_dtype=float32``).
 
 The engines take turns in rounds (llama.cpp off, llama.cpp on, then the retopk methods; the machine's
 speed drifts and turns spread the drift over all of them). In every turn an engine starts from an empty
@@ -28,7 +29,7 @@ yardstick's (a check that both engines ran the same model on the same prompt; ro
     make bench-llamacpp-deps   # once: llama-cpp-python 0.3.36 from source into the venv (~15 min on 2 cores)
     python -m bench.vs_llamacpp --out docs/bench/vs_llamacpp
     python -m bench.vs_llamacpp --lengths 1024 --rounds 1 --new-tokens 4          # a quick check
-    python -m bench.vs_llamacpp --methods full default --runtime dtype=bfloat16
+    python -m bench.vs_llamacpp --methods full default --runtime weights=float32 kv_dtype=float32
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def parse_args(argv=None):
                         "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="threads of both engines (default: %(default)s)")
     p.add_argument("--runtime", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="retopk RuntimeConfig options, e.g. dtype=float32 backend=cpu (values parsed as the "
+                   help="retopk RuntimeConfig options, e.g. weights=int4 kv_dtype=bfloat16 (values parsed as the "
                         f"server's key=value options; {', '.join(OWN_RUNTIME_FIELDS)} are set by this script)")
     p.add_argument("--rope-factor", type=float, default=4.0,
                    help="linear RoPE factor of both engines at lengths past the model's trained positions "
@@ -103,7 +104,7 @@ def parse_args(argv=None):
 
 
 def parse_runtime(pairs: list[str]) -> dict:
-    """["dtype=float32", "backend=cpu"] -> RuntimeConfig keyword arguments (values parsed as the server's
+    """["weights=float32", "backend=cpu"] -> RuntimeConfig keyword arguments (values parsed as the server's
     key=value options). Any field of RuntimeConfig but those this script sets; ValueError otherwise."""
     from retopk_client.params import parse_params
     from retopk_server.runtime import RuntimeConfig
@@ -245,15 +246,9 @@ def dram_bandwidth() -> float:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes of weights one decode step of the runner reads: its model's parameters and buffers (each
-    tensor once, tied ones too). The single place to change once the runner reports its own figure."""
-    seen, total = set(), 0
-    for t in [*runner.model.parameters(), *runner.model.buffers()]:
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+    """Bytes of weights one decode step of the runner reads, as the runner reports them (every matmul's
+    weights in their format, the LM head included, and the norms)."""
+    return int(runner.info.weight_bytes)
 
 
 def openmp_runtimes() -> list[str]:
@@ -479,11 +474,15 @@ def main(argv=None) -> list[dict]:
             "runtime": args.runtime_options, "llama_cpp": llama_cpp.__version__,
             "llama_cpp_system": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             "torch": torch.__version__, "cpu": _cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node(),
-            "load_average_before": load_before, "cores": os.cpu_count(), "openmp": openmp_runtimes()}
+            "load_average_before": load_before, "cores": os.cpu_count(), "openmp": openmp_runtimes(),
+            "retopk_weights": runner.info.weight_format, "retopk_kv_dtype": runner.info.kv_dtype,
+            "retopk_activations": runner.info.dtype, "retopk_backend": runner.info.backend}
     print(f"# vs_llamacpp: {path.name} ({gguf_bytes / 1e6:.1f} MB of tensors, {trained} trained positions), "
-          f"{args.threads} threads, {args.rounds} rounds of {args.new_tokens} tokens; retopk runtime "
-          f"{args.runtime_options or 'defaults'}; llama.cpp {llama_cpp.__version__} ({meta['llama_cpp_system']})",
+          f"{args.threads} threads, {args.rounds} rounds of {args.new_tokens} tokens", flush=True)
+    print(f"#   retopk runtime {args.runtime_options or 'defaults'}: weights {meta['retopk_weights']}, KV cache "
+          f"{meta['retopk_kv_dtype']}, activations {meta['retopk_activations']}, backend {meta['retopk_backend']}",
           flush=True)
+    print(f"#   llama.cpp {llama_cpp.__version__} ({meta['llama_cpp_system']})", flush=True)
     for text, spec in methods:
         print(f"#   retopk {text} = {spec.describe()}", flush=True)
     if load_before > 0.5:
