@@ -3,7 +3,7 @@
 #   make test    the same install plus test extras and system packages, then ruff and pytest
 #   make lint | make proto | make install | make install-test | make clean
 #   make bench-llamacpp-deps   benchmark only, never part of test: build llama-cpp-python from source
-#                into the venv (about 15 minutes on 2 cores) for bench/vs_llamacpp.py, llama.cpp as the yardstick
+#                into the venv (5-15 minutes on 2 cores) for bench/vs_llamacpp.py, llama.cpp as the yardstick
 # An existing .venv is used as it is (VENV=path picks another). Installs are skipped while a stamp
 # keyed on the packaging files' hash exists, so the second run is quick. Each of them also compiles ReTopK's
 # fused CPU kernel (retopk_core/cpu; g++ with OpenMP), a no-op while its build stamp matches; install and
@@ -102,7 +102,7 @@ bench-llamacpp-deps: | $(PY)
 	@if $(LLAMACPP_INSTALLED) 2>/dev/null && $(LLAMACPP_CHECK) >/dev/null 2>&1; then \
 		echo "$(LLAMACPP) is installed and runs here"; exit 0; fi; \
 	if ! $(LLAMACPP_INSTALLED) 2>/dev/null; then \
-		echo "building $(LLAMACPP) with CMAKE_ARGS=$(LLAMACPP_CMAKE_ARGS) (about 15 minutes on 2 cores)"; \
+		echo "building $(LLAMACPP) with CMAKE_ARGS=$(LLAMACPP_CMAKE_ARGS) (5-15 minutes on 2 cores)"; \
 		CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(LLAMACPP_BUILD) || exit 1; \
 		if $(LLAMACPP_CHECK); then exit 0; fi; \
 	fi; \

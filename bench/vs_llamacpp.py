@@ -26,7 +26,7 @@ cache ("DRAM"), and over a buffer the size of the weights themselves ("cached": 
 when the weights stay in the cache). "same tokens" counts the leading greedy tokens equal to the
 yardstick's (a check that both engines ran the same model on the same prompt; rounding may flip a near-tie).
 
-    make bench-llamacpp-deps   # once: llama-cpp-python 0.3.36 from source into the venv (~15 min on 2 cores)
+    make bench-llamacpp-deps   # once: llama-cpp-python 0.3.36 from source into the venv (5-15 min on 2 cores)
     python -m bench.vs_llamacpp --out docs/bench/vs_llamacpp
     python -m bench.vs_llamacpp --lengths 1024 --rounds 1 --new-tokens 4          # a quick check
     python -m bench.vs_llamacpp --methods full default --runtime weights=float32 kv_dtype=float32
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 DEFAULT_LENGTHS = [1024, 4096, 8000, 16384, 32000]
 DEFAULT_METHODS = ["full", "default"]
 BUILD_HINT = ("llama.cpp's Python binding is not importable in this environment ({error}). Build it into the "
-              "project venv (llama-cpp-python 0.3.36 from source with -DGGML_NATIVE=ON, about 15 minutes on "
+              "project venv (llama-cpp-python 0.3.36 from source with -DGGML_NATIVE=ON, 5-15 minutes on "
               "2 cores; benchmark only, never part of `make test`):\n    make bench-llamacpp-deps")
 # Fields of RuntimeConfig this script sets itself (the model, the RoPE scaling per length, the method).
 OWN_RUNTIME_FIELDS = ("model", "rope_scaling", "default_method")
