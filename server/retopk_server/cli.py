@@ -220,7 +220,7 @@ def hash_key_main(argv: list[str], stdin=None, stdout=None, stderr=None) -> int:
     parser = argparse.ArgumentParser(
         prog="retopk-server hash-key",
         description="Print a --api-keys-file line for a key: NAME:SHA256HEX [limits]. The key is read from "
-                    "stdin (printf %%s \"$KEY\" | retopk-server hash-key alice >> keys.txt), or made up with "
+                    "stdin (printf %s \"$KEY\" | retopk-server hash-key alice >> keys.txt), or made up with "
                     "--generate and printed once on stderr. Only the hash goes into the file.")
     parser.add_argument("name", help="the key's name: the owner of its sessions (letters, digits, _ . @ -)")
     parser.add_argument("--generate", action="store_true", help="make a new random key (shown on stderr)")

@@ -159,3 +159,23 @@ def test_stream_quota_counts_per_caller():
     quota.acquire(alice)
     quota.release(alice), quota.release(alice)
     assert quota.open(alice) == 0
+
+
+def test_hash_key_help_command_hashes_the_key_end_to_end(tmp_path):
+    """The command `retopk-server hash-key --help` shows, pasted into a shell as written, writes the line of
+    the key in $KEY (not of a literal "%s" or "%%s")."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests._live_server import REPO
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "server"), str(REPO / "client")]),
+           "KEY": "rtk-a b%s-key"}
+    shown = subprocess.run([sys.executable, "-m", "retopk_server.cli", "hash-key", "--help"], env=env,
+                           capture_output=True, text=True, check=True).stdout
+    command = re.search(r"\((printf .*?>> keys\.txt)\)", " ".join(shown.split())).group(1)
+    shell = f'retopk-server() {{ "{sys.executable}" -m retopk_server.cli "$@"; }}\n{command}\n'
+    subprocess.run(["bash", "-c", shell], cwd=tmp_path, env=env, check=True)
+    assert (tmp_path / "keys.txt").read_text() == f"alice:{sha('rtk-a b%s-key')}\n"
