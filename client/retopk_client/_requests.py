@@ -7,7 +7,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from retopk_client.types import SAMPLING_FIELDS, ChatMessage, Method, Sampling, as_chat_message
+from retopk_client.types import (
+    SAMPLING_FIELDS,
+    ChatMessage,
+    FieldValueError,
+    Method,
+    Sampling,
+    _set_field,
+    as_chat_message,
+)
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
 MessageLike = ChatMessage | Mapping[str, str] | tuple[str, str]
@@ -52,27 +60,48 @@ def generate_request(
         raise TypeError(f"give exactly one of prompt, messages, token_ids (got {', '.join(given) or 'none'})")
     if isinstance(stop, str):
         stop = [stop]
-    req = pb.GenerateRequest(stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                             return_step_stats=return_step_stats, logprobs=logprobs, top_logprobs=top_logprobs)
+    req = pb.GenerateRequest()
+    for name, value in (("ignore_eos", ignore_eos), ("return_step_stats", return_step_stats),
+                        ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
+        _set_field(req, name, value, name)
+    for name, values in (("stop", stop), ("stop_token_ids", stop_token_ids)):
+        _set_repeated(req, name, values)
     if prompt is not None:
-        req.text = prompt
+        _set_field(req, "text", prompt, "prompt")
     elif messages is not None:
         req.chat.CopyFrom(chat_proto(messages))
     else:
         req.token_ids.CopyFrom(pb.TokenIds(ids=list(token_ids)))
-    if request_id is not None:
-        req.request_id = request_id
-    if session_id is not None:
-        req.session_id = session_id
-    if max_new_tokens is not None:
-        req.max_new_tokens = max_new_tokens
+    for name, value in (("request_id", request_id), ("session_id", session_id), ("max_new_tokens", max_new_tokens)):
+        if value is not None:
+            _set_field(req, name, value, name)
     samp = sampling_from(sampling, sampling_kwargs)
     if samp is not None:
-        req.sampling.CopyFrom(samp.to_proto())
+        req.sampling.CopyFrom(_within("sampling", samp.to_proto))
     meth = Method.coerce(method)
     if meth is not None:
-        req.method.CopyFrom(meth.to_proto())
+        req.method.CopyFrom(_within("method", meth.to_proto))
     return req
+
+
+def _within(prefix: str, to_proto):
+    """``to_proto()``, a FieldValueError naming its field inside ``prefix`` ("method.top_k")."""
+    try:
+        return to_proto()
+    except FieldValueError as e:
+        raise e.within(prefix) from None
+
+
+def _set_repeated(message, name: str, values) -> None:
+    """Extend a repeated scalar field, checking each value's type (FieldValueError naming ``name[i]``); the
+    message is the caller's own, discarded on an error."""
+    field, fd = getattr(message, name), message.DESCRIPTOR.fields_by_name[name]
+    for i, value in enumerate(values):
+        try:
+            field.append(value)
+        except (TypeError, ValueError):
+            kind = "a string" if fd.cpp_type == fd.CPPTYPE_STRING else "a non-negative integer"
+            raise FieldValueError(f"{name}[{i}]", f"must be {kind}, got {value!r:.60}") from None
 
 
 def new_session_id() -> str:
@@ -83,10 +112,10 @@ def new_session_id() -> str:
 def create_session_request(method: Method | str | Mapping[str, Any] | None, session_id: str | None):
     req = pb.CreateSessionRequest()
     if session_id is not None:
-        req.session_id = session_id
+        _set_field(req, "session_id", session_id, "session_id")
     meth = Method.coerce(method)
     if meth is not None:
-        req.method.CopyFrom(meth.to_proto())
+        req.method.CopyFrom(_within("method", meth.to_proto))
     return req
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
@@ -20,6 +20,45 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 # AttentionMethod in proto order (K, C, W, R, tau, T_r), and the fields of SamplingParameters.
 RETOPK_FIELDS = tuple(f.name for f in pb.AttentionMethod.DESCRIPTOR.fields if f.name not in ("name", "params"))
 SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParameters.DESCRIPTOR.fields)
+
+
+class FieldValueError(TypeError, ValueError):
+    """A value the wire field cannot hold (a string for an integer, a float for an int32, a number past its
+    range); ``field`` names it ("top_k", "sampling.seed", "params['sink']"). Raised before anything is sent."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.reason = field, message
+
+    def within(self, prefix: str) -> FieldValueError:
+        """The same error naming the field inside ``prefix`` ("sampling" -> "sampling.top_k")."""
+        return FieldValueError(f"{prefix}.{self.field}", self.reason)
+
+
+_FD = pb.SamplingParameters.DESCRIPTOR.fields[0].__class__
+_INTS = {_FD.CPPTYPE_INT32: 31, _FD.CPPTYPE_INT64: 63, _FD.CPPTYPE_UINT32: 32, _FD.CPPTYPE_UINT64: 64}
+_FLOATS = (_FD.CPPTYPE_FLOAT, _FD.CPPTYPE_DOUBLE)
+
+
+def _set_field(message, name: str, value, field: str) -> None:
+    """``message.name = value`` after checking that the field's wire type holds it (FieldValueError naming
+    ``field`` otherwise): protobuf's own TypeError names neither the field nor what was expected."""
+    fd = message.DESCRIPTOR.fields_by_name[name]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if fd.cpp_type in _INTS:
+        bits, unsigned = _INTS[fd.cpp_type], fd.cpp_type in (_FD.CPPTYPE_UINT32, _FD.CPPTYPE_UINT64)
+        if not number or not isinstance(value, int):
+            raise FieldValueError(field, f"must be an integer, got {value!r:.60}")
+        low, high = (0, 2 ** bits - 1) if unsigned else (-(2 ** bits), 2 ** bits - 1)
+        if not low <= value <= high:
+            raise FieldValueError(field, f"must lie in [{low}, {high}], got {value}")
+    elif fd.cpp_type in _FLOATS and not number:
+        raise FieldValueError(field, f"must be a number, got {value!r:.60}")
+    elif fd.cpp_type == _FD.CPPTYPE_BOOL and not isinstance(value, bool):
+        raise FieldValueError(field, f"must be true or false, got {value!r:.60}")
+    elif fd.cpp_type == _FD.CPPTYPE_STRING and not isinstance(value, str):
+        raise FieldValueError(field, f"must be a string, got {value!r:.60}")
+    setattr(message, name, value)
 
 
 def _jsonable(value):
@@ -95,7 +134,12 @@ class Sampling(_Dictable):
     seed: int | None = None
 
     def to_proto(self) -> pb.SamplingParameters:
-        return pb.SamplingParameters(**{f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None})
+        """The wire message; FieldValueError naming the field its type cannot hold."""
+        msg = pb.SamplingParameters()
+        for f in SAMPLING_FIELDS:
+            if getattr(self, f) is not None:
+                _set_field(msg, f, getattr(self, f), f)
+        return msg
 
     @classmethod
     def from_proto(cls, msg: pb.SamplingParameters) -> Sampling:
@@ -154,10 +198,12 @@ class Method(_Dictable):
         return cls(**kwargs, params=params)
 
     def to_proto(self) -> pb.AttentionMethod:
-        msg = pb.AttentionMethod(name=self.name)
+        """The wire message; FieldValueError naming the hyperparameter its type cannot hold."""
+        msg = pb.AttentionMethod()
+        _set_field(msg, "name", self.name, "name")
         for f in RETOPK_FIELDS:
             if getattr(self, f) is not None:
-                setattr(msg, f, getattr(self, f))
+                _set_field(msg, f, getattr(self, f), f)
         for key, value in self.params.items():
             msg.params[key].CopyFrom(_param_to_proto(key, value))
         return msg
@@ -181,12 +227,14 @@ def _param_to_proto(key: str, value: ParamValue) -> pb.ParamValue:
     if isinstance(value, bool):  # before int: bool is an int subclass
         return pb.ParamValue(bool_value=value)
     if isinstance(value, int):
+        if not -(2 ** 63) <= value < 2 ** 63:
+            raise FieldValueError(key, f"must lie in [{-(2 ** 63)}, {2 ** 63 - 1}], got {value}")
         return pb.ParamValue(int_value=value)
     if isinstance(value, float):
         return pb.ParamValue(float_value=value)
     if isinstance(value, str):
         return pb.ParamValue(string_value=value)
-    raise TypeError(f"method parameter {key!r} must be int, float, str or bool, got {type(value).__name__}")
+    raise FieldValueError(key, f"must be an integer, a number, a string or true/false, got {type(value).__name__}")
 
 
 def _param_from_proto(value: pb.ParamValue) -> ParamValue | None:
@@ -420,17 +468,13 @@ class Tokenized(_Dictable):
     tokens: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Limits(_Dictable):
-    """The server's limits on requests and sessions."""
-
-    max_prompt_tokens: int
-    max_new_tokens: int
-    default_max_new_tokens: int
-    max_sessions: int
-    max_running: int
-    max_queue: int
-    max_top_logprobs: int = 0
+# The server's limits: one int field per field of the proto's Limits message, made from its descriptor so that
+# no limit the server reports can be missing here (``retopk info`` prints them all). 0: not reported.
+Limits = make_dataclass("Limits", [(f.name, int, field(default=0)) for f in pb.Limits.DESCRIPTOR.fields],
+                        bases=(_Dictable,), frozen=True)
+Limits.__module__ = __name__
+Limits.__doc__ = ("The server's limits on requests and sessions: " + ", ".join(
+    f.name for f in pb.Limits.DESCRIPTOR.fields) + " (the fields of the proto's Limits message).")
 
 
 @dataclass(frozen=True)

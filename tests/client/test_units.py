@@ -370,3 +370,61 @@ def test_named_method_fields_are_the_protos():
     assert RETOPK_FIELDS == ("top_k", "cache_size", "window", "recall", "tau", "refresh_every")
     assert tuple(f.name for f in fields(Method) if f.name not in ("name", "params")) == RETOPK_FIELDS
     assert tuple(f.name for f in fields(Sampling)) == SAMPLING_FIELDS
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"method": {"name": "retopk", "top_k": "abc"}}, "method.top_k"),
+    ({"method": Method("retopk", tau="hot")}, "method.tau"),
+    ({"method": {"name": "retopk", "top_k": 1.5}}, "method.top_k"),
+    ({"method": {"name": "retopk", "sink": [1]}}, "method.sink"),
+    ({"method": {"name": 3}}, "method.name"),
+    ({"temperature": "0.5"}, "sampling.temperature"),
+    ({"top_k": 2 ** 40}, "sampling.top_k"),
+    ({"seed": 2 ** 70}, "sampling.seed"),
+    ({"max_new_tokens": -5}, "max_new_tokens"),
+    ({"stop": ["ok", 3]}, "stop[1]"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ({"top_logprobs": "5"}, "top_logprobs"),
+    ({"session_id": 7}, "session_id"),
+])
+def test_a_value_the_wire_cannot_hold_names_its_field(kwargs, field):
+    """Not protobuf's bare TypeError ("'str' object cannot be interpreted as an integer"), which names nothing."""
+    from retopk_client.types import FieldValueError
+
+    with pytest.raises(FieldValueError) as e:
+        generate_request("hi", **kwargs)
+    assert e.value.field == field and str(e.value).startswith(f"{field}: must ")
+    assert isinstance(e.value, TypeError) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["generate", "--method-params", "top_k=abc", "hi"], "top_k"),
+    (["generate", "--method-params", "tau=x", "hi"], "tau"),
+    (["generate", "--max-new-tokens", "-5", "hi"], "max_new_tokens"),
+    (["generate", "--seed", str(2 ** 70), "hi"], "seed"),
+    (["sessions", "create", "--method-params", "window=1.5"], "window"),
+])
+def test_cli_bad_parameter_values_are_usage_errors(argv, named, capsys):
+    """Exit 2 and one line naming the field, before anything is sent (the address is unreachable)."""
+    from retopk_client.cli import EXIT_USAGE, main
+
+    assert main(["--address", "127.0.0.1:9", "--timeout", "5", *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{named}: must " in err and err.startswith("usage: retopk")
+
+
+def test_limits_are_every_field_of_the_protos():
+    """The SDK's Limits is made from the proto's message: no limit the server reports can be missing."""
+    from dataclasses import fields
+
+    from retopk_client.cli.info import _limits
+    from retopk_client.types import Limits
+
+    names = [f.name for f in pb.Limits.DESCRIPTOR.fields]
+    assert [f.name for f in fields(Limits)] == names
+    assert {"max_message_bytes", "max_text_chars"} <= set(names)
+    msg = pb.Limits(**{name: 1000 + i for i, name in enumerate(names)})
+    limits = Limits.from_proto(msg)
+    assert [getattr(limits, n) for n in names] == [1000 + i for i in range(len(names))]
+    shown = " ".join(_limits(limits))
+    assert all(f"{name} {1000 + i}" in shown for i, name in enumerate(names))

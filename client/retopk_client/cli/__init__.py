@@ -21,6 +21,7 @@ import grpc
 
 from retopk_client.cli import bench, chat, common, generate, info, sessions
 from retopk_client.errors import RetopkError
+from retopk_client.types import FieldValueError
 
 EXIT_OK, EXIT_SERVER_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -43,9 +44,16 @@ def build_parser(environ=None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except FieldValueError as err:  # a flag's value the wire cannot carry: a usage error, caught before sending
+        flag = {"method": "--method-params"}.get(err.field.split(".")[0], "--" + err.field.split(".")[-1].replace(
+            "_", "-"))
+        parser.print_usage(sys.stderr)
+        common.stderr(f"retopk: error: {flag}: {err}")
+        return EXIT_USAGE
     except RetopkError as err:
         common.stderr(f"retopk: error: {err}")
         unreachable = err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

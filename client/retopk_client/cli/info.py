@@ -44,12 +44,17 @@ def run_info(args: argparse.Namespace) -> int:
         f"default method  {m.default_method.describe()}",
         f"methods         {', '.join(m.methods)}",
         f"sampling        {_sampling(m.default_sampling)} for unset fields ({m.default_sampling_source})",
-        f"limits          prompt {lim.max_prompt_tokens}, new tokens {lim.max_new_tokens} "
-        f"(default {lim.default_max_new_tokens}), sessions {lim.max_sessions}, running {lim.max_running}, "
-        f"queue {lim.max_queue}",
+        *_limits(lim),
         f"server version  {m.server_version}",
     ]))
     return 0
+
+
+def _limits(limits) -> list[str]:
+    """Every limit the server reports (all the fields of Limits, which are the proto's), a few per line."""
+    items = [f"{name} {value}" for name, value in limits.to_dict().items()]
+    lines = [", ".join(items[i:i + 4]) for i in range(0, len(items), 4)]
+    return [f"{'limits' if i == 0 else '':<16}{line}" for i, line in enumerate(lines)]
 
 
 def _sampling(sampling) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from retopk_client.types import Method  # the SDK's reading of a method given as a name or a mapping
+from retopk_client.types import FieldValueError, Method  # the SDK's reading of a method (a name or a mapping)
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.http.errors import ApiError
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -159,6 +159,8 @@ def _messages(body: ChatCompletionRequest, message: pb.GenerateRequest) -> None:
 def _method(value) -> pb.AttentionMethod:
     try:
         return Method.coerce(value).to_proto()
+    except FieldValueError as e:  # a value of the wrong type for its field: named as the body names it
+        raise _bad(f"retopk.method.{e.field}", e.reason) from None
     except (TypeError, ValueError) as e:
         raise _bad("retopk.method", str(e)) from None
 
