@@ -161,7 +161,7 @@ def test_errors_are_openai_errors(openai_client, model):
         (openai.BadRequestError, "retopk.method.top_k", dict(extra_body={"retopk": {"method": {"top_k": -3}}})),
         (openai.BadRequestError, "messages[0].role", dict(messages=[{"role": "robot", "content": "hi"}])),
         (openai.NotFoundError, "model", dict(model="gpt-17")),
-        (openai.NotFoundError, None, dict(extra_body={"retopk": {"session_id": "no-such-session"}})),
+        (openai.NotFoundError, "retopk.session_id", dict(extra_body={"retopk": {"session_id": "no-such-session"}})),
     ]
     for error, param, kwargs in cases:
         request = dict(model=model, messages=QUESTION, max_tokens=2) | kwargs

@@ -63,7 +63,7 @@ def test_malformed_bodies_are_400(raw, model):
         chat_body(model, seed=2**70).encode(): "seed",
         chat_body(model, max_tokens=-5).encode(): "max_tokens",
         chat_body(model, retopk={"method": {"name": "nope"}}).encode(): "retopk.method.name",
-        chat_body(model, retopk={"method": {"top_k": "many"}}).encode(): "retopk.method",
+        chat_body(model, retopk={"method": {"top_k": "many"}}).encode(): "retopk.method.top_k",
         json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode(): "model",
         chat_body(model, logit_bias={"42": 5}).encode(): "logit_bias",  # known to OpenAI, not implemented here
         chat_body(model, tools=[{"type": "function"}]).encode(): "tools",
@@ -73,6 +73,118 @@ def test_malformed_bodies_are_400(raw, model):
         error = error_of(post(raw, "/v1/chat/completions", content), 400)
         assert error["param"] == param, (content[:80], error)
         assert error["type"] == "invalid_request_error"
+
+
+def _wrong_values(annotation) -> list:
+    """JSON values of every type that ``annotation`` (a schema field's, strict) refuses."""
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = TypeAdapter(annotation)
+    out = []
+    for value in ("abc", "5", 1.5, 7, -5, 2**70, True, None, [1], [], {"a": 1}, {}):
+        try:
+            adapter.validate_python(value, strict=True)
+        except ValidationError:
+            out.append(value)
+    return out
+
+
+def _schema_cases(model: str):
+    """(path, body, param) for a wrong-typed value in every field of both endpoints' schemas, of the nested
+    objects (retopk, stream_options, a message) and of every method's hyperparameters in retopk.method."""
+    import dataclasses
+    import typing
+
+    from retopk_core.methods.registry import method_class, serving_method_names
+    from retopk_server.http.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RetopkOptions
+
+    base = {"/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            "/v1/completions": {"model": model, "prompt": "Hi", "max_tokens": 2}}
+    schemas = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+    for path, schema in schemas.items():
+        for name, f in schema.model_fields.items():
+            for value in _wrong_values(f.annotation):
+                yield path, {**base[path], name: value}, name
+        for name, f in RetopkOptions.model_fields.items():
+            for value in _wrong_values(f.annotation):
+                yield path, {**base[path], "retopk": {name: value}}, f"retopk.{name}"
+    chat = "/v1/chat/completions"
+    for name, f in ChatMessage.model_fields.items():
+        for value in _wrong_values(f.annotation):
+            message = {"role": "user", "content": "Hi", name: value}
+            yield chat, {**base[chat], "messages": [message]}, f"messages[0].{name}"
+    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    for method in serving_method_names():
+        config = method_class(method).config_class
+        for f in dataclasses.fields(config) if config is not None else ():
+            kind = kinds.get(str(f.type).split("|")[0].strip(), typing.Any)
+            wrong = [v for v in _wrong_values(kind) if v is not None and not (kind is float and type(v) is int)]
+            for value in wrong:
+                yield chat, {**base[chat], "retopk": {"method": {"name": method, f.name: value}}}, \
+                    f"retopk.method.{f.name}"
+
+
+def test_wrong_types_in_every_field_are_400_naming_it(raw, model):
+    """Every field of the schemas (so a field added later is covered too) with a value of each JSON type it does
+    not take: a 400 whose param names that field (or, for a value its field takes but a constraint refuses,
+    still the field), never a 5xx."""
+    seen = 0
+    for path, body, param in _schema_cases(model):
+        response = post(raw, path, json.dumps(body))
+        assert response.status_code < 500, (path, body, response.text)
+        error = error_of(response, 400)
+        assert error["param"] is not None and error["param"].startswith(param.split("[")[0]), (body, error)
+        if not error["param"].startswith("retopk.method"):
+            assert error["param"] == param or error["param"].startswith((param + "[", param + ".")), (body, error)
+        assert not error["message"].startswith(f"{param}: {param.rsplit('.', 1)[-1]} "), error  # said once
+        seen += 1
+    assert seen > 100
+
+
+def test_ranges_are_worded_one_way_and_fields_named_once(http_server, raw, model):
+    """max_tokens -5 (which the message's unsigned field cannot carry) and 0 read alike; no message repeats
+    its field's name ("temperature: temperature must ...", "prompt: prompt too long")."""
+    messages = {}
+    for value in (-5, 0, 10**6):
+        error = error_of(post(raw, "/v1/chat/completions", chat_body(model, max_tokens=value)), 400)
+        messages[value] = error["message"]
+    assert all(m.startswith("max_tokens: must lie in [1, ") and m.endswith(f"], got {v}") for v, m in messages.items())
+    for field, value in (("logprobs", -1), ("logprobs", 10**6)):
+        body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 2, field: value})
+        error = error_of(post(raw, "/v1/completions", body), 400)
+        assert error["message"] == f"logprobs: must lie in [0, 20], got {value}", error
+    for body, param in ((chat_body(model, temperature=-1), "temperature"),
+                        (chat_body(model, retopk={"method": {"name": "retopk", "top_k": 0}}), "retopk.method.top_k"),
+                        (json.dumps({"model": model, "prompt": "word " * 9000, "max_tokens": 2}), "prompt")):
+        error = error_of(post(raw, "/v1/chat/completions" if "messages" in body else "/v1/completions", body), 400)
+        name = param.rsplit(".", 1)[-1]
+        assert error["param"] == param and not error["message"].startswith(f"{param}: {name} "), error
+
+
+def test_not_found_session_names_its_field_and_models_need_the_header(raw, model):
+    error = error_of(post(raw, "/v1/chat/completions", chat_body(model, retopk={"session_id": "no-such"})), 404)
+    assert error["param"] == "retopk.session_id" and error["message"].startswith("retopk.session_id: "), error
+    for path in ("/v1/models", f"/v1/models/{model}"):
+        error = error_of(raw.get(path), 401)
+        assert "header" in error["message"] and "metadata" not in error["message"], error
+
+
+def test_a_body_longer_than_its_content_length_is_not_a_413(http_server):
+    """Content-Length: 100 and a longer body: the server reads 100 bytes (HTTP/1.1 framing): whatever it answers,
+    it is not 'payload too large' (the declared length is within the cap), and never a 5xx."""
+    host, port = http_server.http_url.removeprefix("http://").split(":")
+    body = b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * 5000 + b'"}]}'
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n".encode() + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer) < 200:
+            part = sock.recv(65536)
+            if not part:
+                break
+            answer += part
+    status = int(answer.split(b" ")[1])
+    assert status == 400 and b"payload_too_large" not in answer and b"resource_exhausted" not in answer, answer[:400]
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(raw, model):
@@ -99,7 +211,8 @@ def test_oversized_body_is_413(http_server, raw, model):
     limit = body_bytes(info.limits.max_message_bytes)
     assert limit >= info.limits.max_message_bytes > 0
     big = chat_body(model, user="x" * limit).encode()
-    error_of(post(raw, "/v1/chat/completions", big), 413)
+    error = error_of(post(raw, "/v1/chat/completions", big), 413)
+    assert error["code"] == "resource_exhausted" and error["param"] == "body"  # the gRPC status, as documented
     chunks = iter([big[:1000], big[1000:]])  # no Content-Length: the cap holds while reading
 
     error_of(raw.post("/v1/chat/completions", content=chunks, headers=AUTH), 413)

@@ -298,7 +298,7 @@ def test_idle_sessions_are_closed_after_the_timeout_but_busy_ones_are_kept():
 
 
 @pytest.mark.parametrize("fields, needle", [
-    (dict(text="x" * 5000), "text: prompt too long"),
+    (dict(text="x" * 5000), "text: too long"),
     (dict(token_ids=[1, 200]), "token_ids"),
     (dict(chat=[{"role": "robot", "content": "x"}]), "chat"),
     (dict(text="a", method=MethodSpec.of("retopk", top_k=0)), "method: top_k"),

@@ -171,7 +171,7 @@ INVALID = [
     ("empty session id", pb.GenerateRequest(text="a", session_id=""), "session_id"),
     ("top_logprobs above the limit", pb.GenerateRequest(text="a", logprobs=True, top_logprobs=21), "top_logprobs"),
     ("top_logprobs without logprobs", pb.GenerateRequest(text="a", top_logprobs=2), "top_logprobs"),
-    ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: prompt too long"),
+    ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: too long"),
 ]
 
 

@@ -156,7 +156,7 @@ class GenerationRequest:
         n = self.top_logprobs
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"top_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
+                              f"top_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
         if n and not self.logprobs:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, "top_logprobs: needs logprobs to be set")
 

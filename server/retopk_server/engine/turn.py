@@ -84,11 +84,11 @@ class ActiveRequest:
         limit = max_prompt_tokens or info.max_context
         if len(new_ids) > limit:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"{field}: prompt too long: {len(new_ids)} tokens, the limit is {limit}")
+                              f"{field}: too long: {len(new_ids)} tokens, the limit is {limit}")
         feed = record.pending + new_ids
         if record.session.length + len(feed) > info.max_context:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"{field}: prompt too long: {len(feed)} new tokens after {record.session.length} "
+                              f"{field}: too long: {len(feed)} new tokens after {record.session.length} "
                               f"in the session exceed the context length {info.max_context}")
         self.prompt_ids = new_ids
         return feed

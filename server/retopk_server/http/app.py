@@ -49,12 +49,13 @@ async def read_json(request: Request, limit: int) -> dict:
     """The request's body as a JSON object; 413 past ``limit`` bytes (read no further), 400 if not JSON."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and (len(length) > 18 or int(length) > limit):  # no int() of a 5000-digit header
-        raise ApiError("PAYLOAD_TOO_LARGE", f"body: Content-Length {length[:20]} bytes, the limit is {limit}")
+        raise ApiError("RESOURCE_EXHAUSTED", f"body: Content-Length {length[:20]} bytes, the limit is {limit}", "body",
+                       http_status=413)
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > limit:
-            raise ApiError("PAYLOAD_TOO_LARGE", f"body: over {limit} bytes, the limit")
+            raise ApiError("RESOURCE_EXHAUSTED", f"body: over {limit} bytes, the limit", "body", http_status=413)
         parts.append(part)
     raw = b"".join(parts)
     if not raw.strip():
@@ -172,8 +173,10 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
         return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
 
     async def model_info(request: Request) -> pb.ModelInfo:
+        context = HttpContext(request.headers, request.client)
+        authenticate(context)  # HTTP's wording of a missing key (the header), not gRPC's (metadata)
         try:
-            return await servicer.GetModelInfo(pb.GetModelInfoRequest(), HttpContext(request.headers, request.client))
+            return await servicer.GetModelInfo(pb.GetModelInfoRequest(), context)
         except Aborted as a:
             raise from_status(a.code, a.message) from None
 
@@ -208,7 +211,7 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
             if body.model != info.name:
                 raise ApiError("NOT_FOUND", f"model: the model {body.model!r} does not exist; this server serves "
                                             f"{info.name!r} (GET /v1/models)", "model")
-            message = convert.generate_message(body, info.vocab_size)
+            message = convert.generate_message(body, info.vocab_size, servicer.config.max_new_tokens)
         except ApiError as e:
             refused(e, t0)
             raise

@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from retopk_client.types import FieldValueError, Method  # the SDK's reading of a method (a name or a mapping)
+from retopk_client.types import FieldValueError, Method, _set_field  # the SDK's reading of a method
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.engine.requests import MAX_TOP_LOGPROBS
 from retopk_server.http.errors import ApiError
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
 from retopk_server.service import convert as service
@@ -86,7 +87,8 @@ def field_renamer(body: Body) -> Callable[[str], str]:
     prefixes = [("sampling", lambda rest: rest[1:] if rest[1:] in _OPENAI_SAMPLING else f"retopk{rest}"),
                 ("chat.messages", lambda rest: "messages" + rest), ("chat", lambda rest: "messages" + rest),
                 ("text", lambda rest: "prompt" + rest), ("token_ids", lambda rest: "prompt" + rest),
-                ("max_new_tokens", lambda rest: max_name + rest), ("method", lambda rest: "retopk.method" + rest),
+                ("max_new_tokens", lambda rest: max_name + rest),
+                ("method", lambda rest: "retopk.method" + _flat(rest)),
                 ("session_id", lambda rest: "retopk.session_id" + rest),
                 ("stop_token_ids", lambda rest: "retopk.stop_token_ids" + rest),
                 ("top_logprobs", lambda rest: ("top_logprobs" if chat else "logprobs") + rest)]
@@ -100,6 +102,13 @@ def field_renamer(body: Body) -> Callable[[str], str]:
     return rename
 
 
+def _flat(rest: str) -> str:
+    """A method's hyperparameter as the body names it: ".params['sink']" -> ".sink" (the body's method object
+    holds every hyperparameter by name; only the wire splits them into named fields and params)."""
+    match = re.fullmatch(r"\.params\['([^']*)'\](.*)", rest)
+    return f".{match.group(1)}{match.group(2)}" if match else rest
+
+
 def _bad(param: str, why: str) -> ApiError:
     return ApiError("INVALID_ARGUMENT", f"{param}: {why}", param)
 
@@ -111,12 +120,15 @@ def _token_ids(param: str, ids: list, vocab_size: int) -> list[int]:
         raise _bad(e.field, str(e).removeprefix(e.field + ": ")) from None
 
 
-def _set(message, name: str, value, param: str) -> None:
-    """Set a proto field; a value its type cannot hold (a negative uint, an int past 64 bits) is the client's."""
+def _set(message, name: str, value, param: str, bounds: tuple[int, int] | None = None) -> None:
+    """Set a proto field; a value outside ``bounds`` (the gRPC front's own range of the field) or that its type
+    cannot hold (a negative uint, an int past 64 bits) is the client's, worded as the gRPC front words a range."""
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        raise _bad(param, service.range_message(value, *bounds))
     try:
-        setattr(message, name, value)
-    except (ValueError, TypeError, OverflowError):
-        raise _bad(param, f"out of range: {value!r}") from None
+        _set_field(message, name, value, param)
+    except FieldValueError as e:
+        raise _bad(param, e.reason) from None
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -166,8 +178,10 @@ def _method(value) -> pb.AttentionMethod:
 
 
 # ---------------------------------------------------------------------------------------------- request
-def generate_message(body: Body, vocab_size: int) -> pb.GenerateRequest:
-    """The GenerateRequest a body means (unchecked beyond what building the message checks)."""
+def generate_message(body: Body, vocab_size: int, max_new_tokens: int | None = None) -> pb.GenerateRequest:
+    """The GenerateRequest a body means (unchecked beyond what building the message checks and the ranges of
+    max_tokens (1 to ``max_new_tokens``, the server's limit) and of top_logprobs, which the message's unsigned
+    fields could not carry below 0)."""
     message = pb.GenerateRequest()
     chat = isinstance(body, ChatCompletionRequest)
     if chat:
@@ -183,7 +197,7 @@ def generate_message(body: Body, vocab_size: int) -> pb.GenerateRequest:
         max_tokens = body.max_completion_tokens
     if max_tokens is not None:
         _set(message, "max_new_tokens", max_tokens, "max_completion_tokens" if chat and body.max_tokens is None
-             else "max_tokens")
+             else "max_tokens", None if max_new_tokens is None else (1, max_new_tokens))
     if body.stop is not None:
         message.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     for name in _OPENAI_SAMPLING:
@@ -205,10 +219,10 @@ def generate_message(body: Body, vocab_size: int) -> pb.GenerateRequest:
         if body.top_logprobs and not body.logprobs:
             raise _bad("top_logprobs", "needs logprobs: true")
         message.logprobs = body.logprobs
-        _set(message, "top_logprobs", body.top_logprobs or 0, "top_logprobs")
+        _set(message, "top_logprobs", body.top_logprobs or 0, "top_logprobs", (0, MAX_TOP_LOGPROBS))
     elif body.logprobs is not None:
         message.logprobs = True
-        _set(message, "top_logprobs", body.logprobs, "logprobs")
+        _set(message, "top_logprobs", body.logprobs, "logprobs", (0, MAX_TOP_LOGPROBS))
     return message
 
 

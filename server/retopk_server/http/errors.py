@@ -9,6 +9,7 @@ UNAVAILABLE -> 503, ...), so the two fronts fail alike. INTERNAL (500) is only e
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
@@ -22,7 +23,6 @@ STATUS: dict[str, tuple[int, str]] = {
     "NOT_FOUND": (404, "not_found_error"),
     "ALREADY_EXISTS": (409, "conflict_error"),
     "FAILED_PRECONDITION": (409, "conflict_error"),  # e.g. the session is busy with another request
-    "PAYLOAD_TOO_LARGE": (413, "invalid_request_error"),  # HTTP only: the body is over the cap
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "CANCELLED": (499, "cancelled"),  # the client went away; nobody reads it
     "UNAVAILABLE": (503, "service_unavailable"),
@@ -30,16 +30,22 @@ STATUS: dict[str, tuple[int, str]] = {
 }
 
 
-class ApiError(Exception):
-    """An HTTP error answer: ``code`` a gRPC status name, ``param`` the body's field at fault (or None)."""
+FIELD_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION")
+FIELD = re.compile(r"[A-Za-z_][\w.]*(\[[^\]]*\])*(\.[\w.]+)?")  # "max_new_tokens", "method.params['sink']"
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+
+class ApiError(Exception):
+    """An HTTP error answer: ``code`` a gRPC status name, ``param`` the body's field at fault (or None);
+    ``http_status`` overrides the code's HTTP status (413 for a body over the cap, which gRPC answers with
+    RESOURCE_EXHAUSTED: the code stays the gRPC status, so that metrics count the one status both fronts know)."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, http_status: int | None = None) -> None:
         super().__init__(message)
-        self.code, self.message, self.param = code, message, param
+        self.code, self.message, self.param, self.http_status = code, message, param, http_status
 
     @property
     def status(self) -> int:
-        return STATUS.get(self.code, (500, "server_error"))[0]
+        return self.http_status or STATUS.get(self.code, (500, "server_error"))[0]
 
     def body(self) -> dict:
         kind = STATUS.get(self.code, (500, "server_error"))[1]
@@ -51,10 +57,11 @@ class ApiError(Exception):
 
 
 def from_status(code: str, message: str, rename: Callable[[str], str] = lambda field: field) -> ApiError:
-    """The ApiError of a gRPC status; an INVALID_ARGUMENT message "<field>: <why>" has its field renamed
-    from the GenerateRequest's name to the body's (``rename``) and reported as ``param``."""
+    """The ApiError of a gRPC status; a message "<field>: <why>" (INVALID_ARGUMENT, or NOT_FOUND / ALREADY_EXISTS /
+    FAILED_PRECONDITION about a session) has its field renamed from the GenerateRequest's name to the body's
+    (``rename``) and reported as ``param``."""
     head, sep, rest = message.partition(": ")
-    if code in ("INVALID_ARGUMENT", "OUT_OF_RANGE") and sep and head and " " not in head:
+    if code in FIELD_CODES and sep and FIELD.fullmatch(head):
         param = rename(head)
         return ApiError(code, f"{param}: {rest}", param)
     return ApiError(code, message)

@@ -33,10 +33,36 @@ MAX_MESSAGE_CHARS = EngineError.MAX_CHARS  # a status message at most
 
 
 class InvalidArgument(ValueError):
+    """``"<field>: <message>"``; a message that starts with the field's own name (a ParamError's "top_k must
+    be ...") is not made to repeat it ("method.top_k: must be ...", not "method.top_k: top_k must be ...")."""
+
     def __init__(self, field: str, message: str) -> None:
+        message = without_name(field, message)
         text = f"{_short(field, 120)}: {message}"
         super().__init__(text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "...")
         self.field = field
+
+
+def without_name(field: str, message: str) -> str:
+    """``message`` without a leading repetition of ``field``'s name ("sampling.temperature", "temperature must
+    ..." -> "must ..."; "method.params['sink']", "sink must ..." -> "must ...")."""
+    last = field.rsplit(".", 1)[-1]
+    names = {field, last, last.partition("[")[0], last.partition("['")[2].rstrip("']")} - {""}
+    for name in sorted(names, key=len, reverse=True):
+        if message.startswith(name + " ") or message.startswith(name + ": "):
+            return message[len(name):].lstrip(": ")
+    return message
+
+
+def check_range(field: str, value: int, low: int, high: int) -> int:
+    """INVALID_ARGUMENT unless ``low <= value <= high``, worded the one way every range of a request is."""
+    if not low <= value <= high:
+        raise InvalidArgument(field, range_message(value, low, high))
+    return value
+
+
+def range_message(value, low, high) -> str:
+    return f"must lie in [{low}, {high}], got {value}"
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -185,10 +211,7 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
         spec.method = method_spec(message.method, default_method)
     spec.sampling = sampling_params(message.sampling, sampling_defaults)
     if message.HasField("max_new_tokens"):
-        if not 0 < message.max_new_tokens <= max_new_tokens_limit:
-            raise InvalidArgument("max_new_tokens",
-                                  f"must lie in [1, {max_new_tokens_limit}], got {message.max_new_tokens}")
-        spec.max_new_tokens = message.max_new_tokens
+        spec.max_new_tokens = check_range("max_new_tokens", message.max_new_tokens, 1, max_new_tokens_limit)
     if len(message.stop) > MAX_STOP:
         raise InvalidArgument("stop", f"at most {MAX_STOP} stop strings, got {len(message.stop)}")
     for i, s in enumerate(message.stop):
