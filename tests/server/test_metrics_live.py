@@ -358,3 +358,47 @@ def test_prometheus_scrapes_the_server_and_answers_the_reuse_rate(prometheus, dr
         answer = prometheus.query(grafana_to_promql(expr))
         assert answer.get("status") == "success", (expr, answer)
 
+
+
+def test_rpc_statuses_count_what_the_client_received(live):
+    """retopk_rpcs_total{rpc, code} counts the status each client got: a complete() that read its last response
+    is OK (it closes the stream then), a passed deadline is DEADLINE_EXCEEDED (gRPC cancels the handler then as
+    it does when a client goes away), a client that goes away mid-stream is CANCELLED; every label is a gRPC
+    status name."""
+    from retopk_client import Client
+
+    def count(code: str, rpc: str = "Generate") -> float:
+        return total(live.samples(), "retopk_rpcs_total", rpc=rpc, code=code)
+
+    received: Counter = Counter()
+    before = {code.name: count(code.name) for code in grpc.StatusCode}
+    with Client(live.server.address, timeout=300) as client:
+        for _ in range(2):
+            completion = client.complete(PROMPT, max_new_tokens=2, temperature=0)
+            assert completion.usage.generated_tokens == 2
+            received["OK"] += 1
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError) as e:
+            list(live.stub.Generate(pb.GenerateRequest(text=PROMPT, max_new_tokens=2000, ignore_eos=True),
+                                    timeout=1.0))
+        received[e.value.code().name] += 1
+    call = live.stub.Generate(pb.GenerateRequest(text=PROMPT, max_new_tokens=2000, ignore_eos=True), timeout=300)
+    next(call)
+    call.cancel()
+    received["CANCELLED"] += 1
+    with pytest.raises(grpc.RpcError) as e:
+        live.generate(text="")
+    received[e.value.code().name] += 1
+    assert received == {"OK": 2, "DEADLINE_EXCEEDED": 2, "CANCELLED": 1, "INVALID_ARGUMENT": 1}
+
+    def deltas():
+        return {code: count(code) - before[code] for code in before if count(code) != before[code]}
+
+    wait_for(lambda: deltas() == dict(received), timeout=30)
+    assert deltas() == dict(received)
+    names = {s.name for s in grpc.StatusCode}
+    assert {labels["code"] for labels, _ in live.samples()["retopk_rpcs_total"]} <= names
+    with pytest.raises(grpc.RpcError) as e:
+        live.stub.GetSession(pb.GetSessionRequest(session_id="nobody"), timeout=30)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert wait_for(lambda: count("NOT_FOUND", "GetSession") == 1)

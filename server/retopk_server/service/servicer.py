@@ -64,6 +64,21 @@ def _fail_from(exc: Exception) -> Fail:
     return Fail(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
+# A client's own deadline timer may fire (and cancel the stream) a moment before the server's copy of that
+# deadline does: a cancellation this close to the deadline is the deadline's.
+DEADLINE_SLACK_S = 0.1
+
+
+def _cancelled_code(context) -> str:
+    """The status a cancelled rpc's client received: DEADLINE_EXCEEDED when its deadline has passed (gRPC
+    cancels the handler then too), else CANCELLED (the client went away)."""
+    try:
+        remaining = context.time_remaining()
+    except Exception:  # noqa: BLE001 - a context without deadlines (the HTTP front's)
+        remaining = None
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
+
+
 def _unary(method):
     """Auth, error mapping and the observer's on_rpc / on_error around a unary rpc.
 
@@ -78,7 +93,7 @@ def _unary(method):
             caller = self._authenticate(context)
             return await method(self, request, context, caller)
         except asyncio.CancelledError:
-            code = "CANCELLED"
+            code = _cancelled_code(context)
             raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             fail = _fail_from(exc)
@@ -162,14 +177,19 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             self._hook("on_error", None, code)
             self._hook("on_rpc", "Generate", code, time.monotonic() - t0)
             await context.abort(fail.code, fail.message)
+        final_sent = False
         try:
             async for event in stream:
-                yield convert.generate_response(event, spec.request_id)
+                response = convert.generate_response(event, spec.request_id)
+                final_sent = event.finish_reason is not None
+                yield response
         except EngineError as exc:  # the engine already reported it to the observer
             code = exc.code.value
             await context.abort(grpc.StatusCode[exc.code.value], exc.message)
         except asyncio.CancelledError:  # the client went away or the deadline passed
-            code = "CANCELLED"
+            # What the client received: a client that stops reading once it has the last response (the SDK's
+            # complete()) got every token and its status is OK; otherwise a deadline or a cancellation.
+            code = "OK" if final_sent else _cancelled_code(context)
             raise
         finally:
             stream.cancel()  # no-op when finished; otherwise the engine drops it at the next step
