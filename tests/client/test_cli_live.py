@@ -102,11 +102,12 @@ def test_sessions_create_list_show_close(run_cli):
 
 
 def test_chat_is_scriptable_through_stdin_and_closes_its_session(run_cli):
-    script = "Hello there\n/info\nHow are you?\n/exit\nnever sent\n"
+    script = "Hello there\n/frobnicate now\n/info\nHow are you?\n/exit\nnever sent\n"
     done = run_cli("chat", "--max-new-tokens", "2", "--method", "full", "--json", input=script)
     assert done.returncode == 0, done.stderr
+    assert "unknown command '/frobnicate' (not sent)" in done.stderr
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
-    first, info, second = lines  # reply, /info, reply; nothing after /exit
+    first, info, second = lines  # reply, /info, reply; the unknown command was not sent; nothing after /exit
     assert first["usage"]["generated_tokens"] == 2 and second["usage"]["generated_tokens"] == 2
     assert info["turns"] == 1 and info["session_id"] == first["session_id"] == second["session_id"]
     assert second["usage"]["session_tokens"] > first["usage"]["session_tokens"]  # same session grew

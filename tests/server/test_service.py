@@ -169,6 +169,8 @@ INVALID = [
     ("stop token outside vocab", pb.GenerateRequest(text="a", stop_token_ids=[10**6]), "stop_token_ids[0]"),
     ("empty request id", pb.GenerateRequest(text="a", request_id=""), "request_id"),
     ("empty session id", pb.GenerateRequest(text="a", session_id=""), "session_id"),
+    ("session id with a blank and a path", pb.GenerateRequest(text="a", session_id="x y/../"), "session_id: must be"),
+    ("session id too long", pb.GenerateRequest(text="a", session_id="s" * 129), "session_id: must be"),
     ("top_logprobs above the limit", pb.GenerateRequest(text="a", logprobs=True, top_logprobs=21), "top_logprobs"),
     ("top_logprobs without logprobs", pb.GenerateRequest(text="a", top_logprobs=2), "top_logprobs"),
     ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: too long"),
@@ -195,6 +197,15 @@ def test_method_a_b_on_one_server(fake_server):
 
 
 # --- sessions ----------------------------------------------------------------------------------------
+def test_session_ids_have_a_charset_and_a_length(fake_server):
+    server = fake_server()
+    for bad in ("x y/../", "/etc", "-x", "a" * 129, "é", "a\nb"):
+        code, details = code_of(lambda bad=bad: server.stub.CreateSession(pb.CreateSessionRequest(session_id=bad)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("session_id: must be 1-128 "), bad
+    for good in ("chat-1.a:b@c_d", "0" * 128, "S"):
+        assert server.stub.CreateSession(pb.CreateSessionRequest(session_id=good)).session_id == good
+
+
 def test_sessions_over_grpc(fake_server):
     server = fake_server(max_sessions=2)
     stub = server.stub

@@ -2,19 +2,23 @@
 
 Reads one user message per line from stdin (so it can be scripted: ``printf 'Hi\\n/exit\\n' | retopk chat``),
 streams each reply, and closes the session at the end. Commands: /exit (or /quit, or end of input),
-/reset (start over in a new session), /info (the session's state), /help.
+/reset (start over in a new session), /info (the session's state), /help. Any other line that starts with
+"/" and a word is an unknown command, said so on stderr and not sent; "//" sends a line that starts with "/".
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from retopk_client.cli import common
 from retopk_client.cli.generate import summary
 from retopk_client.types import CompletionBuilder
 
-HELP = "commands: /exit (or /quit, end of input) leave, /reset new session, /info session state, /help this"
+HELP = ("commands: /exit (or /quit, end of input) leave, /reset new session, /info session state, /help this; "
+        "start a message with // to send a leading /")
+COMMAND = re.compile(r"/\w+")
 
 
 def register(sub, parents) -> None:
@@ -68,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
                     session_id, own, first = client.create_session(method).session_id, True, True
                     common.stderr(f"new session {session_id}")
                     continue
+                if COMMAND.match(text):
+                    common.stderr(f"unknown command {text.split()[0]!r} (not sent); {HELP}")
+                    continue
+                if text.startswith("//"):
+                    text = text[1:]
                 messages = [{"role": "system", "content": args.system}] if (first and args.system) else []
                 messages.append({"role": "user", "content": text})
                 builder = CompletionBuilder()

@@ -7,6 +7,7 @@ Every check raises ``InvalidArgument(field, message)``; the servicer answers INV
 from __future__ import annotations
 
 import math
+import re
 import uuid
 
 from retopk_core.methods.registry import serving_method_names
@@ -75,9 +76,17 @@ def _float32(value: float) -> float:
     return value if math.isnan(value) or math.isinf(value) else float(f"{value:.7g}")
 
 
+# A session id: what a URL path segment, a log line, a metadata value and a routers' hash key all take as it is.
+SESSION_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:@-]{{0,{MAX_ID_CHARS - 1}}}")
+SESSION_ID_RULE = (f"1-{MAX_ID_CHARS} characters of letters, digits and _ . : @ -, starting with a letter or a "
+                   "digit")
+
+
 def _identifier(field: str, value: str) -> str:
     if not value:
         raise InvalidArgument(field, "must not be empty when set")
+    if field == "session_id" and not SESSION_ID.fullmatch(value):
+        raise InvalidArgument(field, f"must be {SESSION_ID_RULE}, got {_short(value)!r}")
     if len(value) > MAX_ID_CHARS or not value.isprintable():
         raise InvalidArgument(field, f"must be at most {MAX_ID_CHARS} printable characters")
     return value
