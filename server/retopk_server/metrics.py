@@ -10,10 +10,11 @@ Per-head ReTopK behaviour (one observation per head per decode step of each runn
         methods).
         reuse rate of each head:  sum by (layer, head) (rate(retopk_attention_decisions_total{path="reuse"}[5m]))
                                 / sum by (layer, head) (rate(retopk_attention_decisions_total[5m]))
-  retopk_exact_path_share            share of head decisions on an exact path (fallback, refresh, promoted,
+  retopk_exact_path_share_ratio      share (0..1) of head decisions on an exact path (fallback, refresh, promoted,
                                      exact, dense) in the latest decode step; the per-head share is a PromQL ratio
   retopk_candidate_set_size          histogram of M_t, the keys scored with the exact query on the reuse path
-  retopk_max_query_similarity        histogram of each head's max cosine to its cached queries (ReTopK)
+  retopk_max_query_similarity{layer} histogram of each head's max cosine to its cached queries (ReTopK), one per
+                                     layer (the heads of a layer pooled)
 KV group reads per layer (GQA: a head on an exact path reads every key of its KV group, so the group read, not
 the per-head path, is what a step costs; ``retopk_core.methods.base.group_reads``; every method counts, Full
 and Exact Top-K read every group on every step)
@@ -36,6 +37,8 @@ Traffic and load
   query-support FIFOs and the other methods' state), retopk_cache_budget_bytes (the budget both share,
   --kv-cache-bytes), retopk_sessions_evicted_total (idle sessions closed to make room in it),
   retopk_model_info{architecture,layers,heads,...,weight_format,kv_dtype} = 1
+The process (prometheus_client's ProcessCollector, on Linux): process_resident_memory_bytes,
+  process_virtual_memory_bytes, process_cpu_seconds_total, process_open_fds, process_start_time_seconds
 Router-facing load (plain gauges a gateway or the Gateway API Inference Extension's endpoint picker scores
 replicas by; docs/deploy.md names the picker's flags)
   retopk_requests_waiting, retopk_requests_running, retopk_kv_cache_utilization_ratio (0..1: the share of the
@@ -59,7 +62,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from retopk_core.methods.base import FULL_READ_PATHS, PATH_NAMES, Path
@@ -173,46 +176,62 @@ class HeadPathCounts(ArrayCounts):
 
 
 class BulkHistogram:
-    """Collector of one histogram (labelled by model) that takes a whole tensor of values per call.
+    """Collector of one histogram (labelled by model, and with ``per_layer`` by layer) that takes a whole tensor
+    of values per call.
 
     ``observe_many`` buckets with ``np.searchsorted`` (bucket i holds values in (bounds[i-1], bounds[i]],
-    Prometheus' ``le``) and one ``bincount``; NaN values are skipped.
+    Prometheus' ``le``) and one ``bincount``; NaN values are skipped. With ``per_layer`` the values are
+    (..., layers, heads) and each layer has its own series.
     """
 
-    def __init__(self, name: str, doc: str, bounds: Sequence[float]) -> None:
-        self.name, self.doc = name, doc
+    def __init__(self, name: str, doc: str, bounds: Sequence[float], per_layer: bool = False) -> None:
+        self.name, self.doc, self.per_layer = name, doc, per_layer
         self.bounds = tuple(float(b) for b in bounds)
         self._bounds = np.asarray(self.bounds, dtype=np.float64)
         self._lock = threading.Lock()
-        self._data: dict[str, list] = {}  # model -> [counts (len(bounds) + 1,) int64, sum float]
+        # model -> [counts (layers, len(bounds) + 1) int64, sums (layers,) float]; one "layer" without per_layer
+        self._data: dict[str, list] = {}
+
+    @property
+    def labels(self) -> list[str]:
+        return ["model", "layer"] if self.per_layer else ["model"]
 
     def observe_many(self, model: str, values) -> None:
-        """values: a tensor or array of any shape."""
+        """values: a tensor or array of any shape ((..., layers, heads) with ``per_layer``)."""
         if isinstance(values, torch.Tensor):
             values = values.detach().cpu().numpy()
-        v = np.asarray(values, dtype=np.float64).reshape(-1)
-        v = v[~np.isnan(v)]
-        if v.size == 0:
+        v = np.asarray(values, dtype=np.float64)
+        layers = v.shape[-2] if self.per_layer else 1
+        v = v.reshape(-1, layers, v.shape[-1]).transpose(1, 0, 2).reshape(layers, -1) if self.per_layer \
+            else v.reshape(1, -1)  # (layers, observations)
+        nb = len(self.bounds) + 1
+        keep = ~np.isnan(v)
+        if not keep.any():
             return
-        counts = np.bincount(np.searchsorted(self._bounds, v, side="left"), minlength=len(self.bounds) + 1)
-        total = float(v.sum())
+        index = np.searchsorted(self._bounds, np.where(keep, v, 0.0), side="left") + nb * np.arange(layers)[:, None]
+        counts = np.bincount(index[keep], minlength=layers * nb).reshape(layers, nb)
+        sums = np.where(keep, v, 0.0).sum(axis=1)
         with self._lock:
-            entry = self._data.setdefault(model, [np.zeros(len(self.bounds) + 1, dtype=np.int64), 0.0])
-            entry[0] += counts
-            entry[1] += total
+            entry = self._data.get(model)
+            if entry is None or entry[0].shape != counts.shape:
+                self._data[model] = [counts.astype(np.int64), sums]
+            else:
+                entry[0] += counts
+                entry[1] += sums
 
     def describe(self) -> Iterable[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.doc, labels=["model"])
+        yield HistogramMetricFamily(self.name, self.doc, labels=self.labels)
 
     def collect(self) -> Iterable[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.doc, labels=["model"])
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         with self._lock:
-            snapshot = {m: (c.copy(), s) for m, (c, s) in self._data.items()}
-        for model, (counts, total) in snapshot.items():
-            cumulative = np.cumsum(counts)
-            buckets = [(_le(b), float(n)) for b, n in zip(self.bounds, cumulative[:-1], strict=True)]
-            buckets.append(("+Inf", float(cumulative[-1])))
-            family.add_metric([model], buckets, total)
+            snapshot = {m: (c.copy(), s.copy()) for m, (c, s) in self._data.items()}
+        for model, (counts, sums) in snapshot.items():
+            for layer, (row, total) in enumerate(zip(counts, sums, strict=True)):
+                cumulative = np.cumsum(row)
+                buckets = [(_le(b), float(n)) for b, n in zip(self.bounds, cumulative[:-1], strict=True)]
+                buckets.append(("+Inf", float(cumulative[-1])))
+                family.add_metric([model, str(layer)] if self.per_layer else [model], buckets, float(total))
         yield family
 
 
@@ -226,6 +245,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model"]
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (nothing where /proc is absent)
 
         def hist(name, doc, buckets, labels=()):
             return Histogram(PREFIX + name, doc, [*m, *labels], buckets=buckets, registry=r)
@@ -236,8 +256,8 @@ class Metrics:
                                             "Keys scored with the exact query on ReTopK's reuse path (M_t), per head "
                                             "and step.", CANDIDATE_BUCKETS)
         self.max_similarity = BulkHistogram(PREFIX + "max_query_similarity",
-                                            "Max cosine of a head's query to its cached queries, per head and step.",
-                                            SIMILARITY_BUCKETS)
+                                            "Max cosine of a head's query to its cached queries, per head and step, "
+                                            "by layer.", SIMILARITY_BUCKETS, per_layer=True)
         # KV group reads per layer: reads / steps is the group-read rate
         self.group_reads = LayerCounts(PREFIX + "kv_group_reads", "(sequence, KV group, decode step) triples "
                                        "whose keys were read in full, per layer (a head of the group took an "
@@ -249,7 +269,7 @@ class Metrics:
                           self.group_steps):
             r.register(collector)
         exact = ", ".join(PATH_NAMES[p] for p in EXACT_PATHS)
-        self.exact_share = Gauge(PREFIX + "exact_path_share", f"Share of head decisions on an exact path "
+        self.exact_share = Gauge(PREFIX + "exact_path_share_ratio", f"Share (0..1) of head decisions on an exact path "
                                  f"({exact}) in the latest decode step.", m, registry=r)
         # latency
         self.ttft = hist("time_to_first_token_seconds", "Arrival to first generated token.", REQUEST_BUCKETS)

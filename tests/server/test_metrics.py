@@ -94,7 +94,7 @@ def test_step_counts_per_head_and_distributions_match_plain_loops():
         observer.on_step(requests, 0.01, stats)
 
     expected: dict[tuple[int, int, str], int] = {}
-    reuse_sizes, sims = [], []
+    reuse_sizes, sims = [], {layer: [] for layer in range(layers)}
     for stats in steps:
         for s in stats:
             for layer in range(layers):
@@ -105,7 +105,7 @@ def test_step_counts_per_head_and_distributions_match_plain_loops():
                         reuse_sizes.append(int(s.n_scored[layer, head]))
                     sim = float(s.max_sim[layer, head])
                     if not math.isnan(sim):
-                        sims.append(sim)
+                        sims[layer].append(sim)
     samples = scrape(observer.metrics)
     got = {(int(lab["layer"]), int(lab["head"]), lab["path"]): v
            for lab, v in samples["retopk_attention_decisions_total"]}
@@ -129,17 +129,22 @@ def test_step_counts_per_head_and_distributions_match_plain_loops():
     assert group_steps == {layer: kv_heads * len(requests) * len(steps) for layer in range(layers)}
     assert 0 < sum(reads_expected) < layers * kv_heads * len(requests) * len(steps)  # a real mix
 
-    for name, values, bounds in (("retopk_candidate_set_size", reuse_sizes, CANDIDATE_BUCKETS),
-                                 ("retopk_max_query_similarity", sims, SIMILARITY_BUCKETS)):
-        buckets = bucket_counts(samples, name)
+    cases = [("retopk_candidate_set_size", reuse_sizes, CANDIDATE_BUCKETS, {})]
+    cases += [("retopk_max_query_similarity", sims[layer], SIMILARITY_BUCKETS, {"layer": str(layer)})
+              for layer in range(layers)]  # one histogram per layer
+    assert {lab["layer"] for lab, _ in samples["retopk_max_query_similarity_count"]} == {str(i) for i in range(layers)}
+    for name, values, bounds, labels in cases:
+        buckets = {float(lab["le"]): v for lab, v in samples[name + "_bucket"]
+                   if all(lab.get(k) == x for k, x in labels.items())}
         for b in bounds:
-            assert buckets[b] == sum(1 for x in values if x <= b), (name, b)
-        assert buckets[math.inf] == len(values) == value(samples, name + "_count", model="My-Model")
-        assert value(samples, name + "_sum", model="My-Model") == pytest.approx(sum(values), rel=1e-9)
+            assert buckets[b] == sum(1 for x in values if x <= b), (name, b, labels)
+        assert buckets[math.inf] == len(values) == value(samples, name + "_count", model="My-Model", **labels)
+        assert value(samples, name + "_sum", model="My-Model", **labels) == pytest.approx(sum(values), rel=1e-9)
 
     last = [int(p) for s in steps[-1] for p in s.path.reshape(-1)]
     share = sum(p in READ_CODES for p in last) / len(last)  # an exact path is one that reads the group
-    assert value(samples, "retopk_exact_path_share", model="My-Model") == pytest.approx(share)
+    assert value(samples, "retopk_exact_path_share_ratio", model="My-Model") == pytest.approx(share)
+    assert samples["process_resident_memory_bytes"][0][1] > 0  # the process's own metrics, for the dashboard
     # one attention-time observation per step (one method group), labelled by the step's path mix
     assert value(samples, "retopk_attention_step_seconds_count", model="My-Model", path="refresh") == len(steps)
 
@@ -177,7 +182,8 @@ def test_attention_time_is_one_observation_per_method_group_and_labelled_by_its_
         assert value(samples, "retopk_attention_step_seconds_sum", model="m", path=path) == pytest.approx(total)
     # candidate sizes only from reuse heads: step 1 two rows x 6 heads, step 2 six + five
     assert value(samples, "retopk_candidate_set_size_count", model="m") == 2 * 6 + 6 + 5
-    assert value(samples, "retopk_max_query_similarity_count", model="m") == 4 * 6  # NaN rows skipped
+    similarity = sum(v for _, v in samples["retopk_max_query_similarity_count"])
+    assert similarity == 4 * 6  # NaN rows skipped
 
 
 async def _drain(stream: RequestStream):
@@ -296,6 +302,8 @@ def test_every_metric_has_the_prefix_and_a_model_label():
     families = list(text_string_to_metric_families(generate_latest(observer.metrics.registry).decode()))
     assert len(families) >= 20
     for family in families:
+        if family.name.startswith("process_"):  # the process's own (prometheus_client's standard names)
+            continue
         assert family.name.startswith("retopk_"), family.name
         for s in family.samples:
             assert s.labels.get("model") == "m", (s.name, s.labels)

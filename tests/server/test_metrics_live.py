@@ -266,12 +266,14 @@ def test_every_dashboard_query_refers_only_to_exported_metrics(live, driven):
     exported = exported_names(live.scrape())
     used = {name for q in queries for name in METRIC_NAME.findall(q)}
     assert used, "the dashboard queries no retopk_ metric"
+    used |= {"process_resident_memory_bytes"} & {n for q in queries for n in q.replace("(", " ").split()}
     missing = sorted(n for n in used if n not in exported)
     assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
     # the panels the issue asks for are there
     titles = " | ".join(p.get("title", "") for p in dashboard["panels"]).lower()
     for words in ("request rate", "errors", "time to first token", "time per output token", "end-to-end",
-                  "waiting", "sessions", "cache memory", "tokens per second", "reuse rate, layer x head",
+                  "waiting", "sessions", "cache memory", "resident memory", "tokens per second",
+                  "reuse rate, layer x head", "similarity by layer",
                   "exact-path share, layer x head", "candidate-set size", "similarity", "group-read rate",
                   "group-read rate by layer"):
         assert words in titles, words
