@@ -160,3 +160,24 @@ def test_the_budget_flags_reach_the_runtime_and_the_engine():
                 ["--max-step-tokens", "0"]):
         with pytest.raises(SystemExit):
             config_from(bad, {})
+
+
+def test_evictions_are_remembered_per_key(monkeypatch):
+    """docs/reliability.md: each key's last EVICTED_REMEMBERED evictions are remembered, so another key's many
+    evictions do not turn bob's "was evicted" into a plain NOT_FOUND."""
+    from retopk_server.engine import sessions as sessions_module
+    from retopk_server.engine.requests import EngineConfig
+
+    monkeypatch.setattr(sessions_module, "EVICTED_REMEMBERED", 2)
+    table = sessions_module.SessionTable(EngineConfig(max_sessions=100), lambda *args: None)
+    table.runner = FakeRunner()
+    table.create("b1", None, owner="bob")
+    assert table.evict_lru()
+    for i in range(3):  # alice's evictions: more than the number remembered
+        table.create(f"a{i}", None, owner="alice")
+        assert table.evict_lru()
+    for owner, session_id, evicted in (("bob", "b1", True), ("alice", "a0", False), ("alice", "a2", True),
+                                       ("alice", "b1", False)):
+        with pytest.raises(EngineError) as info:
+            table.get(session_id, owner)
+        assert ("was evicted" in info.value.message) is evicted, (owner, session_id)

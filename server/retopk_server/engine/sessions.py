@@ -11,8 +11,9 @@ server makes are 128 random bits (``secrets``).
 
 Memory pressure: when the runner's cache budget refuses an allocation (BudgetExceeded), ``with_room``
 evicts idle named sessions, least recently used first, and tries again; a request that still does not
-fit is RESOURCE_EXHAUSTED. An evicted session's owner then gets NOT_FOUND saying it was evicted (the
-last EVICTED_REMEMBERED evictions are remembered for that message).
+fit is RESOURCE_EXHAUSTED. An evicted session's owner then gets NOT_FOUND saying it was evicted (each
+owner's last EVICTED_REMEMBERED evictions are remembered for that message, so one busy key cannot push out
+the records of the others).
 
 Threading: ``reserve`` / ``unreserve`` run on the asyncio thread (from ``Engine.submit``) and touch
 only membership and busy flags, under the table's lock; everything else runs on the engine thread,
@@ -158,7 +159,7 @@ class SessionTable:
         self._lock = threading.Lock()
         self._named: dict[tuple[str, str], SessionRecord] = {}  # (owner, id) -> record
         self._ephemeral: dict[str, SessionRecord] = {}
-        self._evicted: OrderedDict[tuple[str, str], None] = OrderedDict()  # (owner, id) of recent evictions
+        self._evicted: dict[str, OrderedDict[str, None]] = {}  # owner -> ids of its recent evictions
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -222,7 +223,7 @@ class SessionTable:
                                owner=owner, name=session_id)
         with self._lock:
             self._named[record.key] = record
-            self._evicted.pop(record.key, None)
+            self._evicted.get(owner, {}).pop(session_id, None)
         self._hook("on_session_opened", session_id, False)
         return self.snapshot(record)
 
@@ -330,9 +331,10 @@ class SessionTable:
                 return False
             record = min(idle, key=lambda r: r.last_used_unix)
             del self._named[record.key]
-            self._evicted[record.key] = None
-            while len(self._evicted) > EVICTED_REMEMBERED:
-                self._evicted.popitem(last=False)
+            remembered = self._evicted.setdefault(record.owner, OrderedDict())
+            remembered[record.id] = None
+            while len(remembered) > EVICTED_REMEMBERED:
+                remembered.popitem(last=False)
         self.evictions += 1
         self.runner.close_session(record.session)
         self._hook("on_session_closed", record.id, False)
@@ -353,4 +355,4 @@ class SessionTable:
     def _missing(self, owner: str, session_id: str) -> EngineError:
         """NOT_FOUND for ``owner``'s id: saying it was evicted when it was (call under the lock or on the
         engine thread)."""
-        return _evicted(session_id) if (owner, session_id) in self._evicted else _not_found(session_id)
+        return _evicted(session_id) if session_id in self._evicted.get(owner, ()) else _not_found(session_id)
