@@ -151,9 +151,12 @@ OPTIONS: tuple[Option, ...] = (
                                                 "line); reloaded on SIGHUP or when it changes; sessions belong "
                                                 "to the key that created them", "PATH"),
     Option("max_streams_per_key", parse_optional_int, "concurrent Generate streams of one key unless its line "
-                                                      "says otherwise (none = no per-key limit)", "N"),
+                                                      "says otherwise (none = --key-share of the server's)", "N"),
     Option("max_sessions_per_key", parse_optional_int, "open sessions of one key unless its line says otherwise "
-                                                       "(none = no per-key limit)", "N"),
+                                                       "(none = --key-share of the server's)", "N"),
+    Option("key_share", float, "share (0..1] of the server's sessions and streams (max-running + max-queue) one "
+                               "key may hold, rounded up, unless --max-*-per-key or its keys-file line says "
+                               "otherwise; the anonymous caller of a server without keys likewise (1 = none)", "F"),
     Option("reflection", parse_bool, "offer gRPC server reflection (the service schema, for grpcurl)", "BOOL"),
     Option("tls_cert", parse_optional_str, "PEM certificate chain: serve gRPC over TLS (with --tls-key)", "PATH"),
     Option("tls_key", parse_optional_str, "PEM private key of --tls-cert", "PATH"),

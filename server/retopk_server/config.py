@@ -7,6 +7,7 @@ their own configs from it (``runtime_config``, ``engine_config``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from retopk_core.methods.registry import serving_method_names
@@ -49,7 +50,11 @@ class ServerConfig:
                           and sessions belong to the key that created them
     max_streams_per_key, max_sessions_per_key
                           a key's concurrent Generate streams / open sessions unless its line sets its own
-                          (None: only the server-wide limits)
+                          (None: ``key_share`` of the server's)
+    key_share             the share (0..1] of the server's sessions (max_sessions) and streams (max_running +
+                          max_queue) one key may hold unless max_*_per_key or its keys-file line says otherwise,
+                          rounded up; the anonymous owner of a server without keys gets the same, so one caller
+                          cannot take every session and stream (1: no per-key bound below the server's)
     reflection            offer gRPC server reflection (the proto's schema; no data) for grpcurl and friends
     tls_cert, tls_key     PEM files of the server's certificate chain and private key: gRPC over TLS
     tls_client_ca         PEM file of the CA that signs client certificates: mutual TLS, a client without
@@ -89,6 +94,7 @@ class ServerConfig:
     api_keys_file: str | None = None
     max_streams_per_key: int | None = None
     max_sessions_per_key: int | None = None
+    key_share: float = 0.5
     reflection: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -130,12 +136,22 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a file path or None, got {value!r}")
         for name in ("max_streams_per_key", "max_sessions_per_key"):
             check_int(name, getattr(self, name), low=1, optional=True)
+        check_number("key_share", self.key_share, low=0, high=1)
+        if self.key_share == 0:
+            raise ParamError("key_share", "key_share must lie in (0, 1], got 0")
         if not isinstance(self.reflection, bool):
             raise ValueError(f"reflection must be true or false, got {self.reflection!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key: set both (the certificate chain and its private key) or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key")
+
+    def key_limits(self) -> tuple[int, int]:
+        """(max_streams, max_sessions) of a key whose keys-file line sets none, and of the anonymous owner:
+        max_*_per_key when set, else ``key_share`` of the server's streams and sessions, rounded up."""
+        streams = self.max_streams_per_key or math.ceil(self.key_share * (self.max_running + self.max_queue))
+        sessions = self.max_sessions_per_key or math.ceil(self.key_share * self.max_sessions)
+        return streams, sessions
 
     @property
     def tls(self) -> bool:

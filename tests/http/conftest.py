@@ -24,10 +24,11 @@ TIMEOUT = 300.0  # generous: the shared 2-core CI machine can be slow; a hang st
 
 @pytest.fixture(scope="session")
 def http_server():
-    # One stream at a time and one waiting: test_raw_http fills the queue to see 429. The drain grace is long
-    # so that the last test's stream finishes on a slow machine.
+    # One stream at a time and one waiting: test_raw_http fills the queue to see 429 (the one key may hold
+    # both: --key-share 1). The drain grace is long so that the last test's stream finishes on a slow machine.
     metrics_port = free_port()
     server = launch_server("--http-port", "0", "--max-running", "1", "--max-queue", "1", "--drain-grace-s", "300",
+                           "--key-share", "1",
                            "--metrics-port", str(metrics_port), env={"RETOPK_API_KEY": KEY}, timeout=600)
     server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:

@@ -84,7 +84,7 @@ def test_identify_maps_keys_to_callers_and_refuses_the_rest(tmp_path):
 
 
 def test_dev_mode_everyone_is_anonymous_and_single_key_is_default(tmp_path):
-    assert not KeyRing().enabled and KeyRing().identify(None) is ANONYMOUS
+    assert not KeyRing().enabled and KeyRing().identify(None) == ANONYMOUS
     single = KeyRing(api_key="sekret")
     assert single.identify("Bearer sekret").name == "default"
     with pytest.raises(Unauthenticated):

@@ -211,7 +211,7 @@ def test_prompt_too_long_and_unknown_session(live_stub):
 
 
 def test_queue_full_then_sigterm_drain():
-    server = launch_server("--max-running", "1", "--max-queue", "1", "--drain-grace-s", "300")
+    server = launch_server("--max-running", "1", "--max-queue", "1", "--drain-grace-s", "300", "--key-share", "1")
     try:
         channel = grpc.insecure_channel(server.address)
         stub = pb_grpc.ReTopKServiceStub(channel)

@@ -207,7 +207,7 @@ def test_session_ids_have_a_charset_and_a_length(fake_server):
 
 
 def test_sessions_over_grpc(fake_server):
-    server = fake_server(max_sessions=2)
+    server = fake_server(max_sessions=2, key_share=1.0)  # the server-wide limit (no per-key share below it)
     stub = server.stub
     info = stub.CreateSession(pb.CreateSessionRequest(session_id="s", method=_method(tau=0.5)))
     assert info.session_id == "s" and info.method.name == "retopk" and abs(info.method.tau - 0.5) < 1e-6
@@ -245,7 +245,7 @@ def test_busy_session_is_failed_precondition(fake_server):
 
 # --- load, cancel, deadline ----------------------------------------------------------------------------
 def test_queue_full_is_resource_exhausted(fake_server):
-    server = fake_server(FakeRunner(step_delay_s=0.01), max_running=1, max_queue=1)
+    server = fake_server(FakeRunner(step_delay_s=0.01), max_running=1, max_queue=1, key_share=1.0)
     running = server.stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=1000))
     next(running)  # admitted
     queued_out = []

@@ -156,7 +156,7 @@ def test_per_key_session_limit(keyed):
         stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("alice"))
     code, details = status_of(lambda: stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("alice")))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions 3 per key" in details and "alice" in details
-    for _ in range(2):  # bob has no limit of his own; the server's max_sessions (5) still holds
+    for _ in range(2):  # bob's line sets no limit: the default share (3 of 5) is not reached before the server's 5
         stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("bob"))
     code, details = status_of(lambda: stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("bob")))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions 5)" in details
@@ -297,3 +297,44 @@ def test_sighup_reloads_the_keys_file_of_a_running_server(tmp_path):
         assert "keys file" in server.output() and "loaded: 1 keys" in server.output()
     finally:
         server.kill()
+
+
+def test_one_key_cannot_take_every_session_or_stream(fake_server, tmp_path):
+    """Issue 31: a key that floods gets at most --key-share (default 0.5) of the server's sessions and streams
+    unless its line says otherwise; another key still opens a session and generates."""
+    path = tmp_path / "keys.txt"
+    path.write_text(line("alice") + "\n" + line("bob") + "\n" + line("carol", "max_sessions=8") + "\n")
+    server = fake_server(FakeRunner(step_delay_s=0.01), api_keys_file=str(path), max_sessions=8, max_running=2,
+                         max_queue=2)
+    stub = server.stub
+    for _ in range(4):  # half of max_sessions 8
+        stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("alice"))
+    code, details = status_of(lambda: stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("alice")))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions 4 per key" in details
+    held = [stub.Generate(pb.GenerateRequest(text="a", max_new_tokens=1000), metadata=auth("alice"))
+            for _ in range(2)]  # half of max_running + max_queue = 4
+    for call in held:
+        next(call)
+    code, details = status_of(lambda: next(stub.Generate(pb.GenerateRequest(text="b", max_new_tokens=1),
+                                                         metadata=auth("alice"))))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams 2 per key" in details
+    sid = stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("bob")).session_id  # bob is not locked out
+    out = list(stub.Generate(pb.GenerateRequest(text="e", session_id=sid, max_new_tokens=2),
+                             metadata=auth("bob", sid)))
+    assert [t for r in out for t in r.token_ids] == greedy_reference(enc("e"), 2)
+    for call in held:
+        call.cancel()
+    code, details = status_of(lambda: [stub.CreateSession(pb.CreateSessionRequest(), metadata=auth("carol"))
+                                       for _ in range(4)])  # its line's max_sessions=8: past the share...
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "(max_sessions 8)" in details  # ...to the server's 8
+
+
+def test_the_anonymous_owner_gets_the_same_share(fake_server):
+    server = fake_server(max_sessions=4)
+    for _ in range(2):
+        server.stub.CreateSession(pb.CreateSessionRequest())
+    code, details = status_of(lambda: server.stub.CreateSession(pb.CreateSessionRequest()))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "'anonymous'" in details and "max_sessions 2 per key" in details
+    full = fake_server(max_sessions=4, key_share=1.0)
+    for _ in range(4):
+        full.stub.CreateSession(pb.CreateSessionRequest())

@@ -12,7 +12,8 @@ Keys file (``--api-keys-file``), one key per line; blank lines and ``#`` comment
     batch-jobs:fcde2b2edba56bf408601fb721fe9b5c338d10ee429ea04fae5511b68fbf8fb9
 
 NAME is 1-64 characters of letters, digits and ``_ . @ -``; limits absent on a line take the server's
-``--max-streams-per-key`` / ``--max-sessions-per-key`` (None: only the server-wide limits). Only the
+``--max-streams-per-key`` / ``--max-sessions-per-key``, by default ``--key-share`` of the server's streams
+and sessions (``ServerConfig.key_limits``). Only the
 SHA-256 hashes are on disk and in memory (``retopk-server hash-key`` makes a line). A plain SHA-256 is
 enough because keys are random tokens (``hash-key --generate`` makes one), not passwords.
 
@@ -20,8 +21,8 @@ Reload: SIGHUP (``serve`` wires it) or a change of the file's mtime/size, checke
 ``check_interval_s`` on the next call. A file that does not parse on reload keeps the old keys and
 logs the error; at startup it is an error.
 
-No keys configured (no file, no ``--api-key``): dev mode, every call is ``ANONYMOUS`` and owns
-everything, as before keys existed. The single ``--api-key`` is a key named ``default``.
+No keys configured (no file, no ``--api-key``): dev mode, every call is the anonymous owner ("") and owns
+everything, as before keys existed, within the same per-key limits (``KeyRing.anonymous``). The single ``--api-key`` is a key named ``default``.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class KeyRing:
         self.keys_file = keys_file
         self.defaults = {"max_streams": max_streams, "max_sessions": max_sessions}
         self.check_interval_s = check_interval_s
+        self.anonymous = Caller("", max_streams, max_sessions)  # every caller of a server without keys
         self._single = (KeyEntry(Caller(SINGLE_KEY_NAME, max_streams, max_sessions), hashlib.sha256(
             api_key.encode()).digest()),) if api_key else ()
         self._lock = threading.Lock()
@@ -162,10 +164,10 @@ class KeyRing:
 
     @classmethod
     def from_config(cls, config) -> KeyRing:
-        """The key ring of a ServerConfig (its api_keys_file, api_key and per-key limits)."""
-        return cls(getattr(config, "api_keys_file", None), config.api_key,
-                   max_streams=getattr(config, "max_streams_per_key", None),
-                   max_sessions=getattr(config, "max_sessions_per_key", None))
+        """The key ring of a ServerConfig (its api_keys_file, api_key and per-key limits: key_limits)."""
+        max_streams, max_sessions = config.key_limits()
+        return cls(getattr(config, "api_keys_file", None), config.api_key, max_streams=max_streams,
+                   max_sessions=max_sessions)
 
     @property
     def enabled(self) -> bool:
@@ -185,7 +187,7 @@ class KeyRing:
         self.maybe_reload()
         entries = self._entries
         if not entries:
-            return ANONYMOUS
+            return self.anonymous
         if isinstance(authorization, bytes):
             authorization = authorization.decode("latin-1")
         scheme, _, key = (authorization or "").strip().partition(" ")
