@@ -119,6 +119,24 @@ class SlotPool:
         self.capacity = capacity
         self._free = list(range(self.capacity - 1, old - 1, -1)) + self._free
 
+    def highest_used(self) -> int:
+        """The highest slot in use (-1: none is)."""
+        free = set(self._free)
+        return next((s for s in range(self.capacity - 1, -1, -1) if s not in free), -1)
+
+    def shrink(self, capacity: int) -> None:
+        """Keep only slots ``0 .. capacity - 1`` (every slot above them free; at least one stays): the tensors
+        are copied to that size, so the memory of the others goes back. Slots in use keep their ids."""
+        if not 1 <= capacity <= self.capacity or self.highest_used() >= capacity:
+            raise ValueError(f"cannot shrink to {capacity} slots: {self.capacity} slots, the highest in use is "
+                             f"{self.highest_used()}")
+        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
+        with torch.inference_mode(inference):
+            for name in self._fields:
+                setattr(self, name, getattr(self, name)[:capacity].clone())
+        self.capacity = capacity
+        self._free = [s for s in self._free if s < capacity]
+
     def alloc(self) -> int:
         # A pool made inside inference mode holds inference tensors, which only inference mode may
         # update in place; a normal pool must stay normal: grow and reset in the tensors' own mode.

@@ -121,6 +121,12 @@ class ProbeState(SlotPool):
     def commit_grow(self, capacity: int, grown: dict[str, torch.Tensor]) -> None:
         self.inner.commit_grow(capacity, grown)
 
+    def highest_used(self) -> int:
+        return self.inner.highest_used()
+
+    def shrink(self, capacity: int) -> None:
+        self.inner.shrink(capacity)
+
     def alloc(self) -> int:
         return self.inner.alloc()
 

@@ -59,7 +59,8 @@ class Runner(Protocol):
 
     def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
         """A new empty session of ``method``; ValueError for an unknown method or bad hyperparameters,
-        BudgetExceeded when its method state does not fit the cache budget."""
+        BudgetExceeded when its method's pools do not fit the cache budget. A runner may allocate the session's
+        method state at its first prefill (``start_prefill`` then raises BudgetExceeded for it)."""
         ...
 
     def close_session(self, session: Session) -> None: ...

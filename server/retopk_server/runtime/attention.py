@@ -37,7 +37,8 @@ class MethodGroup:
 
     With a CacheBudget the pools' bytes count against it: ``alloc`` grows every layer's pool together
     (doubling, capped by the budget; all layers or none) and raises BudgetExceeded when not even one
-    more slot fits; ``close`` gives the bytes back when the runner drops the group.
+    more slot fits; ``shrink`` gives back the slots above the highest in use once at most a quarter of the pools
+    is needed (all but one when none is), and ``close`` the rest when the runner drops the group.
     """
 
     def __init__(self, method: AttentionMethod, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -90,6 +91,24 @@ class MethodGroup:
     def free(self, slots: list[int]) -> None:
         for state, slot in zip(self.states, slots, strict=True):
             state.free(slot)
+
+    def shrink(self) -> int:
+        """Every layer's pool down to the power of two that holds its highest slot in use, when that is at most
+        a quarter of its capacity or no slot is in use (so that a load that comes and goes does not resize the
+        pools at every session) -> bytes given back to the budget."""
+        capacity = self.states[0].capacity
+        top = max(state.highest_used() for state in self.states) + 1
+        new = 1 << max(0, top - 1).bit_length()  # the power of two >= top (1 when none is used)
+        if new >= capacity or (top and 4 * new > capacity):
+            return 0
+        per_slot = self.slot_nbytes()
+        for state in self.states:
+            state.shrink(new)
+        freed = (capacity - new) * per_slot
+        self.reserved -= freed
+        if self.budget is not None:
+            self.budget.refund(freed)
+        return freed
 
     def slot_nbytes(self) -> int:
         return sum(state.nbytes_per_slot() for state in self.states)

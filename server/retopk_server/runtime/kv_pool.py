@@ -127,6 +127,15 @@ class KVPool:
         self._free = {i for i in self._free if i < blocks}
         return freed
 
+    def shrink(self) -> int:
+        """``trim`` once the blocks up to the highest used one are at most a quarter of the pool, or none is used
+        (so that a load that comes and goes does not resize the pool at every session) -> bytes freed."""
+        used = set(range(self.capacity)) - self._free
+        top = max(used) + 1 if used else 0
+        if top and 4 * top > self.capacity:
+            return 0
+        return self.trim()
+
     def alloc(self, n: int, after: int | None = None, session_id: str | None = None) -> list[int]:
         """n free block ids, consecutive when possible: the n ids right after ``after`` (a growing
         session's last block) when they are free, else the lowest run of n consecutive free ids, else

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from dataclasses import dataclass
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the C allocator's free memory back to the system (glibc's malloc_trim; elsewhere nothing): torch
+    frees a CPU tensor into malloc, which keeps what is below its mmap threshold, so after pools shrink the
+    process's resident size would otherwise stay at its peak."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.decoder.llama import forward
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.loading import from_model, load
-from retopk_server.runtime.memory import MemoryUsage
+from retopk_server.runtime.memory import MemoryUsage, release_freed_memory
 from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob
@@ -166,15 +166,18 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - a method whose init_state computes on the device
             return 0
 
-    def _drop_if_unused(self, spec: MethodSpec) -> None:
+    def _drop_if_unused(self, spec: MethodSpec) -> bool:
         group = self._groups.get(spec)
         if group is not None and group.used_slots == 0 and spec != self.config.default_method:
             del self._groups[spec]
             group.close()
+            return True
+        return False
 
     def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
-        """A new empty session; ValueError for a bad method or id, BudgetExceeded when its method state does
-        not fit (after the KV pool gave back its unused tail)."""
+        """A new empty session; ValueError for a bad method or id, BudgetExceeded when its method's pools cannot
+        be made. Its method state is allocated when it first needs it (``_ensure_slots``, at its first prefill),
+        so an empty session holds no memory."""
         spec = method or self.config.default_method
         if not isinstance(spec, MethodSpec):
             raise ValueError(f"method must be a MethodSpec, got {spec!r}")
@@ -182,15 +185,25 @@ class ModelRunner:
         if session_id in self.sessions:
             raise ValueError(f"session id {session_id!r} is already open")
         try:
-            slots = self._alloc_slots(spec, session_id)
+            group = self._group(spec)  # a bad method fails here, at the session's creation
+        except BudgetExceeded as e:
+            e.method = spec
+            raise
+        session = Session(session_id, spec, None, self.pool.block_nbytes, group.slot_nbytes())
+        self.sessions[session_id] = session
+        return session
+
+    def _ensure_slots(self, session: Session) -> None:
+        """The session's method-state slots, allocated on its first need; BudgetExceeded (after the KV pool gave
+        back its unused tail) when they do not fit."""
+        if session.slots is not None:
+            return
+        try:
+            session.slots = self._alloc_slots(session.method, session.id)
         except BudgetExceeded:
             if not self.pool.trim():
                 raise
-            slots = self._alloc_slots(spec, session_id)
-        group = self._groups[spec]
-        session = Session(session_id, spec, slots, self.pool.block_nbytes, group.slot_nbytes())
-        self.sessions[session_id] = session
-        return session
+            session.slots = self._alloc_slots(session.method, session.id)
 
     def _alloc_slots(self, spec: MethodSpec, session_id: str) -> list[int]:
         try:
@@ -201,14 +214,21 @@ class ModelRunner:
             raise
 
     def close_session(self, session: Session) -> None:
-        """Free the session's KV blocks and method-state slots (idempotent)."""
+        """Free the session's KV blocks and method-state slots (idempotent); pools that are mostly free after
+        that give their memory back (KVPool.shrink, MethodGroup.shrink), so that an idle server's footprint
+        returns near its idle figure."""
         if session.closed:
             return
         self.pool.release(session.blocks)
-        self._groups[session.method].free(session.slots)
-        session.blocks, session.closed = [], True
+        group, freed = self._groups.get(session.method), 0
+        if session.slots is not None and group is not None:
+            group.free(session.slots)
+            freed += group.shrink()
+        session.blocks, session.slots, session.closed = [], None, True
         self.sessions.pop(session.id, None)
-        self._drop_if_unused(session.method)
+        freed += self._drop_if_unused(session.method) + self.pool.shrink()
+        if freed:
+            release_freed_memory()
 
     def _check_open(self, session: Session) -> None:
         if session.closed or self.sessions.get(session.id) is not session:
@@ -245,7 +265,7 @@ class ModelRunner:
 
     def prefill_queries(self, session: Session) -> int:
         """How many of a prompt's last queries the session's method observes at prefill (ReTopK: C)."""
-        return self._groups[session.method].method.prefill_queries
+        return self._group(session.method).method.prefill_queries
 
     def memory(self) -> MemoryUsage:
         """Cache bytes in use (counted by the pools: blocks and slots handed out), reserved by the KV pool
@@ -271,6 +291,7 @@ class ModelRunner:
             raise ValueError("token_ids must not be empty")
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
+        self._ensure_slots(session)
         self.reserve(session, session.length + len(token_ids))
         return PrefillJob(self, session, token_ids)
 
@@ -297,6 +318,7 @@ class ModelRunner:
             if s.length + 1 > self.max_context:
                 raise ContextTooLong(f"session {s.id!r}: {s.length + 1} tokens exceed max_context {self.max_context}")
         for s in sessions:
+            self._ensure_slots(s)
             self.reserve(s, s.length + 1)
         dev = self.device
         start = torch.tensor([s.length for s in sessions], dtype=torch.long, device=dev)  # (B,)

@@ -132,11 +132,15 @@ def test_runner_refuses_a_prompt_past_the_budget_and_drops_a_methods_pools_with_
     assert session.length == 0 and session.blocks == []
     runner.prefill(session, list(range(12 * 16)))  # exactly the budget's 12 blocks
     assert runner.budget.free < block
-    # a session of another method needs pools of its own: they do not fit until the KV pool is trimmed
+    # a session of another method needs pools of its own: they fit once the KV pool gave its free tail back,
+    # which it does when the session that held it closes (KVPool.shrink)
     runner.close_session(session)
+    assert runner.pool.capacity == 8
     other = MethodSpec("retopk", (("top_k", 4), ("cache_size", 4), ("window", 4)))
-    s2 = runner.open_session(other)  # fits after the pool gave its free tail back
-    assert other in runner._groups and runner.memory().method_state_used > 0
+    s2 = runner.open_session(other)
+    assert other in runner._groups and runner.memory().method_state_used == 0  # no state before its prefill
+    runner.prefill(s2, [1, 2, 3])
+    assert runner.memory().method_state_used > 0
     runner.close_session(s2)
     assert other not in runner._groups  # dropped with its last session; the default method's pools stay
     usage = runner.memory()

@@ -89,14 +89,40 @@ def test_session_memory_is_reported_and_freed_on_close():
     full = runner.open_session(MethodSpec("full"))
     assert full.nbytes() == {"kv": 0, "method_state": 0}
 
-    free_before = runner.pool.free_blocks
+    used_before, slots = runner.pool.used_blocks, s.slots
     runner.close_session(s)
-    assert runner.pool.free_blocks == free_before + 3 and s.closed and s.id not in runner.sessions
+    assert runner.pool.used_blocks == used_before - 3 and s.closed and s.id not in runner.sessions
     runner.close_session(s)  # idempotent
     with pytest.raises(ValueError, match="not open"):
         runner.prefill(s, [1])
     again = runner.open_session(spec)
-    assert again.slots == s.slots  # the freed state slots are handed out again
+    assert again.slots is None and again.nbytes()["method_state"] == 0  # allocated at its first prefill
+    runner.prefill(again, [1, 2])
+    assert again.slots == slots  # the freed state slots are handed out again
+
+
+def test_empty_sessions_hold_no_method_state_and_pools_shrink_back_when_sessions_close():
+    """Issue 31: 63 empty sessions reserved 27 MB of method state each, and closing them gave nothing back.
+    Method state is now allocated at a session's first prefill, and the pools give back what they no longer
+    need once the sessions close (the KV pool down to its initial blocks, the state pools to one slot)."""
+    runner = runner_for(tiny_model("llama"), MethodSpec.of("retopk", top_k=8, cache_size=4, window=4),
+                        kv_block_size=4)
+    idle = runner.memory()
+    empty = [runner.open_session() for _ in range(20)]
+    assert runner.memory() == idle and all(s.nbytes() == {"kv": 0, "method_state": 0} for s in empty)
+    busy = [runner.open_session() for _ in range(9)]
+    for i, s in enumerate(busy):
+        runner.prefill(s, prompt_ids(30, seed=i))
+    grown = runner.memory()
+    state = runner._groups[runner.config.default_method].states[0]
+    assert state.capacity == 16 and grown.kv_reserved > 4 * idle.kv_reserved
+    assert grown.method_state_reserved == 16 * idle.method_state_reserved  # one slot's worth when idle
+    for s in busy[1:] + empty:
+        runner.close_session(s)
+    assert state.capacity == 1 and runner.memory().kv_reserved < grown.kv_reserved  # shrunk with one session left
+    runner.close_session(busy[0])
+    assert runner.memory() == idle
+    assert runner.budget.reserved == idle.kv_reserved + idle.method_state_reserved
 
 
 def test_bad_sessions_and_batches_are_refused():
