@@ -259,3 +259,63 @@ def test_soak_resident_memory_stays_flat(server):
     assert (s.sessions, s.kv_bytes, s.method_state_bytes, s.ephemeral_sessions) == (0, 0, 0, 0)
     assert last <= warm + 32 * MIB  # flat: no growth after the warm-up beyond allocator noise
     assert max(samples) - server.idle_rss <= BUDGET + OVERHEAD
+
+
+# ---------------------------------------------------------------------------------------------- one key floods
+def test_a_flooding_key_leaves_room_for_another_and_memory_returns_when_it_closes(tmp_path):
+    """Issue 31: key A opened 63 of the 64 sessions and locked key B out, each empty session reserved 27 MB of
+    method state, and the resident size stayed at its peak after they closed. Now A gets the default share (half
+    of --max-sessions 24) and is refused past it, B still opens a session and generates, and once A has closed
+    everything the resident size is within 10% of the idle server's (idle: after one warm-up request)."""
+    import hashlib
+
+    keys = {"alice": "alice-flood-key", "bob": "bob-quiet-key"}
+    path = tmp_path / "keys.txt"
+    path.write_text("".join(f"{n}:{hashlib.sha256(k.encode()).hexdigest()}\n" for n, k in keys.items()))
+    srv = launch_server("--api-keys-file", str(path), "--max-sessions", "24", "--max-running", "4", timeout=600)
+    channel = grpc.insecure_channel(srv.address)
+    stub = pb_grpc.ReTopKServiceStub(channel)
+
+    def md(who: str, session_id: str | None = None):
+        return [("authorization", f"Bearer {keys[who]}")] + ([("x-session-id", session_id)] if session_id else [])
+
+    def one_token(who: str, session_id: str) -> int:
+        request = pb.GenerateRequest(text=f"Note {session_id}: the river", max_new_tokens=1, session_id=session_id,
+                                     sampling=pb.SamplingParameters(temperature=0.0))
+        return sum(len(r.token_ids) for r in stub.Generate(request, timeout=120, metadata=md(who, session_id)))
+
+    try:
+        rss = psutil.Process(srv.process.pid)
+        warm = stub.CreateSession(pb.CreateSessionRequest(session_id="warm"), timeout=30, metadata=md("bob", "warm"))
+        assert one_token("bob", warm.session_id) == 1
+        stub.CloseSession(pb.CloseSessionRequest(session_id="warm"), timeout=30, metadata=md("bob", "warm"))
+        idle = rss.memory_info().rss
+        flood: list[str] = []
+        while True:
+            sid = f"a{len(flood)}"
+            try:
+                stub.CreateSession(pb.CreateSessionRequest(session_id=sid), timeout=30, metadata=md("alice", sid))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per key" in e.details(), e.details()
+                break
+            flood.append(sid)
+            assert one_token("alice", sid) == 1  # its method state and KV blocks are allocated now
+        peak = rss.memory_info().rss
+        assert len(flood) == 12  # half of --max-sessions
+        assert peak > 1.2 * idle, (peak, idle)  # the flood held real memory (else the last check proves nothing)
+        mine = stub.CreateSession(pb.CreateSessionRequest(session_id="b0"), timeout=30, metadata=md("bob", "b0"))
+        assert one_token("bob", mine.session_id) == 1  # bob is not locked out
+        for sid in flood + ["b0"]:
+            who = "bob" if sid == "b0" else "alice"
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=30, metadata=md(who, sid))
+        after = rss.memory_info().rss
+        deadline = time.monotonic() + 30
+        while after > 1.1 * idle and time.monotonic() < deadline:
+            time.sleep(0.5)
+            after = rss.memory_info().rss
+        print(f"\nRSS idle {idle / MIB:.0f} MiB, with {len(flood)} sessions {peak / MIB:.0f} MiB, "
+              f"all closed {after / MIB:.0f} MiB")
+        assert after <= 1.1 * idle, (after / MIB, idle / MIB)
+    finally:
+        channel.close()
+        srv.stop()
