@@ -44,13 +44,33 @@ def embedded_model():
 
 
 @pytest.fixture(scope="session")
-def live_server():
-    """Address "127.0.0.1:PORT" of ONE real server on the embedded model, shared by every test folder
-    (server, client): the model load is the suite's most expensive step."""
+def live_server_process():
+    """ONE real server on the embedded model (a LiveServer), shared by every test folder (server, client):
+    the model load is the suite's most expensive step. Its HTTP front is on too (``live_http_url``)."""
     from tests._live_server import launch_server
 
-    server = launch_server()
+    server = launch_server("--http-port", "0")
     try:
-        yield server.address
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(live_server_process):
+    """Address "127.0.0.1:PORT" of the shared live server's gRPC front."""
+    return live_server_process.address
+
+
+@pytest.fixture(scope="session")
+def live_http_url(live_server_process):
+    """"http://127.0.0.1:PORT" of the shared live server's OpenAI HTTP front (printed once it listens)."""
+    import re
+    import time
+
+    line = re.compile(r"HTTP \(OpenAI API\) on (https?://\S+?)/v1")
+    deadline = time.monotonic() + 30
+    while not (match := line.search(live_server_process.output())):
+        assert time.monotonic() < deadline, live_server_process.output()
+        time.sleep(0.05)
+    return match.group(1)
