@@ -22,7 +22,8 @@ Reload: SIGHUP (``serve`` wires it) or a change of the file's mtime/size, checke
 logs the error; at startup it is an error.
 
 No keys configured (no file, no ``--api-key``): dev mode, every call is the anonymous owner ("") and owns
-everything, as before keys existed, within the same per-key limits (``KeyRing.anonymous``). The single ``--api-key`` is a key named ``default``.
+everything, as before keys existed, within the same per-key limits (``KeyRing.anonymous``). The single
+``--api-key`` is a key named ``default``.
 """
 
 from __future__ import annotations
