@@ -146,9 +146,12 @@ class ServerConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key")
 
-    def key_limits(self) -> tuple[int, int]:
+    def key_limits(self) -> tuple[int | None, int | None]:
         """(max_streams, max_sessions) of a key whose keys-file line sets none, and of the anonymous owner:
-        max_*_per_key when set, else ``key_share`` of the server's streams and sessions, rounded up."""
+        max_*_per_key when set, else ``key_share`` of the server's streams and sessions, rounded up (None: no
+        per-key bound, at key_share 1)."""
+        if self.key_share >= 1:  # the whole server: no bound of its own, so the server's limits answer
+            return self.max_streams_per_key, self.max_sessions_per_key
         streams = self.max_streams_per_key or math.ceil(self.key_share * (self.max_running + self.max_queue))
         sessions = self.max_sessions_per_key or math.ceil(self.key_share * self.max_sessions)
         return streams, sessions

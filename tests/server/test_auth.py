@@ -179,3 +179,19 @@ def test_hash_key_help_command_hashes_the_key_end_to_end(tmp_path):
     shell = f'retopk-server() {{ "{sys.executable}" -m retopk_server.cli "$@"; }}\n{command}\n'
     subprocess.run(["bash", "-c", shell], cwd=tmp_path, env=env, check=True)
     assert (tmp_path / "keys.txt").read_text() == f"alice:{sha('rtk-a b%s-key')}\n"
+
+
+def test_key_share_bounds_a_key_without_limits_of_its_own_and_the_anonymous_owner():
+    from retopk_server.cli import config_from
+    from retopk_server.config import ServerConfig
+
+    config = config_from(["--max-sessions", "5", "--max-running", "2", "--max-queue", "3"], {})
+    assert config.key_share == 0.5 and config.key_limits() == (3, 3)  # half, rounded up
+    ring = KeyRing.from_config(config)
+    assert ring.identify(None) == Caller("", max_streams=3, max_sessions=3)  # dev mode: the anonymous owner
+    assert config_from(["--key-share", "0.25", "--max-sessions", "64"], {}).key_limits() == (20, 16)
+    assert config_from([], {"RETOPK_KEY_SHARE": "1"}).key_limits() == (None, None)  # the whole server
+    assert config_from(["--max-sessions-per-key", "7"], {}).key_limits() == (40, 7)
+    for bad in (0, 1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="key_share"):
+            ServerConfig(key_share=bad)
