@@ -78,16 +78,6 @@ def test_the_issue_request_is_refused_cheaply(fuzz_server):
         assert sum(len(r.token_ids) for r in replies) == 3  # tiny temperature: greedy, not INTERNAL
 
 
-def test_fuzz_every_rpc(fuzz_server):
-    result = fuzz(fuzz_server.address, FUZZ_REQUESTS, seed=16)
-    assert result.total >= FUZZ_REQUESTS * 0.9
-    assert not result.bad, "\n".join(f"{rpc} {code}: {details}\n  {req}" for rpc, code, details, req in result.bad)
-    ok = sum(n for (_, code), n in result.counts.items() if code == "OK")
-    assert ok >= FUZZ_REQUESTS * 0.1  # enough requests were valid to reach the engine and the model
-    assert healthy(fuzz_server.address)
-    assert fuzz_server.stop() == 0  # drains cleanly
-
-
 def test_wrong_types_in_every_field_are_refused_by_name(fuzz_server):
     """Wrong types over gRPC, both ways a client can send one (the HTTP front's are tests/http/test_raw_http.py's):
     - a hyperparameter's ParamValue of another kind, for every hyperparameter of every method: INVALID_ARGUMENT
@@ -165,3 +155,13 @@ def _wrong_wire(field) -> bytes:
     if field.type in (FD.TYPE_FLOAT, FD.TYPE_FIXED32, FD.TYPE_SFIXED32):
         return _tag(field.number, 2) + _varint(3) + b"abc"  # text where 4 bytes belong
     return _tag(field.number, 5) + b"\x01\x02\x03\x04"  # 4 fixed bytes where a varint belongs
+
+
+def test_fuzz_every_rpc(fuzz_server):
+    result = fuzz(fuzz_server.address, FUZZ_REQUESTS, seed=16)
+    assert result.total >= FUZZ_REQUESTS * 0.9
+    assert not result.bad, "\n".join(f"{rpc} {code}: {details}\n  {req}" for rpc, code, details, req in result.bad)
+    ok = sum(n for (_, code), n in result.counts.items() if code == "OK")
+    assert ok >= FUZZ_REQUESTS * 0.1  # enough requests were valid to reach the engine and the model
+    assert healthy(fuzz_server.address)
+    assert fuzz_server.stop() == 0  # drains cleanly
