@@ -38,7 +38,8 @@ def exported_sample_names() -> set[str]:
     observer = MetricsObserver("m")
     request = SimpleNamespace(method=None)
     info = SimpleNamespace(architecture="A", num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, device="cpu",
-                           backend="torch", default_method=SimpleNamespace(name="retopk"))
+                           backend="torch", default_method=SimpleNamespace(name="retopk"), weight_format="int4",
+                           kv_dtype="bfloat16")
     observer.on_start(info, lambda: MemoryUsage(kv_used=1, kv_reserved=2, method_state_used=1, method_state_reserved=2))
     observer.on_queue_wait(request, 0.01)
     observer.on_prefill(request, 5, 0.02)

@@ -160,19 +160,24 @@ def test_methods_side_by_side(live_stub):
 
 
 def test_logprobs_of_greedy_tokens_equal_the_models_log_softmax(live_stub, embedded_model):
-    """The server's logprobs (default method: ReTopK, dense below its floor) against transformers' own forward
-    over the prompt and the generated tokens, log_softmax at each generated position (greedy: T = 1)."""
+    """The server's logprobs (default method: ReTopK, dense below its floor) against log_softmax of the logits
+    of the model it serves (its default weight format and KV cache), run in this process over the prompt and
+    the generated tokens: the rows predicting each generated token. (That the runtime's forward is the model's
+    is tested against transformers' own in float32: tests/server/runtime.)"""
     import torch
 
-    model, tokenizer = embedded_model
+    from retopk_server.runtime import ModelRunner, RuntimeConfig
+
+    _, tokenizer = embedded_model
     out = list(live_stub.Generate(pb.GenerateRequest(chat=chat(QUESTION), max_new_tokens=4, sampling=GREEDY,
                                                      logprobs=True, top_logprobs=5)))
     generated, lps = ids(out), [lp for r in out for lp in r.logprobs]
     assert [lp.token_id for lp in lps] == generated and len(generated) == 4
     prompt = list(live_stub.Tokenize(pb.TokenizeRequest(chat=chat(QUESTION))).token_ids)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + generated])).logits[0].float()  # (P + 4, vocab)
-    ref = torch.log_softmax(logits[len(prompt) - 1:len(prompt) + 3], dim=-1)  # row i predicts generated[i]
+    runner = ModelRunner(RuntimeConfig())  # the server's defaults
+    session = runner.open_session()
+    rows = [runner.prefill(session, prompt)] + [runner.decode([session], [t])[0][0] for t in generated[:-1]]
+    ref = torch.log_softmax(torch.stack(rows), dim=-1)  # row i predicts generated[i]
     for i, lp in enumerate(lps):
         assert lp.logprob == pytest.approx(float(ref[i, lp.token_id]), abs=2e-3)
         values, top_ids = torch.topk(ref[i], 5)
