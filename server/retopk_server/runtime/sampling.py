@@ -10,6 +10,9 @@ Order of the logit transforms, each applied to what the previous one left:
   6. min-p: keep tokens whose probability is >= min_p * the largest probability
   7. draw one token from the renormalised distribution with the request's own generator
 
+A constrained request (runtime/constraints.py) first sets the logit of every token its grammar forbids
+next to -inf, so every later step works on the allowed tokens only; rows without a constraint skip that.
+
 Log-probabilities (when a request asks for them) are log_softmax of the logits after step 3's division
 by the temperature (after step 2 at T = 1 for greedy), before the truncations of steps 4-6: the model's
 distribution as the penalties and the temperature shape it, the same whichever filters are on.
@@ -100,7 +103,8 @@ def token_logprobs(scaled: torch.Tensor, token: int, top: int) -> tuple[float, t
     if not top:
         return float(logprobs[token]), ()
     values, ids = torch.topk(logprobs, min(top, logprobs.numel()))  # (top,) each, descending
-    return float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    keep = torch.isfinite(values)  # a constraint's forbidden tokens are no alternatives
+    return float(logprobs[token]), tuple(zip(ids[keep].tolist(), values[keep].tolist(), strict=True))
 
 
 class Sampler:
@@ -108,11 +112,14 @@ class Sampler:
 
     ``logprobs``: None (off) or how many alternatives to report with each token's log-probability; after
     each ``sample`` the pair of ``token_logprobs`` is in ``last_logprobs`` (None when off).
+    ``constraint``: the request's RowConstraint (runtime/constraints.py) or None; ``sample`` masks the
+    logits with it and advances it past the drawn token.
     """
 
-    def __init__(self, params: SamplingParams, logprobs: int | None = None) -> None:
+    def __init__(self, params: SamplingParams, logprobs: int | None = None, constraint=None) -> None:
         self.params = params
         self.logprobs = logprobs
+        self.constraint = constraint
         self.last_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
@@ -121,8 +128,12 @@ class Sampler:
             self.generator.manual_seed(params.seed)
 
     def sample(self, logits: torch.Tensor, generated_ids: list[int], prompt_ids: list[int]) -> int:
-        """logits (V,) float32 on any device -> the next token id."""
-        logits = apply_penalties(logits.detach().float().cpu(), self.params, generated_ids, prompt_ids)
+        """logits (V,) float32 on any device -> the next token id (never changes ``logits``)."""
+        logits = logits.detach().float().cpu()
+        if self.constraint is not None:
+            logits = logits.clone()  # masked in place: the caller's batch of logits stays as it was
+            self.constraint.apply(logits)
+        logits = apply_penalties(logits, self.params, generated_ids, prompt_ids)
         if self.params.greedy:
             token = int(torch.argmax(logits))
         else:
@@ -131,6 +142,8 @@ class Sampler:
         if self.logprobs is not None:
             scaled = logits if self.params.greedy else logits / self.params.temperature
             self.last_logprobs = token_logprobs(scaled, token, self.logprobs)
+        if self.constraint is not None and not self.constraint.accept(token):
+            raise RuntimeError(f"the constraint refused token {token}, which its own mask allowed")
         return token
 
 
