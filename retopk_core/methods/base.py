@@ -157,6 +157,14 @@ class SlotPool:
         for name in self._fields:
             getattr(self, name)[slot].zero_()
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make slot ``dst`` hold what slot ``src`` holds (a sequence forked into several, the server's n > 1)."""
+        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
+        with torch.inference_mode(inference):
+            for name in self._fields:
+                t = getattr(self, name)
+                t[dst] = t[src]
+
     def nbytes_per_slot(self) -> int:
         return sum(getattr(self, n)[0].numel() * getattr(self, n).element_size() for n in self._fields)
 

@@ -133,6 +133,9 @@ class ProbeState(SlotPool):
     def free(self, slot: int) -> None:
         self.inner.free(slot)
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.inner.copy_slot(src, dst)
+
     def reset_slot(self, slot: int) -> None:
         self.inner.reset_slot(slot)
 

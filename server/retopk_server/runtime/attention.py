@@ -110,6 +110,11 @@ class MethodGroup:
             self.budget.refund(freed)
         return freed
 
+    def copy_state(self, src: list[int], dst: list[int]) -> None:
+        """Per layer, slot ``dst[l]`` takes the contents of slot ``src[l]`` (ModelRunner.fork)."""
+        for state, s, d in zip(self.states, src, dst, strict=True):
+            state.copy_slot(s, d)
+
     def slot_nbytes(self) -> int:
         return sum(state.nbytes_per_slot() for state in self.states)
 

@@ -50,6 +50,7 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: set[int] = set(range(shape[0]))
+        self._shared: dict[int, int] = {}  # block id -> extra holders (``share``); absent = one holder
         if budget is not None:
             try:
                 budget.charge(self.nbytes(), "the KV pool's initial blocks")
@@ -168,8 +169,23 @@ class KVPool:
             for t in pools:
                 t[torch.tensor(dst, device=t.device)] = t[torch.tensor(src, device=t.device)]
 
+    def share(self, blocks: list[int]) -> list[int]:
+        """Another holder for each of ``blocks`` (copy-on-write forks, ModelRunner.fork) -> the same ids. A
+        shared block must not be written again (only full blocks are shared: sessions only append); it
+        is free once every holder released it."""
+        for b in blocks:
+            self._shared[b] = self._shared.get(b, 0) + 1
+        return list(blocks)
+
     def release(self, blocks: list[int]) -> None:
-        self._free.update(blocks)
+        for b in blocks:
+            extra = self._shared.get(b, 0)
+            if extra > 1:
+                self._shared[b] = extra - 1
+            elif extra == 1:
+                del self._shared[b]
+            else:
+                self._free.add(b)
 
     def blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)

@@ -20,6 +20,7 @@ import torch
 
 from retopk_server.runtime.attention import DecodeGroup, MethodGroup, StepContext, attend
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
+from retopk_server.runtime.chat_tools import template_messages
 from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.decoder.llama import forward
 from retopk_server.runtime.kv_pool import KVPool
@@ -131,9 +132,11 @@ class ModelRunner:
             raise RuntimeError("this runner has no tokenizer")
         return self.tokenizer
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of the conversation in the model's chat template, ending with the assistant prompt."""
-        out = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of the conversation in the model's chat template, ending with the assistant prompt;
+        ``tools``, assistant ``tool_calls`` and "tool" messages as chat_tools.py renders them."""
+        messages, extra = template_messages(self._tok(), messages, tools)
+        out = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(out, Mapping) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return [int(t) for t in out]
@@ -262,6 +265,37 @@ class ModelRunner:
             self.reserve(target, length)
             self.pool.copy(source.blocks[:n], target.blocks[:n])
             target.token_ids.extend(source.token_ids[:length])
+
+    def fork(self, source: Session, count: int) -> list[Session]:
+        """``count`` new sessions that each continue exactly where ``source`` stands (n > 1 from one prefill).
+
+        Nothing is computed: the full KV blocks are shared copy-on-write (KVPool reference counts; no
+        session ever writes a position it already holds, so sharing is safe until each is released), the
+        partly filled last block is copied, and the method state (ReTopK's query-support FIFOs, a baseline's
+        state) is copied slot by slot. All or nothing: BudgetExceeded with no session opened when the copies
+        do not fit.
+        """
+        self._check_open(source)
+        group = self._groups[source.method]
+        forks: list[Session] = []
+        try:
+            for _ in range(count):
+                fork = self.open_session(source.method)
+                full = source.length // self.pool.block_size
+                fork.blocks = self.pool.share(source.blocks[:full])
+                fork.token_ids = list(source.token_ids)
+                forks.append(fork)
+                self.reserve(fork, source.length)  # the partial last block, fresh
+                if len(fork.blocks) > full:
+                    self.pool.copy(source.blocks[full:full + 1], fork.blocks[full:full + 1])
+                if source.slots is not None:  # a method state exists once the source was prefilled
+                    self._ensure_slots(fork)
+                    group.copy_state(source.slots, fork.slots)
+        except BaseException:
+            for fork in forks:
+                self.close_session(fork)
+            raise
+        return forks
 
     def prefill_queries(self, session: Session) -> int:
         """How many of a prompt's last queries the session's method observes at prefill (ReTopK: C)."""
