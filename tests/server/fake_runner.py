@@ -108,10 +108,10 @@ class FakeRunner:
         self._touch()
         return self.tokenizer.encode(text)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         self._touch()
         for m in messages:
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"unknown role {m['role']!r}")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return self.tokenizer.encode(text)
@@ -126,6 +126,23 @@ class FakeRunner:
         session = Session(session_id or f"s{len(self.sessions)}", method, [0] * LAYERS, BLOCK_BYTES, STATE_BYTES)
         self.sessions[session.id] = session
         return session
+
+    def fork(self, source: Session, count: int) -> list[Session]:
+        """``count`` sessions holding ``source``'s tokens (the real runner shares its KV blocks; here each has
+        its own, so a budget counts them)."""
+        self._touch()
+        forks = []
+        for _ in range(count):
+            fork = self.open_session(source.method, f"{source.id}-fork{len(self.sessions)}")
+            fork.token_ids = list(source.token_ids)
+            try:
+                self.reserve(fork, source.length)
+            except BudgetExceeded:
+                for f in [*forks, fork]:
+                    self.close_session(f)
+                raise
+            forks.append(fork)
+        return forks
 
     def memory(self) -> MemoryUsage:
         used = [s.nbytes() for s in self.sessions.values()]

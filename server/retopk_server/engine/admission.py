@@ -73,6 +73,8 @@ class Admission:
             with self._wake:
                 if not self._queue:
                     return None
+                if self._running and len(self._running) + self._queue[0].spec.n > self.config.max_running:
+                    return None  # its n choices wait for room (alone in an empty batch they may exceed it)
                 r = self._admitting = self._queue.popleft()
             try:
                 self._start_prefill(r)
@@ -122,25 +124,37 @@ class Admission:
             return n
         r.prefill_s += time.monotonic() - t0
         if logits is not None:
-            sampled = False
+            rows = []
             try:
-                self._prefilled(r, logits)
-                sampled = True
+                rows = self._prefilled(r, logits)
             finally:
                 with self._wake:  # in one step, so in_flight() (a drain) never misses the request in between
-                    if sampled and not r.done:
-                        self._running.append(r)
+                    self._running.extend(row for row in rows if not row.done)
                     self._admitting = None
         return n
 
-    def _prefilled(self, r: ActiveRequest, logits) -> None:
+    def _prefilled(self, r: ActiveRequest, logits) -> list[ActiveRequest]:
+        """The prompt is in: fork it into the request's n choices, sample each one's first token -> the rows
+        that join the batch."""
         r.prefilled = time.monotonic()
         r.record.pending = []
         r.context_ids = list(r.record.session.token_ids)
         self._hook("on_prefill", r, r.job.end - r.job.begin, r.prefill_s)
         r.job = None
-        r.start_sampling(self.runner)
-        self._step_row(r, logits, None)
+        rows = [r]
+        if r.spec.n > 1:
+            try:
+                forks = self.sessions.with_room("n", self.runner.fork, r.record.session, r.spec.n - 1)
+            except EngineError as e:
+                self._fail(r, e)
+                return []
+            rows += [r.fork(self.sessions.adopt_ephemeral(s), i) for i, s in enumerate(forks, start=1)]
+            r.stream.choices = len(rows)
+        for row in rows:
+            row.start_sampling(self.runner)
+        for row in rows:
+            self._step_row(row, logits, None)
+        return rows
 
     def _end_admission(self, r: ActiveRequest, error: EngineError) -> None:
         """The request being admitted fails: its partial prefill is undone, then it ends with ``error``."""

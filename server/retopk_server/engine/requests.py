@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from retopk_server.runtime.constraints import ConstraintLimits
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
 
@@ -47,6 +48,7 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = 3
     STOP_SEQUENCE = 4
     CONTEXT_LENGTH = 5
+    TOOL_CALLS = 6
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,9 @@ class EngineConfig:
     """The scheduler's limits.
 
     max_queue               requests waiting for admission; one more is RESOURCE_EXHAUSTED
-    max_running             requests decoded together in one batch
+    max_running             requests decoded together in one batch (a request with n choices counts n; one is
+                            admitted into an empty batch even when n exceeds it)
+    constraints             bounds of a constraint's size, nesting and compile time (runtime/constraints.py)
     max_sessions            open named sessions; one more is RESOURCE_EXHAUSTED
     max_prompt_tokens       tokens one request may feed (None: the model's context length)
     max_new_tokens          largest max_new_tokens a request may ask for
@@ -72,6 +76,7 @@ class EngineConfig:
 
     max_queue: int = 64
     max_running: int = 16
+    constraints: ConstraintLimits = field(default_factory=ConstraintLimits)
     max_sessions: int = 64
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
@@ -104,6 +109,25 @@ class EngineConfig:
 
 MAX_TOP_LOGPROBS = 20
 """Most alternatives ``top_logprobs`` may ask for per token (reported as ModelInfo.limits.max_top_logprobs)."""
+
+MAX_N = 16
+"""Most choices ``n`` one request may ask for (reported as ModelInfo.limits.max_n)."""
+
+MAX_TOOLS = 64
+"""Most tools one request may offer (reported as ModelInfo.limits.max_tools)."""
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call, or a piece of one in a stream: the first piece of call ``index`` has ``id`` and ``name``,
+    later pieces add to ``arguments`` (JSON text)."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 @dataclass(frozen=True)
@@ -150,6 +174,23 @@ class GenerationRequest:
     deadline: float | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # constrained decoding (runtime/constraints.py): what was asked, and its compiled grammar (the service
+    # compiles it before submitting, off the engine thread)
+    constraint: object | None = None  # ConstraintSpec
+    grammar: object | None = None  # xgrammar CompiledGrammar of ``constraint``
+    n: int = 1  # choices of one prompt (one prefill, forked)
+    # tools (chat only): OpenAI-style [{"type": "function", "function": {name, description, parameters}}]
+    tools: list[dict] | None = None
+    tool_choice: str = "auto"  # "none", "auto", "required" or "function"
+    tool_function: str | None = None  # with tool_choice "function": the function's name
+
+    def check_n(self) -> None:
+        """INVALID_ARGUMENT naming ``n`` when it is out of range or above 1 in a named session."""
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"n: must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.n > 1 and self.session_id is not None:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "n: must be 1 with session_id (a session continues "
+                                                          "one conversation)")
 
     def check_logprobs(self) -> None:
         """INVALID_ARGUMENT naming ``top_logprobs`` when it is out of range or set without ``logprobs``."""
@@ -199,3 +240,5 @@ class TokenEvent:
     timings: Timings | None = None
     session_id: str = ""
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # the choice (of the request's n) this event belongs to
+    tool_calls: list[ToolCall] | None = None

@@ -53,8 +53,9 @@ class Runner(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The conversation in the model's chat template, ending with the assistant prompt."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation in the model's chat template, ending with the assistant prompt (with ``tools``
+        rendered; the engine passes them only when a request has some)."""
         ...
 
     def open_session(self, method: MethodSpec | None = None, session_id: str | None = None) -> Session:
@@ -83,6 +84,11 @@ class Runner(Protocol):
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
                ) -> tuple[torch.Tensor, list[StepStats] | None]:
         """Feed one token to each session in one forward -> ((B, vocab) logits, per-row stats or None)."""
+        ...
+
+    def fork(self, source: Session, count: int) -> list[Session]:
+        """``count`` new sessions continuing where ``source`` stands (its KV cache shared copy-on-write, its
+        method state copied); BudgetExceeded with none opened when they do not fit."""
         ...
 
     def memory(self) -> MemoryUsage:

@@ -40,6 +40,7 @@ from retopk_server.engine.sessions import SessionTable
 from retopk_server.engine.stream import RequestStream
 from retopk_server.engine.supervision import Supervision
 from retopk_server.engine.turn import ActiveRequest
+from retopk_server.runtime.constraints import ConstraintCompiler
 
 log = logging.getLogger("retopk_server.engine")
 
@@ -71,6 +72,8 @@ class Engine(Admission, Supervision):
         self._start_error: BaseException | None = None
         self.failure: BaseException | None = None  # why the loop died (engine/faults.py), None while it runs
         self._thread: threading.Thread | None = None
+        self._constraints: ConstraintCompiler | None = None
+        self._constraints_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle (any thread)
     def start(self) -> None:
@@ -85,6 +88,16 @@ class Engine(Admission, Supervision):
     def info(self):
         """The runner's ModelInfo (after ``start``)."""
         return self.runner.info
+
+    def constraints(self) -> ConstraintCompiler:
+        """The grammar compiler of the runner's tokenizer (any thread, after ``start``; built on first use, so a
+        server that never sees a constraint never loads xgrammar)."""
+        with self._constraints_lock:
+            if self._constraints is None:
+                info = self.runner.info
+                self._constraints = ConstraintCompiler(self.runner.tokenizer, info.vocab_size, info.eos_token_ids,
+                                                       self.config.constraints)
+            return self._constraints
 
     def start_drain(self) -> None:
         """Refuse new requests and sessions (UNAVAILABLE); queued and running ones go on."""
@@ -130,6 +143,9 @@ class Engine(Admission, Supervision):
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
                               f"max_new_tokens must lie in [1, {cfg.max_new_tokens}], got {max_new}")
         spec.check_logprobs()
+        spec.check_n()
+        if spec.constraint is not None and spec.grammar is None:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "constraint: not compiled (Engine.constraints().compile)")
         with self._wake:
             if self._draining or self._stop:
                 raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not accepting new requests")
@@ -183,6 +199,9 @@ class Engine(Admission, Supervision):
     def _run(self) -> None:
         batch = list(self._running)
         want_stats = self.observer.wants_step_stats or any(r.spec.return_step_stats for r in batch)
+        for r in batch:  # constrained rows: their next masks are computed while the model runs
+            if r.constraint is not None:
+                r.constraint.start_fill()
         t0 = time.monotonic()
         try:
             logits, stats = self.runner.decode([r.record.session for r in batch], [r.last_token for r in batch],
@@ -227,8 +246,9 @@ class Engine(Admission, Supervision):
         self._hook("on_finish", r, event.finish_reason.name, event.usage, event.timings)
 
     def _fail(self, r: ActiveRequest, error: EngineError) -> None:
-        """End the request with ``error`` (unless its last event is out); a failed release is logged."""
-        if r.stream.closed:
+        """End the request with ``error`` (unless its last event is out); a failed release is logged. A choice
+        of an n > 1 request whose stream another choice's failure already ended just lets go of its session."""
+        if r.done and r.stream.closed:
             return
         try:
             if not r.done:
@@ -236,8 +256,9 @@ class Engine(Admission, Supervision):
         except Exception:
             log.exception("releasing the session of request %s failed", r.spec.request_id)
         finally:
-            r.stream.fail(error)
-            self._hook("on_error", r, error.code.value)
+            if not r.stream.closed:
+                r.stream.fail(error)
+                self._hook("on_error", r, error.code.value)
 
     def _release(self, r: ActiveRequest) -> None:
         """End the request's hold on its session: remember the turn, close an ephemeral session."""

@@ -194,6 +194,13 @@ class SessionTable:
         self._hook("on_session_opened", record.id, True)
         return record
 
+    def adopt_ephemeral(self, session: Session) -> SessionRecord:
+        """An ephemeral record of a session the runner already opened (a fork of a request's prompt, n > 1)."""
+        record = SessionRecord(session, ephemeral=True)
+        self._ephemeral[record.id] = record
+        self._hook("on_session_opened", record.id, True)
+        return record
+
     def release(self, record: SessionRecord) -> None:
         """A request's hold on the session ended: close an ephemeral session, free a named one."""
         record.last_used_unix = time.time()

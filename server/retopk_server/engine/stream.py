@@ -25,6 +25,7 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False  # set by the consumer, read by the engine thread (a plain bool is atomic)
         self.closed = False  # set by the engine once it sent the last event
+        self.choices = 1  # the request's n: the stream ends with the n-th event that has a finish_reason
         self.on_cancel: Callable[[], None] | None = None
 
     # --- engine thread -------------------------------------------------------------------------
@@ -37,8 +38,10 @@ class RequestStream:
     def put(self, event: TokenEvent) -> None:
         self._send(event)
         if event.finish_reason is not None:
-            self.closed = True
-            self._send(_END)
+            self.choices -= 1
+            if self.choices <= 0:
+                self.closed = True
+                self._send(_END)
 
     def fail(self, error: EngineError) -> None:
         self.closed = True

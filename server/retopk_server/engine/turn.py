@@ -5,10 +5,17 @@ checked, and chat input of a named session re-renders the whole conversation and
 cache lacks. The feed is the session's pending token (the previous turn's last sample) plus the new
 tokens. Finish: a stop token / string, max_new_tokens or the context length ends the turn; the turn's
 tokens and reply are remembered in the session for the next one.
+
+Constraints and tools: a request with a compiled grammar samples through a RowConstraint
+(runtime/constraints.py) and ends once the grammar is complete; a chat request with tools renders them
+through the template and turns its reply into tool calls (engine/tools.py). n > 1: after the prompt's
+prefill the request forks into n choices (``fork``), each an ActiveRequest of its own on a forked
+session, sharing the stream; each ends with its own last event, the stream with the last of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from retopk_server.engine.requests import (
@@ -24,6 +31,8 @@ from retopk_server.engine.requests import (
 from retopk_server.engine.runner_protocol import Runner
 from retopk_server.engine.sessions import SessionRecord
 from retopk_server.engine.stream import RequestStream
+from retopk_server.engine.tools import parser_for
+from retopk_server.runtime.constraints import RowConstraint
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import Sampler, StopChecker
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
@@ -50,6 +59,10 @@ class ActiveRequest:
         self.job = None  # the runner's PrefillJob while the prompt is fed (runtime/prefill.py)
         self.sampler: Sampler | None = None
         self.stop: StopChecker | None = None
+        self.constraint: RowConstraint | None = None
+        self.tools = None  # the reply's tool-call parser (engine/tools.py) or None
+        self.tool_calls: list = []  # the calls made so far, as pieces (for the session's memory)
+        self.index = 0  # which of the request's n choices this is
         self.done = False
 
     @property
@@ -72,6 +85,8 @@ class ActiveRequest:
             return EngineError(ErrorCode.DEADLINE_EXCEEDED, f"deadline exceeded{where}")
         if self.stream.cancelled:
             return EngineError(ErrorCode.CANCELLED, f"request cancelled by the client{where}")
+        if self.stream.closed and not self.done:  # another choice of the request failed and ended the stream
+            return EngineError(ErrorCode.CANCELLED, f"another choice of the request failed{where}")
         return None
 
     # ---- input ---------------------------------------------------------------------------------------
@@ -104,20 +119,37 @@ class ActiveRequest:
                 raise EngineError(ErrorCode.INVALID_ARGUMENT, f"token_ids: {not_a_token(ids, bad, vocab)}")
             return ids
         if record.ephemeral:
-            return encode_chat(runner, spec.chat)
+            return encode_chat(runner, spec.chat, spec.tools)
         # The session remembers the conversation: render all of it and feed what the cache lacks.
         # Chat templates render earlier turns the same way, so the seen tokens are normally a prefix.
-        full = encode_chat(runner, record.messages + spec.chat)
+        full = encode_chat(runner, record.messages + spec.chat, spec.tools)
         # When the rendering differs from what was fed (a template that renders replies differently),
         # feed from the first difference on; the cache cannot be rewound.
         return full[common_prefix(full, record.seen_ids):]
 
     def start_sampling(self, runner: Runner) -> None:
-        """After prefill: the sampler and the stop conditions of this request."""
+        """After prefill: the sampler (with the request's constraint), the stop conditions and the tool-call
+        parser of this choice; choice i > 0 of a seeded request draws with seed + i."""
         spec = self.spec
         eos = set() if spec.ignore_eos else set(runner.info.eos_token_ids)
-        self.sampler = Sampler(spec.sampling, spec.top_logprobs if spec.logprobs else None)
+        if spec.grammar is not None:
+            self.constraint = RowConstraint.of(spec.grammar, runner.info.vocab_size)
+        sampling = spec.sampling
+        if self.index and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + self.index) % 2**63)
+        self.sampler = Sampler(sampling, spec.top_logprobs if spec.logprobs else None, self.constraint)
         self.stop = StopChecker(runner.tokenizer, sorted(eos | set(spec.stop_token_ids)), list(spec.stop))
+        self.tools = parser_for(spec.tool_choice, spec.tools) if spec.chat is not None else None
+
+    def fork(self, record: SessionRecord, index: int) -> ActiveRequest:
+        """Choice ``index`` of this request (n > 1), on ``record`` (a fork of this request's prefilled session),
+        right after the prefill: it shares the stream, the prompt and the timings so far."""
+        child = ActiveRequest(self.spec, self.stream, self.max_new_tokens)
+        child.index, child.record, child.method = index, record, self.method
+        child.arrived, child.admitted, child.prefilled, child.prefill_s = (self.arrived, self.admitted,
+                                                                          self.prefilled, self.prefill_s)
+        child.prompt_ids, child.context_ids = self.prompt_ids, self.context_ids
+        return child
 
     # ---- finish --------------------------------------------------------------------------------------
     def push(self, token: int, max_context: int, step_stats) -> TokenEvent:
@@ -130,16 +162,28 @@ class ActiveRequest:
             why = self.stop.stop_reason
             reason = (FinishReason.STOP_SEQUENCE if isinstance(why, str)
                       else FinishReason.STOP_TOKEN if why in self.spec.stop_token_ids else FinishReason.EOS_TOKEN)
+        elif self.constraint is not None and self.constraint.terminated:  # the grammar is complete
+            reason = FinishReason.EOS_TOKEN
         elif len(self.generated) >= self.max_new_tokens:
             reason = FinishReason.LENGTH
         elif self.record.session.length >= max_context:  # no room to feed this token
             reason = FinishReason.CONTEXT_LENGTH
         if reason is not None and not stopped:
             text += self.stop.flush()
+        calls = None
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if reason is not None:
+                more, last = self.tools.finish()
+                text, calls = text + more, calls + last
+            self.tool_calls.extend(calls)
+            if reason in (FinishReason.EOS_TOKEN, FinishReason.STOP_TOKEN, FinishReason.STOP_SEQUENCE) \
+                    and self.tools.called:
+                reason = FinishReason.TOOL_CALLS
         self.text_parts.append(text)
         return TokenEvent([token], text, token_index=len(self.generated) - 1,
                           step_stats=step_stats if self.spec.return_step_stats else None, finish_reason=reason,
-                          logprobs=self._logprobs(token))
+                          logprobs=self._logprobs(token), index=self.index, tool_calls=calls or None)
 
     def _logprobs(self, token: int) -> list[TokenLogprob] | None:
         """The sampler's log-probabilities of ``token`` (just sampled), with each token's text alone."""
@@ -165,16 +209,29 @@ class ActiveRequest:
         if self.generated:  # the tokens no decode step fed: the last one, none after a failed sampling
             record.pending = self.generated[len(record.session.token_ids) - len(self.context_ids):]
         if self.prefilled and self.spec.chat is not None and not record.ephemeral:
-            record.messages = record.messages + list(self.spec.chat) + [
-                {"role": "assistant", "content": "".join(self.text_parts)}]
+            reply = {"role": "assistant", "content": "".join(self.text_parts)}
+            if calls := whole_calls(self.tool_calls):
+                reply["tool_calls"] = calls
+            record.messages = record.messages + list(self.spec.chat) + [reply]
         if self.prefilled:
             record.turns += 1
 
 
-def encode_chat(runner: Runner, messages: list[dict]) -> list[int]:
+def whole_calls(pieces) -> list[dict]:
+    """Tool-call pieces (ToolCall) joined per index into OpenAI's {"id", "type", "function"} objects."""
+    calls: dict[int, dict] = {}
+    for p in pieces:
+        call = calls.setdefault(p.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call["id"] = call["id"] or p.id
+        call["function"]["name"] = call["function"]["name"] or p.name
+        call["function"]["arguments"] += p.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def encode_chat(runner: Runner, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The conversation's token ids; INVALID_ARGUMENT naming ``chat`` when the template rejects it."""
     try:
-        return list(runner.encode_chat(messages))
+        return list(runner.encode_chat(messages, tools) if tools else runner.encode_chat(messages))
     except Exception as e:  # a template that rejects the messages (e.g. a bad role order)
         raise EngineError(ErrorCode.INVALID_ARGUMENT, f"chat: the chat template rejected the messages: {e}") from None
 
