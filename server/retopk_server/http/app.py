@@ -242,18 +242,24 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
 
         async def events():
-            last = first
+            finals, seen = [], set()  # the last response of each finished choice; the choices begun
             try:
-                for chunk in chunks(first, True):
-                    yield _sse({**chunk, "usage": None} if include_usage else chunk)
-                async for last in stream:
-                    for chunk in chunks(last, False):
+                response = first
+                while True:
+                    for chunk in chunks(response, response.index not in seen):
                         yield _sse({**chunk, "usage": None} if include_usage else chunk)
+                    seen.add(response.index)
+                    if response.finish_reason:
+                        finals.append(response)
+                    try:
+                        response = await anext(stream)
+                    except StopAsyncIteration:
+                        break
             except Aborted as a:  # after the first token: the status line is long sent
                 yield _sse(from_status(a.code, a.message, rename).body())
             else:
                 if include_usage:
-                    yield _sse({**envelope, "choices": [], "usage": convert.usage(last)})
+                    yield _sse({**envelope, "choices": [], "usage": convert.usage(*finals)})
             finally:
                 await stream.aclose()
             yield "data: [DONE]\n\n"
@@ -264,10 +270,12 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
     async def completions(request: Request):
         body, stream, first, rename = await start(request, CompletionRequest)
         envelope = convert.envelope("text_completion", first.request_id, body.model)
-        logprobs = convert.CompletionLogprobs()
+
+        offsets: dict[int, convert.CompletionLogprobs] = {}  # per choice: its tokens' text offsets
 
         def choice(r: pb.GenerateResponse) -> dict:
-            return {"index": 0, "text": r.text, "logprobs": logprobs.of(r), "finish_reason": convert.finish_reason(r)}
+            lp = offsets.setdefault(r.index, convert.CompletionLogprobs()).of(r)
+            return {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": convert.finish_reason(r)}
 
         if body.stream:
             def chunks(r: pb.GenerateResponse, opening: bool):
@@ -276,13 +284,15 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
 
             return sse_stream(body, stream, first, rename, envelope, chunks)
         responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
-        merged = None
-        for r in responses:
-            merged = convert.merge_logprobs(merged, logprobs.of(r))
-        last = responses[-1]
-        return {**envelope, "choices": [{"index": 0, "text": "".join(r.text for r in responses), "logprobs": merged,
-                                         "finish_reason": convert.finish_reason(last)}],
-                "usage": convert.usage(last)}
+        choices = []
+        for group in convert.by_choice(responses):
+            merged, logprobs = None, convert.CompletionLogprobs()
+            for r in group:
+                merged = convert.merge_logprobs(merged, logprobs.of(r))
+            choices.append({"index": group[0].index, "text": "".join(r.text for r in group), "logprobs": merged,
+                            "finish_reason": convert.finish_reason(group[-1])})
+        finals = [r for r in responses if r.finish_reason]
+        return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -292,23 +302,31 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
 
             def chunks(r: pb.GenerateResponse, opening: bool):
                 if opening:
-                    yield {**envelope, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                    yield {**envelope, "choices": [{"index": r.index, "delta": {"role": "assistant", "content": ""},
                                                     "logprobs": None, "finish_reason": None}]}
-                if r.text or r.logprobs or r.finish_reason:
-                    yield {**envelope, "choices": [{"index": 0, "delta": {"content": r.text} if r.text else {},
+                if r.text or r.logprobs or r.finish_reason or r.tool_calls:
+                    delta = {"content": r.text} if r.text else {}
+                    if calls := convert.tool_call_deltas(r):
+                        delta["tool_calls"] = calls
+                    yield {**envelope, "choices": [{"index": r.index, "delta": delta,
                                                     "logprobs": convert.chat_logprobs(r),
                                                     "finish_reason": convert.finish_reason(r)}]}
 
             return sse_stream(body, stream, first, rename, envelope, chunks)
         envelope = convert.envelope("chat.completion", first.request_id, body.model)
         responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
-        merged = None
-        for r in responses:
-            merged = convert.merge_logprobs(merged, convert.chat_logprobs(r))
-        last = responses[-1]
-        message = {"role": "assistant", "content": "".join(r.text for r in responses)}
-        return {**envelope, "choices": [{"index": 0, "message": message, "logprobs": merged,
-                                         "finish_reason": convert.finish_reason(last)}],
-                "usage": convert.usage(last)}
+        choices = []
+        for group in convert.by_choice(responses):
+            merged = None
+            for r in group:
+                merged = convert.merge_logprobs(merged, convert.chat_logprobs(r))
+            message = {"role": "assistant", "content": "".join(r.text for r in group)}
+            if calls := convert.whole_tool_calls(group):
+                message["tool_calls"] = calls
+                message["content"] = message["content"] or None
+            choices.append({"index": group[0].index, "message": message, "logprobs": merged,
+                            "finish_reason": convert.finish_reason(group[-1])})
+        finals = [r for r in responses if r.finish_reason]
+        return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
 
     return app

@@ -4,14 +4,18 @@ The HTTP front hands that GenerateRequest to the gRPC servicer's own Generate, s
 refuse the same values with the same limits, keys and metrics; a refusal's field is renamed back to the
 body's (``field_renamer``: ``max_new_tokens`` -> ``max_tokens``, ``sampling.temperature`` ->
 ``temperature``, ``method.top_k`` -> ``retopk.method.top_k``). This module checks only what the gRPC
-request cannot express: the body's shapes, ``n`` (1 only), and values a proto field cannot hold.
+request cannot express: the body's shapes (``response_format``, ``tools``, ``tool_choice``, messages'
+``tool_calls``) and values a proto field cannot hold.
 
 finish_reason: max_tokens or the context length -> "length"; EOS, a stop token or a stop string -> "stop"
-(the stop string itself is not part of the text, as in OpenAI's API).
+(the stop string itself is not part of the text, as in OpenAI's API); a reply that called tools ->
+"tool_calls". With ``n`` > 1 the GenerateResponses of every choice arrive interleaved, each naming its
+``index``; usage counts the prompt once and the completion tokens of every choice.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -35,10 +39,8 @@ _UNION_TAG = re.compile(r"^[A-Z]|[\[\]]|^(str|int|float|bool|list|dict|none)$")
 
 # OpenAI fields this server does not implement, accepted only with the value that asks for nothing (what
 # clients send by default); any other value is a 400 saying so. Every other unknown field is a 400 too.
-_NEUTRAL = {"logit_bias": [None, {}], "response_format": [None, {"type": "text"}], "tools": [None, []],
-            "tool_choice": [None, "none", "auto"], "functions": [None, []], "function_call": [None, "none", "auto"],
-            "parallel_tool_calls": [None, True, False], "store": [None, False], "metadata": [None, {}],
-            "service_tier": [None, "auto", "default"]}
+_NEUTRAL = {"logit_bias": [None, {}], "functions": [None, []], "function_call": [None, "none", "auto"],
+            "store": [None, False], "metadata": [None, {}], "service_tier": [None, "auto", "default"]}
 _NEUTRAL_COMPLETIONS = {"echo": [None, False], "best_of": [None, 1], "suffix": [None, ""]}
 
 
@@ -91,6 +93,14 @@ def field_renamer(body: Body) -> Callable[[str], str]:
                 ("method", lambda rest: "retopk.method" + _flat(rest)),
                 ("session_id", lambda rest: "retopk.session_id" + rest),
                 ("stop_token_ids", lambda rest: "retopk.stop_token_ids" + rest),
+                ("constraint.json_schema", lambda rest: "response_format.json_schema.schema"),
+                ("constraint.regex", lambda rest: "retopk.regex"),
+                ("constraint.grammar", lambda rest: "retopk.grammar"),
+                ("constraint", lambda rest: "response_format"),
+                ("tools.json_schema", lambda rest: "tools"),
+                ("tool_choice.function", lambda rest: "tool_choice.function.name"),
+                ("tool_choice.mode", lambda rest: "tool_choice"),
+                ("tools", _tool_field),
                 ("top_logprobs", lambda rest: ("top_logprobs" if chat else "logprobs") + rest)]
 
     def rename(field: str) -> str:
@@ -107,6 +117,14 @@ def _flat(rest: str) -> str:
     holds every hyperparameter by name; only the wire splits them into named fields and params)."""
     match = re.fullmatch(r"\.params\['([^']*)'\](.*)", rest)
     return f".{match.group(1)}{match.group(2)}" if match else rest
+
+
+def _tool_field(rest: str) -> str:
+    """"[2].parameters_json" -> "tools[2].function.parameters" (and .name, .description likewise)."""
+    index, _, name = rest.partition("].")
+    if not name:
+        return "tools" + rest
+    return f"tools{index}].function.{ {'parameters_json': 'parameters'}.get(name, name)}"
 
 
 def _bad(param: str, why: str) -> ApiError:
@@ -165,7 +183,94 @@ def _messages(body: ChatCompletionRequest, message: pb.GenerateRequest) -> None:
     if not body.messages:
         raise _bad("messages", "must hold at least one message")
     for i, m in enumerate(body.messages):
-        message.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=_content(i, m.content))
+        out = message.chat.messages.add(role=ROLE_ALIASES.get(m.role, m.role), content=_content(i, m.content))
+        for j, call in enumerate(m.tool_calls or ()):
+            where = f"messages[{i}].tool_calls[{j}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or call.get("type", "function") \
+                    != "function":
+                raise _bad(where, 'expected {"id": ..., "type": "function", "function": {"name": ..., '
+                                  '"arguments": "<JSON text>"}}')
+            arguments = fn.get("arguments", "")
+            if not isinstance(arguments, str):
+                raise _bad(f"{where}.function.arguments", "must be a string (the arguments as JSON text)")
+            call_id = call.get("id", "")
+            if not isinstance(call_id, str):
+                raise _bad(f"{where}.id", "must be a string")
+            out.tool_calls.add(index=j, id=call_id, name=fn["name"], arguments=arguments)
+        if m.tool_call_id is not None:
+            out.tool_call_id = m.tool_call_id
+        if m.role == "tool" and m.name is not None:
+            out.name = m.name
+
+
+def _json_text(param: str, value) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (ValueError, RecursionError):  # nesting past Python's recursion limit
+        raise _bad(param, "nested too deeply") from None
+
+
+def _response_format(value: dict, message: pb.GenerateRequest) -> None:
+    """OpenAI's response_format -> GenerateRequest.constraint."""
+    kind = value.get("type")
+    if kind == "text":
+        if set(value) - {"type"}:
+            raise _bad("response_format", f"unknown keys {sorted(set(value) - {'type'})}")
+        return
+    if kind == "json_object":
+        if set(value) - {"type"}:
+            raise _bad("response_format", f"unknown keys {sorted(set(value) - {'type'})}")
+        message.constraint.json_object = True
+        return
+    if kind != "json_schema":
+        raise _bad("response_format.type", f"must be one of text, json_object, json_schema, got {kind!r:.60}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format.json_schema", 'expected {"name": ..., "schema": {...}, "strict": true}')
+    if unknown := set(spec) - {"name", "schema", "strict", "description"}:
+        raise _bad("response_format.json_schema", f"unknown keys {sorted(unknown)}")
+    if not isinstance(spec.get("name", ""), str):
+        raise _bad("response_format.json_schema.name", "must be a string")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, (dict, bool)):
+        raise _bad("response_format.json_schema.schema", f"must be a JSON schema object, got {type(schema).__name__}")
+    strict = spec.get("strict", False)
+    if not isinstance(strict, bool) and strict is not None:
+        raise _bad("response_format.json_schema.strict", "must be a boolean")
+    message.constraint.json_schema = _json_text("response_format.json_schema.schema", schema)
+    message.constraint.strict = bool(strict)
+
+
+def _tools(body: ChatCompletionRequest, message: pb.GenerateRequest) -> None:
+    for i, tool in enumerate(body.tools or ()):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise _bad(f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise _bad(f"tools[{i}].function", f"unknown keys {sorted(unknown)}")
+        if not isinstance(fn.get("name"), str):
+            raise _bad(f"tools[{i}].function.name", "required, a string")
+        if not isinstance(fn.get("description", ""), str):
+            raise _bad(f"tools[{i}].function.description", "must be a string")
+        out = message.tools.add(name=fn["name"], description=fn.get("description", ""))
+        if fn.get("parameters") is not None:
+            if not isinstance(fn["parameters"], dict):
+                raise _bad(f"tools[{i}].function.parameters", "must be a JSON schema object")
+            out.parameters_json = _json_text(f"tools[{i}].function.parameters", fn["parameters"])
+    choice = body.tool_choice
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise _bad("tool_choice", f'must be "none", "auto", "required" or a function, got {choice!r:.60}')
+        message.tool_choice.mode = choice
+        return
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad("tool_choice", 'expected {"type": "function", "function": {"name": ...}}')
+    message.tool_choice.function = fn["name"]
 
 
 def _method(value) -> pb.AttentionMethod:
@@ -188,8 +293,14 @@ def generate_message(body: Body, vocab_size: int, max_new_tokens: int | None = N
         _messages(body, message)
     else:
         _prompt(body, message, vocab_size)
-    if body.n is not None and body.n != 1:
-        raise _bad("n", f"only n = 1 is supported, got {body.n}")
+    if body.n is not None:
+        if body.n < 1:
+            raise _bad("n", f"must be at least 1, got {body.n}")
+        _set(message, "n", body.n, "n")
+    if body.response_format is not None:
+        _response_format(body.response_format, message)
+    if chat:
+        _tools(body, message)
     max_tokens = body.max_tokens
     if chat and body.max_completion_tokens is not None:
         if max_tokens is not None and max_tokens != body.max_completion_tokens:
@@ -215,6 +326,12 @@ def generate_message(body: Body, vocab_size: int, max_new_tokens: int | None = N
         message.ignore_eos = options.ignore_eos
         if options.stop_token_ids:
             message.stop_token_ids.extend(_token_ids("retopk.stop_token_ids", options.stop_token_ids, vocab_size))
+        for name in ("regex", "grammar"):
+            if (value := getattr(options, name)) is not None:
+                if message.HasField("constraint"):
+                    raise _bad(f"retopk.{name}", "set at most one of response_format (json), retopk.regex and "
+                                                 "retopk.grammar")
+                setattr(message.constraint, name, value)
     if chat:
         if body.top_logprobs and not body.logprobs:
             raise _bad("top_logprobs", "needs logprobs: true")
@@ -233,6 +350,7 @@ FINISH = {
     pb.FINISH_REASON_EOS_TOKEN: "stop",
     pb.FINISH_REASON_STOP_TOKEN: "stop",
     pb.FINISH_REASON_STOP_SEQUENCE: "stop",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 
@@ -240,10 +358,43 @@ def finish_reason(response: pb.GenerateResponse) -> str | None:
     return FINISH.get(response.finish_reason)
 
 
-def usage(response: pb.GenerateResponse) -> dict:
-    u = response.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.generated_tokens,
-            "total_tokens": u.prompt_tokens + u.generated_tokens}
+def usage(*finals: pb.GenerateResponse) -> dict:
+    """OpenAI usage of a request from the last response of each of its choices: the prompt counted once."""
+    prompt = finals[0].usage.prompt_tokens if finals else 0
+    completion = sum(r.usage.generated_tokens for r in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def tool_call_deltas(response: pb.GenerateResponse) -> list[dict] | None:
+    """The streamed ``tool_calls`` delta of a response: id, type and name with a call's first piece."""
+    out = []
+    for c in response.tool_calls:
+        piece = {"index": c.index}
+        if c.id:
+            piece.update(id=c.id, type="function")
+        piece["function"] = {"name": c.name, "arguments": c.arguments} if c.name else {"arguments": c.arguments}
+        out.append(piece)
+    return out or None
+
+
+def whole_tool_calls(responses: list[pb.GenerateResponse]) -> list[dict] | None:
+    """The complete ``tool_calls`` of one choice's responses (pieces joined per call index)."""
+    calls: dict[int, dict] = {}
+    for r in responses:
+        for c in r.tool_calls:
+            call = calls.setdefault(c.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+            call["id"] = call["id"] or c.id
+            call["function"]["name"] = call["function"]["name"] or c.name
+            call["function"]["arguments"] += c.arguments
+    return [calls[i] for i in sorted(calls)] or None
+
+
+def by_choice(responses: list[pb.GenerateResponse]) -> list[list[pb.GenerateResponse]]:
+    """Responses grouped by their choice ``index``, in index order."""
+    groups: dict[int, list] = {}
+    for r in responses:
+        groups.setdefault(r.index, []).append(r)
+    return [groups[i] for i in sorted(groups)]
 
 
 def _token(token: str, logprob: float) -> dict:

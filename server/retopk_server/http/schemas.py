@@ -36,6 +36,8 @@ class RetopkOptions(_Body):
                       the sampler's other knobs (GenerateRequest.sampling)
     ignore_eos, stop_token_ids
                       as in GenerateRequest
+    regex, grammar    constrain the output to a regular expression, or to an EBNF grammar whose start rule is
+                      ``root`` (GenerateRequest.constraint; instead of ``response_format``)
     """
 
     method: str | dict[str, Any] | None = None
@@ -45,6 +47,8 @@ class RetopkOptions(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
 
 class _Generation(_Body):
@@ -59,6 +63,9 @@ class _Generation(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     n: int | None = None
+    # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name", "schema",
+    # "strict", "description"}}; its shape is checked in http/convert.py, naming the field
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
@@ -74,11 +81,16 @@ class CompletionRequest(_Generation):
 
 
 class ChatMessage(_Body):
-    """content: a string or a list of {"type": "text", "text": ...} parts; ``name`` is accepted and unused."""
+    """content: a string or a list of {"type": "text", "text": ...} parts. An assistant message may carry the
+    ``tool_calls`` a previous reply made ([{"id", "type": "function", "function": {"name", "arguments"}}]);
+    a "tool" message answers one, naming its ``tool_call_id``. ``name`` is passed to the template for a tool
+    message, accepted and unused otherwise."""
 
     role: str
     content: str | list[Any] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -87,5 +99,9 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # [{"type": "function", "function": {"name", "description", "parameters", "strict"}}], checked in convert
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call, "auto" may make several
     logprobs: bool = False
     top_logprobs: int | None = None

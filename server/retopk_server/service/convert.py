@@ -14,15 +14,26 @@ from retopk_core.methods.registry import serving_method_names
 from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.commands import EngineStatus
-from retopk_server.engine.requests import EngineError, FinishReason, GenerationRequest, TokenEvent
+from retopk_server.engine.requests import (
+    MAX_N,
+    MAX_TOOLS,
+    TOOL_CHOICES,
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    TokenEvent,
+)
 from retopk_server.engine.sessions import SessionSnapshot
+from retopk_server.engine.tools import forced_schema
+from retopk_server.runtime.constraints import ConstraintLimits, ConstraintSpec, json_depth, parse_schema
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
 from retopk_server.runtime.sampling_defaults import resolve, resolved_fields
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_ID_CHARS = 128
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOP = 16
 # Read from the proto's descriptors (the wire contract is their one definition): AttentionMethod's named
 # hyperparameters in proto order (ReTopK's K, C, W, R, tau, T_r; each a ReTopKConfig field) and the sampling fields.
@@ -174,15 +185,116 @@ def sampling_message(defaults) -> pb.SamplingParameters:
 
 
 def chat_messages(message: pb.ChatMessages, field: str = "chat") -> list[dict]:
+    """The messages as the chat template reads them; an assistant's tool calls and a tool result's
+    ``tool_call_id`` / ``name`` only where set."""
     if not message.messages:
         raise InvalidArgument(field, "must hold at least one message")
     out = []
     for i, m in enumerate(message.messages):
+        where = f"{field}.messages[{i}]"
         if m.role not in ROLES:
-            raise InvalidArgument(f"{field}.messages[{i}].role",
-                                  f"must be one of {', '.join(ROLES)}, got {_short(m.role)!r}")
-        out.append({"role": m.role, "content": m.content})
+            raise InvalidArgument(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_short(m.role)!r}")
+        entry = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidArgument(f"{where}.tool_calls", "only an assistant message makes tool calls")
+            entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                    "function": {"name": _tool_name(f"{where}.tool_calls[{j}].name", c.name),
+                                                 "arguments": c.arguments}}
+                                   for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id or m.name:
+            if m.role != "tool":
+                raise InvalidArgument(f"{where}.tool_call_id", "only a tool message answers a tool call")
+            entry["tool_call_id"], entry["name"] = m.tool_call_id, m.name
+        out.append(entry)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- constraints, tools
+def _tool_name(field: str, name: str) -> str:
+    if not TOOL_NAME.match(name):
+        raise InvalidArgument(field, f"a function name is 1-64 letters, digits, '_' or '-', got {_short(name)!r}")
+    return name
+
+
+def constraint_spec(message: pb.Constraint, limits: ConstraintLimits, field: str = "constraint") -> ConstraintSpec:
+    """The ConstraintSpec a Constraint message asks for, checked for size and (JSON schemas) nesting."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(field, "set one of json_schema, json_object, regex, grammar")
+    if message.strict and kind != "json_schema":
+        raise InvalidArgument(f"{field}.strict", "applies to json_schema only")
+    text = "" if kind == "json_object" else getattr(message, kind)
+    spec = ConstraintSpec(kind, text, message.strict, field)
+    try:
+        spec.check(limits)
+    except ValueError as e:
+        raise InvalidArgument(e.field, e.message) from None
+    return spec
+
+
+def tool_list(tools, limits: ConstraintLimits) -> list[dict]:
+    """Tool messages -> OpenAI-style tool dicts, each name unique and each schema a bounded JSON object."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        name = _tool_name(f"tools[{i}].name", t.name)
+        if name in seen:
+            raise InvalidArgument(f"tools[{i}].name", f"{name!r} is named twice")
+        seen.add(name)
+        fn = {"name": name, "description": t.description}
+        if t.parameters_json:
+            where = f"tools[{i}].parameters_json"
+            if len(t.parameters_json) > limits.max_chars:
+                raise InvalidArgument(where, f"too long: {len(t.parameters_json)} characters, the limit is "
+                                             f"{limits.max_chars} (ModelInfo.limits.max_constraint_chars)")
+            try:
+                schema = parse_schema(where, t.parameters_json)
+            except ValueError as e:
+                raise InvalidArgument(e.field, e.message) from None
+            if not isinstance(schema, dict):
+                raise InvalidArgument(where, "must be a JSON object (a schema of the arguments object)")
+            if json_depth(schema, limits.max_depth + 1) > limits.max_depth:
+                raise InvalidArgument(where, f"nested too deeply: more than {limits.max_depth} levels "
+                                             "(ModelInfo.limits.max_constraint_depth)")
+            fn["parameters"] = schema
+        else:
+            fn["parameters"] = {"type": "object"}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tools(message: pb.GenerateRequest, spec: GenerationRequest, limits: ConstraintLimits) -> None:
+    """tools and tool_choice onto ``spec``; a forced call (required / a function) becomes its constraint."""
+    has_choice = message.HasField("tool_choice")
+    if not message.tools:
+        if has_choice and message.tool_choice.WhichOneof("choice") is not None and not (
+                message.tool_choice.WhichOneof("choice") == "mode" and message.tool_choice.mode == "none"):
+            raise InvalidArgument("tool_choice", "needs tools")
+        return
+    if spec.chat is None:
+        raise InvalidArgument("tools", "need chat input (the tools are rendered by the chat template)")
+    spec.tools = tool_list(message.tools, limits)
+    which = message.tool_choice.WhichOneof("choice") if has_choice else None
+    if which == "mode":
+        if message.tool_choice.mode not in TOOL_CHOICES:
+            raise InvalidArgument("tool_choice.mode", f"must be one of {', '.join(TOOL_CHOICES)}, got "
+                                                      f"{_short(message.tool_choice.mode)!r}")
+        spec.tool_choice = message.tool_choice.mode
+    elif which == "function":
+        name = message.tool_choice.function
+        if name not in [t["function"]["name"] for t in spec.tools]:
+            raise InvalidArgument("tool_choice.function", f"{_short(name)!r} is none of the request's tools")
+        spec.tool_choice, spec.tool_function = "function", name
+    if spec.tool_choice in ("required", "function"):
+        if spec.constraint is not None:
+            raise InvalidArgument("constraint", f"must be absent with tool_choice {spec.tool_choice!r} (the "
+                                                "call's schema constrains the output)")
+        spec.constraint = ConstraintSpec("json_schema", forced_schema(spec.tools, spec.tool_function),
+                                         field="tools")
+
+
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
@@ -193,9 +305,12 @@ def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
 
 
 def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, vocab_size: int,
-                       max_new_tokens_limit: int, deadline: float | None, sampling_defaults=()) -> GenerationRequest:
+                       max_new_tokens_limit: int, deadline: float | None, sampling_defaults=(),
+                       constraint_limits: ConstraintLimits | None = None) -> GenerationRequest:
     """Check a GenerateRequest and turn it into the engine's GenerationRequest; unset sampling fields take
-    ``sampling_defaults``. The engine checks ``top_logprobs`` (GenerationRequest.check_logprobs)."""
+    ``sampling_defaults``. The engine checks ``top_logprobs`` (GenerationRequest.check_logprobs); the
+    constraint is checked for size here and compiled by the servicer."""
+    constraint_limits = constraint_limits or ConstraintLimits()
     request_id = (_identifier("request_id", message.request_id) if message.HasField("request_id")
                   else uuid.uuid4().hex)
     spec = GenerationRequest(request_id=request_id, deadline=deadline)
@@ -231,6 +346,15 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
     spec.ignore_eos = message.ignore_eos
     spec.return_step_stats = message.return_step_stats
     spec.logprobs, spec.top_logprobs = message.logprobs, message.top_logprobs
+    if message.HasField("constraint"):
+        spec.constraint = constraint_spec(message.constraint, constraint_limits)
+    _tools(message, spec, constraint_limits)
+    if message.HasField("n") and message.n != 0:
+        if not 1 <= message.n <= MAX_N:
+            raise InvalidArgument("n", f"must lie in [1, {MAX_N}], got {message.n}")
+        if message.n > 1 and spec.session_id is not None:
+            raise InvalidArgument("n", "must be 1 with session_id (a session continues one conversation)")
+        spec.n = message.n
     return spec
 
 
@@ -246,7 +370,9 @@ def step_stats_message(stats, token_index: int) -> pb.StepStats:
 
 def generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse:
     out = pb.GenerateResponse(request_id=request_id, token_ids=event.token_ids, text=event.text,
-                              session_id=event.session_id)
+                              session_id=event.session_id, index=event.index)
+    for call in event.tool_calls or ():
+        out.tool_calls.append(pb.ToolCall(index=call.index, id=call.id, name=call.name, arguments=call.arguments))
     if event.step_stats is not None:
         out.step_stats.append(step_stats_message(event.step_stats, event.token_index))
     for lp in event.logprobs or ():
@@ -271,6 +397,7 @@ _FINISH = {
     FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
     FinishReason.CONTEXT_LENGTH: pb.FINISH_REASON_CONTEXT_LENGTH,
+    FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
 }
 
 

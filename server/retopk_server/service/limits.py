@@ -79,7 +79,8 @@ class InputLimits:
         if len(chat.messages) > self.max_chat_messages:
             raise InvalidArgument(f"{field}.messages", f"at most {self.max_chat_messages} messages, "
                                                        f"got {len(chat.messages)}")
-        total = sum(len(m.role) + len(m.content) for m in chat.messages)
+        total = sum(len(m.role) + len(m.content) + len(m.tool_call_id) + len(m.name)
+                    + sum(len(c.id) + len(c.name) + len(c.arguments) for c in m.tool_calls) for m in chat.messages)
         if total > self.max_text_chars:
             raise InvalidArgument(f"{field}.messages", f"too long: {total} characters in all, the limit is "
                                                        f"{self.max_text_chars} (ModelInfo.limits.max_text_chars)")

@@ -29,7 +29,8 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method
-from retopk_server.engine.requests import MAX_TOP_LOGPROBS
+from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS
+from retopk_server.runtime.constraints import ConstraintError
 from retopk_server.service import convert
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
@@ -137,6 +138,16 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise InvalidArgument(SESSION_METADATA, f"metadata {', '.join(map(repr, sent))} does not match the "
                                   f"request, which names {body}; send the session's id (or no {SESSION_METADATA})")
 
+    async def _compile(self, constraint):
+        """The compiled grammar of a request's constraint; InvalidArgument naming the field when it cannot be."""
+        def compile_it():
+            return self.engine.constraints().compile(constraint)
+
+        try:
+            return await asyncio.to_thread(compile_it)
+        except ConstraintError as e:
+            raise InvalidArgument(e.field, e.message) from None
+
     async def _engine(self, future):
         return await asyncio.wrap_future(future)
 
@@ -165,9 +176,12 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             info = self.engine.info
             self.limits.generate(request)
             spec = convert.generation_request(request, info.default_method, info.vocab_size,
-                                              self.config.max_new_tokens, deadline, info.sampling_defaults)
+                                              self.config.max_new_tokens, deadline, info.sampling_defaults,
+                                              self.engine.config.constraints)
             spec.owner = caller.name
             self.limits.method(spec.method)
+            if spec.constraint is not None:  # compiled off the engine thread (cached by content)
+                spec.grammar = await self._compile(spec.constraint)
             stream = RequestStream()
             self.engine.submit(spec, stream)
         except Exception as exc:  # noqa: BLE001 - refused before the engine took it
@@ -255,6 +269,10 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                            max_new_tokens=cfg.max_new_tokens, default_max_new_tokens=cfg.default_max_new_tokens,
                            max_sessions=cfg.max_sessions, max_running=cfg.max_running, max_queue=cfg.max_queue,
                            max_top_logprobs=MAX_TOP_LOGPROBS)
+        bounds = self.engine.config.constraints
+        limits.MergeFrom(pb.Limits(max_constraint_chars=bounds.max_chars, max_constraint_depth=bounds.max_depth,
+                                   constraint_compile_timeout_ms=round(bounds.compile_timeout_s * 1000),
+                                   max_n=MAX_N, max_tools=MAX_TOOLS))
         limits.MergeFrom(pb.Limits(**self.limits.reported()))
         return pb.ModelInfo(name=info.name, architecture=info.architecture, num_layers=info.num_layers,
                             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
