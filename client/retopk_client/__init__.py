@@ -29,6 +29,7 @@ from retopk_client.types import (
     ChatMessage,
     Chunk,
     Completion,
+    Constraint,
     FinishReason,
     Limits,
     Method,
@@ -40,16 +41,18 @@ from retopk_client.types import (
     Timings,
     Tokenized,
     TokenLogprob,
+    Tool,
+    ToolCall,
     TopLogprob,
     Usage,
 )
 
 __all__ = [
     "Aborted", "AlreadyExists", "AsyncClient", "AsyncGenerateStream", "AsyncSession", "Cancelled", "ChatMessage",
-    "Chunk", "Client", "ClientConfig", "Completion", "DeadlineExceeded", "FailedPrecondition", "FinishReason",
-    "GenerateStream", "InternalError", "InvalidArgument", "Limits", "Method", "ModelInfo", "NotFound", "OutOfRange",
-    "PermissionDenied", "ResourceExhausted", "RetopkError", "RetryPolicy", "Sampling", "ServerStatus", "Session",
-    "SessionInfo", "StepStats", "Timings", "TokenLogprob", "Tokenized", "TopLogprob", "Unauthenticated",
-    "Unavailable", "Unimplemented", "Usage",
+    "Chunk", "Client", "ClientConfig", "Completion", "Constraint", "DeadlineExceeded", "FailedPrecondition",
+    "FinishReason", "GenerateStream", "InternalError", "InvalidArgument", "Limits", "Method", "ModelInfo", "NotFound",
+    "OutOfRange", "PermissionDenied", "ResourceExhausted", "RetopkError", "RetryPolicy", "Sampling", "ServerStatus",
+    "Session", "SessionInfo", "StepStats", "Timings", "Tokenized", "TokenLogprob", "Tool", "ToolCall", "TopLogprob",
+    "Unauthenticated", "Unavailable", "Unimplemented", "Usage",
 ]
 __version__ = "0.1.0"

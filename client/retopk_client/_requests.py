@@ -10,11 +10,14 @@ from typing import Any
 from retopk_client.types import (
     SAMPLING_FIELDS,
     ChatMessage,
+    Constraint,
     FieldValueError,
     Method,
     Sampling,
+    Tool,
     _set_field,
     as_chat_message,
+    tool_choice_proto,
 )
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
@@ -51,9 +54,16 @@ def generate_request(
     logprobs: bool = False,
     top_logprobs: int = 0,
     request_id: str | None = None,
+    constraint: Constraint | None = None,
+    tools: Iterable[Tool | Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    n: int | None = None,
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
-    """The GenerateRequest for one call; exactly one of prompt, messages, token_ids must be given."""
+    """The GenerateRequest for one call; exactly one of prompt, messages, token_ids must be given.
+
+    constraint: a ``Constraint`` (JSON schema, JSON object, regex, grammar); tools: ``Tool``s or OpenAI-style
+    tool mappings, with ``tool_choice`` "none" / "auto" / "required" / {"name": ...}; n: choices of one prompt."""
     inputs = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
     given = [name for name, value in inputs if value is not None]
     if len(given) != 1:
@@ -81,6 +91,14 @@ def generate_request(
     meth = Method.coerce(method)
     if meth is not None:
         req.method.CopyFrom(_within("method", meth.to_proto))
+    if constraint is not None:
+        req.constraint.CopyFrom(_within("constraint", constraint.to_proto))
+    for tool in tools or ():
+        req.tools.append(Tool.coerce(tool).to_proto())
+    if (choice := tool_choice_proto(tool_choice)) is not None:
+        req.tool_choice.CopyFrom(choice)
+    if n is not None:
+        _set_field(req, "n", n, "n")
     return req
 
 

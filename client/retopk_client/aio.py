@@ -23,7 +23,16 @@ from retopk_client.errors import NotFound, RetopkError, from_rpc_error
 from retopk_client.health import HealthCheckRequest, check_method, status_name
 from retopk_client.retry import Attempts, RetryPolicy, acall_with_retry
 from retopk_client.transcript import REPLAYABLE, Transcript, materialized
-from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
+from retopk_client.types import (
+    Chunk,
+    Completion,
+    CompletionBuilder,
+    ModelInfo,
+    ServerStatus,
+    SessionInfo,
+    Tokenized,
+    completions_of,
+)
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 
@@ -83,6 +92,10 @@ class AsyncGenerateStream:
         async for chunk in self:
             builder.add(chunk)
         return builder.build()
+
+    async def completions(self) -> list[Completion]:
+        """One Completion per choice of a request with n > 1, by index."""
+        return completions_of([chunk async for chunk in self])
 
     async def __aenter__(self) -> AsyncGenerateStream:
         return self

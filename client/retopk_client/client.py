@@ -26,7 +26,16 @@ from retopk_client.errors import NotFound, RetopkError, from_rpc_error
 from retopk_client.health import HealthCheckRequest, check_method, status_name
 from retopk_client.retry import Attempts, RetryPolicy, call_with_retry
 from retopk_client.transcript import REPLAYABLE, Transcript, materialized
-from retopk_client.types import Chunk, Completion, CompletionBuilder, ModelInfo, ServerStatus, SessionInfo, Tokenized
+from retopk_client.types import (
+    Chunk,
+    Completion,
+    CompletionBuilder,
+    ModelInfo,
+    ServerStatus,
+    SessionInfo,
+    Tokenized,
+    completions_of,
+)
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 
@@ -86,11 +95,15 @@ class GenerateStream:
             self._call.cancel()
 
     def complete(self) -> Completion:
-        """Read the rest of the stream into one Completion."""
+        """Read the rest of the stream into one Completion (a request with n = 1)."""
         builder = CompletionBuilder()
         for chunk in self:
             builder.add(chunk)
         return builder.build()
+
+    def completions(self) -> list[Completion]:
+        """Read the rest of the stream into one Completion per choice (a request with n > 1), by index."""
+        return completions_of(self)
 
     def __enter__(self) -> GenerateStream:
         return self
@@ -232,7 +245,11 @@ class Client:
         ``presence_penalty=``, ``frequency_penalty=``, ``seed=``; ``method`` (a Method, a name, or a
         mapping); ``stop``, ``stop_token_ids``, ``ignore_eos``, ``return_step_stats``, ``request_id``;
         ``logprobs=True`` (each chunk's ``logprobs``: a ``TokenLogprob`` per token id) and
-        ``top_logprobs=N`` (the N most likely tokens of each step too; N <= ``ModelInfo.limits.max_top_logprobs``).
+        ``top_logprobs=N`` (the N most likely tokens of each step too; N <= ``ModelInfo.limits.max_top_logprobs``);
+        ``constraint=Constraint.json_schema({...})`` (or ``json_object()``, ``regex(...)``, ``grammar(...)``);
+        ``tools=[Tool(...) or OpenAI-style mappings]`` with ``tool_choice`` ("none", "auto", "required" or
+        {"name": ...}; calls arrive in ``Chunk.tool_calls`` / ``Completion.tool_calls``); ``n`` choices of one
+        prompt (chunks name their ``index``; ``stream.completions()`` gathers one Completion per choice).
         Unset sampling fields take the server's defaults (``ModelInfo.default_sampling``); ``temperature=0``
         is greedy. ``timeout`` bounds the whole stream.
         """

@@ -10,9 +10,10 @@ naming it, so there is one source of truth for the limits.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 
@@ -99,24 +100,123 @@ def _from_fields(cls, msg, **converted):
 
 
 @dataclass(frozen=True)
+class ToolCall(_Dictable):
+    """A tool call the model made (``Completion.tool_calls``: whole), or a piece of one (``Chunk.tool_calls``):
+    ``arguments`` is JSON text; in a stream the pieces of one ``index`` concatenate to it."""
+
+    index: int = 0
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+    def to_proto(self) -> pb.ToolCall:
+        return pb.ToolCall(index=self.index, id=self.id, name=self.name, arguments=self.arguments)
+
+
+@dataclass(frozen=True)
 class ChatMessage(_Dictable):
-    """One chat message: role is "system", "user" or "assistant"."""
+    """One chat message: role is "system", "user", "assistant" or "tool". An assistant message may carry the
+    ``tool_calls`` it made; a "tool" message answers one, quoting its ``tool_call_id``."""
 
     role: str
-    content: str
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
     def to_proto(self) -> pb.ChatMessage:
-        return pb.ChatMessage(role=self.role, content=self.content)
+        return pb.ChatMessage(role=self.role, content=self.content, tool_calls=[c.to_proto() for c in self.tool_calls],
+                              tool_call_id=self.tool_call_id, name=self.name)
 
 
-def as_chat_message(message: ChatMessage | Mapping[str, str] | tuple[str, str]) -> ChatMessage:
-    """Accept a ChatMessage, a {"role", "content"} mapping or a (role, content) pair."""
+def _tool_call(value) -> ToolCall:
+    """A ToolCall from itself, or an OpenAI-style {"id", "function": {"name", "arguments"}} mapping."""
+    if isinstance(value, ToolCall):
+        return value
+    fn = value.get("function", value)
+    arguments = fn.get("arguments", "")
+    return ToolCall(id=value.get("id", ""), name=fn.get("name", ""),
+                    arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def as_chat_message(message: ChatMessage | Mapping | tuple[str, str]) -> ChatMessage:
+    """Accept a ChatMessage, a {"role", "content"} mapping (with OpenAI's "tool_calls" / "tool_call_id" /
+    "name" where they apply) or a (role, content) pair."""
     if isinstance(message, ChatMessage):
         return message
     if isinstance(message, Mapping):
-        return ChatMessage(role=message["role"], content=message["content"])
+        calls = tuple(replace(_tool_call(c), index=i) for i, c in enumerate(message.get("tool_calls") or ()))
+        return ChatMessage(role=message["role"], content=message.get("content") or "", tool_calls=calls,
+                           tool_call_id=message.get("tool_call_id") or "", name=message.get("name") or "")
     role, content = message
     return ChatMessage(role=role, content=content)
+
+
+@dataclass(frozen=True)
+class Tool(_Dictable):
+    """A function the model may call: ``parameters`` its arguments' JSON schema (None: any object)."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping | None = None
+
+    def to_proto(self) -> pb.Tool:
+        return pb.Tool(name=self.name, description=self.description,
+                       parameters_json=json.dumps(self.parameters) if self.parameters is not None else "")
+
+    @classmethod
+    def coerce(cls, value: Tool | Mapping) -> Tool:
+        """A Tool from itself or an OpenAI-style {"type": "function", "function": {...}} (or the inner) mapping."""
+        if isinstance(value, Tool):
+            return value
+        fn = value.get("function", value)
+        return cls(name=fn["name"], description=fn.get("description", ""), parameters=fn.get("parameters"))
+
+
+def tool_choice_proto(value: str | Mapping | None) -> pb.ToolChoice | None:
+    """"none" / "auto" / "required", a function's name as {"name": ...} or OpenAI's {"type": "function",
+    "function": {"name": ...}} -> the ToolChoice message (None: the server's default, auto)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return pb.ToolChoice(mode=value)
+    fn = value.get("function", value)
+    return pb.ToolChoice(function=fn["name"])
+
+
+@dataclass(frozen=True)
+class Constraint(_Dictable):
+    """A constraint on the output (GenerateRequest.constraint): build it with ``json_schema``, ``json_object``,
+    ``regex`` or ``grammar``."""
+
+    kind: str
+    text: str = ""
+    strict: bool = False
+
+    @classmethod
+    def json_schema(cls, schema: Mapping | str, strict: bool = False) -> Constraint:
+        """One JSON value valid against ``schema`` (a mapping or its JSON text)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema), strict)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def grammar(cls, ebnf: str) -> Constraint:
+        """An EBNF (GBNF) grammar whose start rule is ``root``."""
+        return cls("grammar", ebnf)
+
+    def to_proto(self) -> pb.Constraint:
+        if self.kind == "json_object":
+            return pb.Constraint(json_object=True)
+        if self.kind not in ("json_schema", "regex", "grammar"):
+            raise ValueError(f"unknown constraint kind {self.kind!r}")
+        return pb.Constraint(**{self.kind: self.text}, strict=self.strict)
 
 
 @dataclass(frozen=True)
@@ -253,6 +353,7 @@ class FinishReason(str, enum.Enum):
     STOP_TOKEN = "stop_token"
     STOP_SEQUENCE = "stop_sequence"
     CONTEXT_LENGTH = "context_length"
+    TOOL_CALLS = "tool_calls"
 
     @classmethod
     def from_proto(cls, value: int) -> FinishReason | None:
@@ -366,9 +467,12 @@ class Chunk(_Dictable):
     step_stats: tuple[StepStats, ...] = ()
     session_id: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
+    index: int = 0  # the choice it belongs to (requests with n > 1)
+    tool_calls: tuple[ToolCall, ...] = ()  # pieces of the tool calls made (see ToolCall)
 
     @property
     def is_final(self) -> bool:
+        """The last chunk of its choice (of the whole stream when n is 1)."""
         return self.finish_reason is not None
 
     @classmethod
@@ -383,6 +487,8 @@ class Chunk(_Dictable):
             step_stats=tuple(StepStats.from_proto(s) for s in msg.step_stats),
             session_id=msg.session_id or None,
             logprobs=tuple(TokenLogprob.from_proto(lp) for lp in msg.logprobs),
+            index=msg.index,
+            tool_calls=tuple(ToolCall.from_proto(c) for c in msg.tool_calls),
         )
 
 
@@ -399,6 +505,8 @@ class Completion(_Dictable):
     session_id: str | None = None
     step_stats: tuple[StepStats, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the reply made, whole
+    index: int = 0  # which choice of the request (n > 1) this is
 
     def group_read_rate(self) -> float | None:
         """The group-read rate over every step this completion carries stats for (see ``group_read_rate``)."""
@@ -417,6 +525,7 @@ class CompletionBuilder:
         self.token_ids: list[int] = []
         self.step_stats: list[StepStats] = []
         self.logprobs: list[TokenLogprob] = []
+        self.calls: dict[int, ToolCall] = {}
         self.last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
@@ -424,6 +533,10 @@ class CompletionBuilder:
         self.token_ids.extend(chunk.token_ids)
         self.step_stats.extend(chunk.step_stats)
         self.logprobs.extend(chunk.logprobs)
+        for piece in chunk.tool_calls:
+            call = self.calls.get(piece.index) or ToolCall(piece.index)
+            self.calls[piece.index] = ToolCall(piece.index, call.id or piece.id, call.name or piece.name,
+                                               call.arguments + piece.arguments)
         self.last = chunk
 
     def build(self) -> Completion:
@@ -438,7 +551,17 @@ class CompletionBuilder:
             session_id=last.session_id if last else None,
             step_stats=tuple(self.step_stats),
             logprobs=tuple(self.logprobs),
+            tool_calls=tuple(self.calls[i] for i in sorted(self.calls)),
+            index=last.index if last else 0,
         )
+
+
+def completions_of(chunks: Iterable[Chunk]) -> list[Completion]:
+    """The chunks of a request with n > 1 gathered per choice -> one Completion per index, in index order."""
+    builders: dict[int, CompletionBuilder] = {}
+    for chunk in chunks:
+        builders.setdefault(chunk.index, CompletionBuilder()).add(chunk)
+    return [builders[i].build() for i in sorted(builders)]
 
 
 @dataclass(frozen=True)

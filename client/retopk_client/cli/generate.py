@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from retopk_client.cli import common
-from retopk_client.types import CompletionBuilder
+from retopk_client.types import CompletionBuilder, Constraint
 
 
 def register(sub, parents) -> None:
@@ -27,6 +27,14 @@ def register(sub, parents) -> None:
     p.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="N",
                    help="ask for each generated token's log-probability and, with N, the N most likely tokens "
                         "of each step (in --json / --jsonl output; --usage adds the mean)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="constrain the output to one JSON value valid against the JSON schema in FILE ('-': stdin)")
+    shape.add_argument("--json-object", action="store_true", help="constrain the output to one JSON object")
+    shape.add_argument("--regex", metavar="PATTERN", help="constrain the output to match this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="constrain the output to the EBNF grammar in FILE (rule root)")
+    p.add_argument("--strict", action="store_true", help="with --json-schema: strict mode (no properties the "
+                                                         "schema does not allow)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true",
                      help="print one JSON object at the end: text, token_ids, finish_reason, usage, timings")
@@ -57,7 +65,35 @@ def request_kwargs(args: argparse.Namespace, prompt: str) -> dict:
         kwargs["request_id"] = args.request_id
     if args.logprobs is not None:
         kwargs["logprobs"], kwargs["top_logprobs"] = True, args.logprobs
+    constraint = constraint_from(args)
+    if constraint is not None:
+        kwargs["constraint"] = constraint
     return kwargs
+
+
+def _read(path: str, flag: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"retopk generate: {flag} {path}: {e.strerror or e}") from None
+
+
+def constraint_from(args: argparse.Namespace) -> Constraint | None:
+    """The Constraint the --json-schema / --json-object / --regex / --grammar flags ask for (the server checks it)."""
+    if args.strict and not args.json_schema:
+        raise SystemExit("retopk generate: --strict applies to --json-schema only")
+    if args.json_schema:
+        return Constraint.json_schema(_read(args.json_schema, "--json-schema"), strict=args.strict)
+    if args.json_object:
+        return Constraint.json_object()
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.grammar:
+        return Constraint.grammar(_read(args.grammar, "--grammar"))
+    return None
 
 
 def summary(completion) -> dict:
