@@ -95,8 +95,14 @@ class Engine(Admission, Supervision):
         with self._constraints_lock:
             if self._constraints is None:
                 info = self.runner.info
-                self._constraints = ConstraintCompiler(self.runner.tokenizer, info.vocab_size, info.eos_token_ids,
-                                                       self.config.constraints)
+                try:
+                    self._constraints = ConstraintCompiler(self.runner.tokenizer, info.vocab_size,
+                                                           info.eos_token_ids, self.config.constraints)
+                except Exception as e:  # a tokenizer xgrammar cannot read: no constraint can be served
+                    log.exception("the grammar compiler cannot read this model's tokenizer")
+                    raise EngineError(ErrorCode.FAILED_PRECONDITION, "constraint: this model's tokenizer cannot "
+                                      f"drive the grammar compiler ({type(e).__name__}); constraints are "
+                                      "unavailable on this server") from None
             return self._constraints
 
     def start_drain(self) -> None:
