@@ -40,7 +40,9 @@ from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 class AsyncGenerateStream:
     """The chunks of one Generate call as an async iterator; retried only before its first chunk."""
 
-    def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=asyncio.sleep) -> None:
+    def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=asyncio.sleep, choices: int = 1,
+                 ) -> None:
+        self._choices = max(1, choices)  # the request's n: the stream ends after that many final chunks
         self._start = start  # start(timeout_left) -> grpc.aio.UnaryStreamCall
         self._attempts = Attempts(policy, timeout)
         self._sleep = sleep
@@ -69,7 +71,8 @@ class AsyncGenerateStream:
             self._received += 1
             chunk = Chunk.from_proto(msg)
             if chunk.is_final:
-                self._done = True
+                self._choices -= 1
+                self._done = self._choices == 0
             return chunk
 
     async def _retry(self, err: RetopkError) -> bool:
@@ -229,6 +232,7 @@ class AsyncClient:
             lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
             self.config.retry,
             self.config.call_timeout(timeout),
+            choices=request.n or 1,
         )
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:

@@ -47,7 +47,9 @@ class GenerateStream:
     it is raised as it is, since the server may already have generated (and appended to a session).
     """
 
-    def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=time.sleep) -> None:
+    def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=time.sleep, choices: int = 1,
+                 ) -> None:
+        self._choices = max(1, choices)  # the request's n: the stream ends after that many final chunks
         self._start = start  # start(timeout_left) -> grpc response iterator (also a grpc.Call)
         self._attempts = Attempts(policy, timeout)
         self._sleep = sleep
@@ -76,7 +78,8 @@ class GenerateStream:
             self._received += 1
             chunk = Chunk.from_proto(msg)
             if chunk.is_final:
-                self._done = True
+                self._choices -= 1
+                self._done = self._choices == 0
             return chunk
 
     def _retry(self, err: RetopkError) -> bool:
@@ -259,6 +262,7 @@ class Client:
             lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
             self.config.retry,
             self.config.call_timeout(timeout),
+            choices=request.n or 1,
         )
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:

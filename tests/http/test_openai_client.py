@@ -154,7 +154,7 @@ def test_retopk_method_and_session(openai_client, grpc_client, model):
 # ---------------------------------------------------------------------------------------------- errors
 def test_errors_are_openai_errors(openai_client, model):
     cases = [
-        (openai.BadRequestError, "n", dict(n=2)),
+        (openai.BadRequestError, "n", dict(n=17)),  # above ModelInfo.limits.max_n
         (openai.BadRequestError, "max_tokens", dict(max_tokens=10**9)),
         (openai.BadRequestError, "temperature", dict(temperature=-1)),
         (openai.BadRequestError, "top_logprobs", dict(logprobs=True, top_logprobs=1000)),

@@ -66,7 +66,9 @@ def test_malformed_bodies_are_400(raw, model):
         chat_body(model, retopk={"method": {"top_k": "many"}}).encode(): "retopk.method.top_k",
         json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode(): "model",
         chat_body(model, logit_bias={"42": 5}).encode(): "logit_bias",  # known to OpenAI, not implemented here
-        chat_body(model, tools=[{"type": "function"}]).encode(): "tools",
+        chat_body(model, tools=[{"type": "function"}]).encode(): "tools[0]",
+        chat_body(model, response_format={"type": "json_schema"}).encode(): "response_format.json_schema",
+        chat_body(model, tool_choice={"type": "function"}).encode(): "tool_choice",
         b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}': "body",
     }
     for content, param in cases.items():

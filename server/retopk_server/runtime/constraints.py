@@ -59,22 +59,27 @@ class ConstraintLimits:
 @dataclass(frozen=True)
 class ConstraintSpec:
     """kind: one of KINDS; text: the schema (JSON text), regex or grammar ("" for json_object);
-    strict: a JSON schema's strict mode; field: how the client named it (for error messages)."""
+    strict: a JSON schema's strict mode; field: the request field that holds it, named by errors
+    ("" = GenerateRequest's ``constraint.<kind>``)."""
 
     kind: str
     text: str = ""
     strict: bool = False
-    field: str = "constraint"
+    field: str = ""
 
     @property
     def key(self) -> tuple[str, str, bool]:
         return self.kind, self.text, self.strict
 
+    @property
+    def where(self) -> str:
+        return self.field or f"constraint.{self.kind}"
+
     def check(self, limits: ConstraintLimits) -> None:
         """ConstraintError naming the field when the constraint is empty, too large, too deep or not JSON."""
-        name = f"{self.field}.{self.kind}"
+        name = self.where
         if self.kind not in KINDS:
-            raise ConstraintError(self.field, f"unknown kind {self.kind!r}; one of {', '.join(KINDS)}")
+            raise ConstraintError(self.field or "constraint", f"unknown kind {self.kind!r}; one of {', '.join(KINDS)}")
         if self.kind == "json_object":
             return
         if not self.text:
@@ -153,7 +158,7 @@ class ConstraintCompiler:
         try:
             return future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
-            raise ConstraintError(f"{spec.field}.{spec.kind}", f"did not compile within "
+            raise ConstraintError(spec.where, f"did not compile within "
                                   f"{self.limits.compile_timeout_s:g} s (ModelInfo.limits."
                                   "constraint_compile_timeout_ms); simplify it") from None
         except ConstraintError:
@@ -163,7 +168,7 @@ class ConstraintCompiler:
             raise
 
     def _compile(self, spec: ConstraintSpec):
-        name = f"{spec.field}.{spec.kind}"
+        name = spec.where
         try:
             if spec.kind == "json_object":
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)

@@ -6,6 +6,7 @@ Every check raises ``InvalidArgument(field, message)``; the servicer answers INV
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -225,7 +226,7 @@ def constraint_spec(message: pb.Constraint, limits: ConstraintLimits, field: str
     if message.strict and kind != "json_schema":
         raise InvalidArgument(f"{field}.strict", "applies to json_schema only")
     text = "" if kind == "json_object" else getattr(message, kind)
-    spec = ConstraintSpec(kind, text, message.strict, field)
+    spec = ConstraintSpec(kind, text, message.strict, f"{field}.{kind}")
     try:
         spec.check(limits)
     except ValueError as e:
@@ -293,6 +294,12 @@ def _tools(message: pb.GenerateRequest, spec: GenerationRequest, limits: Constra
                                                 "call's schema constrains the output)")
         spec.constraint = ConstraintSpec("json_schema", forced_schema(spec.tools, spec.tool_function),
                                          field="tools")
+
+
+def tool_constraints(spec: GenerationRequest) -> list[ConstraintSpec]:
+    """Each tool's arguments schema as a constraint of its own (to name the one that does not compile)."""
+    return [ConstraintSpec("json_schema", json.dumps(t["function"]["parameters"]), field=f"tools[{i}].parameters_json")
+            for i, t in enumerate(spec.tools or ())]
 
 
 

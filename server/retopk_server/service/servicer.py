@@ -138,10 +138,17 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise InvalidArgument(SESSION_METADATA, f"metadata {', '.join(map(repr, sent))} does not match the "
                                   f"request, which names {body}; send the session's id (or no {SESSION_METADATA})")
 
-    async def _compile(self, constraint):
-        """The compiled grammar of a request's constraint; InvalidArgument naming the field when it cannot be."""
+    async def _compile(self, constraint, parts=()):
+        """The compiled grammar of a request's constraint; InvalidArgument naming the field when it cannot be
+        (for a forced tool call, whose schema joins every tool's: the first tool whose own schema fails)."""
         def compile_it():
-            return self.engine.constraints().compile(constraint)
+            compiler = self.engine.constraints()
+            try:
+                return compiler.compile(constraint)
+            except ConstraintError:
+                for part in parts:
+                    compiler.compile(part)
+                raise
 
         try:
             return await asyncio.to_thread(compile_it)
@@ -181,7 +188,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             spec.owner = caller.name
             self.limits.method(spec.method)
             if spec.constraint is not None:  # compiled off the engine thread (cached by content)
-                spec.grammar = await self._compile(spec.constraint)
+                spec.grammar = await self._compile(spec.constraint, convert.tool_constraints(spec))
             stream = RequestStream()
             self.engine.submit(spec, stream)
         except Exception as exc:  # noqa: BLE001 - refused before the engine took it
