@@ -225,11 +225,13 @@ class RowConstraint:
 
     def start_fill(self) -> None:
         """Compute the next token's mask on the helper thread (while the model's forward runs)."""
-        if self._pending is None:
+        if self._pending is None and not self._matcher.is_terminated():  # complete: no next token to mask
             self._pending = _fill_pool().submit(self._matcher.fill_next_token_bitmask, self._mask)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the logit of every token the grammar forbids next to -inf, in place. logits (V,) float32 CPU."""
+        if self._matcher.is_terminated():
+            raise RuntimeError("the constraint is complete: nothing may follow")
         self.start_fill()
         pending, self._pending = self._pending, None
         pending.result()
