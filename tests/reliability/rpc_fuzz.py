@@ -42,7 +42,15 @@ BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.
 SERVER_ARGS = ("--max-prompt-tokens", "512", "--max-new-tokens", "8", "--default-max-new-tokens", "4",
                "--max-sessions", "8", "--max-queue", "8")
 SESSION_IDS = ("s0", "s1", "s2")
-ROLES = ("user", "system", "assistant")
+ROLES = ("user", "system", "assistant", "tool")
+# Constraint texts: valid ones (reach xgrammar and the masked sampler), and ones the compiler must refuse
+# as the client's error (not JSON, a type it does not know, a grammar that does not parse, no root rule).
+SCHEMAS = ('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
+           '{"type": "string", "maxLength": 3}', '{"enum": ["x", "y"]}', '{"type": "nonsense"}', "{", "[]", "true",
+           '{"type": "object", "properties": {"a": ' * 40 + "{}" + "}}" * 40, '{"$ref": "#/nowhere"}')
+REGEXES = ("[a-z]{1,4}", "(ab|cd)+", "(", "a{99999999}", "", "\\")
+GRAMMARS = ('root ::= "yes" | "no"', 'root ::= [0-9]+', "root ::= (", 'start ::= "x"', 'root ::= root "a"', "")
+TOOL_CHOICES = ("none", "auto", "required", "sometimes", "")
 CALL_TIMEOUT_S = 120.0
 
 _INT_RANGES = {
@@ -124,6 +132,18 @@ def _meaningful(f: FD) -> st.SearchStrategy | None:
         return st.floats(0, 1, width=32)
     if name == "max_new_tokens":
         return st.integers(1, 8)
+    if owner == "Constraint" and name == "json_schema" or owner == "Tool" and name == "parameters_json":
+        return st.sampled_from(SCHEMAS)
+    if owner == "Constraint" and name == "regex":
+        return st.sampled_from(REGEXES)
+    if owner == "Constraint" and name == "grammar":
+        return st.sampled_from(GRAMMARS)
+    if owner == "ToolChoice" and name == "mode":
+        return st.sampled_from(TOOL_CHOICES)
+    if owner in ("Tool", "ToolCall") and name == "name" or owner == "ToolChoice" and name == "function":
+        return st.sampled_from(("get_weather", "f", "bad name!"))
+    if owner == "GenerateRequest" and name == "n":
+        return st.integers(0, 5)
     if name in ("text", "content"):
         return st.text(min_size=1, max_size=60)
     if name in ("ids", "token_ids", "stop_token_ids") or (owner == "TokenIds"):
