@@ -10,8 +10,9 @@ Order of the logit transforms, each applied to what the previous one left:
   6. min-p: keep tokens whose probability is >= min_p * the largest probability
   7. draw one token from the renormalised distribution with the request's own generator
 
-A constrained request (runtime/constraints.py) first sets the logit of every token its grammar forbids
-next to -inf, so every later step works on the allowed tokens only; rows without a constraint skip that.
+A constrained request (runtime/constraints.py) sets the logit of every token its grammar forbids next to
+-inf right after step 2 (on the penalties' copy; before or after them is the same, a penalty never lifts
+a -inf), so every later step works on the allowed tokens only; rows without a constraint skip that.
 
 Log-probabilities (when a request asks for them) are log_softmax of the logits after step 3's division
 by the temperature (after step 2 at T = 1 for greedy), before the truncations of steps 4-6: the model's
@@ -129,11 +130,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, generated_ids: list[int], prompt_ids: list[int]) -> int:
         """logits (V,) float32 on any device -> the next token id (never changes ``logits``)."""
-        logits = logits.detach().float().cpu()
-        if self.constraint is not None:
-            logits = logits.clone()  # masked in place: the caller's batch of logits stays as it was
+        logits = apply_penalties(logits.detach().float().cpu(), self.params, generated_ids, prompt_ids)  # a copy
+        if self.constraint is not None:  # in place on that copy; a penalty never lifts a -inf, so the order is free
             self.constraint.apply(logits)
-        logits = apply_penalties(logits, self.params, generated_ids, prompt_ids)
         if self.params.greedy:
             token = int(torch.argmax(logits))
         else:
