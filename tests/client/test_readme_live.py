@@ -58,7 +58,8 @@ def test_the_readme_curl_chat_example_answers_what_it_shows(live_http_url):
 
 def test_the_readme_python_example_prints_what_it_shows(live_server, live_http_url):
     pytest.importorskip("openai")
-    (block,) = [b for kind, b in BLOCKS if kind == "python" and "from openai import OpenAI" in b]
+    (block,) = [b for kind, b in BLOCKS if kind == "python" and "from openai import OpenAI" in b
+                and "response_format" not in b]
     shown = []
     for line in block.splitlines():
         if line.strip().startswith("# "):
@@ -71,3 +72,23 @@ def test_the_readme_python_example_prints_what_it_shows(live_server, live_http_u
                           env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == shown and len(shown) == 2
+
+
+def test_the_readme_structured_output_example_runs_as_written(live_http_url):
+    """Issue 29: the JSON-schema request, the tool call and n = 4, as written; the JSON validates against the
+    schema the example gives (checked by ``jsonschema``), the call names the tool with valid arguments."""
+    pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    import ast
+
+    (block,) = [b for kind, b in BLOCKS if kind == "python" and "response_format" in b]
+    namespace: dict = {}
+    exec(block.split("reply = client", 1)[0].replace("http://localhost:8000", live_http_url), namespace)  # schema
+    done = subprocess.run([sys.executable, "-c", block.replace("http://localhost:8000", live_http_url)],
+                          capture_output=True, text=True, timeout=CALL_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    person, call, several = done.stdout.splitlines()
+    jsonschema.validate(ast.literal_eval(person), namespace["schema"])
+    name, arguments = call.split(" ", 1)
+    assert name == "get_weather" and isinstance(ast.literal_eval(arguments)["city"], str)
+    assert several.startswith("[") and "prompt_tokens=" in several
