@@ -247,3 +247,18 @@ def test_queue_full_then_sigterm_drain():
         assert "draining" in server.output()
     finally:
         server.kill()
+
+
+def test_startup_log_names_each_phase_and_when_the_model_is_ready(live_server_process):
+    """A start says what it is doing between "loading model" and "ready": the GGUF's config and tokenizer
+    (converted once, then read from the cache), its weights in the served format, and the load's time."""
+    import re
+
+    log = live_server_process.output()
+    phases = ["loading model smollm2-135m on cpu (weights auto, KV cache auto",
+              "reading SmolLM2-135M-Instruct.Q4_1.gguf: config and tokenizer",
+              "reading SmolLM2-135M-Instruct.Q4_1.gguf: weights (as-stored)",
+              "model loaded in", "model ready in", "listening on"]
+    at = [log.find(p) for p in phases]
+    assert all(i >= 0 for i in at) and at == sorted(at), log
+    assert re.search(r"model loaded in [0-9.]+ s: int4, lm_head int8 weights, 94\.9 MB read per decode step", log)
