@@ -142,16 +142,6 @@ def floor_ms(weight_bytes: int, bandwidth: float) -> float:
     return 1e3 * weight_bytes / bandwidth
 
 
-def same_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two greedy runs share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def summarize(L: int, label: str, engine: str, step_ms: list[float], prefill_s: list[float], tokens: list[int],
               **extra) -> dict:
     """One engine's row at one length from its rounds: ``step_ms`` the mean ms per generated token of each
@@ -170,6 +160,7 @@ def compare(rows: list[dict], bandwidth: float | None = None, cached: dict | Non
     yardstick's tokens. With ``bandwidth`` (bytes/s, DRAM) each row with ``weight_bytes`` gets ``floor_ms``
     and ``x_floor`` (ms / floor); ``cached`` maps weight_bytes -> the bandwidth measured over a buffer that
     size (``floor_cached_ms``). Returns the rows, updated in place."""
+    from retopk_server.engine.turn import common_prefix  # torch-free; kept out of import time as the rest
     llama = [r for r in rows if r["engine"] == "llama.cpp"]
     best = min(llama, key=lambda r: r["ms_per_token"]) if llama else None
     best_prefill = max((r["prefill_tok_s"] for r in llama), default=None)
@@ -178,7 +169,7 @@ def compare(rows: list[dict], bandwidth: float | None = None, cached: dict | Non
         r["yardstick_ms"] = best["ms_per_token"] if best else None
         r["vs_llamacpp"] = best["ms_per_token"] / r["ms_per_token"] if best else None
         r["prefill_vs_llamacpp"] = r["prefill_tok_s"] / best_prefill if best_prefill else None
-        r["same_tokens"] = same_prefix(r["tokens"], best["tokens"]) if best else None
+        r["same_tokens"] = common_prefix(r["tokens"], best["tokens"]) if best else None
         wb = r.get("weight_bytes")
         if wb and bandwidth:
             r["floor_ms"] = floor_ms(wb, bandwidth)

@@ -57,10 +57,8 @@ def test_rope_factor_past_the_trained_positions_only():
         vs.rope_factor(32769, 8192, 4.0)
 
 
-def test_floor_and_same_prefix():
+def test_floor():
     assert vs.floor_ms(98_000_000, 20e9) == pytest.approx(4.9)
-    assert vs.same_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
-    assert vs.same_prefix([1, 2], [1, 2, 3]) == 2 and vs.same_prefix([], [1]) == 0
 
 
 def _rows() -> list[dict]:
