@@ -30,15 +30,14 @@ def wide_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
-def wide_matmul(x: torch.Tensor, wide: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) float32 @ wide (out, in)^T -> (M, out) float32 (+ bias): the GEMM of a prefill chunk."""
-    y = torch.nn.functional.linear(x.to(wide.dtype), wide).float()
+def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) float32 @ weight (out, in)^T in the weight's float dtype -> (M, out) float32 (+ bias): a dense
+    layer's product, and a quantized one's prefill GEMM through its dequantized copy."""
+    y = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
     return y if bias is None else y + bias
 
 
 class DenseLinear:
-    format = "dense"
-
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight.contiguous()  # (out, in)
         self.bias = None if bias is None else bias.float()  # (out,)
@@ -53,8 +52,7 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.linear(x.to(self.weight.dtype), self.weight).float()  # (M, out)
-        return y if self.bias is None else y + self.bias
+        return float_matmul(x, self.weight, self.bias)  # (M, out)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
@@ -96,7 +94,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= WIDE_ROWS:
-            return wide_matmul(x, self.wide, self.bias)
+            return float_matmul(x, self.wide, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group,
                                                        self.scale_zero).float()  # (M, out)
         return y if self.bias is None else y + self.bias
@@ -139,7 +137,7 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= WIDE_ROWS:
-            return wide_matmul(x, self.wide, self.bias)
+            return float_matmul(x, self.wide, self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).float()  # (M, out)
         return y if self.bias is None else y + self.bias
 
