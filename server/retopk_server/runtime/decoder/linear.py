@@ -12,7 +12,7 @@ Every format keeps the float32 residual stream outside: only the matmul runs in 
 widened again. ``nbytes`` is what one matmul reads, the decode step's weight traffic.
 
 The packed ops are GEMVs: at prefill's row counts they run an order of magnitude slower than a GEMM
-(BENCHMARKS.md). The quantized formats therefore also hold their weights dequantized in ``WIDE_DTYPE``
+(BENCHMARKS.md). The quantized formats therefore also hold their weights dequantized in ``wide_dtype()``
 (bfloat16 where the CPU has bf16 dot products, else float32) and multiply through it from ``WIDE_ROWS``
 rows on: decode steps read the packed bytes, prefill chunks run a GEMM.
 """
@@ -35,6 +35,15 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     layer's product, and a quantized one's prefill GEMM through its dequantized copy."""
     y = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
     return y if bias is None else y + bias
+
+
+def quantized_matmul(lin, x: torch.Tensor, packed_mm) -> torch.Tensor:
+    """A quantized linear's product: from WIDE_ROWS rows of x on through its dequantized copy ``lin.wide``,
+    else ``packed_mm`` (its packed op) on x in bfloat16; (M, out) float32 (+ bias)."""
+    if x.shape[0] >= WIDE_ROWS:
+        return float_matmul(x, lin.wide, lin.bias)
+    y = packed_mm(x.to(torch.bfloat16)).float()
+    return y if lin.bias is None else y + lin.bias
 
 
 class DenseLinear:
@@ -93,11 +102,8 @@ class Int4Linear:
         return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= WIDE_ROWS:
-            return float_matmul(x, self.wide, self.bias)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group,
-                                                       self.scale_zero).float()  # (M, out)
-        return y if self.bias is None else y + self.bias
+        return quantized_matmul(self, x, lambda xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, self.packed, self.group, self.scale_zero))  # (M, out)
 
     def dequantized(self) -> torch.Tensor:
         """(out, in) float32, by multiplying the identity: the op's own reading of its packed weights."""
@@ -136,10 +142,7 @@ class Int8Linear:
         return self.q.numel() + self.scale.numel() * 2
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= WIDE_ROWS:
-            return float_matmul(x, self.wide, self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).float()  # (M, out)
-        return y if self.bias is None else y + self.bias
+        return quantized_matmul(self, x, lambda xb: torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale))
 
     def dequantized(self) -> torch.Tensor:
         return self.q.float() * self.scale.float().unsqueeze(1)
@@ -156,7 +159,6 @@ def _cpu_only(lin, device: torch.device):
 
 
 Linear = DenseLinear | Int4Linear | Int8Linear
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 
 
 def int4_fits(out: int, inp: int, group: int = INT4_GROUP) -> bool:
@@ -164,8 +166,8 @@ def int4_fits(out: int, inp: int, group: int = INT4_GROUP) -> bool:
 
 
 def from_float(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> Linear:
-    """A float weight (out, in) in ``fmt`` (one of FORMATS). int4 falls back to int8 for shapes the packed
-    op cannot take."""
+    """A float weight (out, in) in ``fmt`` (float32, bfloat16, float16, int8, int4). int4 falls back to int8
+    for shapes the packed op cannot take."""
     if fmt == "int4" and int4_fits(*weight.shape):
         return Int4Linear.quantize(weight, bias)
     if fmt in ("int4", "int8"):

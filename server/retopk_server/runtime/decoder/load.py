@@ -15,7 +15,6 @@ import torch
 from retopk_server.runtime.decoder.linear import INT4_GROUP, DenseLinear, Int4Linear, Int8Linear, Linear, from_float
 from retopk_server.runtime.decoder.llama import Decoder, LayerWeights
 
-WEIGHT_FORMATS = ("as-stored", "float32", "bfloat16", "float16", "int8", "int4")
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -154,14 +153,14 @@ class GGUFTensors:
         """The tensor dequantized to float32, (out, in)."""
         from gguf import dequantize
 
-        qtype, data = self.rows(name)
+        _, data = self.rows(name)
         t = self.tensors[name]
         w = np.array(dequantize(data, t.tensor_type), dtype=np.float32)  # a writable copy (F32 tensors map the file)
         return torch.from_numpy(w).float().reshape(data.shape[0], -1)
 
     def linear(self, names: list[str], weights: str) -> Linear:
         """The named matmul weights stacked along their outputs (fused QKV, gate-up), in ``weights``."""
-        types = {self.rows(n)[0] for n in names}
+        types = {self.tensors[n].tensor_type.name for n in names}
         biases = [n.replace(".weight", ".bias") for n in names]
         bias = torch.cat([self.float(b).view(-1) for b in biases]) if all(self.has(b) for b in biases) else None
         if weights == "as-stored" and len(types) == 1:
