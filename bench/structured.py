@@ -4,7 +4,7 @@
    on the helper thread while the forward runs, as the engine does) against every row unconstrained, in
    the same process, alternating, with the ratio (target: <= 1.10).
 2. n choices of one prompt: one prefill and ``runner.fork`` against n prefills, and one decode step of the
-   n forks against one of a single row.
+   n forks against one of n separately prefilled rows (the target: about equal) and of a single row.
 
     python bench/structured.py --batches 1 8 --steps 32
 """
@@ -83,18 +83,22 @@ def fork_times(runner: ModelRunner, prompt: list[int], n: int) -> dict:
         runner.prefill(s, prompt)
     n_prefills = time.perf_counter() - t0
     rows = [source, *forks]
-    single, batched = [], []
-    for _ in range(8):
+    single, batched, separate_batch = [], [], []
+    for _ in range(8):  # alternating: one row, the n forks, n separate prefills as one batch
         t0 = time.perf_counter()
         runner.decode([separate[0]], [1])
         single.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         runner.decode(rows, [1] * n)
         batched.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        runner.decode(separate, [1] * n)
+        separate_batch.append(time.perf_counter() - t0)
     for s in rows + separate:
         runner.close_session(s)
     return {"prefill_and_fork_s": one_prefill, "n_prefills_s": n_prefills,
-            "step_1_row_s": statistics.median(single), f"step_{n}_forks_s": statistics.median(batched)}
+            "step_1_row_s": statistics.median(single), f"step_{n}_forks_s": statistics.median(batched),
+            f"step_{n}_separate_s": statistics.median(separate_batch)}
 
 
 def main(argv=None) -> int:
@@ -120,7 +124,8 @@ def main(argv=None) -> int:
     results["n"] = {"n": args.n, **forks}
     print(f"n = {args.n}: prefill + fork {forks['prefill_and_fork_s'] * 1e3:.1f} ms vs {args.n} prefills "
           f"{forks['n_prefills_s'] * 1e3:.1f} ms; a step of the {args.n} forks "
-          f"{forks[f'step_{args.n}_forks_s'] * 1e3:.1f} ms vs one row {forks['step_1_row_s'] * 1e3:.1f} ms")
+          f"{forks[f'step_{args.n}_forks_s'] * 1e3:.1f} ms vs {args.n} separate rows "
+          f"{forks[f'step_{args.n}_separate_s'] * 1e3:.1f} ms and one row {forks['step_1_row_s'] * 1e3:.1f} ms")
     if args.json:
         print(json.dumps(results))
     compiler.close()
