@@ -1,4 +1,5 @@
-"""Compile the fused CPU kernel (retopk_cpu.cpp) beside this file: ``python -m retopk_core.cpu.build``.
+"""Compile the fused CPU kernel (retopk_cpu.cpp, with the decoder's ops of decoder_ops.cpp) beside this file:
+``python -m retopk_core.cpu.build``.
 
 ``make install`` / ``make test`` and docker/Dockerfile.cpu run it after installing the project. It needs a
 C++ compiler with OpenMP (g++), ninja and the installed torch; the result is ``_build/retopk_cpu.so`` and a
@@ -18,7 +19,7 @@ from pathlib import Path
 
 NAME = "retopk_cpu"
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / f"{NAME}.cpp"
+SOURCES = (HERE / f"{NAME}.cpp", HERE / "decoder_ops.cpp")
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / f"{NAME}.so"
 STAMP = BUILD_DIR / f"{NAME}.key"
@@ -29,8 +30,8 @@ LDFLAGS = ("-fopenmp",)
 
 
 def build_key() -> str:
-    """Hash of the source, the flags, the installed torch and the Python version it compiles against."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """Hash of the sources, the flags, the installed torch and the Python version it compiles against."""
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     h.update(repr((CFLAGS, LDFLAGS, importlib.metadata.version("torch"), sys.version_info[:2])).encode())
     return h.hexdigest()
 
@@ -47,7 +48,7 @@ def build(verbose: bool = False) -> Path:
     if STAMP.exists():
         STAMP.unlink()
     BUILD_DIR.mkdir(exist_ok=True)
-    load(name=NAME, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+    load(name=NAME, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
          build_directory=str(BUILD_DIR), verbose=verbose)  # lists: load() extends them in place
     STAMP.write_text(build_key() + "\n")
     return LIBRARY

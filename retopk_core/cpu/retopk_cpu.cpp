@@ -879,8 +879,21 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
   return {out, selected};
 }
 
+// The decoder's ops, compiled from decoder_ops.cpp into the same library.
+int64_t best_isa();
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void store_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ReTopK's fused CPU decode step (see retopk_core/cpu/launch.py)";
+  m.doc() = "ReTopK's fused CPU decode step and the decoder's CPU ops (see retopk_core/cpu/launch.py)";
   m.def("decode", &decode, "One ReTopK decode step for every (sequence, head) of a batch; updates the FIFO state");
   m.def("dense_decode", &dense_decode, "Full attention (with the exact Top-K of its scores) or Exact Top-K attention");
+  m.def("best_isa", &best_isa, "The widest SIMD level of this CPU the linear ops use: 0 plain, 1 AVX2, 2 AVX-512");
+  m.def("block_matmul", &block_matmul, "x W^T (+ bias) (+ residual) with W in GGUF blocks of 32 (Q4_1 or Q8_0)");
+  m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w over the rows of x");
+  m.def("rope_", &rope_, "RoPE in place on x (N, heads, d): x cos + rotate_half(x) sin");
+  m.def("store_rows", &store_rows, "pool[rows[i]] = src[i], cast to the pool's dtype");
 }

@@ -107,8 +107,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("device", str, "torch device: cpu, cuda, cuda:1, ..."),
     Option("weights", str, "matmul weight format: auto (as-stored on a CPU, bfloat16 on CUDA), as-stored (a GGUF "
                            "file's Q4_0/Q4_1 as int4, Q8_0 as int8; a checkpoint's own dtype), float32, bfloat16, "
-                           "float16, int8 or int4 (weight-only, groups of 32)"),
-    Option("kv_dtype", str, "KV cache dtype: auto (bfloat16), float32, bfloat16 or float16"),
+                           "float16, int8 or int4 (weight-only, blocks of 32)"),
+    Option("kv_dtype", str, "KV cache dtype: auto (bfloat16), float32 (also float32 prefill matmuls: no 16-bit "
+                            "rounding anywhere), bfloat16 or float16"),
     Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
                            "torch (reference code), triton (GPU) or cpu"),
     Option("method", str, "default attention method: full, exact_topk, retopk or a baseline "

@@ -41,11 +41,13 @@ class RuntimeConfig:
     model           a name known to ``retopk_core.models`` (e.g. "smollm2-135m") or a local checkpoint path
     device          where the weights, KV cache and method state live
     weights         the matmul weights' format (runtime/decoder/load.py): "as-stored" (a GGUF file's quantized
-                    tensors without widening them: Q4_0 / Q4_1 as int4 groups of 32; a checkpoint's own float
-                    dtype), "float32", "bfloat16", "float16", "int8", "int4" (weight-only, group-wise 32), or
-                    "auto": as-stored on a CPU, bfloat16 on CUDA (the packed int4 / int8 ops used are CPU ones)
+                    tensors without widening them: Q4_0 / Q4_1 as int4 and Q8_0 as int8, in blocks of 32; a
+                    checkpoint's own float dtype), "float32", "bfloat16", "float16", "int8", "int4" (weight-only,
+                    blocks of 32), or "auto": as-stored on a CPU, bfloat16 on CUDA (the block kernels are CPU ones)
     kv_dtype        the KV cache's dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 (half the bytes
-                    every exact pass and dense step reads; attention accumulates in float32 either way)
+                    every exact pass and dense step reads; attention accumulates in float32 either way). With
+                    float32 the quantized formats' prefill GEMMs run in float32 too (decoder/linear.py), so that
+                    the whole model equals the dequantized float32 one up to the order of its sums
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
                     Exact Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or
                     "auto": "cpu" on a CPU device where that kernel was built and loads, else "torch"; see

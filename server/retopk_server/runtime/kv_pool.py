@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from retopk_core.cpu import decoder_ops
 from retopk_core.kv import PagedKV
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
 
@@ -209,6 +210,10 @@ class KVPool:
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values k, v: (B, H_kv, T, d) at ``rows`` (B, H_kv, T) from ``rows()``."""
+        if k.device.type == "cpu" and k.dtype == torch.float32 and decoder_ops.available():  # one loop each
+            for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+                decoder_ops.store_rows(pool.view(-1, pool.shape[-1]), rows, x)
+            return
         flat = rows.view(-1)
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
             x = x.to(pool.dtype, memory_format=torch.contiguous_format)  # cast and lay out rows in one copy

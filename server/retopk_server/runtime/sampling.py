@@ -128,6 +128,14 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply first (no penalty, constraint or log-probabilities): the token is the
+        argmax of the raw logits, which ``greedy_tokens`` takes for a whole batch at once."""
+        p = self.params
+        return (p.greedy and self.constraint is None and self.logprobs is None and p.repetition_penalty == 1.0
+                and not p.presence_penalty and not p.frequency_penalty)
+
     def sample(self, logits: torch.Tensor, generated_ids: list[int], prompt_ids: list[int]) -> int:
         """logits (V,) float32 on any device -> the next token id (never changes ``logits``)."""
         logits = apply_penalties(logits.detach().float().cpu(), self.params, generated_ids, prompt_ids)  # a copy
@@ -144,6 +152,16 @@ class Sampler:
         if self.constraint is not None and not self.constraint.accept(token):
             raise RuntimeError(f"the constraint refused token {token}, which its own mask allowed")
         return token
+
+
+def greedy_tokens(samplers: list[Sampler], logits: torch.Tensor) -> dict[int, int]:
+    """{row: token} for the rows whose sampler is ``plain_greedy``, from one argmax over those rows of logits
+    (B, V): the same token their ``sample`` would draw, without a copy of each row's logits."""
+    rows = [i for i, s in enumerate(samplers) if s.plain_greedy]
+    if not rows:
+        return {}
+    picked = logits if len(rows) == len(samplers) else logits[rows]  # (n, V)
+    return dict(zip(rows, picked.argmax(dim=-1).tolist(), strict=True))
 
 
 class StopChecker:

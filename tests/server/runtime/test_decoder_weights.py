@@ -1,5 +1,6 @@
-"""The decoder's weight formats and the GGUF reader, against independent references: gguf's own
-dequantization, transformers' GGUF loader (the embedded model's float32 weights), and float matmuls."""
+"""The decoder's weight formats, their CPU kernels and the GGUF reader, against independent references: gguf's
+own dequantization, transformers' GGUF loader (the embedded model's float32 weights), float64 matmuls and
+torch's RMSNorm."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from retopk_core.cpu import decoder_ops
 from retopk_core.models import DEFAULT_MODEL, resolve_model
 from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, Int8Linear, from_float
 from retopk_server.runtime.decoder.load import GGUFTensors, _q4_blocks, _q8_blocks, from_gguf
-
-BF16 = torch.finfo(torch.bfloat16).eps
 
 
 def embedded_gguf() -> str:
@@ -27,31 +27,34 @@ def gguf_config():
     return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file, local_files_only=True)
 
 
-def test_q4_1_and_q8_0_blocks_decode_as_gguf_dequantizes_them(gguf_config):
-    """(q - 8) s + z of our Q4_1 reading, d q of our Q8_0 reading, equal gguf's own dequantize (float32)."""
-    from gguf import dequantize
+def test_q4_1_q4_0_and_q8_0_blocks_decode_as_gguf_dequantizes_them(gguf_config):
+    """Our Int4 / Int8 readings of a file's blocks dequantize to exactly what gguf's own dequantize gives:
+    Q4_1 and Q8_0 from the embedded file, Q4_0 (m = -8 d) from random blocks."""
+    from gguf import GGMLQuantizationType, dequantize
 
     g = GGUFTensors(embedded_gguf(), gguf_config)
     t = g.tensors["blk.0.ffn_down.weight"]  # Q4_1, rows as stored (no Q/K permutation)
     assert t.tensor_type.name == "Q4_1"
     data = np.asarray(t.data)
-    q, s, z = _q4_blocks(data, "Q4_1")
-    ours = ((q.float().view(q.shape[0], -1, 32) - 8) * s.unsqueeze(-1) + z.unsqueeze(-1)).view(q.shape)
-    theirs = torch.from_numpy(np.array(dequantize(data, t.tensor_type))).view(q.shape)
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=4 * torch.finfo(torch.float32).eps * theirs.abs().max())
-    assert int(q.max()) == 15 and int(q.min()) == 0
+    lin = Int4Linear(*_q4_blocks(data, "Q4_1"))
+    theirs = torch.from_numpy(np.array(dequantize(data, t.tensor_type)))
+    assert torch.equal(lin.dequantized(), theirs.view(lin.out_features, -1))
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(8, 4, 18), dtype=np.uint8)
+    blocks[..., :2] = np.float16(rng.normal(0, 0.01, size=(8, 4, 1))).view(np.uint8)
+    q4_0 = blocks.reshape(8, -1)
+    theirs = torch.from_numpy(np.array(dequantize(q4_0, GGMLQuantizationType.Q4_0))).view(8, -1)
+    assert torch.equal(Int4Linear(*_q4_blocks(q4_0, "Q4_0")).dequantized(), theirs)
     e = g.tensors["token_embd.weight"]  # Q8_0
     data = np.asarray(e.data)[:64]
-    q8, d = _q8_blocks(data)
-    ours = (q8.float().view(64, -1, 32) * d.unsqueeze(-1)).view(q8.shape)
-    assert torch.equal(ours, torch.from_numpy(np.array(dequantize(data, e.tensor_type))).view(q8.shape))
+    lin8 = Int8Linear(*_q8_blocks(data))
+    assert torch.equal(lin8.dequantized(), torch.from_numpy(np.array(dequantize(data, e.tensor_type))).view(64, -1))
 
 
 @pytest.mark.slow
-def test_gguf_weights_equal_transformers_loader_and_as_stored_within_bf16_scales(embedded_model, gguf_config):
-    """float32 from the GGUF: every matmul weight equals transformers' (the Q/K row permutation undone);
-    as stored: the int4 weights the packed op reads differ from those by the bf16 rounding of the block's
-    scale and zero only."""
+def test_gguf_weights_as_stored_equal_transformers_loader(embedded_model, gguf_config):
+    """Every matmul weight, read as float32 or kept in its blocks, equals transformers' dequantized one (the
+    Q/K row permutation undone); the tied Q8_0 table serves the embedding and the LM head alike."""
     model, _ = embedded_model
     exact = from_gguf(embedded_gguf(), gguf_config, "float32")
     stored = from_gguf(embedded_gguf(), gguf_config, "as-stored")
@@ -63,32 +66,109 @@ def test_gguf_weights_equal_transformers_loader_and_as_stored_within_bf16_scales
         gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
         assert torch.equal(exact.layers[i].qkv.weight, qkv)
         assert torch.equal(exact.layers[i].gate_up.weight, gate_up)
-        for lin, ref in ((stored.layers[i].qkv, qkv), (stored.layers[i].down, m.down_proj.weight.detach())):
-            # |z| <= 8 |d| + |m| per block: a bf16 rounding of each moves a weight by at most 2^-8 of that
-            bound = 2 * BF16 * ref.abs().amax() + 1e-6
-            assert (lin.dequantized() - ref).abs().max() <= bound
+        assert torch.equal(stored.layers[i].qkv.dequantized(), qkv)
+        assert torch.equal(stored.layers[i].down.dequantized(), m.down_proj.weight.detach())
     torch.testing.assert_close(exact.lm_head.weight, model.lm_head.weight.detach(), rtol=0, atol=0)
+    assert torch.equal(stored.lm_head.dequantized(), model.lm_head.weight.detach())
+    ids = torch.tensor([0, 7, 49151])
+    assert torch.equal(stored.embed(ids), model.model.embed_tokens.weight.detach()[ids])
+
+
+def _levels() -> list[int]:
+    return list(range(decoder_ops.best_isa() + 1)) if decoder_ops.available() else []
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
-def test_quantized_linear_packed_and_wide_paths_equal_the_float_matmul(cls):
-    """y = x W^T through the packed GEMV (a decode step's rows) and through the dequantized copy (prefill
-    chunks) both equal a float64 matmul with the dequantized weights, within bf16 rounding of x and y."""
+def test_quantization_rounds_to_the_nearest_stored_step(cls):
+    """Quantizing a float weight: every weight within half a step of the block's grid, plus the float16
+    rounding of the block's scale (and minimum) the grid is built on."""
     torch.manual_seed(0)
-    w, b = torch.randn(96, 64), torch.randn(96)
-    lin = from_float(w, b, cls)
+    w = torch.randn(48, 128)
+    lin = from_float(w, None, cls)
     assert isinstance(lin, Int4Linear if cls == "int4" else Int8Linear)
+    blocks = w.double().unflatten(1, (-1, 32))
+    err = (lin.dequantized().double().unflatten(1, (-1, 32)) - blocks).abs().amax(-1)  # (out, in/32)
+    f16 = torch.finfo(torch.float16).eps
+    if cls == "int4":
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        d = (hi - lo) / 15
+        bound = d * (0.5 + 16 * f16) + lo.abs() * f16
+    else:
+        d = blocks.abs().amax(-1) / 127
+        bound = d * (0.5 + 128 * f16)
+    assert (err <= bound + 1e-12).all()
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, WIDE_ROWS - 1])
+def test_block_matmul_equals_the_float64_product_at_every_simd_level(cls, rows):
+    """y = x W^T + b + residual through the block kernel equals a float64 product with the dequantized
+    weights within float32 rounding of its sums, on every SIMD level this CPU has (plain, AVX2, AVX-512),
+    for a batch that fills the kernel's row passes and one that does not."""
+    levels = _levels()
+    if not levels:
+        pytest.skip("the fused CPU library is not built")
+    torch.manual_seed(rows)
+    w, b = torch.randn(80, 192), torch.randn(80)
+    lin = from_float(w, b, cls)
+    x, res = torch.randn(rows, 192), torch.randn(rows, 80)
     ref_w = lin.dequantized().double()
-    step = (w.amax(1) - w.amin(1)).max() / 15 if cls == "int4" else w.abs().max() / 127
-    # round to nearest on the stored (bf16) scale: half a step, plus the bf16 rounding of the step itself
-    assert (ref_w - w.double()).abs().max() <= step * (0.5 + 2 * BF16) + 2 * BF16 * w.abs().max()
-    for rows in (1, WIDE_ROWS + 3):
-        x = torch.randn(rows, 64)
-        y = lin(x)
-        ref = x.double() @ ref_w.T + b.double()
-        scale = x.abs().double() @ ref_w.abs().T + b.abs().double()  # what the rounding errors scale with
-        assert y.dtype == torch.float32 and y.shape == (rows, 96)
-        assert ((y.double() - ref).abs() <= 4 * BF16 * scale).all()
+    ref = x.double() @ ref_w.T + b.double() + res.double()
+    scale = x.abs().double() @ ref_w.abs().T + b.abs().double() + res.abs().double()
+    f32 = torch.finfo(torch.float32).eps
+    for level in levels:
+        y = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res, level)
+        assert y.dtype == torch.float32 and y.shape == (rows, 80)
+        assert ((y.double() - ref).abs() <= 8 * f32 * scale).all(), f"isa level {level}"
+    assert torch.equal(lin(x, residual=res), decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res))
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
+def test_prefill_rows_multiply_through_the_wide_copy_in_its_dtype(cls):
+    """From WIDE_ROWS rows on, the product runs through the dequantized copy: within bfloat16 rounding of x
+    and y in bfloat16, within float32 rounding once the copy is float32 (the float32 KV configuration)."""
+    torch.manual_seed(1)
+    w, b = torch.randn(64, 96), torch.randn(64)
+    lin = from_float(w, b, cls)
+    x = torch.randn(WIDE_ROWS + 3, 96)
+    ref_w = lin.dequantized().double()
+    ref = x.double() @ ref_w.T + b.double()
+    scale = x.abs().double() @ ref_w.abs().T + b.abs().double()
+    for dtype in (torch.bfloat16, torch.float32):
+        eps = torch.finfo(dtype).eps
+        lin.set_wide_dtype(dtype)
+        assert lin.wide.dtype == dtype
+        assert ((lin(x).double() - ref).abs() <= 8 * eps * scale).all()
+
+
+def test_block_matmul_refuses_what_it_cannot_read():
+    """The kernel's entry names the argument: a wrong dtype, a shape that is not blocks of 32, an ISA the CPU lacks."""
+    if not decoder_ops.available():
+        pytest.skip("the fused CPU library is not built")
+    lin = from_float(torch.randn(32, 64), None, "int4")
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="x must be"):
+        decoder_ops.block_matmul(x.double(), lin.qs, lin.scales, 4)
+    with pytest.raises(ValueError, match="qs must be"):
+        decoder_ops.block_matmul(x, lin.qs.view(torch.int8), lin.scales, 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decoder_ops.block_matmul(torch.randn(2, 48), lin.qs, lin.scales, 4)
+    with pytest.raises(ValueError, match="residual"):
+        decoder_ops.block_matmul(x, lin.qs, lin.scales, 4, None, torch.randn(3, 32))
+    with pytest.raises(ValueError, match="isa"):
+        decoder_ops.block_matmul(x, lin.qs, lin.scales, 4, None, None, 3)
+
+
+def test_rms_norm_kernel_equals_torch():
+    """The library's RMSNorm equals torch's within float32 rounding, for a decode row and a prefill chunk."""
+    if not decoder_ops.available():
+        pytest.skip("the fused CPU library is not built")
+    torch.manual_seed(2)
+    w = torch.randn(576)
+    for rows in (1, 300):
+        x = torch.randn(rows, 576) * 3
+        torch.testing.assert_close(decoder_ops.rms_norm(x, w, 1e-5), torch.rms_norm(x, (576,), w, 1e-5),
+                                   rtol=4 * torch.finfo(torch.float32).eps, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -1,27 +1,29 @@
-"""Weight formats of the decoder's linear layers: y = x W^T (+ b), x (M, in) float32 -> y (M, out) float32.
+"""Weight formats of the decoder's linear layers: y = x W^T (+ b) (+ residual), x (M, in) float32 -> y (M, out)
+float32.
 
 - ``DenseLinear``: W in float32, bfloat16 or float16; x is cast to W's dtype for the matmul.
-- ``Int4Linear``: 4-bit group-wise asymmetric weights, groups of ``group`` along the input dimension:
-  W[o, i] = (q[o, i] - 8) * s[o, g] + z[o, g], g = i // group, q in 0..15. torch's packed CPU op
-  (``_weight_int4pack_mm_for_cpu``) reads the nibbles and the bfloat16 (s, z) pairs; x runs in bfloat16.
-  GGUF's Q4_1 block (d, m, q) is w = d * q + m, i.e. s = d, z = m + 8 d; Q4_0's (d, q) is w = d (q - 8),
-  i.e. s = d, z = 0. Both map exactly (up to rounding d and m to bfloat16).
-- ``Int8Linear``: W[o, i] = q[o, i] * s[o], q int8, one scale per output row (``_weight_int8pack_mm``).
+- ``Int4Linear``: GGUF's Q4_1 blocks, 32 weights along the input each: W[o, 32 b + j] = d q + m with q in
+  0..15 and (d, m) float16 per block (Q4_0, w = d (q - 8), is m = -8 d, exactly). The nibbles stay packed
+  as the file has them (block byte j: element j low, element j + 16 high).
+- ``Int8Linear``: GGUF's Q8_0 blocks: W[o, 32 b + j] = d q, q int8, d float16 per block.
 
-Every format keeps the float32 residual stream outside: only the matmul runs in 16 bits, its result is
-widened again. ``nbytes`` is what one matmul reads, the decode step's weight traffic.
-
-The packed ops are GEMVs: at prefill's row counts they run an order of magnitude slower than a GEMM
-(BENCHMARKS.md). The quantized formats therefore also hold their weights dequantized in ``wide_dtype()``
-(bfloat16 where the CPU has bf16 dot products, else float32) and multiply through it from ``WIDE_ROWS``
-rows on: decode steps read the packed bytes, prefill chunks run a GEMM.
+The quantized formats multiply in the fused CPU library's ``block_matmul`` (retopk_core/cpu/decoder_ops):
+each weight widened exactly to float32, x float32, so a step equals the dequantized model's up to the
+order of the sums. It reads the blocks once for up to 8 rows of x (a decode batch); from ``WIDE_ROWS``
+rows on (prefill chunks) a GEMM through a copy dequantized at load (``wide``: bfloat16 where the CPU has
+bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also the path when
+the library is not built.
+Norms, biases and the residual stream stay float32 in every format. ``nbytes`` is what one matmul reads,
+the decode step's weight traffic.
 """
 
 from __future__ import annotations
 
 import torch
 
-INT4_GROUP = 32
+from retopk_core.cpu import decoder_ops
+
+BLOCK = 32  # weights per quantized block along the input
 WIDE_ROWS = 16  # rows of x from which a quantized linear multiplies through its dequantized copy
 
 
@@ -30,20 +32,14 @@ def wide_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
-def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) float32 @ weight (out, in)^T in the weight's float dtype -> (M, out) float32 (+ bias): a dense
-    layer's product, and a quantized one's prefill GEMM through its dequantized copy."""
+def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, in) float32 @ weight (out, in)^T in the weight's float dtype -> (M, out) float32 (+ bias) (+ residual):
+    a dense layer's product, and a quantized one's prefill GEMM through its dequantized copy."""
     y = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
-    return y if bias is None else y + bias
-
-
-def quantized_matmul(lin, x: torch.Tensor, packed_mm) -> torch.Tensor:
-    """A quantized linear's product: from WIDE_ROWS rows of x on through its dequantized copy ``lin.wide``,
-    else ``packed_mm`` (its packed op) on x in bfloat16; (M, out) float32 (+ bias)."""
-    if x.shape[0] >= WIDE_ROWS:
-        return float_matmul(x, lin.wide, lin.bias)
-    y = packed_mm(x.to(torch.bfloat16)).float()
-    return y if lin.bias is None else y + lin.bias
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else y + residual
 
 
 class DenseLinear:
@@ -60,8 +56,8 @@ class DenseLinear:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return float_matmul(x, self.weight, self.bias)  # (M, out)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return float_matmul(x, self.weight, self.bias, residual)  # (M, out)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
@@ -70,107 +66,120 @@ class DenseLinear:
         return DenseLinear(self.weight.to(device), None if self.bias is None else self.bias.to(device))
 
 
-class Int4Linear:
-    format = "int4"
+class _BlockLinear:
+    """What the two block formats share: the product (blocks or the wide copy), bytes, the CPU-only rule."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
-                 group: int = INT4_GROUP) -> None:
-        """q (out, in) integers in 0..15; scale, zero (out, in // group) float."""
-        out, inp = q.shape
-        if not int4_fits(out, inp, group):
-            raise ValueError(f"int4 needs out % 16 == 0 and in % {group} == 0, got ({out}, {inp})")
-        self.group, self.out_features = group, out
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (in/g, out, 2)
-        self.bias = None if bias is None else bias.float()
-        s, z = (self.scale_zero[..., i].t().float().unsqueeze(-1) for i in (0, 1))  # (out, in/g, 1), as the op reads
-        self.wide = ((q.float().view(out, -1, group) - 8) * s + z).view(out, inp).to(wide_dtype())  # (out, in)
+    format: str
+    bits: int
 
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP) -> Int4Linear:
-        """Round-to-nearest asymmetric quantization of a float weight (out, in): per group, s = (max - min) / 15
-        and z = min + 8 s, both rounded to the bfloat16 the op stores, then q = round((w - z) / s) + 8."""
-        w = weight.float().unflatten(1, (-1, group))  # (out, in/g, g)
-        lo, hi = w.amin(-1), w.amax(-1)  # (out, in/g)
-        s = ((hi - lo) / 15).clamp_min(1e-12).bfloat16().float()
-        z = (lo + 8 * s).bfloat16().float()
-        q = ((w - z.unsqueeze(-1)) / s.unsqueeze(-1) + 8).round().clamp(0, 15).flatten(1)
-        return cls(q, s, z, bias, group)
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.qs, self.scales = qs.contiguous(), scales.to(torch.float16).contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.wide = self.dequantized().to(wide_dtype())  # (out, in): the prefill GEMM's copy
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zero.numel() * 2
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_matmul(self, x, lambda xb: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xb, self.packed, self.group, self.scale_zero))  # (M, out)
-
-    def dequantized(self) -> torch.Tensor:
-        """(out, in) float32, by multiplying the identity: the op's own reading of its packed weights."""
-        inp = self.scale_zero.shape[0] * self.group
-        eye = torch.eye(inp, dtype=torch.bfloat16)
-        w = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero)
-        return w.float().t().contiguous()
-
-    def to(self, device: torch.device) -> Int4Linear:
-        return _cpu_only(self, device)
-
-
-class Int8Linear:
-    format = "int8"
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """q (out, in) int8, scale (out,) float."""
-        self.q = q.to(torch.int8).contiguous()
-        self.scale = scale.to(torch.bfloat16).contiguous()
-        self.bias = None if bias is None else bias.float()
-        self.wide = (self.q.float() * self.scale.float().unsqueeze(1)).to(wide_dtype())  # (out, in)
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per-row quantization: s = max |w| / 127 rounded to the bfloat16 the op stores, q = round(w / s)."""
-        w = weight.float()
-        s = (w.abs().amax(1) / 127).clamp_min(1e-12).bfloat16().float()  # (out,)
-        return cls((w / s.unsqueeze(1)).round().clamp(-127, 127), s, bias)
+    def set_wide_dtype(self, dtype: torch.dtype) -> None:
+        """Hold the prefill GEMM's copy in ``dtype`` (float32: exact products, twice the memory of bfloat16)."""
+        if self.wide.dtype != dtype:
+            self.wide = self.dequantized().to(dtype)
 
     @property
     def out_features(self) -> int:
-        return self.q.shape[0]
+        return self.qs.shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 2
+        return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_matmul(self, x, lambda xb: torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scale))
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] >= WIDE_ROWS or not decoder_ops.available():
+            return float_matmul(x, self.wide, self.bias, residual)
+        return decoder_ops.block_matmul(x.float(), self.qs, self.scales, self.bits, self.bias, residual)  # (M, out)
 
     def dequantized(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float().unsqueeze(1)
+        raise NotImplementedError
 
-    def to(self, device: torch.device) -> Int8Linear:
+    def to(self, device: torch.device):
         return _cpu_only(self, device)
+
+
+class Int4Linear(_BlockLinear):
+    format, bits = "int4", 4
+
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """qs (out, in / 2) uint8 in GGUF's block layout; scales (out, in / 32, 2): (d, m) per block."""
+        out = qs.shape[0]
+        if qs.dtype != torch.uint8 or scales.shape != (out, qs.shape[1] // 16, 2):
+            raise ValueError(f"int4 needs qs (out, in/2) uint8 and scales (out, in/32, 2), got {tuple(qs.shape)} "
+                             f"{qs.dtype} and {tuple(scales.shape)}")
+        super().__init__(qs, scales, bias)
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> Int4Linear:
+        """q (out, in) in 0..15, d and m (out, in / 32): W = d q + m, packed as GGUF packs Q4_1."""
+        blocks = q.to(torch.uint8).view(q.shape[0], -1, 2, 16)  # (out, in/32, halves, 16)
+        qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).flatten(1)  # (out, in/2)
+        return cls(qs, torch.stack([d, m], dim=-1), bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        """Round-to-nearest asymmetric quantization of a float weight (out, in), per block of 32: d = (max - min)
+        / 15 and m = min, both rounded to the float16 stored, then q = round((w - m) / d) in 0..15."""
+        w = weight.float().unflatten(1, (-1, BLOCK))  # (out, in/32, 32)
+        lo, hi = w.amin(-1), w.amax(-1)  # (out, in/32)
+        d = ((hi - lo) / 15).clamp_min(1e-7).half().float()
+        m = lo.half().float()
+        q = ((w - m.unsqueeze(-1)) / d.unsqueeze(-1)).round().clamp(0, 15).flatten(1)
+        return cls.from_values(q, d, m, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """(out, in) float32: d q + m, with d q exact in float32 (as the kernel widens them)."""
+        blocks = self.qs.view(self.qs.shape[0], -1, 16)  # (out, in/32, 16)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # (out, in/32, 32)
+        s = self.scales.float()
+        return torch.addcmul(s[..., 1:], q, s[..., :1]).flatten(1)
+
+
+class Int8Linear(_BlockLinear):
+    format, bits = "int8", 8
+
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """qs (out, in) int8; scales (out, in / 32): d per block."""
+        if qs.dtype != torch.int8 or scales.shape != (qs.shape[0], qs.shape[1] // BLOCK):
+            raise ValueError(f"int8 needs qs (out, in) int8 and scales (out, in/32), got {tuple(qs.shape)} {qs.dtype} "
+                             f"and {tuple(scales.shape)}")
+        super().__init__(qs, scales, bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """Symmetric quantization per block of 32 (GGUF's Q8_0): d = max |w| / 127 rounded to the float16 stored,
+        q = round(w / d)."""
+        w = weight.float().unflatten(1, (-1, BLOCK))  # (out, in/32, 32)
+        d = (w.abs().amax(-1) / 127).clamp_min(1e-7).half().float()  # (out, in/32)
+        q = (w / d.unsqueeze(-1)).round().clamp(-127, 127).flatten(1).to(torch.int8)
+        return cls(q, d, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        q = self.qs.view(self.qs.shape[0], -1, BLOCK).float()
+        return (q * self.scales.float().unsqueeze(-1)).flatten(1)
 
 
 def _cpu_only(lin, device: torch.device):
     if torch.device(device).type != "cpu":
-        raise ValueError(f"{lin.format} weights run on the CPU only (torch's packed CPU ops); on {device} use "
-                         "weights=bfloat16 or float16")
+        raise ValueError(f"{lin.format} weights run on the CPU only (the fused CPU library's block kernels); on "
+                         f"{device} use weights=bfloat16 or float16")
     return lin
 
 
 Linear = DenseLinear | Int4Linear | Int8Linear
 
 
-def int4_fits(out: int, inp: int, group: int = INT4_GROUP) -> bool:
-    return out % 16 == 0 and inp % group == 0
-
-
 def from_float(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> Linear:
-    """A float weight (out, in) in ``fmt`` (float32, bfloat16, float16, int8, int4). int4 falls back to int8
-    for shapes the packed op cannot take."""
-    if fmt == "int4" and int4_fits(*weight.shape):
-        return Int4Linear.quantize(weight, bias)
+    """A float weight (out, in) in ``fmt`` (float32, bfloat16, float16, int8, int4). The block formats need the
+    input to be a multiple of 32; other shapes stay float32."""
+    if fmt in ("int4", "int8") and weight.shape[1] % BLOCK == 0:
+        return (Int4Linear if fmt == "int4" else Int8Linear).quantize(weight, bias)
     if fmt in ("int4", "int8"):
-        return Int8Linear.quantize(weight, bias)
+        fmt = "float32"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[fmt]
     return DenseLinear(weight.detach().to(dtype), None if bias is None else bias.detach())

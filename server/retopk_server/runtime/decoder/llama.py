@@ -10,7 +10,8 @@ the logits after each row's last token. Per layer, with x the float32 residual s
 rmsnorm(x) = x / sqrt(mean(x^2) + eps). The projections are fused (one QKV matmul, one gate-up matmul)
 and held in any weight format of linear.py; RoPE's cos / sin come from transformers' own rotary
 embedding for the model's config (every RoPE type it supports), once per forward for all layers, and
-rotate q and k in one pass.
+rotate q and k in one pass. On a CPU, RMSNorm and RoPE run in the fused CPU library (decoder_ops), one
+call each instead of several torch ops.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from retopk_core.cpu import decoder_ops
 from retopk_server.runtime.decoder.linear import Linear
 
 # attend(layer, q (B, H, T, d), k (B, H_kv, T, d), v (B, H_kv, T, d), scale) -> (B, H, T, d)
@@ -60,15 +62,23 @@ class Decoder:
         return Decoder(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.embed.to(device), move,
                        self.norm.to(device), self.lm_head.to(device), self.rotary.to(device))
 
+    def linears(self) -> list[Linear]:
+        """Every matmul of the model, the LM head last."""
+        body = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [*body, self.lm_head]
+
+    def set_prefill_dtype(self, dtype: torch.dtype) -> None:
+        """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
+        for lin in self.linears():
+            if hasattr(lin, "set_wide_dtype"):
+                lin.set_wide_dtype(dtype)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every matmul's weights and the norms (the embedding
         row is one row, not counted)."""
-        total = self.lm_head.nbytes + self.norm.numel() * 4
-        for layer in self.layers:
-            total += sum(lin.nbytes for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-            total += (layer.attn_norm.numel() + layer.mlp_norm.numel()) * 4
-        return total
+        norms = self.norm.numel() + sum(layer.attn_norm.numel() + layer.mlp_norm.numel() for layer in self.layers)
+        return sum(lin.nbytes for lin in self.linears()) + norms * 4
 
     @property
     def weight_format(self) -> str:
@@ -78,22 +88,28 @@ class Decoder:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (N, D) float32 -> x / sqrt(mean(x^2) + eps) * weight (one torch op; on a CPU it runs as five)."""
+    """x (N, D) float32 -> x / sqrt(mean(x^2) + eps) * weight: one loop of the fused CPU library on a CPU
+    (torch's op runs as five there), torch's op elsewhere."""
+    if x.device.type == "cpu" and decoder_ops.available():
+        return decoder_ops.rms_norm(x, weight, eps)
     return torch.rms_norm(x, weight.shape, weight, eps)
 
 
 def rope_tables(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed sin (B, 1, T, d) for ``rope``: transformers' rotate-half RoPE, x * cos + rotate_half(x) *
-    sin with rotate_half(x) = (-x2, x1), is x * cos + roll(x, d/2) * (-sin1, sin2)."""
+    """transformers' cos, sin for ``positions`` (B, T) -> each (B*T, d) float32, one row per token."""
     cos, sin = rotary(x, positions)  # (B, T, d)
-    half = sin.shape[-1] // 2
-    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return cos.unsqueeze(1), signed.unsqueeze(1)
+    return cos.reshape(-1, cos.shape[-1]).float().contiguous(), sin.reshape(-1, sin.shape[-1]).float().contiguous()
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, d) -> x rotated."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x (N, heads, d) rotated in place: x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), transformers'
+    RoPE, in one loop of the fused CPU library on a CPU."""
+    if x.device.type == "cpu" and decoder_ops.available():
+        decoder_ops.rope_(x, cos, sin)
+        return
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.copy_(x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1))
 
 
 def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, shape: tuple[int, int],
@@ -101,12 +117,13 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     """One decoder layer on x (B*T, D) -> the new residual stream (B*T, D)."""
     B, T = shape
     H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
-    qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps)).view(B, T, H + 2 * H_kv, d).transpose(1, 2)
-    qk = rope(qkv[:, :H + H_kv], cos, sin)  # (B, H + H_kv, T, d): q and k rotated together
-    out = attend(index, qk[:, :H], qk[:, H:], qkv[:, H + H_kv:], 1.0 / math.sqrt(d))  # (B, H, T, d)
-    x = x + layer.o(out.transpose(1, 2).reshape(B * T, H * d))
+    qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps)).view(B * T, H + 2 * H_kv, d)
+    rope_(qkv[:, :H + H_kv], cos, sin)  # q and k rotated together
+    heads = qkv.view(B, T, H + 2 * H_kv, d).transpose(1, 2)  # (B, H + 2 H_kv, T, d)
+    out = attend(index, heads[:, :H], heads[:, H:H + H_kv], heads[:, H + H_kv:], 1.0 / math.sqrt(d))  # (B, H, T, d)
+    x = layer.o(out.transpose(1, 2).reshape(B * T, H * d), residual=x)
     gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps)).chunk(2, dim=-1)  # (B*T, F) each
-    return x + layer.down(F.silu(gate) * up)
+    return layer.down(F.silu(gate).mul_(up), residual=x)
 
 
 def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -116,5 +133,5 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     cos, sin = rope_tables(dec.rotary, x, positions)
     for index, layer in enumerate(dec.layers):
         x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
-    last = x.view(B, T, -1)[:, -1]  # (B, D)
+    last = x.view(B, T, -1)[:, -1].contiguous()  # (B, D)
     return dec.lm_head(rms_norm(last, dec.norm, dec.eps))  # (B, V)

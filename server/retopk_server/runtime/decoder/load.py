@@ -1,10 +1,10 @@
 """Building a Decoder: from a transformers model's modules, or from a GGUF file's tensors as stored.
 
 Weight formats (``--weights``): "as-stored" serves a GGUF file's quantized tensors without widening them
-(Q4_0 / Q4_1 -> int4 groups of 32, exactly; Q8_0 -> int8 with one scale per row, requantized from its
-32-wide blocks, since torch's int8 op takes row scales only; F32 / F16 / BF16 as such) and a checkpoint's
-weights in their own float dtype; "float32", "bfloat16", "float16", "int8", "int4" convert every matmul
-weight (dequantizing a GGUF first). Norms, biases and the residual stream stay float32 in every format.
+(Q4_0 / Q4_1 -> int4 and Q8_0 -> int8, their blocks of 32 as the file holds them; F32 / F16 / BF16 as
+such) and a checkpoint's weights in their own float dtype; "float32", "bfloat16", "float16", "int8",
+"int4" convert every matmul weight (dequantizing a GGUF first). Norms, biases and the residual stream stay
+float32 in every format.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from retopk_server.runtime.decoder.linear import INT4_GROUP, DenseLinear, Int4Linear, Int8Linear, Linear, from_float
+from retopk_server.runtime.decoder.linear import DenseLinear, Int4Linear, Int8Linear, Linear, from_float
 from retopk_server.runtime.decoder.llama import Decoder, LayerWeights
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -33,11 +33,11 @@ class BlockEmbedding:
     """Rows of a block-quantized table (Q8_0: w = d * q per block of 32), dequantized exactly on lookup."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
-        self.q, self.d = q, d  # (V, D) int8, (V, D / 32) float32
+        self.q, self.d = q, d  # (V, D) int8, (V, D / 32) float16
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         q = self.q[ids].float().unflatten(-1, (-1, 32))  # (N, D/32, 32)
-        return (q * self.d[ids].unsqueeze(-1)).flatten(-2)  # (N, D)
+        return (q * self.d[ids].float().unsqueeze(-1)).flatten(-2)  # (N, D)
 
     def to(self, device: torch.device) -> BlockEmbedding:
         return BlockEmbedding(self.q.to(device), self.d.to(device))
@@ -99,26 +99,24 @@ Q4_0, Q4_1, Q8_0 = "Q4_0", "Q4_1", "Q8_0"
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _q4_blocks(data: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw Q4_0 / Q4_1 rows (out, bytes) -> q (out, in) uint8 0..15, scale, zero (out, in / 32) float32
-    with w = (q - 8) * scale + zero. A block: f16 d [, f16 m], 16 bytes whose low nibbles are elements
-    0..15 and high nibbles 16..31; Q4_1: w = d q + m, Q4_0: w = d (q - 8)."""
+def _q4_blocks(data: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q4_0 / Q4_1 rows (out, bytes) -> qs (out, in / 2) uint8 as stored, scales (out, in / 32, 2) float16
+    (d, m) with w = d q + m. A block: f16 d [, f16 m], 16 bytes whose low nibbles are elements 0..15 and high
+    nibbles 16..31; Q4_1: w = d q + m, Q4_0: w = d (q - 8), so m = -8 d (exact in float16)."""
     size = 20 if qtype == Q4_1 else 18
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, size)  # (out, in/32, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (out, in/32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if qtype == Q4_1 else None
-    qs = blocks[..., size - 16:]  # (out, in/32, 16)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)  # (out, in)
-    zero = m + 8 * d if m is not None else np.zeros_like(d)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (out, in/32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == Q4_1 else -8 * d
+    qs = np.ascontiguousarray(blocks[..., size - 16:]).reshape(rows, -1)  # (out, in/2)
+    return torch.from_numpy(qs), torch.from_numpy(np.stack([d, m], axis=-1))
 
 
 def _q8_blocks(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw Q8_0 rows (out, bytes) -> q (out, in) int8, d (out, in / 32) float32 with w = d q."""
+    """Raw Q8_0 rows (out, bytes) -> q (out, in) int8, d (out, in / 32) float16 with w = d q."""
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     return torch.from_numpy(q), torch.from_numpy(d)
 
@@ -167,12 +165,11 @@ class GGUFTensors:
             qtype = types.pop()
             if qtype in (Q4_0, Q4_1):
                 parts = [_q4_blocks(self.rows(n)[1], qtype) for n in names]
-                q, s, z = (torch.cat([p[i] for p in parts]) for i in range(3))
-                if q.shape[0] % 16 == 0 and q.shape[1] % INT4_GROUP == 0:
-                    return Int4Linear(q, s, z, bias)
-            elif qtype == Q8_0:
-                return Int8Linear.quantize(torch.cat([self.float(n) for n in names]), bias)
-            elif qtype in FLOAT_TYPES:
+                return Int4Linear(*(torch.cat([p[i] for p in parts]) for i in range(2)), bias)
+            if qtype == Q8_0:
+                parts = [_q8_blocks(self.rows(n)[1]) for n in names]
+                return Int8Linear(*(torch.cat([p[i] for p in parts]) for i in range(2)), bias)
+            if qtype in FLOAT_TYPES:
                 return DenseLinear(torch.cat([self.float(n) for n in names]).to(FLOAT_TYPES[qtype]), bias)
         fmt = "float32" if weights == "as-stored" else weights
         return from_float(torch.cat([self.float(n) for n in names]), bias, fmt)
@@ -199,7 +196,9 @@ def from_gguf(path: str, config, weights: str = "as-stored") -> Decoder:
             gate_up=g.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], weights),
             down=g.linear([p + "ffn_down.weight"], weights)))
     head = "output.weight" if g.has("output.weight") else "token_embd.weight"  # tied embeddings: no output
+    lm_head = g.linear([head], weights)
+    tied_blocks = head == "token_embd.weight" and isinstance(lm_head, Int8Linear)  # one Q8_0 table serves both
+    embed = BlockEmbedding(lm_head.qs, lm_head.scales) if tied_blocks else g.embedding("token_embd.weight", weights)
     return Decoder(num_heads=H, num_kv_heads=H_kv, head_dim=d, eps=float(config.rms_norm_eps),
-                   embed=g.embedding("token_embd.weight", weights), layers=layers,
-                   norm=g.float("output_norm.weight").view(-1), lm_head=g.linear([head], weights),
+                   embed=embed, layers=layers, norm=g.float("output_norm.weight").view(-1), lm_head=lm_head,
                    rotary=rotary_for(config))

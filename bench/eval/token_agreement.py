@@ -1,0 +1,109 @@
+"""Greedy tokens of the runtime's weight and KV formats against the dequantized float32 model (issue 28's
+criterion: equal tokens, or where rounding flips a near-tie, the chosen token's log-probability within 1e-3
+of the other's).
+
+The reference is transformers' own ``generate`` on the float32 model (the GGUF dequantized by transformers'
+loader), greedy, ``--new-tokens`` per chat prompt. The runtime (method ``full``, so that only the formats
+differ) is teacher-forced through the same tokens: it prefills the prompt, then decodes the reference's
+tokens one by one. At every position where its argmax a differs from the reference's token r, the gap
+log p(a) - log p(r) under the runtime's own distribution is recorded: a flip with gap <= 1e-3 is a near-tie.
+
+    python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:bfloat16 float32:bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+
+TOLERANCE = 1e-3  # nats: a flip within this is a near-tie the criterion allows
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
+    "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?", "Give me a synonym for happy.", "Describe a cat in five words.",
+    "What does a CPU do?", "Name a planet with rings.", "Why is the sky blue?", "Suggest a name for a dog.",
+    "What is the boiling point of water?", "Tell me a fun fact about octopuses.", "How many days are in a leap year?",
+    "What is the opposite of cold?", "Recommend a book for a long flight.", "What language is spoken in Brazil?",
+    "Summarize the plot of Cinderella in one sentence.", "What is a noun?", "How do bees make honey?",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--formats", nargs="+", default=["as-stored:float32", "as-stored:bfloat16"],
+                   help="WEIGHTS:KV_DTYPE pairs of the runtime to compare")
+    p.add_argument("--prompts", type=int, default=20, help=f"chat prompts (at most {len(PROMPTS)})")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None, help="write the results here too")
+    return p.parse_args(argv)
+
+
+def reference(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (up to n tokens; it stops at EOS)."""
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
+        out.append(y[0, len(ids):].tolist())
+    return out
+
+
+def agreement(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
+    """Teacher-forced flips of the runtime against the reference's tokens -> counts and the largest gap."""
+    tokens = flips = 0
+    gaps: list[float] = []
+    for ids, cont in zip(prompts, continuations, strict=True):
+        session = runner.open_session(MethodSpec("full"))
+        try:
+            logits = runner.prefill(session, ids)
+            for i, ref in enumerate(cont):
+                logp = torch.log_softmax(logits.double(), dim=-1)
+                top = int(logp.argmax())
+                tokens += 1
+                if top != ref:
+                    flips += 1
+                    gaps.append(float(logp[top] - logp[ref]))
+                if i + 1 < len(cont):
+                    logits = runner.decode([session], [ref])[0][0]
+        finally:
+            runner.close_session(session)
+    worst = max(gaps, default=0.0)
+    return {"tokens": tokens, "flips": flips, "max_gap": worst, "met": worst <= TOLERANCE}
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from retopk_core.models import load_model
+
+    model, _ = load_model(args.model)
+    base = ModelRunner(RuntimeConfig(model=args.model, weights="float32", kv_dtype="float32"))
+    prompts = [base.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
+    with torch.inference_mode():
+        continuations = reference(model, prompts, args.new_tokens)
+    del base
+    rows = []
+    print(f"{'weights':>10} {'kv':>9} {'tokens':>6} {'flips':>5} {'max gap':>9}  criterion (gap <= {TOLERANCE})")
+    for spec in args.formats:
+        weights, kv = spec.split(":")
+        runner = ModelRunner(RuntimeConfig(model=args.model, weights=weights, kv_dtype=kv))
+        with torch.inference_mode():
+            r = {"weights": weights, "kv_dtype": kv, "weight_format": runner.info.weight_format,
+                 **agreement(runner, prompts, continuations)}
+        rows.append(r)
+        print(f"{weights:>10} {kv:>9} {r['tokens']:>6} {r['flips']:>5} {r['max_gap']:>9.2e}  "
+              f"{'met' if r['met'] else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

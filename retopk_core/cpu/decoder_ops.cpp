@@ -1,0 +1,412 @@
+// The decoder's CPU ops beside the attention kernels: products with block-quantized weights as GGUF
+// stores them (blocks of 32 along the input), RMSNorm, RoPE, and the write of a step's keys and values
+// into the paged KV pool. Everything is float32 but the weights and the pool. Each replaces several
+// small torch ops of a decode step with one call.
+//
+//   block_matmul(x (M, in), qs, scales, bits, bias?, residual?, isa) -> y (M, out) = x W^T (+ bias) (+ residual)
+//     bits 4 (Q4_1): qs uint8 (out, in / 2), scales f16 (out, in / 32, 2) = (d, m) per block b, and
+//       W[o, 32 b + j] = d q + m, q = low nibble of qs[o, 16 b + j] (j < 16) or the high nibble of
+//       qs[o, 16 b + j - 16] (j >= 16). GGUF's Q4_0 (w = d (q - 8)) is the same with m = -8 d.
+//     bits 8 (Q8_0): qs int8 (out, in), scales f16 (out, in / 32), W[o, i] = d[o, i / 32] qs[o, i].
+//   Each weight is widened exactly (d q is exact in float32, + m is the one rounding of a fused
+//   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
+//   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
+//   for up to kRows[isa] rows of x, which is what makes a batch cheaper than its rows one by one.
+//
+//   rms_norm(x (M, D), w (D,), eps) -> x / sqrt(mean(x^2) + eps) * w, rows in parallel only when large.
+//   rope_(x (N, heads, d) strided, cos, sin (N, d)): in place, x <- x cos + rotate_half(x) sin with
+//     rotate_half(x) = (-x[d/2:], x[:d/2]) (transformers' convention).
+//   store_rows(pool (R, d), rows (B, H_kv, T), src (B, H_kv, T, d) strided): pool[rows[b, g, t]] <- src[b, g, t]
+//     in the pool's dtype (round to nearest even for bfloat16 / float16, as torch's casts).
+//
+// The loops exist for AVX-512, AVX2 (both with FMA and F16C) and plain C++, chosen per call by ``isa``
+// (best_isa() unless a caller asks for a lower one, as the tests do to cover every path on one machine).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define RETOPK_X86 1
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace {
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int64_t kRows[] = {4, 4, 8};
+constexpr int64_t kAhead = 16; // weight rows prefetched ahead of the one being multiplied  // rows of x per pass over a weight row: as many as the registers hold
+
+// acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
+using DotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc);
+
+float half_to_float(uint16_t h) {
+  c10::Half v;
+  v.x = h;
+  return static_cast<float>(v);
+}
+
+template <int MR>
+void q4_dot_scalar(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc) {
+  float a[MR] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = half_to_float(sc[2 * b]), m = half_to_float(sc[2 * b + 1]);
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t byte = qs[16 * b + j];
+      const float lo = std::fma(d, static_cast<float>(byte & 15), m), hi = std::fma(d, static_cast<float>(byte >> 4), m);
+      for (int r = 0; r < MR; ++r) a[r] += lo * x[r * ldx + 32 * b + j] + hi * x[r * ldx + 32 * b + 16 + j];
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+template <int MR>
+void q8_dot_scalar(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(qs);
+  float a[MR] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = half_to_float(sc[b]);
+    for (int j = 0; j < 32; ++j) {
+      const float w = d * static_cast<float>(q[32 * b + j]);
+      for (int r = 0; r < MR; ++r) a[r] += w * x[r * ldx + 32 * b + j];
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+#ifdef RETOPK_X86
+constexpr int64_t kScaleChunk = 64;  // blocks whose float16 scales are widened together, into L1
+
+TARGET_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[0..n) = float(h[0..n)): widening the scales eight at a time, so that each block's loop reads them
+// with broadcast loads instead of converting two halves one by one.
+TARGET_AVX2 inline void widen_halves(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
+}
+
+template <int MR>
+TARGET_AVX2 void q4_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                             float* acc) {
+  __m256 a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+  float s[2 * kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + 2 * c0, 2 * nc, s);
+    for (int64_t i = 0; i < nc; ++i) {
+      const int64_t b = c0 + i;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b));
+      const __m256i v0 = _mm256_cvtepu8_epi32(bytes), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+      const __m256 d = _mm256_broadcast_ss(s + 2 * i), m = _mm256_broadcast_ss(s + 2 * i + 1);
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low)), d, m);  // elements 0..7
+      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low)), d, m);  // 8..15
+      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d, m);   // 16..23
+      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d, m);   // 24..31
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * ldx + 32 * b;
+        a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
+        a0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a1[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
+}
+
+template <int MR>
+TARGET_AVX2 void q8_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                             float* acc) {
+  __m256 a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  float s[kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + c0, nc, s);
+    for (int64_t i = 0; i < nc; ++i) {
+      const int64_t b = c0 + i;
+      const __m256 d = _mm256_broadcast_ss(s + i);
+      __m256 w[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 32 * b + 8 * j));
+        w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * ldx + 32 * b;
+        a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a1[r]);
+        a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a0[r]);
+        a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
+}
+
+// A block's 16 values d j + m (j = 0..15) fill one register; each nibble picks its weight from it with a
+// permute, which reads the low 4 bits of each lane: fewer instructions than widening every nibble. With
+// one or two rows of x, two blocks go per iteration into separate accumulators, to hide the FMA latency.
+template <int MR>
+TARGET_AVX512 void q4_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                                 float* acc) {
+  constexpr int U = MR <= 2 ? 2 : 1;
+  __m512 a[MR][2 * U];
+  for (int r = 0; r < MR; ++r)
+    for (int k = 0; k < 2 * U; ++k) a[r][k] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  float s[2 * kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + 2 * c0, 2 * nc, s);
+    for (int64_t i = 0; i < nc; i += U) {
+      for (int u = 0; u < U && i + u < nc; ++u) {
+        const int64_t b = c0 + i + u;
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * (i + u)]), _mm512_set1_ps(s[2 * (i + u) + 1]));
+        const __m512 w0 = _mm512_permutexvar_ps(v, table);                        // elements 0..15: low nibbles
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);  // 16..31: high nibbles
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * ldx + 32 * b;
+          a[r][2 * u] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][2 * u]);
+          a[r][2 * u + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][2 * u + 1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m512 t = a[r][0];
+    for (int k = 1; k < 2 * U; ++k) t = _mm512_add_ps(t, a[r][k]);
+    acc[r] = _mm512_reduce_add_ps(t);
+  }
+}
+
+template <int MR>
+TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                                 float* acc) {
+  __m512 a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  float s[kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + c0, nc, s);
+    for (int64_t i = 0; i < nc; ++i) {
+      const int64_t b = c0 + i;
+      const __m512 d = _mm512_set1_ps(s[i]);
+      const __m128i* q = reinterpret_cast<const __m128i*>(qs + 32 * b);
+      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * ldx + 32 * b;
+        a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a0[r]);
+        a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a1[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+#endif
+
+// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows[isa]).
+DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
+#define RETOPK_PICK(fn)                                                                              \
+  switch (mr) {                                                                                      \
+    case 1: return fn<1>;                                                                            \
+    case 2: return fn<2>;                                                                            \
+    case 3: return fn<3>;                                                                            \
+    case 4: return fn<4>;                                                                            \
+    case 5: return fn<5>;                                                                            \
+    case 6: return fn<6>;                                                                            \
+    case 7: return fn<7>;                                                                            \
+    default: return fn<8>;                                                                           \
+  }
+#ifdef RETOPK_X86
+  if (isa == kAvx512) {
+    if (bits == 4) RETOPK_PICK(q4_dot_avx512) else RETOPK_PICK(q8_dot_avx512)
+  }
+  if (isa == kAvx2) {
+    if (bits == 4) RETOPK_PICK(q4_dot_avx2) else RETOPK_PICK(q8_dot_avx2)
+  }
+#endif
+  if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
+#undef RETOPK_PICK
+}
+
+#define CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
+
+void check_f32_matrix(const at::Tensor& t, const char* name, int64_t rows, int64_t cols) {
+  CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2,
+              name, " must be a contiguous 2-D float32 CPU tensor");
+  CHECK_VALUE((rows < 0 || t.size(0) == rows) && t.size(1) == cols, name, " has shape ", t.sizes(), ", expected (",
+              rows, ", ", cols, ")");
+}
+
+}  // namespace
+
+int64_t best_isa() {
+#ifdef RETOPK_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    const bool f16c = (c >> 29) & 1;
+    if (f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return kAvx512;
+    if (f16c) return kAvx2;
+  }
+#endif
+  return kScalar;
+}
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                        int64_t isa) {
+  CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  CHECK_VALUE(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not available on this CPU (best ", best_isa(), ")");
+  CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
+  const int64_t M = x.size(0), in = x.size(1), out = qs.size(0), nb = in / 32;
+  check_f32_matrix(x, "x", -1, in);
+  CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
+  CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
+                  qs.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && qs.size(1) == in * bits / 8,
+              "qs must be a contiguous (out, ", in * bits / 8, ") ", bits == 4 ? "uint8" : "int8", " CPU tensor, got ",
+              qs.sizes(), " ", qs.scalar_type());
+  CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == out * nb * (bits == 4 ? 2 : 1),
+              "scales must be contiguous float16 with ", out * nb * (bits == 4 ? 2 : 1), " elements");
+  if (bias) CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
+                        "bias must be a contiguous float32 (out,) tensor");
+  if (residual) check_f32_matrix(*residual, "residual", M, out);
+  at::Tensor y = at::empty({M, out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1), chunk = kRows[isa];
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    float acc[8];
+    for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+      const int64_t mr = std::min(chunk, M - r0);
+      const DotFn dot = dot_fn(isa, bits, mr);
+      for (int64_t o = begin; o < end; ++o) {
+        if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
+          const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
+          for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
+          const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
+          for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
+        }
+        dot(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
+        for (int64_t r = 0; r < mr; ++r) {
+          float v = acc[r];
+          if (bp) v += bp[o];
+          if (rp) v += rp[(r0 + r) * out + o];
+          yp[(r0 + r) * out + o] = v;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
+  const int64_t M = x.size(0), D = x.size(1);
+  check_f32_matrix(x, "x", M, D);
+  CHECK_VALUE(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == D, "w must be float32 (", D, ",)");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // a prefill chunk's rows in parallel; a decode step's few rows cost less than waking a thread
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / D), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* r = xp + i * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < D; ++j) ss += r[j] * r[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      float* o = yp + i * D;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) o[j] = r[j] * inv * wp[j];
+    }
+  });
+  return y;
+}
+
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "x must be a float32 (N, heads, d) CPU tensor with unit stride along d");
+  const int64_t N = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  CHECK_VALUE(d % 2 == 0, "d must be even, got ", d);
+  for (const at::Tensor* t : {&cos, &sin})
+    CHECK_VALUE(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == d, "cos and sin must be contiguous float32 (", N, ", ", d, ")");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, N * heads, std::max<int64_t>(1, (1 << 15) / d), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i / heads;
+      float* r = xp + n * s0 + (i % heads) * s1;
+      const float* c = cp + n * d;
+      const float* s = sp + n * d;
+#pragma omp simd
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = r[j], b = r[j + half];
+        r[j] = a * c[j] - b * s[j];
+        r[j + half] = b * c[j + half] + a * s[j + half];
+      }
+    }
+  });
+}
+
+namespace {
+template <typename T>
+void store_as(T* pool, const int64_t* rows, const at::Tensor& src) {
+  const int64_t B = src.size(0), G = src.size(1), Tn = src.size(2), d = src.size(3);
+  const float* sp = src.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t t = 0; t < Tn; ++t) {
+        T* dst = pool + rows[(b * G + g) * Tn + t] * d;
+        const float* from = sp + b * src.stride(0) + g * src.stride(1) + t * src.stride(2);
+        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(from[j * src.stride(3)]);
+      }
+}
+}  // namespace
+
+void store_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src) {
+  CHECK_VALUE(pool.device().is_cpu() && pool.is_contiguous() && pool.dim() == 2, "pool must be a contiguous (R, d) CPU tensor");
+  const int64_t R = pool.size(0), d = pool.size(1);
+  CHECK_VALUE(src.scalar_type() == at::kFloat && src.dim() == 4 && src.size(3) == d, "src must be float32 (B, H_kv, T, ", d, ")");
+  CHECK_VALUE(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 3 &&
+                  rows.sizes() == src.sizes().slice(0, 3), "rows must be contiguous int64 ", src.sizes().slice(0, 3));
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) CHECK_VALUE(rp[i] >= 0 && rp[i] < R, "rows holds ", rp[i], ", outside the pool's ", R);
+  switch (pool.scalar_type()) {
+    case at::kFloat: store_as(pool.data_ptr<float>(), rp, src); break;
+    case at::kBFloat16: store_as(pool.data_ptr<c10::BFloat16>(), rp, src); break;
+    case at::kHalf: store_as(pool.data_ptr<c10::Half>(), rp, src); break;
+    default: CHECK_VALUE(false, "pool must be float32, bfloat16 or float16, got ", pool.scalar_type());
+  }
+}

@@ -1,0 +1,65 @@
+"""The launcher of the decoder's CPU ops (decoder_ops.cpp, compiled into the fused kernel's library).
+
+    block_matmul(x, qs, scales, bits, bias, residual) -> x W^T (+ bias) (+ residual), W in GGUF blocks of 32
+    rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
+    rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
+    store_rows(pool, rows, src): pool[rows] <- src in the pool's dtype
+
+They compute in float32; the source's header states the block layouts and the math, and each entry checks
+shapes and dtypes (ValueError naming the argument). ``available()`` says whether the library loads;
+callers fall back to torch when it does not.
+
+The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512) unless ``RETOPK_CPU_ISA``
+(``scalar``, ``avx2``, ``avx512``) asks for a lower one, read once: a way to time an AVX2 machine's path
+on an AVX-512 one. The tests pass ``isa`` to cover every level this CPU has.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from retopk_core.cpu.launch import available, extension
+
+ISA_NAMES = ("scalar", "avx2", "avx512")
+
+__all__ = ["ISA_NAMES", "available", "best_isa", "block_matmul", "isa", "rms_norm", "rope_", "store_rows"]
+
+
+def best_isa() -> int:
+    return int(extension().best_isa())
+
+
+@functools.cache
+def isa() -> int:
+    """The SIMD level the ops use: the CPU's best, or RETOPK_CPU_ISA's if that is lower."""
+    best = best_isa()
+    asked = os.environ.get("RETOPK_CPU_ISA", "").strip().lower()
+    if not asked:
+        return best
+    if asked not in ISA_NAMES:
+        raise ValueError(f"RETOPK_CPU_ISA must be one of {', '.join(ISA_NAMES)}, got {asked!r}")
+    return min(best, ISA_NAMES.index(asked))
+
+
+def block_matmul(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, level: int | None = None) -> torch.Tensor:
+    """x (M, in) float32 -> (M, out) float32; qs / scales as decoder_ops.cpp describes for ``bits`` 4 or 8."""
+    return extension().block_matmul(x.contiguous(), qs, scales, bits, bias, residual, isa() if level is None else level)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (M, D) float32 -> (M, D) float32."""
+    return extension().rms_norm(x.contiguous(), w, float(eps))
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x (N, heads, d) float32, unit stride along d; cos, sin (N, d) float32."""
+    extension().rope_(x, cos, sin)
+
+
+def store_rows(pool: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """pool (R, d) any float dtype; rows (B, H_kv, T) int64; src (B, H_kv, T, d) float32, any strides."""
+    extension().store_rows(pool, rows, src)
