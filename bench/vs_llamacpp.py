@@ -82,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--rope-factor", type=float, default=4.0,
                    help="linear RoPE factor of both engines at lengths past the model's trained positions "
                         "(default: %(default)s)")
+    p.add_argument("--flash-attn", choices=["both", "off", "on"], default="both",
+                   help="llama.cpp's attention settings to run (default: both, the faster is the yardstick; one "
+                        "halves llama.cpp's share of a long run, e.g. off at 32K where it was the faster at 1K-16K)")
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json (after every length) and <out>.png")
     p.add_argument("--check", action="store_true",
@@ -496,7 +499,8 @@ def main(argv=None) -> list[dict]:
                 gc.collect()
                 runner, runner_rope = make_runner(args, methods[0][1], rope), rope
             n_ctx = L + args.new_tokens + 16
-            engines = [LlamaCppEngine(llama_cpp, path, args.threads, n_ctx, fa, rope) for fa in (False, True)]
+            settings = {"both": (False, True), "off": (False,), "on": (True,)}[args.flash_attn]
+            engines = [LlamaCppEngine(llama_cpp, path, args.threads, n_ctx, fa, rope) for fa in settings]
             engines += [RetopkEngine(runner, spec, f"retopk {text}") for text, spec in methods]
             try:
                 bandwidth = dram_bandwidth()

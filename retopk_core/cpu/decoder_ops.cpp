@@ -11,7 +11,7 @@
 //   Each weight is widened exactly (d q is exact in float32, + m is the one rounding of a fused
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
-//   for up to kRows[isa] rows of x, which is what makes a batch cheaper than its rows one by one.
+//   for up to kRows rows of x, which is what makes a batch cheaper than its rows one by one.
 //
 //   rms_norm(x (M, D), w (D,), eps) -> x / sqrt(mean(x^2) + eps) * w, rows in parallel only when large.
 //   rope_(x (N, heads, d) strided, cos, sin (N, d)): in place, x <- x cos + rotate_half(x) sin with
@@ -42,8 +42,10 @@
 namespace {
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-constexpr int64_t kRows[] = {4, 4, 8};
-constexpr int64_t kAhead = 16; // weight rows prefetched ahead of the one being multiplied  // rows of x per pass over a weight row: as many as the registers hold
+// Rows of x per pass over a weight row. Each row's sums run in the same order whatever the batch (its own
+// accumulators, blocks in file order), so a request's tokens do not depend on what it is batched with.
+constexpr int64_t kRows = 4;
+constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
 using DotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc);
@@ -161,12 +163,12 @@ TARGET_AVX2 void q8_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, 
 }
 
 // A block's 16 values d j + m (j = 0..15) fill one register; each nibble picks its weight from it with a
-// permute, which reads the low 4 bits of each lane: fewer instructions than widening every nibble. With
-// one or two rows of x, two blocks go per iteration into separate accumulators, to hide the FMA latency.
+// permute, which reads the low 4 bits of each lane: fewer instructions than widening every nibble. Two
+// blocks go per iteration into separate accumulators, to hide the FMA latency of a single row.
 template <int MR>
 TARGET_AVX512 void q4_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
                                  float* acc) {
-  constexpr int U = MR <= 2 ? 2 : 1;
+  constexpr int U = 2;
   __m512 a[MR][2 * U];
   for (int r = 0; r < MR; ++r)
     for (int k = 0; k < 2 * U; ++k) a[r][k] = _mm512_setzero_ps();
@@ -223,18 +225,14 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
 }
 #endif
 
-// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows[isa]).
+// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows).
 DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #define RETOPK_PICK(fn)                                                                              \
   switch (mr) {                                                                                      \
     case 1: return fn<1>;                                                                            \
     case 2: return fn<2>;                                                                            \
     case 3: return fn<3>;                                                                            \
-    case 4: return fn<4>;                                                                            \
-    case 5: return fn<5>;                                                                            \
-    case 6: return fn<6>;                                                                            \
-    case 7: return fn<7>;                                                                            \
-    default: return fn<8>;                                                                           \
+    default: return fn<4>;                                                                           \
   }
 #ifdef RETOPK_X86
   if (isa == kAvx512) {
@@ -301,9 +299,9 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1), chunk = kRows[isa];
+  const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1), chunk = kRows;
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    float acc[8];
+    float acc[kRows];
     for (int64_t r0 = 0; r0 < M; r0 += chunk) {
       const int64_t mr = std::min(chunk, M - r0);
       const DotFn dot = dot_fn(isa, bits, mr);

@@ -129,13 +129,31 @@ def test_sampling_failure_ends_only_its_request(faulty, monkeypatch, at_step):
 
     async def batch():
         streams = {t: submit(engine, t) for t in GOOD}
-        streams["bad"] = submit(engine, "bad", sampling=SamplingParams(seed=666))
+        # a sampled row (temperature > 0): the batch's plain greedy rows share one argmax, this one draws alone
+        streams["bad"] = submit(engine, "bad", sampling=SamplingParams(temperature=0.7, seed=666))
         return {t: (tokens(ev), err) for t, (ev, err) in
                 zip(streams, await asyncio.gather(*(collect(s) for s in streams.values())), strict=True)}
 
     results = asyncio.run(batch())
     assert_isolated(results, "bad", ErrorCode.INTERNAL, "sampling failed", "FloatingPointError", "injected")
     assert len(results["bad"][0]) == at_step  # the tokens before the fault were streamed
+    still_serves(engine)
+
+
+def test_a_failing_batched_argmax_leaves_each_row_to_its_own_sampler(faulty, monkeypatch):
+    """The plain greedy rows' one argmax over the batch fails: every row is sampled on its own instead, and
+    each still gets the reference's tokens."""
+    import retopk_server.engine.scheduler as scheduler
+
+    engine, _ = faulty
+
+    def broken(samplers, logits):
+        raise FloatingPointError("injected argmax fault")
+
+    monkeypatch.setattr(scheduler, "greedy_tokens", broken)
+    results = asyncio.run(run_batch(engine, GOOD))
+    for text, (got, err) in results.items():
+        assert err is None and got == greedy_reference(enc(text), 8), (text, err)
     still_serves(engine)
 
 
@@ -151,7 +169,7 @@ def test_sampling_failure_keeps_a_named_session_consistent(faulty, monkeypatch):
         return real(self, logits, generated, context)
 
     monkeypatch.setattr(Sampler, "sample", sample)
-    events, error = asyncio.run(turn(engine, "hey", 8))
+    events, error = asyncio.run(turn(engine, "hey", 8, logprobs=True))  # greedy, but sampled row by row
     assert error is not None and error.code is ErrorCode.INTERNAL and len(tokens(events)) == 2
     monkeypatch.setattr(Sampler, "sample", real)
     events, error = asyncio.run(turn(engine, "yo", 3))
@@ -162,9 +180,10 @@ def test_sampling_failure_keeps_a_named_session_consistent(faulty, monkeypatch):
     assert tokens(events) == greedy_reference(context, 3)
 
 
-async def turn(engine, text: str, max_new_tokens: int):
+async def turn(engine, text: str, max_new_tokens: int, **fields):
     stream = RequestStream()
-    engine.submit(GenerationRequest(request_id=text, text=text, session_id="s", max_new_tokens=max_new_tokens), stream)
+    engine.submit(GenerationRequest(request_id=text, text=text, session_id="s", max_new_tokens=max_new_tokens,
+                                    **fields), stream)
     return await collect(stream)
 
 

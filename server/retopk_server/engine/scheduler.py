@@ -41,6 +41,7 @@ from retopk_server.engine.stream import RequestStream
 from retopk_server.engine.supervision import Supervision
 from retopk_server.engine.turn import ActiveRequest
 from retopk_server.runtime.constraints import ConstraintCompiler
+from retopk_server.runtime.sampling import greedy_tokens
 
 log = logging.getLogger("retopk_server.engine")
 
@@ -217,16 +218,22 @@ class Engine(Admission, Supervision):
             self._decode_alone(batch, want_stats, e)
             return
         self._hook("on_step", batch, time.monotonic() - t0, stats)
+        try:
+            greedy = greedy_tokens([r.sampler for r in batch], logits)  # the plain greedy rows in one argmax
+        except Exception:  # then each row samples on its own, and a failure there ends that row alone
+            log.exception("the batched argmax of %d rows failed", len(batch))
+            greedy = {}
         for i, r in enumerate(batch):
-            self._step_row(r, logits[i], stats[i] if stats is not None else None)
+            self._step_row(r, logits[i], stats[i] if stats is not None else None, greedy.get(i))
         self._running = [r for r in batch if not r.done]
 
-    def _step_row(self, r: ActiveRequest, logits, stats) -> None:
-        """Sample the request's next token from its logits (vocab,) and stream it. A failure ends this
-        request alone, with a status that names the stage."""
+    def _step_row(self, r: ActiveRequest, logits, stats, token: int | None = None) -> None:
+        """Sample the request's next token from its logits (vocab,) unless ``token`` is it already, and stream
+        it. A failure ends this request alone, with a status that names the stage."""
         stage = "sampling"
         try:
-            token = r.sampler.sample(logits, r.generated, r.context_ids)
+            if token is None:
+                token = r.sampler.sample(logits, r.generated, r.context_ids)
             stage = "streaming the token"
             self._postprocess(r, token, stats)
         except Exception as e:

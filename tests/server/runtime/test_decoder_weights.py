@@ -124,6 +124,23 @@ def test_block_matmul_equals_the_float64_product_at_every_simd_level(cls, rows):
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
+def test_block_matmul_rows_do_not_depend_on_their_batch(cls):
+    """Each row of a batch is bit for bit the row multiplied alone, at every SIMD level: a request's tokens
+    do not depend on the requests it is batched with."""
+    levels = _levels()
+    if not levels:
+        pytest.skip("the fused CPU library is not built")
+    torch.manual_seed(3)
+    lin = from_float(torch.randn(48, 160), torch.randn(48), cls)
+    x = torch.randn(WIDE_ROWS - 1, 160)
+    for level in levels:
+        batch = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, None, level)
+        for i in range(x.shape[0]):
+            alone = decoder_ops.block_matmul(x[i:i + 1], lin.qs, lin.scales, lin.bits, lin.bias, None, level)
+            assert torch.equal(batch[i:i + 1], alone), (level, i)
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
 def test_prefill_rows_multiply_through_the_wide_copy_in_its_dtype(cls):
     """From WIDE_ROWS rows on, the product runs through the dequantized copy: within bfloat16 rounding of x
     and y in bfloat16, within float32 rounding once the copy is float32 (the float32 KV configuration)."""

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from retopk_server.runtime.sampling import Sampler, SamplingParams, apply_penalties, filter_logits
+from retopk_server.runtime.sampling import Sampler, SamplingParams, apply_penalties, filter_logits, greedy_tokens
 
 NEG = float("-inf")
 
@@ -187,3 +187,18 @@ def test_a_request_overrides_only_the_fields_it_sets():
         resolve({"top_p": 0.0}, defaults)
     fields = resolved_fields(defaults)
     assert fields["temperature"] == 0.2 and fields["top_k"] == 0 and "seed" not in fields
+
+
+def test_greedy_tokens_of_a_batch_equal_each_plain_greedy_rows_sample():
+    """One argmax over the plain greedy rows gives what each of their samplers draws; a row with a penalty,
+    log-probabilities or a temperature is left to its own sampler."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    samplers = [Sampler(SamplingParams()), Sampler(SamplingParams(repetition_penalty=1.3)),
+                Sampler(SamplingParams(), logprobs=2), Sampler(SamplingParams(temperature=0.8, seed=1)),
+                Sampler(SamplingParams(seed=3))]
+    picked = greedy_tokens(samplers, logits)
+    assert sorted(picked) == [0, 4]
+    for row, token in picked.items():
+        assert token == samplers[row].sample(logits[row], [], [])
+    assert greedy_tokens(samplers[1:4], logits[1:4]) == {}
