@@ -300,19 +300,19 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1), chunk = kRows;
+  const DotFn full = dot_fn(isa, bits, std::min(chunk, M)), tail = dot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     float acc[kRows];
-    for (int64_t r0 = 0; r0 < M; r0 += chunk) {
-      const int64_t mr = std::min(chunk, M - r0);
-      const DotFn dot = dot_fn(isa, bits, mr);
-      for (int64_t o = begin; o < end; ++o) {
-        if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
-          const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
-          for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
-          const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
-          for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
-        }
-        dot(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
+    for (int64_t o = begin; o < end; ++o) {
+      if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
+        const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
+        for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
+        const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
+        for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // every pass over the row after the first reads it from L1
+        const int64_t mr = std::min(chunk, M - r0);
+        (mr == chunk || M < chunk ? full : tail)(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
         for (int64_t r = 0; r < mr; ++r) {
           float v = acc[r];
           if (bp) v += bp[o];
