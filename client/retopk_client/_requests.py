@@ -137,6 +137,19 @@ def create_session_request(method: Method | str | Mapping[str, Any] | None, sess
     return req
 
 
+SESSION_CHUNK_BYTES = 1 << 20  # the server's bound on one chunk (ModelInfo.limits.max_session_chunk_bytes)
+
+
+def import_session_requests(artifact: bytes, session_id: str | None) -> list[pb.ImportSessionRequest]:
+    """The ImportSession stream of an artifact: chunks of at most SESSION_CHUNK_BYTES, the id in the first."""
+    data = memoryview(bytes(artifact))
+    out = [pb.ImportSessionRequest(data=bytes(data[at:at + SESSION_CHUNK_BYTES]))
+           for at in range(0, len(data), SESSION_CHUNK_BYTES)] or [pb.ImportSessionRequest()]
+    if session_id is not None:
+        _set_field(out[0], "session_id", session_id, "session_id")
+    return out
+
+
 def tokenize_request(text: str | None, messages: Iterable[MessageLike] | None) -> pb.TokenizeRequest:
     if (text is None) == (messages is None):
         raise TypeError("give exactly one of text, messages")

@@ -263,6 +263,28 @@ class AsyncClient:
         reply = await self._unary(self._stub.CloseSession, req, timeout, session_id=session_id)
         return SessionInfo.from_proto(reply.session)
 
+    async def export_session(self, session_id: str, *, close: bool = False,
+                             timeout: float | None | object = DEFAULT) -> bytes:
+        """See ``Client.export_session``."""
+        req = pb.ExportSessionRequest(session_id=session_id, close=close)
+        try:
+            call = self._stub.ExportSession(req, timeout=self.config.call_timeout(timeout),
+                                            metadata=self.config.metadata(session_id))
+            return b"".join([chunk.data async for chunk in call])
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def import_session(self, artifact: bytes, *, session_id: str | None = None,
+                             timeout: float | None | object = DEFAULT) -> SessionInfo:
+        """See ``Client.import_session``."""
+        try:
+            reply = await self._stub.ImportSession(iter(_requests.import_session_requests(artifact, session_id)),
+                                                   timeout=self.config.call_timeout(timeout),
+                                                   metadata=self.config.metadata(session_id))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return SessionInfo.from_proto(reply)
+
     async def tokenize(self, text: str | None = None, *, messages=None,
                        timeout: float | None | object = DEFAULT) -> Tokenized:
         req = _requests.tokenize_request(text, messages)

@@ -299,6 +299,32 @@ class Client:
         req = pb.CloseSessionRequest(session_id=session_id)
         return SessionInfo.from_proto(self._unary(self._stub.CloseSession, req, timeout, session_id=session_id).session)
 
+    def export_session(self, session_id: str, *, close: bool = False,
+                       timeout: float | None | object = DEFAULT) -> bytes:
+        """The session's portable artifact: its KV cache, method state, pending token, conversation and owner
+        (ExportSession's chunks joined). ``close=True`` closes it on the server once copied (the session moves).
+        Not retried: with ``close`` a lost reply would lose the session."""
+        req = pb.ExportSessionRequest(session_id=session_id, close=close)
+        try:
+            chunks = self._stub.ExportSession(req, timeout=self.config.call_timeout(timeout),
+                                              metadata=self.config.metadata(session_id))
+            return b"".join(chunk.data for chunk in chunks)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def import_session(self, artifact: bytes, *, session_id: str | None = None,
+                       timeout: float | None | object = DEFAULT) -> SessionInfo:
+        """Rebuild a session from ``export_session``'s artifact (same key, same model setup); it continues where
+        the exported one stood. ``session_id``: its new id (default: the exported one's); through a router give
+        it, so that the import carries the affinity key. Not retried (a lost reply could import twice)."""
+        metadata = self.config.metadata(session_id)
+        try:
+            return SessionInfo.from_proto(self._stub.ImportSession(
+                iter(_requests.import_session_requests(artifact, session_id)), timeout=self.config.call_timeout(timeout),
+                metadata=metadata))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
     # ---- tokenizer, model, server ---------------------------------------------------------
 
     def tokenize(self, text: str | None = None, *, messages=None,

@@ -157,6 +157,12 @@ class SlotPool:
         for name in self._fields:
             getattr(self, name)[slot].zero_()
 
+    def clear_slot(self, slot: int) -> None:
+        """``reset_slot`` in the tensors' own mode (a session rewound to its start keeps its slot)."""
+        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
+        with torch.inference_mode(inference):
+            self.reset_slot(slot)
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` hold what slot ``src`` holds (a sequence forked into several, the server's n > 1)."""
         inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
@@ -164,6 +170,35 @@ class SlotPool:
             for name in self._fields:
                 t = getattr(self, name)
                 t[dst] = t[src]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Names of the per-slot state tensors; each has the slot dimension first."""
+        return self._fields
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies of slot ``slot``'s tensors by field name: field f gives ``f[slot]``, of shape f.shape[1:]
+        (a session's state exported to move it to another server)."""
+        return {name: getattr(self, name)[slot].clone() for name in self._fields}
+
+    def check_slot(self, tensors: dict[str, torch.Tensor]) -> None:
+        """ValueError naming the first field of ``tensors`` (``read_slot``'s form) that is missing or whose
+        shape or dtype differs from this pool's per-slot one."""
+        if set(tensors) != set(self._fields):
+            raise ValueError(f"state fields {sorted(tensors)} differ from this method's {sorted(self._fields)}")
+        for name in self._fields:
+            t, want = tensors[name], getattr(self, name)
+            if tuple(t.shape) != tuple(want.shape[1:]) or t.dtype != want.dtype:
+                raise ValueError(f"state field {name!r}: {t.dtype} {tuple(t.shape)}, this method holds "
+                                 f"{want.dtype} {tuple(want.shape[1:])}")
+
+    def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Slot ``slot`` takes ``tensors`` (``read_slot``'s form), checked first (``check_slot``)."""
+        self.check_slot(tensors)
+        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
+        with torch.inference_mode(inference):
+            for name in self._fields:
+                getattr(self, name)[slot] = tensors[name].to(getattr(self, name).device)
 
     def nbytes_per_slot(self) -> int:
         return sum(getattr(self, n)[0].numel() * getattr(self, n).element_size() for n in self._fields)

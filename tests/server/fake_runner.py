@@ -23,6 +23,7 @@ from retopk_server.runtime.memory import MemoryUsage
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling_defaults import CHAT_DEFAULTS, CHAT_DEFAULTS_SOURCE
 from retopk_server.runtime.session import Session
+from retopk_server.runtime.session_state import SessionState, StateMismatch
 from retopk_server.runtime.stats import StepStats
 
 VOCAB = 128
@@ -143,6 +144,34 @@ class FakeRunner:
                 raise
             forks.append(fork)
         return forks
+
+    def export_session(self, session: Session) -> SessionState:
+        """The session's tokens; its "keys and values" are zeros of the fake's shape (LAYERS, 1, L, 4)."""
+        self._touch()
+        kv = torch.zeros((LAYERS, self.info.num_kv_heads, session.length, self.info.head_dim))
+        return SessionState(session.method, torch.tensor(session.token_ids, dtype=torch.long), kv, kv.clone(), None)
+
+    def import_session(self, state: SessionState, session_id: str | None = None) -> Session:
+        """A session holding ``state``'s tokens; StateMismatch for another KV shape, as the real runner."""
+        self._touch()
+        want = (LAYERS, self.info.num_kv_heads, state.length, self.info.head_dim)
+        if tuple(state.k.shape) != want:
+            raise StateMismatch(f"KV cache: k has shape {tuple(state.k.shape)}, this model's is {want}")
+        if state.length and int(state.token_ids.max()) >= VOCAB:
+            raise ValueError(f"token_ids: every id must lie in [0, {VOCAB})")
+        session = self.open_session(state.method, session_id)
+        try:
+            self.reserve(session, state.length)
+        except BudgetExceeded:
+            self.close_session(session)
+            raise
+        session.token_ids = state.token_ids.tolist()
+        return session
+
+    def rewind(self, session: Session, length: int) -> None:
+        self._touch()
+        del session.token_ids[length:]
+        del session.blocks[-(-length // BLOCK):]
 
     def memory(self) -> MemoryUsage:
         used = [s.nbytes() for s in self.sessions.values()]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from retopk_server.engine import session_transfer
 from retopk_server.engine.requests import EngineError, ErrorCode
 from retopk_server.engine.sessions import SessionSnapshot
 from retopk_server.engine.turn import encode_chat
@@ -116,6 +117,20 @@ class EngineCommands:
 
     def close_session(self, session_id: str, owner: str = "") -> concurrent.futures.Future:
         return self._call(lambda: self._engine.sessions.close(session_id, owner))
+
+    def export_session(self, session_id: str, owner: str = "", close: bool = False) -> concurrent.futures.Future:
+        """``owner``'s idle session as a SessionArtifact (engine/session_transfer.py); ``close`` moves it."""
+        return self._call(lambda: session_transfer.export_session(self._engine.sessions, session_id, owner, close))
+
+    def import_session(self, artifact, owner: str = "", session_id: str | None = None,
+                       max_owned: int | None = None) -> concurrent.futures.Future:
+        """Open a SessionArtifact's session as ``owner``'s (engine/session_transfer.py) -> its SessionSnapshot."""
+        def run() -> SessionSnapshot:
+            if self._engine.draining:
+                raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not opening sessions")
+            return session_transfer.import_session(self._engine.sessions, artifact, owner, session_id, max_owned)
+
+        return self._call(run)
 
     def status(self) -> concurrent.futures.Future:
         return self._call(self._status)

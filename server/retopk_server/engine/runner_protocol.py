@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from retopk_server.runtime.method_spec import MethodSpec
     from retopk_server.runtime.runner import ModelInfo
     from retopk_server.runtime.session import Session
+    from retopk_server.runtime.session_state import SessionState
     from retopk_server.runtime.stats import StepStats
 
 
@@ -89,6 +90,20 @@ class Runner(Protocol):
     def fork(self, source: Session, count: int) -> list[Session]:
         """``count`` new sessions continuing where ``source`` stands (its KV cache shared copy-on-write, its
         method state copied); BudgetExceeded with none opened when they do not fit."""
+        ...
+
+    def export_session(self, session: Session) -> SessionState:
+        """A copy of the session's tokens, keys, values and method state (runtime/session_state.py)."""
+        ...
+
+    def import_session(self, state: SessionState, session_id: str | None = None) -> Session:
+        """A new session holding ``state``; StateMismatch (what differs from this runner) or ValueError (a value
+        out of bounds) before anything is allocated, BudgetExceeded with nothing kept when it does not fit."""
+        ...
+
+    def rewind(self, session: Session, length: int) -> None:
+        """Keep the session's first ``length`` tokens, its method state reset to a fresh session's (the next
+        prefill re-feeds at least ``prefill_queries`` tokens so that the method observes them)."""
         ...
 
     def memory(self) -> MemoryUsage:

@@ -217,6 +217,14 @@ class SessionTable:
     def create(self, session_id: str | None, method: MethodSpec | None, owner: str = "",
                max_owned: int | None = None) -> SessionSnapshot:
         """Open a named session of ``owner``; ``max_owned`` bounds the sessions one owner may hold."""
+        self.check_new(session_id, owner, max_owned)
+        session_id = session_id or secrets.token_hex(16)
+        record = SessionRecord(self._open(method or self.runner.info.default_method, runtime_id(owner, session_id)),
+                               owner=owner, name=session_id)
+        return self.adopt(record)
+
+    def check_new(self, session_id: str | None, owner: str, max_owned: int | None) -> None:
+        """ALREADY_EXISTS or RESOURCE_EXHAUSTED when ``owner`` may not open (or import) session ``session_id``."""
         if session_id is not None and (owner, session_id) in self._named:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"session_id: session {session_id!r} already exists")
         if max_owned is not None and self.owned(owner) >= max_owned:
@@ -225,14 +233,19 @@ class SessionTable:
         if len(self._named) >= self.config.max_sessions:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"too many sessions (max_sessions {self.config.max_sessions}); close one first")
-        session_id = session_id or secrets.token_hex(16)
-        record = SessionRecord(self._open(method or self.runner.info.default_method, runtime_id(owner, session_id)),
-                               owner=owner, name=session_id)
+
+    def adopt(self, record: SessionRecord) -> SessionSnapshot:
+        """Add a named record whose runtime session is open (a created or an imported session)."""
         with self._lock:
             self._named[record.key] = record
-            self._evicted.get(owner, {}).pop(session_id, None)
-        self._hook("on_session_opened", session_id, False)
+            self._evicted.get(record.owner, {}).pop(record.id, None)
+        self._hook("on_session_opened", record.id, False)
         return self.snapshot(record)
+
+    def idle_record(self, session_id: str, owner: str = "") -> SessionRecord:
+        """``owner``'s named session nobody holds (to export it); NOT_FOUND or FAILED_PRECONDITION."""
+        with self._lock:
+            return self._idle(owner, session_id, "a request")
 
     def close(self, session_id: str, owner: str = "") -> SessionSnapshot:
         with self._lock:

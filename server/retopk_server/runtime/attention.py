@@ -115,6 +115,28 @@ class MethodGroup:
         for state, s, d in zip(self.states, src, dst, strict=True):
             state.copy_slot(s, d)
 
+    def read_state(self, slots: list[int]) -> dict[str, torch.Tensor]:
+        """One session's state, every layer: field f -> (num_layers, *f's per-slot shape), a copy."""
+        per_layer = [state.read_slot(s) for state, s in zip(self.states, slots, strict=True)]
+        return {name: torch.stack([layer[name] for layer in per_layer]) for name in self.states[0].fields}
+
+    def write_state(self, slots: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of ``read_state``: layer l's slot ``slots[l]`` takes ``tensors[f][l]`` for every field f.
+        ValueError (naming the field) before any layer is written when a field is missing or its shape differs."""
+        for name, t in tensors.items():
+            if t.shape[0] != len(self.states):
+                raise ValueError(f"state field {name!r} holds {t.shape[0]} layers, the model has {len(self.states)}")
+        layers = [{name: t[i] for name, t in tensors.items()} for i in range(len(self.states))]
+        for state, layer in zip(self.states, layers, strict=True):  # every layer checked before any is written
+            state.check_slot(layer)
+        for state, s, layer in zip(self.states, slots, layers, strict=True):
+            state.write_slot(s, layer)
+
+    def reset(self, slots: list[int]) -> None:
+        """Per layer, slot ``slots[l]`` back to a fresh session's state (a session rewound, engine/turn.py)."""
+        for state, s in zip(self.states, slots, strict=True):
+            state.clear_slot(s)
+
     def slot_nbytes(self) -> int:
         return sum(state.nbytes_per_slot() for state in self.states)
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from retopk_server.runtime.attention import StepContext
+from retopk_server.runtime.session_state import truncate
 
 if TYPE_CHECKING:
     from retopk_server.runtime.runner import ModelRunner
@@ -71,10 +72,5 @@ class PrefillJob:
         if self.aborted or self.done:
             return
         self.aborted = True
-        session, pool = self.session, self.runner.pool
-        del session.token_ids[self.begin:]
-        keep = pool.blocks_for(self.begin)
-        if not session.closed and len(session.blocks) > keep:
-            pool.release(session.blocks[keep:])
-            del session.blocks[keep:]
+        truncate(self.runner.pool, self.session, self.begin)
         self.tails.clear()

@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from retopk_server.runtime import session_state
 from retopk_server.runtime.attention import DecodeGroup, MethodGroup, StepContext, attend
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
 from retopk_server.runtime.chat_tools import template_messages
@@ -31,6 +32,7 @@ from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob
 from retopk_server.runtime.sampling_defaults import model_defaults
 from retopk_server.runtime.session import Session
+from retopk_server.runtime.session_state import SessionState
 from retopk_server.runtime.stats import StepStats
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
@@ -298,6 +300,38 @@ class ModelRunner:
                 self.close_session(fork)
             raise
         return forks
+
+    def export_session(self, session: Session) -> SessionState:
+        """A copy of the session's tokens, keys, values and method state (runtime/session_state.py)."""
+        self._check_open(session)
+        return session_state.capture(self.pool, self._groups.get(session.method), session)
+
+    def import_session(self, state: SessionState, session_id: str | None = None) -> Session:
+        """A new session holding ``state`` (another runner's ``export_session``), which continues exactly as the
+        exported one would. StateMismatch (what differs) or ValueError (a value out of bounds) before anything is
+        allocated; BudgetExceeded with nothing kept when it does not fit."""
+        session_state.check(state, self.pool, self.info.vocab_size, self.max_context)
+        session = self.open_session(state.method, session_id)
+        try:
+            if state.state is not None:
+                self._ensure_slots(session)
+            self.reserve(session, state.length)
+            session_state.restore(self.pool, self._groups[state.method], session, state)
+        except BaseException:
+            self.close_session(session)
+            raise
+        return session
+
+    def rewind(self, session: Session, length: int) -> None:
+        """Keep the session's first ``length`` tokens and reset its method state to a fresh session's: the next
+        prefill (which must re-feed at least the method's ``prefill_queries`` last tokens) seeds it as a fresh
+        session's prefill of the same tokens would (engine/turn.py rewinds an edited chat history so)."""
+        self._check_open(session)
+        if not 0 <= length <= session.length:
+            raise ValueError(f"length must lie in [0, {session.length}], got {length}")
+        session_state.truncate(self.pool, session, length)
+        if session.slots is not None:
+            self._groups[session.method].reset(session.slots)
 
     def prefill_queries(self, session: Session) -> int:
         """How many of a prompt's last queries the session's method observes at prefill (ReTopK: C)."""

@@ -14,6 +14,10 @@ reported in ModelInfo.limits (``reported``) and bound gRPC's own message size (`
     max_message_bytes    gRPC's receive limit: the largest text as UTF-8 (4 bytes a character) plus the
                          largest token id list (5 bytes an id) plus MESSAGE_SLACK_BYTES for the rest
     max_method_state_bytes  one session's attention-method state (runtime/method_limits.py)
+    max_session_chunk_bytes     one chunk of a session artifact (ExportSession, ImportSession): SESSION_CHUNK_BYTES
+    max_session_artifact_bytes  one session artifact (engine/session_artifact.py): a full-context KV cache at
+                         float32 and its token ids, the largest method state, the conversation's text (4 bytes a
+                         character, max_text_chars per context's worth) and MESSAGE_SLACK_BYTES
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.runtime.method_limits import check_method, state_cap_bytes
+from retopk_server.runtime.method_limits import check_method, dense_kv_bytes, state_cap_bytes
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.service.convert import MAX_STOP, InvalidArgument, method_field
 
@@ -31,6 +35,7 @@ MAX_CHAT_MESSAGES = 1024
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MESSAGE_SLACK_BYTES = 1 << 20
+SESSION_CHUNK_BYTES = 1 << 20  # below max_message_bytes, so a chunk always fits one gRPC message
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,23 @@ class InputLimits:
     def max_method_state_bytes(self) -> int:
         return state_cap_bytes(self.info)
 
+    @property
+    def max_session_chunk_bytes(self) -> int:
+        return SESSION_CHUNK_BYTES
+
+    @property
+    def max_session_artifact_bytes(self) -> int:
+        return (dense_kv_bytes(self.info) + 8 * self.info.max_context + self.max_method_state_bytes
+                + 4 * self.max_text_chars + MESSAGE_SLACK_BYTES)
+
     def reported(self) -> dict:
         """The pb.Limits fields these limits fill."""
         return dict(max_text_chars=self.max_text_chars, max_chat_messages=self.max_chat_messages,
                     max_stop_strings=self.max_stop_strings, max_stop_chars=self.max_stop_chars,
                     max_stop_token_ids=self.max_stop_token_ids, max_detokenize_ids=self.max_detokenize_ids,
-                    max_message_bytes=self.max_message_bytes, max_method_state_bytes=self.max_method_state_bytes)
+                    max_message_bytes=self.max_message_bytes, max_method_state_bytes=self.max_method_state_bytes,
+                    max_session_chunk_bytes=self.max_session_chunk_bytes,
+                    max_session_artifact_bytes=self.max_session_artifact_bytes)
 
     # ---- checks ------------------------------------------------------------------------------------------
     def _text(self, field: str, text: str) -> None:

@@ -28,7 +28,7 @@ from retopk_core.methods.registry import serving_method_names
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
-from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method
+from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method, session_artifact
 from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS
 from retopk_server.runtime.constraints import ConstraintError
 from retopk_server.service import convert
@@ -245,6 +245,63 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         self._check_affinity(context, session_id)
         snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
         return pb.CloseSessionResponse(session=convert.session_info(snapshot))
+
+    # ------------------------------------------------------------------------------------ session artifacts
+    async def ExportSession(self, request: pb.ExportSessionRequest, context: grpc.aio.ServicerContext):
+        """The caller's idle session as artifact chunks (engine/session_artifact.py)."""
+        t0, code = time.monotonic(), "OK"
+        try:
+            caller = self._authenticate(context)
+            session_id = convert._identifier("session_id", request.session_id)
+            self._check_affinity(context, session_id)
+            artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
+                                                                              request.close))
+            data = await asyncio.to_thread(session_artifact.encode, artifact)
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            fail = _fail_from(exc)
+            code = fail.code.name
+            self._hook("on_error", None, code)
+            self._hook("on_rpc", "ExportSession", code, time.monotonic() - t0)
+            await context.abort(fail.code, fail.message)
+        try:
+            step = self.limits.max_session_chunk_bytes
+            for at in range(0, len(data), step):
+                yield pb.SessionChunk(data=data[at:at + step])
+        except asyncio.CancelledError:
+            code = _cancelled_code(context)
+            raise
+        finally:
+            self._hook("on_rpc", "ExportSession", code, time.monotonic() - t0)
+
+    @_unary
+    async def ImportSession(self, request_iterator, context, caller: Caller) -> pb.SessionInfo:
+        """Gather the artifact's chunks (each and all bounded), parse it off the engine thread, open the session."""
+        chunks, total, session_id = [], 0, None
+        limit, step = self.limits.max_session_artifact_bytes, self.limits.max_session_chunk_bytes
+        async for message in request_iterator:
+            if len(message.data) > step:
+                raise InvalidArgument("data", f"a chunk holds at most {step} bytes "
+                                              f"(ModelInfo.limits.max_session_chunk_bytes), got {len(message.data)}")
+            if message.HasField("session_id"):
+                if chunks:
+                    raise InvalidArgument("session_id", "set it in the first message only")
+                session_id = convert._identifier("session_id", message.session_id)
+            total += len(message.data)
+            if total > limit:
+                raise InvalidArgument("data", f"the artifact exceeds {limit} bytes "
+                                              "(ModelInfo.limits.max_session_artifact_bytes)")
+            chunks.append(message.data)
+        try:
+            artifact = await asyncio.to_thread(session_artifact.decode, b"".join(chunks))
+        except session_artifact.UnsupportedFormat as e:
+            raise Fail(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+        except session_artifact.ArtifactError as e:
+            raise InvalidArgument(e.field, str(e).removeprefix(f"{e.field}: ")) from None
+        session_id = session_id or convert._identifier("session_id", artifact.session_id)
+        self._check_affinity(context, session_id)
+        snapshot = await self._engine(self.engine.commands.import_session(artifact, caller.name, session_id,
+                                                                          caller.max_sessions))
+        return convert.session_info(snapshot)
 
     # ------------------------------------------------------------------------------------ tokenizer
     @_unary

@@ -1,0 +1,174 @@
+"""A session as a portable artifact: bytes that rebuild it on another server (or this one after a restart).
+
+Format 1, the bytes in order:
+
+    b"RETOPK-SESSION\\n"
+    one JSON line: {"format": 1, "payload_bytes": N, "payload_sha256": "<hex>"} and b"\\n"
+    the payload: N bytes, a safetensors file (https://github.com/huggingface/safetensors) holding
+        token_ids   (L,) int64                     the tokens in the KV cache
+        kv.k, kv.v  (layers, H_kv, L, d)           keys and values in the cache's dtype (runtime/session_state.py)
+        state.<f>   (layers, ...)                  each field of the method's per-session state (absent: none yet)
+    and in its ``__metadata__`` the key "retopk", a JSON object:
+        model       the served model as ``model_fingerprint`` describes it; an import must match every entry
+        method      {"name": ..., "params": [[name, value], ...]}: the session's MethodSpec
+        owner, session_id, pending (token ids produced but not fed), messages (the chat so far), turns,
+        created_unix, last_used_unix: the engine's SessionRecord (engine/sessions.py)
+
+The checksum (SHA-256 of the payload) catches a truncated or corrupted artifact before anything parses it;
+``decode`` then bounds every size and type (ArtifactError, the caller's INVALID_ARGUMENT) and
+``check_model`` names what differs from the importing server (FAILED_PRECONDITION). A session keeps no
+sampling state between turns (each Generate brings its own sampling and seed), so none is carried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.session_state import SessionState
+
+MAGIC = b"RETOPK-SESSION\n"
+FORMAT = 1
+MAX_HEADER_BYTES = 512  # the JSON line after the magic
+MAX_METADATA_BYTES = 64 << 20  # the safetensors header: the conversation's text is the bulk of it
+MAX_PENDING = 64  # tokens produced but not fed: one after a turn (the last sample)
+# What the model fingerprint lists (ModelInfo fields): an artifact moves only between servers equal in all of them.
+MODEL_FIELDS = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                "weight_format", "weight_bytes", "kv_dtype")
+
+
+class ArtifactError(ValueError):
+    """The bytes are not a well-formed artifact (truncated, corrupted, wrong checksum, bad field): ``field``
+    names what is wrong ("artifact", "artifact.messages", ...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UnsupportedFormat(ArtifactError):
+    """A well-formed artifact of another format version than this server reads."""
+
+
+@dataclass
+class SessionArtifact:
+    """An artifact's contents (see the module docstring)."""
+
+    state: SessionState
+    model: dict
+    owner: str
+    session_id: str
+    pending: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    turns: int = 0
+    created_unix: float = 0.0
+    last_used_unix: float = 0.0
+
+
+def model_fingerprint(info) -> dict:
+    """The runner's ModelInfo entries an imported session depends on (MODEL_FIELDS)."""
+    return {name: getattr(info, name) for name in MODEL_FIELDS}
+
+
+def check_model(artifact: SessionArtifact, info) -> str | None:
+    """What differs between the artifact's model and ``info``'s (``"kv_dtype: bfloat16 here, float32 in the
+    artifact; ..."``), or None when they match."""
+    here = model_fingerprint(info)
+    diffs = [f"{name}: {here[name]!r} here, {artifact.model.get(name)!r} in the artifact"
+             for name in MODEL_FIELDS if artifact.model.get(name) != here[name]]
+    return "; ".join(diffs) or None
+
+
+def encode(artifact: SessionArtifact) -> bytes:
+    """The artifact's bytes (module docstring)."""
+    state = artifact.state
+    tensors = {"token_ids": state.token_ids.contiguous(), "kv.k": state.k.contiguous(), "kv.v": state.v.contiguous()}
+    for name, t in (state.state or {}).items():
+        tensors[f"state.{name}"] = t.contiguous()
+    meta = {"model": artifact.model, "method": {"name": state.method.name, "params": [list(p) for p in
+                                                                                       state.method.params]},
+            "owner": artifact.owner, "session_id": artifact.session_id, "pending": list(artifact.pending),
+            "messages": artifact.messages, "turns": artifact.turns, "created_unix": artifact.created_unix,
+            "last_used_unix": artifact.last_used_unix, "has_state": state.state is not None}
+    payload = save_tensors(tensors, metadata={"retopk": json.dumps(meta)})
+    header = {"format": FORMAT, "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest()}
+    return MAGIC + json.dumps(header).encode() + b"\n" + payload
+
+
+def decode(data: bytes) -> SessionArtifact:
+    """Parse and check an artifact's bytes -> SessionArtifact; ArtifactError naming what is wrong."""
+    data = bytes(data)
+    if not data.startswith(MAGIC):
+        raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
+    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+    if end < 0:
+        raise ArtifactError("artifact", "truncated or corrupted header")
+    try:
+        header = json.loads(data[len(MAGIC):end])
+        version, size, digest = header["format"], header["payload_bytes"], header["payload_sha256"]
+    except (ValueError, KeyError, TypeError):
+        raise ArtifactError("artifact", "corrupted header (not the JSON line of format 1)") from None
+    if version != FORMAT:
+        raise UnsupportedFormat("artifact", f"format {version!r} is not supported (this server reads format {FORMAT})")
+    payload = data[end + 1:]
+    if not isinstance(size, int) or len(payload) != size:
+        raise ArtifactError("artifact", f"truncated: {len(payload)} payload bytes, the header says {size!r}")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
+    meta = _metadata(payload)
+    try:
+        tensors = load_tensors(payload)
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types
+        raise ArtifactError("artifact", f"the tensors do not parse: {type(e).__name__}") from None
+    return _artifact(meta, tensors)
+
+
+def _metadata(payload: bytes) -> dict:
+    """The "retopk" JSON object of the safetensors header (its first 8 bytes: the header's length, u64 LE)."""
+    if len(payload) < 8:
+        raise ArtifactError("artifact", "truncated payload")
+    (n,) = struct.unpack("<Q", payload[:8])
+    if n > min(MAX_METADATA_BYTES, len(payload) - 8):
+        raise ArtifactError("artifact", "corrupted payload header")
+    try:
+        return json.loads(json.loads(payload[8:8 + n])["__metadata__"]["retopk"])
+    except (ValueError, KeyError, TypeError):
+        raise ArtifactError("artifact", "the payload carries no retopk metadata") from None
+
+
+def _artifact(meta: dict, tensors: dict[str, torch.Tensor]) -> SessionArtifact:
+    def need(name: str, kind):
+        value = meta.get(name) if isinstance(meta, dict) else None
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise ArtifactError(f"artifact.{name}", f"missing or not {getattr(kind, '__name__', kind)}")
+        return value
+
+    method = need("method", dict)
+    try:
+        spec = MethodSpec(method["name"], tuple((str(k), v) for k, v in method["params"]))
+    except (KeyError, TypeError, ValueError):
+        raise ArtifactError("artifact.method", "not a method name with [name, value] parameters") from None
+    pending = need("pending", list)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in pending) or len(pending) > MAX_PENDING:
+        raise ArtifactError("artifact.pending", f"at most {MAX_PENDING} token ids")
+    messages = need("messages", list)
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in messages):
+        raise ArtifactError("artifact.messages", "every message needs a string role and content")
+    for name in ("token_ids", "kv.k", "kv.v"):
+        if name not in tensors:
+            raise ArtifactError("artifact", f"tensor {name!r} is missing")
+    state = {k.removeprefix("state."): t for k, t in tensors.items() if k.startswith("state.")}
+    session = SessionState(spec, tensors["token_ids"], tensors["kv.k"], tensors["kv.v"],
+                           state if need("has_state", bool) else None)
+    return SessionArtifact(state=session, model=need("model", dict), owner=need("owner", str),
+                           session_id=need("session_id", str), pending=pending, messages=messages,
+                           turns=need("turns", int), created_unix=float(need("created_unix", (int, float))),
+                           last_used_unix=float(need("last_used_unix", (int, float))))

@@ -1,0 +1,138 @@
+"""A session's state on the runner as plain tensors, to move it to another runner (engine/session_artifact.py).
+
+SessionState holds everything the runner keeps for one session:
+
+    method     its MethodSpec
+    token_ids  (L,) int64: the tokens whose keys and values are in the cache, in order
+    k, v       (num_layers, H_kv, L, d) in the KV cache's dtype: position i's key and value of every layer
+    state      the method's per-session state, field f -> (num_layers, *f's per-slot shape) (SlotPool.read_slot,
+               stacked over layers); None while the session has none (never prefilled)
+
+``capture`` copies it out of the pools, ``restore`` writes it into a session opened on another runner whose
+blocks are reserved: the keys and values go to the same positions (block boundaries may differ: the tensors
+are per position), the method state into the session's slots. A runner that restores it continues the
+session exactly as the one that captured it would have: same keys, values, FIFOs and step counters.
+
+Imported state comes from outside the process, so ``check`` bounds every value a kernel indexes with before
+anything is written: ReTopK's supports are positions in [-1, L) (a kernel gathers keys at them), its fill
+count in [0, C], write pointer in [0, C), step counter >= 0, thresholds and queries finite. A method whose
+state has no such check here (the evaluation baselines) cannot be imported.
+
+``truncate`` shortens a session to its first ``length`` tokens (a prefill undone, a chat history rewound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from retopk_server.runtime.attention import MethodGroup
+from retopk_server.runtime.kv_pool import KVPool
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.session import Session
+
+
+class StateMismatch(ValueError):
+    """The state cannot go into this runner: another model shape, KV dtype or method state (message says which)."""
+
+
+@dataclass
+class SessionState:
+    """See the module docstring."""
+
+    method: MethodSpec
+    token_ids: torch.Tensor  # (L,) int64
+    k: torch.Tensor  # (num_layers, H_kv, L, d)
+    v: torch.Tensor  # (num_layers, H_kv, L, d)
+    state: dict[str, torch.Tensor] | None
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+
+def capture(pool: KVPool, group: MethodGroup | None, session: Session) -> SessionState:
+    """A copy of ``session``'s tokens, keys, values and method state (``group`` holds its slots)."""
+    L = session.length
+    if L:
+        blocks = torch.tensor(session.blocks, dtype=torch.long, device=pool.k[0].device)
+        pairs = [pool.history(layer, blocks, L) for layer in range(pool.num_layers)]  # (H_kv, L, d) each
+        k, v = (torch.stack([p[i] for p in pairs]).cpu() for i in (0, 1))  # (layers, H_kv, L, d)
+    else:
+        k = v = torch.zeros((pool.num_layers, pool.num_kv_heads, 0, pool.head_dim), dtype=pool.k[0].dtype)
+    state = None
+    if session.slots is not None and group is not None:
+        state = {name: t.cpu() for name, t in group.read_state(session.slots).items()}
+    return SessionState(session.method, torch.tensor(session.token_ids, dtype=torch.long), k, v, state)
+
+
+def check(state: SessionState, pool: KVPool, vocab_size: int, max_context: int) -> None:
+    """StateMismatch when the tensors do not fit this runner's KV cache; ValueError for a value out of its
+    bounds (module docstring). Nothing is written."""
+    L = state.length
+    if state.token_ids.dtype != torch.long or state.token_ids.dim() != 1:
+        raise ValueError("token_ids: must be a 1-D int64 tensor")
+    if L > max_context:
+        raise StateMismatch(f"the session holds {L} tokens, this server's max_context is {max_context}")
+    if L and not bool(((state.token_ids >= 0) & (state.token_ids < vocab_size)).all()):
+        raise ValueError(f"token_ids: every id must lie in [0, {vocab_size})")
+    want = (pool.num_layers, pool.num_kv_heads, L, pool.head_dim)
+    for name, t in (("k", state.k), ("v", state.v)):
+        if tuple(t.shape) != want:
+            raise StateMismatch(f"KV cache: {name} has shape {tuple(t.shape)}, this model's is {want} "
+                                "(layers, KV heads, tokens, head dim)")
+        if t.dtype != pool.k[0].dtype:
+            raise StateMismatch(f"kv_dtype: the session's KV cache is {str(t.dtype).removeprefix('torch.')}, this "
+                                f"server's is {str(pool.k[0].dtype).removeprefix('torch.')}")
+    if state.state is not None:
+        _check_method_state(state.method.name, state.state, L)
+
+
+def _check_method_state(name: str, tensors: dict[str, torch.Tensor], length: int) -> None:
+    """The bounds of the values a method's kernels index with (module docstring)."""
+    if not tensors:
+        return
+    if name != "retopk":
+        raise StateMismatch(f"method {name!r}: its state cannot be imported (only full, exact_topk and retopk "
+                            "sessions move between servers)")
+    for field in ("queries", "support", "fill", "ptr", "step", "tau"):
+        if field not in tensors:
+            raise ValueError(f"method state: field {field!r} is missing")
+    C = tensors["queries"].shape[2] if tensors["queries"].dim() == 4 else 0
+    support, fill, ptr, step = (tensors[f] for f in ("support", "fill", "ptr", "step"))
+    if any(t.dtype != torch.long for t in (support, fill, ptr, step)):
+        raise ValueError("method state: support, fill, ptr and step must be int64")
+    if support.numel() and not bool(((support >= -1) & (support < length)).all()):
+        raise ValueError(f"method state: support positions must lie in [-1, {length}) (the session's tokens)")
+    if not bool(((fill >= 0) & (fill <= C)).all() and ((ptr >= 0) & (ptr < max(C, 1))).all() and (step >= 0).all()):
+        raise ValueError(f"method state: fill must lie in [0, {C}], ptr in [0, {C}), step >= 0")
+    for field in ("queries", "tau"):
+        if not tensors[field].is_floating_point() or not bool(torch.isfinite(tensors[field]).all()):
+            raise ValueError(f"method state: {field} must be finite floating-point values")
+
+
+def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: SessionState) -> None:
+    """Write ``state`` into ``session``: empty, of ``state.method``, its blocks reserved for ``state.length``
+    positions and (when ``state.state``) its method slots allocated. ``check`` it first."""
+    L = state.length
+    if L:
+        device = pool.k[0].device
+        table = pool.block_table([session.blocks], device)  # (1, blocks)
+        rows = pool.rows(table, torch.zeros(1, dtype=torch.long, device=device), L)  # (1, H_kv, L)
+        for layer in range(pool.num_layers):
+            pool.write(layer, rows, state.k[layer].unsqueeze(0).to(device), state.v[layer].unsqueeze(0).to(device))
+    if state.state is not None:
+        group.write_state(session.slots, state.state)
+    session.token_ids = state.token_ids.tolist()
+
+
+def truncate(pool: KVPool, session: Session, length: int) -> None:
+    """Keep the session's first ``length`` tokens; the blocks past them go back to the pool. The caller keeps
+    the method state consistent (a prefill that never reached the method, or a reset). The session's blocks
+    must be its own (a named session's are: only ephemeral forks share blocks)."""
+    del session.token_ids[length:]
+    keep = pool.blocks_for(length)
+    if not session.closed and len(session.blocks) > keep:
+        pool.release(session.blocks[keep:])
+        del session.blocks[keep:]

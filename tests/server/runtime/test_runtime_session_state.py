@@ -1,0 +1,88 @@
+"""A session's state moves between runners: exported after three greedy turns and imported into another
+runner (another KV block size), its fourth turn equals the same conversation's never moved, for full, Exact Top-K
+and ReTopK, and the imported FIFOs equal the exported ones. Imported values a kernel indexes with are bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import greedy, prompt_ids, runner_for, tiny_model
+
+from retopk_server.runtime import MethodSpec
+from retopk_server.runtime.session_state import SessionState, StateMismatch
+
+METHODS = {
+    "full": MethodSpec("full"),
+    "exact_topk": MethodSpec.of("exact_topk", top_k=8),
+    # tau 0.5 and T_r 5: every path (reuse, fallback, refresh) is taken within the turns
+    "retopk": MethodSpec.of("retopk", top_k=8, cache_size=4, window=2, recall=2, tau=0.5, refresh_every=5),
+}
+
+
+def three_turns(runner, session) -> int:
+    """Three greedy turns (prompt, 6 tokens each; the last token of a turn is fed by the next) -> the pending token."""
+    last = None
+    for turn in range(3):
+        prompt = ([last] if last is not None else []) + prompt_ids(13 + turn, seed=turn)
+        last = greedy(runner, session, prompt, 6)[-1]
+    return last
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_an_imported_session_continues_as_the_never_moved_one(name):
+    model = tiny_model("llama")
+    spec = METHODS[name]
+    a = runner_for(model, spec, kv_block_size=4, kv_dtype="bfloat16")
+    s = a.open_session()
+    pending = three_turns(a, s)
+    exported = a.export_session(s)
+
+    b = runner_for(model, spec, kv_block_size=8, kv_dtype="bfloat16")
+    moved = b.import_session(exported)
+    assert moved.token_ids == s.token_ids and moved.method == spec
+    again = b.export_session(moved)  # what B holds equals what A held: keys, values, every FIFO field
+    assert torch.equal(again.k, exported.k) and torch.equal(again.v, exported.v)
+    assert (again.state is None) == (exported.state is None)
+    for field, t in (exported.state or {}).items():
+        assert torch.equal(again.state[field], t), field
+    if name == "retopk":
+        assert int(exported.state["fill"].min()) > 0 and int(exported.state["step"].min()) > 0  # a live FIFO
+
+    fourth = [pending] + prompt_ids(11, seed=9)
+    assert greedy(b, moved, fourth, 8) == greedy(a, s, fourth, 8)
+
+
+def state_of(spec=METHODS["retopk"]) -> tuple:
+    model = tiny_model("llama")
+    a = runner_for(model, spec, kv_block_size=4, kv_dtype="bfloat16")
+    s = a.open_session()
+    three_turns(a, s)
+    return model, a.export_session(s)
+
+
+def test_imported_values_out_of_bounds_or_another_setup_are_refused_before_anything_is_allocated():
+    model, good = state_of()
+    b = runner_for(model, METHODS["retopk"], kv_block_size=8, kv_dtype="bfloat16")
+
+    def variant(**changes) -> SessionState:
+        state = {k: t.clone() for k, t in good.state.items()}
+        state.update(changes.pop("state", {}))
+        return SessionState(**{"method": good.method, "token_ids": good.token_ids, "k": good.k, "v": good.v,
+                               "state": state, **changes})
+
+    support = good.state["support"].clone()
+    support[0, 0, 0, 0] = good.length  # a position the session does not hold: a kernel would read past it
+    bad = {
+        "support past the tokens": (variant(state={"support": support}), ValueError, "support positions"),
+        "fill past C": (variant(state={"fill": good.state["fill"] + 100}), ValueError, "fill"),
+        "NaN query": (variant(state={"queries": good.state["queries"] * float("nan")}), ValueError, "finite"),
+        "token id past the vocabulary": (variant(token_ids=good.token_ids + 1000), ValueError, "token_ids"),
+        "another KV dtype": (variant(k=good.k.float(), v=good.v.float()), StateMismatch, "kv_dtype"),
+        "another KV shape": (variant(k=good.k[:1], v=good.v[:1]), StateMismatch, "shape"),
+        "a baseline's state": (variant(method=MethodSpec("quest")), StateMismatch, "cannot be imported"),
+    }
+    for name, (state, error, words) in bad.items():
+        with pytest.raises(error, match=words):
+            b.import_session(state)
+        assert not b.sessions and b.memory().kv_used == 0, name  # nothing half-made
+    assert b.import_session(good).length == good.length

@@ -1,0 +1,173 @@
+"""ExportSession / ImportSession over gRPC with the real service code and the fake runner (fast): a session moves
+between two servers and continues as the conversation never moved would; every malformed, foreign or mismatched
+artifact is refused with its status and the server goes on serving.
+
+The keys, values and method state of a real model move in tests/server/runtime/test_runtime_session_state.py
+and tests/server/test_session_transfer_live.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import grpc
+import pytest
+
+from retopk_client import Client, FailedPrecondition, InvalidArgument, NotFound
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.engine.session_artifact import MAGIC
+from tests.server.fake_runner import FakeRunner, greedy_reference
+from tests.server.test_tenancy import KEYS, line
+
+pytestmark = pytest.mark.timeout(60)
+
+TURNS = ["Hello there", " and then", " what next"]
+
+
+def greedy_turns(client: Client, session_id: str, turns: list[str]) -> list[list[int]]:
+    return [list(client.complete(t, session_id=session_id, temperature=0, max_new_tokens=6).token_ids)
+            for t in turns]
+
+
+def enc(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_a_session_moves_to_another_server_and_continues_as_if_never_moved(fake_server):
+    a, b = fake_server(), fake_server()
+    with Client(a.address, timeout=30) as ca, Client(b.address, timeout=30) as cb:
+        ca.create_session(session_id="moving")
+        ca.create_session(session_id="staying")  # the reference: the same conversation, never moved
+        for sid in ("moving", "staying"):
+            greedy_turns(ca, sid, TURNS)
+        before = ca.get_session("moving")
+        artifact = ca.export_session("moving", close=True)
+        with pytest.raises(NotFound):
+            ca.get_session("moving")
+        info = cb.import_session(artifact)
+        assert (info.session_id, info.num_tokens, info.turns) == ("moving", before.num_tokens, 3)
+        assert info.method == before.method
+        [moved] = greedy_turns(cb, "moving", [" and last"])
+        [stayed] = greedy_turns(ca, "staying", [" and last"])
+        assert moved == stayed
+        assert cb.get_session("moving").turns == 4
+
+
+def test_reference_of_the_fake_conversation(fake_server):
+    """The moved session's 4th turn equals the fake model's definition applied to the whole conversation."""
+    a, b = fake_server(), fake_server()
+    with Client(a.address, timeout=30) as ca, Client(b.address, timeout=30) as cb:
+        ca.create_session(session_id="s")
+        outs = greedy_turns(ca, "s", TURNS)
+        cb.import_session(ca.export_session("s"), session_id="renamed")
+        [fourth] = greedy_turns(cb, "renamed", [" and last"])
+    context = []
+    for text, out in zip(TURNS, outs, strict=True):
+        context += enc(text) + out
+    assert fourth == greedy_reference(context + enc(" and last"), 6)
+
+
+@pytest.fixture
+def pair(fake_server, tmp_path):
+    """Two servers with the keys alice and bob; alice's 2-turn session "s" on the first and its artifact."""
+    path = tmp_path / "keys.txt"
+    path.write_text(line("alice") + "\n" + line("bob") + "\n")
+    a = fake_server(api_keys_file=str(path))
+    b = fake_server(api_keys_file=str(path))
+    alice = Client(a.address, api_key=KEYS["alice"], timeout=30)
+    alice.create_session(session_id="s")
+    greedy_turns(alice, "s", TURNS[:2])
+    yield a, b, alice.export_session("s"), path
+    alice.close()
+
+
+def import_status(server, data: bytes, key: str = "alice", chunks=None) -> tuple[grpc.StatusCode, str]:
+    requests = chunks if chunks is not None else [pb.ImportSessionRequest(data=data[i:i + (1 << 20)])
+                                                  for i in range(0, len(data), 1 << 20)]
+    try:
+        server.stub.ImportSession(iter(requests), metadata=(("authorization", f"Bearer {KEYS[key]}"),), timeout=30)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def with_header(data: bytes, **changes) -> bytes:
+    """The artifact with its header line's fields changed (the payload as it is)."""
+    end = data.index(b"\n", len(MAGIC))
+    header = json.loads(data[len(MAGIC):end]) | changes
+    return MAGIC + json.dumps(header).encode() + data[end:]
+
+
+def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_healthy(pair):
+    a, b, data, _ = pair
+    flipped = bytearray(data)
+    flipped[-10] ^= 0xFF
+    cases = {
+        "truncated": (data[:-100], grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
+        "corrupted": (bytes(flipped), grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        "wrong checksum": (with_header(data, payload_sha256=hashlib.sha256(b"x").hexdigest()),
+                           grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        "not an artifact": (b"GARBAGE" * 100, grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
+        "empty": (b"", grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
+        "future format": (with_header(data, format=2), grpc.StatusCode.FAILED_PRECONDITION, "format 2"),
+        "foreign key": (data, grpc.StatusCode.PERMISSION_DENIED, "another key"),
+    }
+    for name, (bad, code, words) in cases.items():
+        got = import_status(b, bad, key="bob" if name == "foreign key" else "alice")
+        assert got[0] == code and words in got[1] and got[1].startswith("artifact"), (name, got)
+    over = import_status(b, b"", chunks=[pb.ImportSessionRequest(data=b"\0" * ((1 << 20) + 1))])
+    assert over[0] == grpc.StatusCode.INVALID_ARGUMENT and over[1].startswith("data: a chunk holds at most")
+    late_id = import_status(b, b"", chunks=[pb.ImportSessionRequest(data=data[:10]),
+                                            pb.ImportSessionRequest(data=data[10:], session_id="x")])
+    assert late_id[0] == grpc.StatusCode.INVALID_ARGUMENT and late_id[1].startswith("session_id:")
+
+    with Client(b.address, api_key=KEYS["alice"], timeout=30) as alice_b, \
+            Client(b.address, api_key=KEYS["bob"], timeout=30) as bob_b:
+        assert alice_b.list_sessions() == [] and bob_b.list_sessions() == []  # nothing half-imported
+        info = alice_b.import_session(data)  # the good artifact still goes in, and it is alice's
+        assert info.session_id == "s" and info.turns == 2
+        with pytest.raises(NotFound):
+            bob_b.get_session("s")
+        assert import_status(b, data)[0] == grpc.StatusCode.ALREADY_EXISTS
+        # healthy: a new request is served, greedy as the definition says
+        out = alice_b.complete("Fine.", temperature=0, max_new_tokens=4)
+        assert list(out.token_ids) == greedy_reference(enc("Fine."), 4)
+        assert alice_b.health() == "SERVING"
+
+
+def test_another_key_cannot_export_a_session(pair):
+    a, _, _, _ = pair
+    with Client(a.address, api_key=KEYS["bob"], timeout=30) as bob:
+        with pytest.raises(NotFound, match="no session 's'"):
+            bob.export_session("s")
+
+
+def test_a_mismatched_model_setup_is_refused_naming_what_differs(fake_server, pair):
+    _, _, data, path = pair
+    runner = FakeRunner()
+    runner.info = dataclasses.replace(runner.info, kv_dtype="bfloat16", name="other")
+    other = fake_server(runner, api_keys_file=str(path))
+    code, details = import_status(other, data)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "kv_dtype: 'bfloat16' here, 'float32' in the artifact" in details and "name: 'other' here" in details
+    with Client(other.address, api_key=KEYS["alice"], timeout=30) as alice:
+        assert alice.list_sessions() == []
+
+
+def test_a_busy_session_is_not_exported_and_the_limits_are_reported(fake_server):
+    server = fake_server(FakeRunner(step_delay_s=0.02))
+    with Client(server.address, timeout=30) as client:
+        client.create_session(session_id="busy")
+        with client.generate("Hi", session_id="busy", max_new_tokens=1000, ignore_eos=True) as stream:
+            next(stream)  # the request holds the session until its stream ends
+            with pytest.raises(FailedPrecondition, match="busy"):
+                client.export_session("busy")
+        limits = client.model_info().limits
+        assert limits.max_session_chunk_bytes == 1 << 20
+        assert limits.max_session_artifact_bytes > limits.max_session_chunk_bytes
+        with pytest.raises(InvalidArgument, match="session_id"):
+            client.export_session("")
+        with pytest.raises(NotFound):
+            client.export_session("nope")
