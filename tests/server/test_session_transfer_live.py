@@ -1,0 +1,53 @@
+"""A session of the embedded SmolLM2-135M moves between two servers (the real service, engine and runtime,
+in-process, each its own runner): three greedy chat turns on A, ExportSession, ImportSession on B, and turn 4
+on B equals turn 4 of the same session on A (never moved), for full, Exact Top-K and the default ReTopK; B
+holds exactly A's keys, values and FIFOs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retopk_client import Client
+from retopk_server.engine.session_artifact import decode
+from retopk_server.runtime import ModelRunner, RuntimeConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TURNS = ["Name a colour.", "Why that one?", "And a fruit?", "Which is sweeter?"]
+
+
+@pytest.fixture(scope="module")
+def runners(embedded_model):
+    model, tokenizer = embedded_model
+    torch.set_num_threads(2)
+    return [ModelRunner(RuntimeConfig(kv_cache_bytes=512 << 20, kv_block_size=block), model=model,
+                        tokenizer=tokenizer) for block in (16, 32)]
+
+
+def chat_turn(client: Client, session_id: str, text: str) -> list[int]:
+    reply = client.complete(messages=[{"role": "user", "content": text}], session_id=session_id, temperature=0,
+                            max_new_tokens=8, ignore_eos=True)
+    return list(reply.token_ids)
+
+
+@pytest.mark.parametrize("method", ["full", "exact_topk", None])  # None: the server's default ReTopK
+def test_turn_four_on_the_new_server_equals_the_never_moved_session(fake_server, runners, method):
+    a, b = fake_server(runners[0]), fake_server(runners[1])
+    sid = f"chat-{method or 'default'}"
+    with Client(a.address, timeout=300) as ca, Client(b.address, timeout=300) as cb:
+        ca.create_session(method=method, session_id=sid)
+        for text in TURNS[:3]:
+            chat_turn(ca, sid, text)
+        exported = ca.export_session(sid)
+        info = cb.import_session(exported)
+        assert info.num_tokens == ca.get_session(sid).num_tokens and info.turns == 3
+        held = decode(cb.export_session(sid)).state  # what B holds, before it runs anything
+        sent = decode(exported).state
+        assert torch.equal(held.k, sent.k) and torch.equal(held.v, sent.v)
+        assert (held.state is None) == (sent.state is None) and (method is None) == bool(sent.state)
+        for field, t in (sent.state or {}).items():
+            assert torch.equal(held.state[field], t), field
+        assert chat_turn(cb, sid, TURNS[3]) == chat_turn(ca, sid, TURNS[3])
+        ca.close_session(sid)
+        cb.close_session(sid)
