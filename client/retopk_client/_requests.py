@@ -58,12 +58,15 @@ def generate_request(
     tools: Iterable[Tool | Mapping[str, Any]] | None = None,
     tool_choice: str | Mapping[str, Any] | None = None,
     n: int | None = None,
+    chat_history: bool = False,
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call; exactly one of prompt, messages, token_ids must be given.
 
+    request_id: unset in a session, a random one (a retry of the call sends it again: answered once).
     constraint: a ``Constraint`` (JSON schema, JSON object, regex, grammar); tools: ``Tool``s or OpenAI-style
-    tool mappings, with ``tool_choice`` "none" / "auto" / "required" / {"name": ...}; n: choices of one prompt."""
+    tool mappings, with ``tool_choice`` "none" / "auto" / "required" / {"name": ...}; n: choices of one prompt;
+    chat_history: ``messages`` is the whole conversation, replacing the session's (an edited history rewinds it)."""
     inputs = (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
     given = [name for name, value in inputs if value is not None]
     if len(given) != 1:
@@ -82,6 +85,10 @@ def generate_request(
         req.chat.CopyFrom(chat_proto(messages))
     else:
         req.token_ids.CopyFrom(pb.TokenIds(ids=list(token_ids)))
+    if request_id is None and session_id is not None:
+        # a turn of a session carries an id of its own, so that a retry of it is answered once (the server's
+        # engine/idempotency.py) instead of running twice into the session
+        request_id = uuid.uuid4().hex
     for name, value in (("request_id", request_id), ("session_id", session_id), ("max_new_tokens", max_new_tokens)):
         if value is not None:
             _set_field(req, name, value, name)
@@ -99,6 +106,8 @@ def generate_request(
         req.tool_choice.CopyFrom(choice)
     if n is not None:
         _set_field(req, "n", n, "n")
+    if chat_history:
+        _set_field(req, "chat_history", chat_history, "chat_history")
     return req
 
 

@@ -319,9 +319,9 @@ class Client:
         it, so that the import carries the affinity key. Not retried (a lost reply could import twice)."""
         metadata = self.config.metadata(session_id)
         try:
+            requests = iter(_requests.import_session_requests(artifact, session_id))
             return SessionInfo.from_proto(self._stub.ImportSession(
-                iter(_requests.import_session_requests(artifact, session_id)), timeout=self.config.call_timeout(timeout),
-                metadata=metadata))
+                requests, timeout=self.config.call_timeout(timeout), metadata=metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

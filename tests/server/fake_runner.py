@@ -168,10 +168,12 @@ class FakeRunner:
         session.token_ids = state.token_ids.tolist()
         return session
 
-    def rewind(self, session: Session, length: int) -> None:
+    def rewind(self, session: Session, length: int) -> int:
+        """The fake's model reads only the tokens: nothing to re-observe, so it keeps all ``length``."""
         self._touch()
         del session.token_ids[length:]
         del session.blocks[-(-length // BLOCK):]
+        return length
 
     def memory(self) -> MemoryUsage:
         used = [s.nbytes() for s in self.sessions.values()]

@@ -163,6 +163,7 @@ class GenerationRequest:
     text: str | None = None
     token_ids: list[int] | None = None
     chat: list[dict] | None = None
+    chat_history: bool = False  # ``chat`` is the whole conversation, replacing the session's (turn.py)
     session_id: str | None = None
     owner: str = ""  # the caller's key name (service/auth.py); session_id names one of its sessions
     method: MethodSpec | None = None

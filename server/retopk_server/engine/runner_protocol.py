@@ -101,9 +101,9 @@ class Runner(Protocol):
         out of bounds) before anything is allocated, BudgetExceeded with nothing kept when it does not fit."""
         ...
 
-    def rewind(self, session: Session, length: int) -> None:
-        """Keep the session's first ``length`` tokens, its method state reset to a fresh session's (the next
-        prefill re-feeds at least ``prefill_queries`` tokens so that the method observes them)."""
+    def rewind(self, session: Session, length: int) -> int:
+        """Keep at most the session's first ``length`` tokens, its method state reset to a fresh session's ->
+        how many it kept (fewer when the method must observe the last ones again at the next prefill)."""
         ...
 
     def memory(self) -> MemoryUsage:

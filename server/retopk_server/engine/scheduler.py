@@ -33,6 +33,7 @@ from collections.abc import Callable
 from retopk_server.engine.admission import Admission
 from retopk_server.engine.commands import CommandQueue, EngineCommands
 from retopk_server.engine.faults import EngineHung, request_error
+from retopk_server.engine.idempotency import Answer, digest
 from retopk_server.engine.observer import EngineObserver
 from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode, GenerationRequest, TokenEvent
 from retopk_server.engine.runner_protocol import Runner
@@ -160,11 +161,26 @@ class Engine(Admission, Supervision):
                 raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
                                   f"admission queue is full ({cfg.max_queue} requests waiting); retry later")
             if spec.session_id is not None:
+                answer = self.sessions.answered(spec.session_id, spec.owner, spec.request_id, digest(spec))
+                if answer is not None:
+                    self._answer_again(spec, answer, stream)
+                    return
                 self.sessions.reserve(spec.session_id, spec.owner)
             r = ActiveRequest(spec, stream, max_new)
             self._queue.append(r)
             stream.on_cancel = functools.partial(self._withdraw, r)
             self._wake.notify_all()
+
+    @staticmethod
+    def _answer_again(spec: GenerationRequest, answer: Answer, stream: RequestStream) -> None:
+        """A retry of a turn the session ran lately (engine/idempotency.py): its events again, or why not."""
+        if not answer.events:
+            raise EngineError(ErrorCode.FAILED_PRECONDITION,
+                              f"request_id: request {spec.request_id!r} already ran in session {spec.session_id!r} "
+                              f"and ended early ({answer.error}) after {answer.kept} tokens, which the session "
+                              "keeps; send the next turn with a new request_id")
+        for event in answer.events:
+            stream.put(event)
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
@@ -248,6 +264,8 @@ class Engine(Admission, Supervision):
             r.first_token_at = now
             self._hook("on_first_token", r, now - r.arrived)
         self._hook("on_token", r)
+        if not r.ephemeral:
+            r.events.append(event)
         if event.finish_reason is None:
             r.stream.put(event)
             return
@@ -255,6 +273,8 @@ class Engine(Admission, Supervision):
         self._release(r)  # before the last event: the caller's next turn must find the session free
         event.usage = r.usage()
         event.session_id = "" if r.ephemeral else r.spec.session_id
+        if not r.ephemeral:
+            r.record.answers.remember(r.spec.request_id, Answer(digest(r.spec), events=r.events))
         r.stream.put(event)
         self._hook("on_finish", r, event.finish_reason.name, event.usage, event.timings)
 
@@ -270,6 +290,9 @@ class Engine(Admission, Supervision):
             log.exception("releasing the session of request %s failed", r.spec.request_id)
         finally:
             if not r.stream.closed:
+                if r.events and r.record is not None and not r.ephemeral:  # tokens out: the session keeps them
+                    r.record.answers.remember(r.spec.request_id, Answer(
+                        digest(r.spec), error=f"{error.code.value}: {error.message}", kept=len(r.generated)))
                 r.stream.fail(error)
                 self._hook("on_error", r, error.code.value)
 

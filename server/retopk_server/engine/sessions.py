@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from retopk_server.engine.idempotency import Answer, Answers
 from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode
 from retopk_server.engine.runner_protocol import Runner
 from retopk_server.runtime.budget import BudgetExceeded
@@ -53,6 +54,7 @@ class SessionRecord:
     ephemeral   opened for one request and closed when it ends
     owner       the caller that created it ("" anonymous); with ``name`` its key in the table
     name        the id its owner knows it by ("": the runtime session's id, as for an ephemeral one)
+    answers     its last turns by request id, so that a retried Generate is answered once (idempotency.py)
     """
 
     session: Session
@@ -65,6 +67,7 @@ class SessionRecord:
     last_used_unix: float = 0.0
     owner: str = ""
     name: str = ""
+    answers: Answers = field(default_factory=Answers)
 
     def __post_init__(self) -> None:
         if not self.last_used_unix:
@@ -175,6 +178,12 @@ class SessionTable:
         """Mark ``owner``'s named session busy for a queued request; NOT_FOUND or FAILED_PRECONDITION."""
         with self._lock:
             self._idle(owner, session_id, "another request").busy = True
+
+    def answered(self, session_id: str, owner: str, request_id: str, digest: str) -> Answer | None:
+        """How ``owner``'s session answered the same request lately (idempotency.py), or None."""
+        with self._lock:
+            record = self._named.get((owner, session_id))
+            return record.answers.get(request_id, digest) if record is not None else None
 
     def unreserve(self, session_id: str, owner: str = "") -> None:
         """Free a named session whose request ended before admission."""

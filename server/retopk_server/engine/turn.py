@@ -62,6 +62,7 @@ class ActiveRequest:
         self.constraint: RowConstraint | None = None
         self.tools = None  # the reply's tool-call parser (engine/tools.py) or None
         self.tool_calls: list = []  # the calls made so far, as pieces (for the session's memory)
+        self.events: list[TokenEvent] = []  # what a named session's turn streamed (engine/idempotency.py)
         self.index = 0  # which of the request's n choices this is
         self.done = False
 
@@ -91,41 +92,60 @@ class ActiveRequest:
 
     # ---- input ---------------------------------------------------------------------------------------
     def feed(self, runner: Runner, max_prompt_tokens: int | None) -> list[int]:
-        """The tokens to prefill (pending + new input), checked against the limits; sets ``prompt_ids``."""
+        """The tokens to prefill (pending + new input), checked against the limits; sets ``prompt_ids``.
+
+        A chat whose rendering differs from what the session holds (an edited or regenerated history, a reply
+        the template renders otherwise) rewinds the session to the longest common token prefix first (after
+        the checks, so a refused turn leaves the session as it was): ``runner.rewind`` keeps the KV cache up to
+        there, resets the method state, and the feed re-renders from what it kept (at least the method's last
+        ``prefill_queries`` tokens, which its prefill observes again, as a fresh session's would)."""
         field, info, record = self.spec.input_field, runner.info, self.record
-        new_ids = self._input_ids(runner)
+        new_ids, full, common = self._input_ids(runner)
         if not new_ids:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: the input has no tokens")
         limit = max_prompt_tokens or info.max_context
         if len(new_ids) > limit:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
                               f"{field}: too long: {len(new_ids)} tokens, the limit is {limit}")
-        feed = record.pending + new_ids
-        if record.session.length + len(feed) > info.max_context:
+        rewinding = common is not None
+        base = min(common, record.session.length) if rewinding else record.session.length
+        feed = full[base:] if rewinding else record.pending + new_ids
+        if base + len(feed) > info.max_context:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"{field}: too long: {len(feed)} new tokens after {record.session.length} "
+                              f"{field}: too long: {len(feed)} new tokens after {base} "
                               f"in the session exceed the context length {info.max_context}")
+        if rewinding:
+            kept = runner.rewind(record.session, base) if base < record.session.length else base
+            record.pending = []
+            feed = new_ids = full[kept:]
         self.prompt_ids = new_ids
         return feed
 
-    def _input_ids(self, runner: Runner) -> list[int]:
-        """This request's new tokens (the session's pending token excluded)."""
+    def _input_ids(self, runner: Runner) -> tuple[list[int], list[int] | None, int | None]:
+        """(this request's new tokens, the whole rendered chat, the length of its common prefix with what the
+        session holds when the session must rewind to it, else None); the session's pending token excluded."""
         spec, record = self.spec, self.record
         if spec.text is not None:  # special tokens (a BOS) only at the start of a conversation
-            return list(runner.encode(spec.text, add_special_tokens=record.num_tokens == 0))
+            return list(runner.encode(spec.text, add_special_tokens=record.num_tokens == 0)), None, None
         if spec.token_ids is not None:
             ids, vocab = list(spec.token_ids), runner.info.vocab_size
             if (bad := first_bad_token(ids, vocab)) is not None:
                 raise EngineError(ErrorCode.INVALID_ARGUMENT, f"token_ids: {not_a_token(ids, bad, vocab)}")
-            return ids
+            return ids, None, None
         if record.ephemeral:
-            return encode_chat(runner, spec.chat, spec.tools)
-        # The session remembers the conversation: render all of it and feed what the cache lacks.
-        # Chat templates render earlier turns the same way, so the seen tokens are normally a prefix.
-        full = encode_chat(runner, record.messages + spec.chat, spec.tools)
-        # When the rendering differs from what was fed (a template that renders replies differently),
-        # feed from the first difference on; the cache cannot be rewound.
-        return full[common_prefix(full, record.seen_ids):]
+            return encode_chat(runner, spec.chat, spec.tools), None, None
+        # The session remembers the conversation: render all of it and feed what the cache lacks. Chat templates
+        # render earlier turns the same way, so the seen tokens are normally a prefix; when they are not, the
+        # session rewinds to the common prefix (``feed``).
+        seen = record.seen_ids
+        full = encode_chat(runner, self.history() + spec.chat, spec.tools)
+        common = common_prefix(full, seen)
+        return full[common:], full, (None if common == len(seen) else common)
+
+    def history(self) -> list[dict]:
+        """The conversation before this turn's messages: the session's, or none when the request sends it whole
+        (``chat_history``)."""
+        return [] if self.spec.chat_history else self.record.messages
 
     def start_sampling(self, runner: Runner) -> None:
         """After prefill: the sampler (with the request's constraint), the stop conditions and the tool-call
@@ -212,7 +232,7 @@ class ActiveRequest:
             reply = {"role": "assistant", "content": "".join(self.text_parts)}
             if calls := whole_calls(self.tool_calls):
                 reply["tool_calls"] = calls
-            record.messages = record.messages + list(self.spec.chat) + [reply]
+            record.messages = self.history() + list(self.spec.chat) + [reply]
         if self.prefilled:
             record.turns += 1
 

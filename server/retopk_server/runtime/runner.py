@@ -322,16 +322,20 @@ class ModelRunner:
             raise
         return session
 
-    def rewind(self, session: Session, length: int) -> None:
-        """Keep the session's first ``length`` tokens and reset its method state to a fresh session's: the next
-        prefill (which must re-feed at least the method's ``prefill_queries`` last tokens) seeds it as a fresh
-        session's prefill of the same tokens would (engine/turn.py rewinds an edited chat history so)."""
+    def rewind(self, session: Session, length: int) -> int:
+        """Keep at most the session's first ``length`` tokens, its method state reset to a fresh session's ->
+        how many it kept: ``length`` less the method's ``prefill_queries``, so that the next prefill, which
+        re-feeds them, lets the method observe the last queries of the conversation as a fresh session's
+        prefill of the same tokens would (engine/turn.py rewinds an edited chat history so)."""
         self._check_open(session)
         if not 0 <= length <= session.length:
             raise ValueError(f"length must lie in [0, {session.length}], got {length}")
-        session_state.truncate(self.pool, session, length)
+        kept = length
         if session.slots is not None:
+            kept = max(0, length - self.prefill_queries(session))
             self._groups[session.method].reset(session.slots)
+        session_state.truncate(self.pool, session, kept)
+        return kept
 
     def prefill_queries(self, session: Session) -> int:
         """How many of a prompt's last queries the session's method observes at prefill (ReTopK: C)."""

@@ -334,6 +334,9 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
         spec.token_ids = check_token_ids("token_ids", message.token_ids.ids, vocab_size)
     else:
         spec.chat = chat_messages(message.chat)
+    if message.chat_history and spec.chat is None:
+        raise InvalidArgument("chat_history", "needs chat input (the conversation's messages)")
+    spec.chat_history = message.chat_history
     if message.HasField("session_id"):
         spec.session_id = _identifier("session_id", message.session_id)
         if message.HasField("method"):
