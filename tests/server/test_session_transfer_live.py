@@ -15,12 +15,14 @@ from retopk_server.runtime import ModelRunner, RuntimeConfig
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TURNS = ["Name a colour.", "Why that one?", "And a fruit?", "Which is sweeter?"]
+# The default ReTopK attends densely below 1,024 tokens (dense_below) and fills its FIFOs in the last C steps
+# below; a first message past that makes its FIFOs live (reused, refreshed) before the move.
+LONG = "Here is a list of colours: " + ", ".join(["red", "green", "blue", "yellow", "purple"] * 180) + ". "
 
 
 @pytest.fixture(scope="module")
 def runners(embedded_model):
     model, tokenizer = embedded_model
-    torch.set_num_threads(2)
     return [ModelRunner(RuntimeConfig(kv_cache_bytes=512 << 20, kv_block_size=block), model=model,
                         tokenizer=tokenizer) for block in (16, 32)]
 
@@ -37,8 +39,8 @@ def test_turn_four_on_the_new_server_equals_the_never_moved_session(fake_server,
     sid = f"chat-{method or 'default'}"
     with Client(a.address, timeout=300) as ca, Client(b.address, timeout=300) as cb:
         ca.create_session(method=method, session_id=sid)
-        for text in TURNS[:3]:
-            chat_turn(ca, sid, text)
+        for i, text in enumerate(TURNS[:3]):
+            chat_turn(ca, sid, (LONG if method is None and i == 0 else "") + text)
         exported = ca.export_session(sid)
         info = cb.import_session(exported)
         assert info.num_tokens == ca.get_session(sid).num_tokens and info.turns == 3
@@ -48,6 +50,32 @@ def test_turn_four_on_the_new_server_equals_the_never_moved_session(fake_server,
         assert (held.state is None) == (sent.state is None) and (method is None) == bool(sent.state)
         for field, t in (sent.state or {}).items():
             assert torch.equal(held.state[field], t), field
+        if method is None:
+            assert info.num_tokens > 1024 and int(sent.state["fill"].min()) > 0 and int(sent.state["step"].min()) > 0
         assert chat_turn(cb, sid, TURNS[3]) == chat_turn(ca, sid, TURNS[3])
         ca.close_session(sid)
         cb.close_session(sid)
+
+
+@pytest.mark.parametrize("method", ["full", None])  # None: the default ReTopK (dense below 1,024 tokens)
+def test_an_edited_history_equals_a_fresh_session_fed_it(fake_server, runners, method):
+    server = fake_server(runners[0])
+    with Client(server.address, timeout=300) as client:
+        client.create_session(method=method, session_id="edited")
+        history = []
+        for text in TURNS[:2]:
+            history.append({"role": "user", "content": text})
+            reply = client.complete(messages=history[-1:], session_id="edited", temperature=0, max_new_tokens=8)
+            history.append({"role": "assistant", "content": reply.text})
+        edited = [*history[:2], {"role": "user", "content": "Why not another one?"}]  # the second question edited
+        rewound = client.complete(messages=edited, session_id="edited", chat_history=True, temperature=0,
+                                  max_new_tokens=8, ignore_eos=True)
+        client.create_session(method=method, session_id="fresh")
+        fresh = client.complete(messages=edited, session_id="fresh", temperature=0, max_new_tokens=8,
+                                ignore_eos=True)
+        assert list(rewound.token_ids) == list(fresh.token_ids)
+        if method == "full":  # the common prefix was kept, not fed again
+            assert rewound.usage.prompt_tokens < fresh.usage.prompt_tokens
+        else:  # ReTopK re-observes its last C = 128 queries: a conversation this short is fed again whole
+            assert rewound.usage.prompt_tokens == fresh.usage.prompt_tokens
+        assert client.get_session("edited").num_tokens == client.get_session("fresh").num_tokens

@@ -101,15 +101,18 @@ class ActiveRequest:
         ``prefill_queries`` tokens, which its prefill observes again, as a fresh session's would)."""
         field, info, record = self.spec.input_field, runner.info, self.record
         new_ids, full, common = self._input_ids(runner)
+        rewinding = common is not None
+        if rewinding:  # at least the last token is fed again: its logits start the reply (a regenerated turn)
+            base = max(0, min(common, record.session.length, len(full) - 1))
+            new_ids = feed = full[base:]
+        else:
+            base, feed = record.session.length, record.pending + new_ids
         if not new_ids:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{field}: the input has no tokens")
         limit = max_prompt_tokens or info.max_context
         if len(new_ids) > limit:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
                               f"{field}: too long: {len(new_ids)} tokens, the limit is {limit}")
-        rewinding = common is not None
-        base = min(common, record.session.length) if rewinding else record.session.length
-        feed = full[base:] if rewinding else record.pending + new_ids
         if base + len(feed) > info.max_context:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
                               f"{field}: too long: {len(feed)} new tokens after {base} "
