@@ -59,6 +59,15 @@ class ServerConfig:
     tls_cert, tls_key     PEM files of the server's certificate chain and private key: gRPC over TLS
     tls_client_ca         PEM file of the CA that signs client certificates: mutual TLS, a client without
                           one is refused in the handshake (needs tls_cert)
+    session_dir           a directory where the sessions left at a drain are written (one artifact file each, mode
+                          0600, the directory 0700) and from which a later server loads each on its first use
+                          (engine/session_store.py; None: sessions end with the process)
+    session_dir_bytes     the most bytes session_dir holds; past it the oldest files are deleted first
+    handoff_peer          at a drain, send every idle session there (ImportSession) once this server stopped
+                          listening: the router's address (docs/deploy.md: the router's consistent hash then
+                          places each session on the replica that receives its next call) or a replica's
+    peer_key              the secret replicas share to import each other's sessions on behalf of their owners
+                          (metadata x-retopk-peer-key; needed when the servers have API keys)
     log_level             Python logging level name
     """
 
@@ -99,6 +108,10 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    session_dir: str | None = None
+    session_dir_bytes: int = 8 << 30
+    handoff_peer: str | None = None
+    peer_key: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -145,6 +158,11 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key: set both (the certificate chain and its private key) or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key")
+        for name in ("session_dir", "handoff_peer", "peer_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        check_int("session_dir_bytes", self.session_dir_bytes, low=1)
 
     def key_limits(self) -> tuple[int | None, int | None]:
         """(max_streams, max_sessions) of a key whose keys-file line sets none, and of the anonymous owner:

@@ -118,6 +118,11 @@ class EngineCommands:
     def close_session(self, session_id: str, owner: str = "") -> concurrent.futures.Future:
         return self._call(lambda: self._engine.sessions.close(session_id, owner))
 
+    def idle_sessions(self) -> concurrent.futures.Future:
+        """(owner, id) of every named session no request holds, most recently used first (to save or hand
+        them over at a drain: service/handoff.py)."""
+        return self._call(self._engine.sessions.idle_keys)
+
     def export_session(self, session_id: str, owner: str = "", close: bool = False) -> concurrent.futures.Future:
         """``owner``'s idle session as a SessionArtifact (engine/session_transfer.py); ``close`` moves it."""
         return self._call(lambda: session_transfer.export_session(self._engine.sessions, session_id, owner, close))

@@ -251,6 +251,12 @@ class SessionTable:
         self._hook("on_session_opened", record.id, False)
         return self.snapshot(record)
 
+    def idle_keys(self) -> list[tuple[str, str]]:
+        """(owner, id) of every named session nobody holds, most recently used first (the likeliest to go on)."""
+        with self._lock:
+            idle = sorted((r for r in self._named.values() if not r.busy), key=lambda r: -r.last_used_unix)
+            return [r.key for r in idle]
+
     def idle_record(self, session_id: str, owner: str = "") -> SessionRecord:
         """``owner``'s named session nobody holds (to export it); NOT_FOUND or FAILED_PRECONDITION."""
         with self._lock:

@@ -11,7 +11,9 @@ Lifecycle of ``serve``:
      printing "retopk-server HTTP (OpenAI API) on http(s)://HOST:PORT/v1"; the drain below stops both
   3. on SIGTERM / SIGINT drain: readiness NOT_SERVING (liveness stays SERVING: supervision.py), new
      Generate / CreateSession calls UNAVAILABLE, queued and running requests get ``drain_grace_s`` to
-     finish, then what is left is cut with UNAVAILABLE, the server stops and ``serve`` returns 0.
+     finish, then what is left is cut with UNAVAILABLE, the server stops listening; with --handoff-peer or
+     --session-dir the sessions left are then handed over or saved (service/handoff.py; at least
+     KEEP_SESSIONS_MIN_S, past the grace), the engine stops and ``serve`` returns 0.
   4. when the engine dies or hangs (engine/faults.py, engine/supervision.py) health turns NOT_SERVING, the
      server stops and ``serve`` returns EXIT_ENGINE_FAILED (70), so that an orchestrator restarts the
      process; during a drain too.
@@ -33,8 +35,10 @@ from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineObserver, Runner
+from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.method_limits import check_server_method
 from retopk_server.service.auth import KeyRing, KeysFileError
+from retopk_server.service.handoff import keep_sessions
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.servicer import ReTopKServicer
 from retopk_server.service.supervision import EXIT_ENGINE_FAILED, SERVICE_NAME, Supervisor
@@ -43,6 +47,7 @@ log = logging.getLogger("retopk_server")
 
 MAX_SEND_BYTES = 64 << 20  # replies: step statistics of long streams, session lists
 EXIT_USAGE = 2  # a flag's value is refused, as argparse exits
+KEEP_SESSIONS_MIN_S = 10.0  # handing over or saving the sessions gets at least this long, past the drain grace
 
 
 def grpc_options(max_receive_bytes: int) -> list[tuple[str, int]]:
@@ -100,10 +105,11 @@ class RunningServer:
     supervisor: Supervisor | None = None  # keeps health in step with the engine (``start`` sets it)
 
     def __init__(self, config: ServerConfig, server: grpc.aio.Server, engine: Engine,
-                 health_servicer, port: int, keys: KeyRing | None = None) -> None:
+                 health_servicer, port: int, keys: KeyRing | None = None, store: SessionStore | None = None) -> None:
         self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
         self.keys = keys
         self.http = None  # the OpenAI-compatible HTTP front (retopk_server.http.serve.HttpFront) when on
+        self.store = store  # --session-dir
 
     async def drain(self, grace_s: float | None = None) -> None:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
@@ -114,18 +120,27 @@ class RunningServer:
         deadline = time.monotonic() + grace_s
         while self.engine.in_flight() and self.engine.failure is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        keep = self.keeps_sessions and self.engine.failure is None
         if self.engine.in_flight():
             log.warning("drain grace over; cutting %d requests", self.engine.in_flight())
-            await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
-        await self._stop()
+            if not keep:
+                await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
+        await self._stop(keep_until=max(deadline, time.monotonic() + KEEP_SESSIONS_MIN_S) if keep else None)
         log.info("stopped")
+
+    @property
+    def keeps_sessions(self) -> bool:
+        """Sessions outlive this process at a drain: --handoff-peer or --session-dir (service/handoff.py)."""
+        return self.config.handoff_peer is not None or self.store is not None
 
     async def abort(self) -> None:
         """The engine failed (the supervisor said so): stop at once; its requests already ended UNAVAILABLE."""
         await self._stop()
         log.info("stopped after an engine failure")
 
-    async def _stop(self) -> None:
+    async def _stop(self, keep_until: float | None = None) -> None:
+        """Stop listening, then (``keep_until``: a time.monotonic() deadline) hand over or save the sessions left,
+        once the requests the stop cut have left the engine, then stop the engine."""
         if self.supervisor is not None:
             await self.supervisor.stop()
         await self.health.enter_graceful_shutdown()  # every name NOT_SERVING
@@ -133,6 +148,15 @@ class RunningServer:
         if self.http is not None:  # stops listening; open connections get its graceful timeout
             await self.http.stop()
         await self.server.stop(grace=2.0)
+        if keep_until is not None:
+            while self.engine.in_flight() and self.engine.failure is None and time.monotonic() < keep_until:
+                await asyncio.sleep(0.05)  # a cut stream ends at the engine's next step, its session then idle
+            if self.engine.failure is None:
+                try:
+                    await keep_sessions(self.engine, keep_until, self.config.handoff_peer, self.config.peer_key,
+                                        self.store)
+                except Exception:  # noqa: BLE001 - the shutdown goes on; the sessions end with the process
+                    log.exception("handing over or saving the sessions failed")
         await asyncio.to_thread(self.engine.stop)
 
 
@@ -145,7 +169,8 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     keys = keys if keys is not None else KeyRing.from_config(config)
     credentials = server_credentials(config)
     server = grpc.aio.server(options=grpc_options(InputLimits.of(config, engine.info).max_message_bytes))
-    servicer = ReTopKServicer(engine, config, version=server_version(), keys=keys)
+    store = SessionStore(config.session_dir, config.session_dir_bytes) if config.session_dir else None
+    servicer = ReTopKServicer(engine, config, version=server_version(), keys=keys, store=store)
     pb_grpc.add_ReTopKServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -154,7 +179,7 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    running = RunningServer(config, server, engine, health_servicer, port, keys)
+    running = RunningServer(config, server, engine, health_servicer, port, keys, store)
     running.supervisor = await Supervisor(engine, health_servicer).start()  # liveness and readiness SERVING
     if config.http_port is not None:
         from retopk_server.http.serve import HttpFront  # fastapi and uvicorn load only when the front is on

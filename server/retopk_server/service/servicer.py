@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
 import time
 
@@ -30,6 +31,7 @@ from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method, session_artifact
 from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS
+from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.constraints import ConstraintError
 from retopk_server.service import convert
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
@@ -40,6 +42,8 @@ from retopk_server.service.quota import StreamQuota, TooManyStreams
 log = logging.getLogger("retopk_server.service")
 
 SESSION_METADATA = "x-session-id"  # the affinity key routers hash (docs/deploy.md)
+PEER_METADATA = "x-retopk-peer-key"  # a replica handing a session over presents the servers' shared peer_key
+PEER = Caller("")  # such a replica: ImportSession then opens the session as its artifact's owner
 
 
 class Fail(Exception):
@@ -80,10 +84,11 @@ def _cancelled_code(context) -> str:
     return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= DEADLINE_SLACK_S else "CANCELLED"
 
 
-def _unary(method):
+def _unary(method, peer: bool = False):
     """Auth, error mapping and the observer's on_rpc / on_error around a unary rpc.
 
-    The rpc method gets the authenticated Caller as its third argument.
+    The rpc method gets the authenticated Caller as its third argument; with ``peer`` that may be PEER, a
+    replica presenting the shared peer key (``_authenticate``).
     """
     name = method.__name__
 
@@ -91,7 +96,7 @@ def _unary(method):
     async def wrapper(self: ReTopKServicer, request, context: grpc.aio.ServicerContext):
         t0, code = time.monotonic(), "OK"
         try:
-            caller = self._authenticate(context)
+            caller = self._authenticate(context, peer)
             return await method(self, request, context, caller)
         except asyncio.CancelledError:
             code = _cancelled_code(context)
@@ -109,13 +114,15 @@ def _unary(method):
 
 class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     def __init__(self, engine: Engine, config: ServerConfig, observer: EngineObserver | None = None,
-                 version: str = "", keys: KeyRing | None = None) -> None:
+                 version: str = "", keys: KeyRing | None = None, store: SessionStore | None = None) -> None:
         self.engine = engine
         self.config = config
         self.observer = observer or engine.observer
         self.version = version
         self.keys = keys if keys is not None else KeyRing.from_config(config)
         self.streams = StreamQuota()
+        self.store = store  # --session-dir (engine/session_store.py) or None
+        self._restoring = asyncio.Lock()
 
     def _hook(self, name: str, *args) -> None:
         try:
@@ -123,10 +130,42 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         except Exception:
             log.exception("observer hook %s failed", name)
 
-    def _authenticate(self, context) -> Caller:
-        """The caller of this rpc (KeyRing.identify); Unauthenticated without a known key."""
-        sent = [v for k, v in (context.invocation_metadata() or ()) if k == "authorization"]
+    def _authenticate(self, context, peer: bool = False) -> Caller:
+        """The caller of this rpc (KeyRing.identify); Unauthenticated without a known key. With ``peer``, a
+        replica that presents the servers' shared ``peer_key`` (PEER_METADATA) is PEER: it hands sessions over
+        on behalf of their owners (service/handoff.py)."""
+        metadata = context.invocation_metadata() or ()
+        if peer and self.config.peer_key is not None:
+            sent = [v for k, v in metadata if k == PEER_METADATA]
+            if len(sent) == 1 and hmac.compare_digest(sent[0].encode(), self.config.peer_key.encode()):
+                return PEER
+        sent = [v for k, v in metadata if k == "authorization"]
         return self.keys.identify(sent[0] if len(sent) == 1 else None)
+
+    async def _restore_saved(self, caller: Caller, session_id: str | None) -> None:
+        """A session an earlier server saved in --session-dir comes back on its first use (engine/session_store.py):
+        its file is read, imported as the caller's, and deleted. A file that does not parse is dropped; one that
+        this server cannot import now (limits, model setup) stays for a later try and the call gets that status."""
+        store = self.store
+        if store is None or session_id is None or not store.has(caller.name, session_id):
+            return
+        async with self._restoring:
+            data = await asyncio.to_thread(store.take, caller.name, session_id)
+            if data is None:  # a concurrent call restored it
+                return
+            try:
+                artifact = await asyncio.to_thread(session_artifact.decode, data)
+            except session_artifact.ArtifactError as e:
+                log.warning("dropped the saved session %s/%s: %s", caller.label, session_id, e)
+                return
+            try:
+                await self._engine(self.engine.commands.import_session(artifact, caller.name, session_id,
+                                                                       caller.max_sessions))
+            except EngineError as e:
+                if e.code.value != "ALREADY_EXISTS":  # else a session of that id is open here: the file is stale
+                    await asyncio.to_thread(store.put_back, caller.name, session_id, data, artifact.last_used_unix)
+                    raise
+            log.info("session %s/%s restored from %s", caller.label, session_id, store.directory)
 
     def _check_affinity(self, context, session_id: str | None) -> None:
         """The x-session-id metadata, when sent, must name the body's session (``session_id``)."""
@@ -186,6 +225,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                                               self.config.max_new_tokens, deadline, info.sampling_defaults,
                                               self.engine.config.constraints)
             spec.owner = caller.name
+            await self._restore_saved(caller, spec.session_id)
             self.limits.method(spec.method)
             if spec.constraint is not None:  # compiled off the engine thread (cached by content)
                 spec.grammar = await self._compile(spec.constraint, convert.tool_constraints(spec))
@@ -232,6 +272,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def GetSession(self, request: pb.GetSessionRequest, context, caller: Caller) -> pb.SessionInfo:
         session_id = convert._identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
+        await self._restore_saved(caller, session_id)
         return convert.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
 
     @_unary
@@ -243,6 +284,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
         session_id = convert._identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
+        await self._restore_saved(caller, session_id)
         snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
         return pb.CloseSessionResponse(session=convert.session_info(snapshot))
 
@@ -254,6 +296,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             caller = self._authenticate(context)
             session_id = convert._identifier("session_id", request.session_id)
             self._check_affinity(context, session_id)
+            await self._restore_saved(caller, session_id)
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
                                                                               request.close))
             data = await asyncio.to_thread(session_artifact.encode, artifact)
@@ -273,7 +316,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         finally:
             self._hook("on_rpc", "ExportSession", code, time.monotonic() - t0)
 
-    @_unary
+    @functools.partial(_unary, peer=True)
     async def ImportSession(self, request_iterator, context, caller: Caller) -> pb.SessionInfo:
         """Gather the artifact's chunks (each and all bounded), parse it off the engine thread, open the session."""
         chunks, total, session_id = [], 0, None
@@ -299,7 +342,8 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise InvalidArgument(e.field, str(e).removeprefix(f"{e.field}: ")) from None
         session_id = session_id or convert._identifier("session_id", artifact.session_id)
         self._check_affinity(context, session_id)
-        snapshot = await self._engine(self.engine.commands.import_session(artifact, caller.name, session_id,
+        owner = artifact.owner if caller is PEER else caller.name  # a replica hands it over for its owner
+        snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id,
                                                                           caller.max_sessions))
         return convert.session_info(snapshot)
 

@@ -1,0 +1,77 @@
+"""At a drain, the sessions left go on elsewhere: to a peer (--handoff-peer) and/or to --session-dir.
+
+``keep_sessions`` runs after the server stopped listening and its last requests ended (service/server.py), on
+the still running engine: every idle named session, most recently used first, is exported (the artifact of
+engine/session_artifact.py) and
+
+- sent to the peer with ImportSession, carrying its own ``x-session-id`` and the servers' shared peer key
+  (``x-retopk-peer-key``: the peer opens it for its owner). With the router as the peer, its consistent hash on
+  ``x-session-id`` places each session on the replica that receives the session's next call: this replica no
+  longer accepts connections, so the router picks, for each id, the replica that takes its place on the ring,
+  as it will for the client's next call (docs/deploy.md). The client's next call then finds its session there,
+  prefills nothing again and needs no replay.
+- written to the session directory when there is no peer or the peer refused it (engine/session_store.py).
+
+It stops at ``deadline`` (what is left of the drain grace); sessions not kept by then end with the process,
+as before (logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_server.engine import Engine
+from retopk_server.engine.session_artifact import encode
+from retopk_server.engine.session_store import SessionStore
+from retopk_server.service.limits import SESSION_CHUNK_BYTES
+from retopk_server.service.servicer import PEER_METADATA, SESSION_METADATA
+
+log = logging.getLogger("retopk_server")
+
+
+def import_requests(data: bytes) -> list[pb.ImportSessionRequest]:
+    return [pb.ImportSessionRequest(data=data[at:at + SESSION_CHUNK_BYTES])
+            for at in range(0, len(data), SESSION_CHUNK_BYTES)]
+
+
+async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_key: str | None,
+                        store: SessionStore | None) -> tuple[int, int, int]:
+    """Hand every idle session to ``peer`` or save it in ``store`` before ``deadline`` (time.monotonic()) ->
+    (handed over, saved, lost)."""
+    keys = await asyncio.wrap_future(engine.commands.idle_sessions())
+    moved = saved = 0
+    channel = grpc.aio.insecure_channel(peer, options=[("grpc.max_send_message_length", 2 * SESSION_CHUNK_BYTES)]) \
+        if peer else None
+    try:
+        stub = pb_grpc.ReTopKServiceStub(channel) if channel is not None else None
+        for owner, session_id in keys:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            artifact = await asyncio.wrap_future(engine.commands.export_session(session_id, owner))
+            data = await asyncio.to_thread(encode, artifact)
+            if stub is not None:
+                metadata = [(SESSION_METADATA, session_id)] + ([(PEER_METADATA, peer_key)] if peer_key else [])
+                try:
+                    await stub.ImportSession(iter(import_requests(data)), metadata=metadata, timeout=left)
+                    moved += 1
+                    continue
+                except grpc.RpcError as e:
+                    log.warning("handing session %s/%s to %s failed: %s: %s", owner or "anonymous", session_id, peer,
+                                e.code().name, e.details())
+            if store is not None and await asyncio.to_thread(store.save, owner, session_id, data,
+                                                             artifact.last_used_unix):
+                saved += 1
+    finally:
+        if channel is not None:
+            await channel.close()
+    lost = len(keys) - moved - saved
+    log.info("drain: %d sessions handed over to %s, %d saved in %s, %d lost", moved, peer or "no peer", saved,
+             store.directory if store is not None else "no session dir", lost)
+    return moved, saved, lost

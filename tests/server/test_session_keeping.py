@@ -1,0 +1,121 @@
+"""Sessions outlive a drain (real service code, fake runner): --session-dir writes them (files 0600 in a 0700
+directory, within a byte budget, the least recently used deleted first) and a later server loads each on its
+first use; --handoff-peer hands them to another server, for their owners (the peer key), and the conversation
+continues there as if it had never moved.
+
+The embedded model's restart: tests/server/test_session_transfer_live.py; through nginx with real processes:
+tests/deploy/test_nginx_handoff.py.
+"""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from retopk_client import Client, NotFound
+from retopk_server.cli import config_from
+from tests.server.fake_runner import greedy_reference
+from tests.server.test_tenancy import KEYS, line
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def enc(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def turn(client: Client, session_id: str, text: str) -> list[int]:
+    return list(client.complete(text, session_id=session_id, temperature=0, max_new_tokens=5, ignore_eos=True)
+                .token_ids)
+
+
+def conversation(client: Client, session_id: str, turns: list[str]) -> list[int]:
+    """Run the turns; the whole conversation's tokens (the fake's model reads all of them)."""
+    context = []
+    client.create_session(session_id=session_id)
+    for text in turns:
+        context += enc(text) + turn(client, session_id, text)
+    return context
+
+
+def test_sessions_saved_at_a_drain_come_back_on_first_use_after_a_restart(fake_server, tmp_path):
+    directory = tmp_path / "sessions"
+    first = fake_server(session_dir=str(directory))
+    with Client(first.address, timeout=30) as client:
+        contexts = {sid: conversation(client, sid, [f"{sid} one", " two", " three"]) for sid in ("alpha", "beta")}
+    first.drain(0.0)
+    files = sorted(directory.iterdir())
+    assert len(files) == 2 and stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    assert not any(sid in f.name for f in files for sid in ("alpha", "beta"))  # names tell nothing
+
+    second = fake_server(session_dir=str(directory))  # the restart
+    with Client(second.address, timeout=30) as client:
+        assert client.list_sessions() == []  # loaded lazily, on first use
+        info = client.get_session("alpha")
+        assert info.turns == 3 and info.num_tokens == len(contexts["alpha"])
+        for sid, context in contexts.items():
+            assert turn(client, sid, " four") == greedy_reference(context + enc(" four"), 5, stop_at_eos=False)
+        assert list(directory.iterdir()) == []  # each file was taken by its session
+        with pytest.raises(NotFound):
+            client.get_session("never")
+
+
+def test_the_session_dir_keeps_the_most_recently_used_within_its_budget(fake_server, tmp_path):
+    directory = tmp_path / "sessions"
+    first = fake_server(session_dir=str(directory))
+    with Client(first.address, timeout=30) as client:
+        for sid in ("old", "mid", "new"):  # used in this order
+            conversation(client, sid, [f"{sid} one"])
+        size = len(client.export_session("new"))
+    first.drain(0.0)
+    assert len(list(directory.iterdir())) == 3
+    second = fake_server(session_dir=str(directory), session_dir_bytes=2 * size + size // 2)  # room for two
+    with Client(second.address, timeout=30) as client:
+        turn(client, "mid", " again")  # loaded, so its file goes
+    second.drain(0.0)  # writes mid again: three files do not fit, the least recently used (old) goes
+    third = fake_server(session_dir=str(directory))
+    with Client(third.address, timeout=30) as client:
+        assert client.get_session("mid").turns == 2 and client.get_session("new").turns == 1
+        with pytest.raises(NotFound):
+            client.get_session("old")
+
+
+def test_a_drained_server_hands_its_sessions_to_a_peer_for_their_owners(fake_server, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(line("alice") + "\n" + line("bob") + "\n")
+    peer = fake_server(api_keys_file=str(keys), peer_key="replicas-secret")
+    draining = fake_server(api_keys_file=str(keys), peer_key="replicas-secret", handoff_peer=peer.address)
+    with Client(draining.address, api_key=KEYS["alice"], timeout=30) as alice:
+        context = conversation(alice, "chat", ["Hello", " and", " then"])
+    with Client(draining.address, api_key=KEYS["bob"], timeout=30) as bob:
+        bobs = conversation(bob, "chat", ["Bob here"])  # the same id, another key's session
+    draining.drain(0.0)
+    with Client(peer.address, api_key=KEYS["alice"], timeout=30) as alice, \
+            Client(peer.address, api_key=KEYS["bob"], timeout=30) as bob:
+        assert alice.get_session("chat").turns == 3 and bob.get_session("chat").turns == 1
+        assert turn(alice, "chat", " four") == greedy_reference(context + enc(" four"), 5, stop_at_eos=False)
+        assert turn(bob, "chat", " two") == greedy_reference(bobs + enc(" two"), 5, stop_at_eos=False)
+
+
+def test_without_the_peer_key_a_keyed_peer_refuses_and_the_session_dir_keeps_them(fake_server, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(line("alice") + "\n")
+    peer = fake_server(api_keys_file=str(keys), peer_key="replicas-secret")
+    draining = fake_server(api_keys_file=str(keys), peer_key="a-wrong-secret", handoff_peer=peer.address,
+                           session_dir=str(tmp_path / "sessions"))
+    with Client(draining.address, api_key=KEYS["alice"], timeout=30) as alice:
+        conversation(alice, "chat", ["Hello"])
+    draining.drain(0.0)
+    with Client(peer.address, api_key=KEYS["alice"], timeout=30) as alice:
+        with pytest.raises(NotFound):
+            alice.get_session("chat")
+    assert len(list((tmp_path / "sessions").iterdir())) == 1
+
+
+def test_the_flags_and_their_environment_variables():
+    config = config_from(["--session-dir", "/var/lib/retopk", "--session-dir-bytes", "2GiB",
+                          "--handoff-peer", "router:8080"], environ={"RETOPK_PEER_KEY": "s3cret"})
+    assert (config.session_dir, config.session_dir_bytes) == ("/var/lib/retopk", 2 << 30)
+    assert (config.handoff_peer, config.peer_key) == ("router:8080", "s3cret")
