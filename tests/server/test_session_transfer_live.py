@@ -79,3 +79,20 @@ def test_an_edited_history_equals_a_fresh_session_fed_it(fake_server, runners, m
         else:  # ReTopK re-observes its last C = 128 queries: a conversation this short is fed again whole
             assert rewound.usage.prompt_tokens == fresh.usage.prompt_tokens
         assert client.get_session("edited").num_tokens == client.get_session("fresh").num_tokens
+
+
+def test_a_restart_with_a_session_dir_continues_with_identical_greedy_tokens(fake_server, runners, tmp_path):
+    """The drain writes the sessions, a new server (another runner) loads one on its first use: its turn 4 equals
+    the turn 4 the same conversation got before the restart, for the default ReTopK with live FIFOs."""
+    first = fake_server(runners[0], session_dir=str(tmp_path))
+    with Client(first.address, timeout=300) as client:
+        for sid in ("kept", "reference"):
+            client.create_session(session_id=sid)
+            for i, text in enumerate(TURNS[:3]):
+                chat_turn(client, sid, (LONG if i == 0 else "") + text)
+        expected = chat_turn(client, "reference", TURNS[3])  # never moved
+    first.drain(0.0)
+    second = fake_server(runners[1], session_dir=str(tmp_path))
+    with Client(second.address, timeout=300) as client:
+        assert chat_turn(client, "kept", TURNS[3]) == expected
+        assert client.get_session("kept").turns == 4
