@@ -47,7 +47,7 @@ def test_kustomization_lists_every_manifest_and_only_existing_ones():
 
 
 @pytest.mark.parametrize("kind", ["Namespace", "Deployment", "Service", "PodDisruptionBudget",
-                                  "HorizontalPodAutoscaler"])
+                                  "HorizontalPodAutoscaler", "PersistentVolumeClaim"])
 def test_manifest_validates_against_the_kubernetes_schema(kind):
     kubernetes_validate.validate(resources()[kind], KUBERNETES_VERSION, strict=True)
 

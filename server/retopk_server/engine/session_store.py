@@ -29,7 +29,10 @@ class SessionStore:
         self.budget = budget
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.directory.stat().st_mode & 0o077:
-            self.directory.chmod(0o700)  # readable by the server only, even on a volume made wider
+            try:
+                self.directory.chmod(0o700)  # readable by the server only, even on a volume made wider
+            except OSError as e:  # a mount point the server does not own: its files are 0600 still
+                log.warning("--session-dir %s: cannot make it 0700 (%s); its files are 0600", directory, e)
 
     def path(self, owner: str, session_id: str) -> Path:
         name = hashlib.sha256(f"{owner}\0{session_id}".encode()).hexdigest()
