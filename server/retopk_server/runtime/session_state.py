@@ -4,13 +4,15 @@ SessionState holds everything the runner keeps for one session:
 
     method     its MethodSpec
     token_ids  (L,) int64: the tokens whose keys and values are in the cache, in order
-    k, v       (num_layers, H_kv, L, d) in the KV cache's dtype: position i's key and value of every layer
+    k, v       (num_layers, n, H_kv, P, d) in the KV cache's dtype: the session's n = ceil(L / P) blocks of P
+               positions in order (position i: block i // P, row i % P), the rows past L zero; P is the
+               capturing runner's block size (``positions`` gives the (num_layers, H_kv, L, d) view)
     state      the method's per-session state, field f -> (num_layers, *f's per-slot shape) (SlotPool.read_slot,
                stacked over layers); None while the session has none (never prefilled)
 
-``capture`` copies it out of the pools, ``restore`` writes it into a session opened on another runner whose
-blocks are reserved: the keys and values go to the same positions (block boundaries may differ: the tensors
-are per position), the method state into the session's slots. A runner that restores it continues the
+``capture`` copies it out of the pools (one gather of the session's blocks per layer), ``restore`` writes it
+into a session opened on another runner whose blocks are reserved: block for block when the block sizes agree,
+else position for position; the method state into the session's slots. A runner that restores it continues the
 session exactly as the one that captured it would have: same keys, values, FIFOs and step counters.
 
 Imported state comes from outside the process, so ``check`` bounds every value a kernel indexes with before
@@ -51,16 +53,28 @@ class SessionState:
     def length(self) -> int:
         return int(self.token_ids.numel())
 
+    def positions(self, t: torch.Tensor) -> torch.Tensor:
+        """``k`` or ``v`` per position: (num_layers, n, H_kv, P, d) -> (num_layers, H_kv, L, d), a view."""
+        layers, n, heads, P, d = t.shape
+        return t.permute(0, 2, 1, 3, 4).reshape(layers, heads, n * P, d)[:, :, :self.length]
+
 
 def capture(pool: KVPool, group: MethodGroup | None, session: Session) -> SessionState:
     """A copy of ``session``'s tokens, keys, values and method state (``group`` holds its slots)."""
-    L = session.length
-    if L:
-        blocks = torch.tensor(session.blocks, dtype=torch.long, device=pool.k[0].device)
-        pairs = [pool.history(layer, blocks, L) for layer in range(pool.num_layers)]  # (H_kv, L, d) each
-        k, v = (torch.stack([p[i] for p in pairs]).cpu() for i in (0, 1))  # (layers, H_kv, L, d)
-    else:
-        k = v = torch.zeros((pool.num_layers, pool.num_kv_heads, 0, pool.head_dim), dtype=pool.k[0].dtype)
+    L, P = session.length, pool.block_size
+    n = pool.blocks_for(L)
+    k, v = (torch.empty((pool.num_layers, n, pool.num_kv_heads, P, pool.head_dim), dtype=pool.k[0].dtype)
+            for _ in range(2))
+    if n:
+        blocks = torch.tensor(session.blocks[:n], dtype=torch.long, device=pool.k[0].device)
+        for layer in range(pool.num_layers):
+            for out, src in ((k, pool.k[layer]), (v, pool.v[layer])):
+                if src.device.type == "cpu":
+                    torch.index_select(src, 0, blocks, out=out[layer])  # straight into the result: one copy
+                else:
+                    out[layer] = src.index_select(0, blocks).cpu()
+        k[:, -1, :, L - (n - 1) * P:] = 0  # the last block's rows past L hold what earlier sessions left there
+        v[:, -1, :, L - (n - 1) * P:] = 0
     state = None
     if session.slots is not None and group is not None:
         state = {name: t.cpu() for name, t in group.read_state(session.slots).items()}
@@ -77,11 +91,14 @@ def check(state: SessionState, pool: KVPool, vocab_size: int, max_context: int) 
         raise StateMismatch(f"the session holds {L} tokens, this server's max_context is {max_context}")
     if L and not bool(((state.token_ids >= 0) & (state.token_ids < vocab_size)).all()):
         raise ValueError(f"token_ids: every id must lie in [0, {vocab_size})")
-    want = (pool.num_layers, pool.num_kv_heads, L, pool.head_dim)
     for name, t in (("k", state.k), ("v", state.v)):
-        if tuple(t.shape) != want:
-            raise StateMismatch(f"KV cache: {name} has shape {tuple(t.shape)}, this model's is {want} "
-                                "(layers, KV heads, tokens, head dim)")
+        blocks_ok = t.dim() == 5 and t.shape[3] >= 1 and t.shape[1] == -(-L // t.shape[3])
+        if not blocks_ok or tuple(t.shape) != tuple(state.k.shape):
+            raise ValueError(f"{name}: shape {tuple(t.shape)} is not (layers, ceil({L} / P), KV heads, P, head dim)")
+        here = (pool.num_layers, pool.num_kv_heads, pool.head_dim)
+        if (t.shape[0], t.shape[2], t.shape[4]) != here:
+            raise StateMismatch(f"KV cache: (layers, KV heads, head dim) {(t.shape[0], t.shape[2], t.shape[4])}, "
+                                f"this model's are {here}")
         if t.dtype != pool.k[0].dtype:
             raise StateMismatch(f"kv_dtype: the session's KV cache is {str(t.dtype).removeprefix('torch.')}, this "
                                 f"server's is {str(pool.k[0].dtype).removeprefix('torch.')}")
@@ -118,10 +135,17 @@ def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: Se
     L = state.length
     if L:
         device = pool.k[0].device
-        table = pool.block_table([session.blocks], device)  # (1, blocks)
-        rows = pool.rows(table, torch.zeros(1, dtype=torch.long, device=device), L)  # (1, H_kv, L)
-        for layer in range(pool.num_layers):
-            pool.write(layer, rows, state.k[layer].unsqueeze(0).to(device), state.v[layer].unsqueeze(0).to(device))
+        if state.k.shape[3] == pool.block_size:  # the same block size: block for block
+            blocks = torch.tensor(session.blocks[:state.k.shape[1]], dtype=torch.long, device=device)
+            for layer in range(pool.num_layers):
+                pool.k[layer].index_copy_(0, blocks, state.k[layer].to(device))
+                pool.v[layer].index_copy_(0, blocks, state.v[layer].to(device))
+        else:  # position for position
+            table = pool.block_table([session.blocks], device)  # (1, blocks)
+            rows = pool.rows(table, torch.zeros(1, dtype=torch.long, device=device), L)  # (1, H_kv, L)
+            k, v = state.positions(state.k), state.positions(state.v)  # (layers, H_kv, L, d)
+            for layer in range(pool.num_layers):
+                pool.write(layer, rows, k[layer].unsqueeze(0).to(device), v[layer].unsqueeze(0).to(device))
     if state.state is not None:
         group.write_state(session.slots, state.state)
     session.token_ids = state.token_ids.tolist()
