@@ -1,0 +1,144 @@
+"""Handoff of a long session between two local replicas vs prefilling it again, same process.
+
+Two servers run in this process (the real gRPC service, engine and runtime, each its own runner on the
+embedded model, over loopback). A session of ``--tokens`` prompt tokens is prefilled on A. Then, for
+``--rounds`` rounds:
+
+- handoff (after ``--warmup`` untimed ones): ExportSession from A and ImportSession into B through the SDK
+  (the artifact's bytes over gRPC, encoded, checked and written into B's pools), then the session is moved
+  back the same way for the next round;
+- re-prefill: the baseline a replay pays, a fresh session on B fed the same tokens (its prefill time from the
+  server's own timings, and the wall time of the whole call);
+- first token: the next turn (a few tokens) of the moved session on B vs the same turn of the re-prefilled
+  session on B, which never moved (time to first token from the server's timings).
+
+Medians are printed with the ratio handoff / re-prefill and written as JSON with ``--out``.
+
+    python -m bench.handoff --tokens 8000 --threads 2 --out docs/bench/handoff.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import threading
+import time
+from pathlib import Path as FsPath
+
+from retopk_core.hugepages import enable_transparent_hugepages
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+    p.add_argument("--tokens", type=int, default=8000, help="prompt tokens of the session (default %(default)s)")
+    p.add_argument("--method", default=None, help="the session's method name (default: the server's ReTopK)")
+    p.add_argument("--rounds", type=int, default=3, help="timed handoffs and re-prefills (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed handoffs first (the process's first large "
+                                                         "allocations fault their pages in; default %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
+    p.add_argument("--cache-bytes", type=int, default=2 << 30, help="each server's --kv-cache-bytes")
+    p.add_argument("--out", type=FsPath, default=None, help="write the result as JSON there")
+    return p.parse_args(argv)
+
+
+class LocalServer:
+    """The real server (retopk_server.service.server.start) around a runner, on an event loop thread."""
+
+    def __init__(self, runner, config) -> None:
+        from retopk_server.engine import Engine
+        from retopk_server.service.server import start
+
+        self.engine = Engine(lambda: runner, config.engine_config())
+        self.engine.start()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.running = asyncio.run_coroutine_threadsafe(start(config, self.engine), self.loop).result(60)
+        self.address = f"127.0.0.1:{self.running.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.drain(0.0), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    enable_transparent_hugepages()
+    import torch
+
+    from retopk_client import Client
+    from retopk_core.models import load_model
+    from retopk_server.config import ServerConfig
+    from retopk_server.runtime import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
+                          max_prompt_tokens=args.tokens, session_idle_timeout_s=None, watchdog_timeout_s=None)
+    model, tokenizer = load_model(args.model)
+    servers = [LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
+               for _ in range(2)]
+    a, b = (Client(s.address, timeout=3600) for s in servers)
+    vocab = a.model_info().vocab_size
+    prompt = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    turn = dict(temperature=0, max_new_tokens=4, ignore_eos=True)
+
+    a.create_session(method=args.method, session_id="moving")
+    first = a.complete(token_ids=prompt, session_id="moving", max_new_tokens=1, temperature=0, ignore_eos=True)
+    handoff, sizes, reprefill, reprefill_wall = [], [], [], []
+    holder, other = a, b
+    for _ in range(args.warmup):
+        other.import_session(holder.export_session("moving", close=True))
+        holder, other = other, holder
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        data = holder.export_session("moving", close=True)
+        other.import_session(data)
+        handoff.append(time.perf_counter() - t0)
+        sizes.append(len(data))
+        holder, other = other, holder
+        sid = f"fresh-{r}"
+        b.create_session(method=args.method, session_id=sid)
+        t0 = time.perf_counter()
+        done = b.complete(token_ids=prompt, session_id=sid, max_new_tokens=1, temperature=0, ignore_eos=True)
+        reprefill_wall.append(time.perf_counter() - t0)
+        reprefill.append(done.timings.prefill_seconds)
+        if r < args.rounds - 1:
+            b.close_session(sid)
+    if holder is not b:  # the moved session's next turn runs on B, next to the re-prefilled one
+        b.import_session(holder.export_session("moving", close=True))
+    moved_turn = b.complete(token_ids=[first.token_ids[-1]], session_id="moving", **turn)
+    fresh_turn = b.complete(token_ids=[done.token_ids[-1]], session_id=sid, **turn)
+    for client in (a, b):
+        client.close()
+    for server in servers:
+        server.close()
+
+    result = {
+        "tokens": args.tokens, "method": args.method or "default (server's ReTopK)", "threads": args.threads,
+        "rounds": args.rounds, "artifact_bytes": statistics.median(sizes),
+        "handoff_s": statistics.median(handoff), "handoff_all_s": handoff,
+        "reprefill_s": statistics.median(reprefill), "reprefill_wall_s": statistics.median(reprefill_wall),
+        "first_token_moved_s": moved_turn.timings.time_to_first_token_seconds,
+        "first_token_unmoved_s": fresh_turn.timings.time_to_first_token_seconds,
+        "same_tokens": list(moved_turn.token_ids) == list(fresh_turn.token_ids),
+    }
+    result["handoff_over_reprefill"] = result["handoff_s"] / result["reprefill_s"]
+    result["first_token_ratio"] = result["first_token_moved_s"] / result["first_token_unmoved_s"]
+    print(f"session of {args.tokens} tokens ({result['method']}), artifact {result['artifact_bytes'] / 2**20:.1f} MiB, "
+          f"{args.threads} threads, median of {args.rounds}:")
+    print(f"  handoff (export + import over gRPC)  {result['handoff_s']:.3f} s")
+    print(f"  re-prefill (server's prefill time)   {result['reprefill_s']:.3f} s "
+          f"(call {result['reprefill_wall_s']:.3f} s)")
+    print(f"  handoff / re-prefill                 {result['handoff_over_reprefill']:.4f}")
+    print(f"  next turn's first token: moved {result['first_token_moved_s']:.3f} s, never moved "
+          f"{result['first_token_unmoved_s']:.3f} s (ratio {result['first_token_ratio']:.2f}); same tokens: "
+          f"{result['same_tokens']}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
