@@ -291,9 +291,11 @@ class FuzzResult:
 
 
 def call(stub, rpc: str, request, metadata) -> tuple[grpc.StatusCode, str]:
-    try:
-        result = getattr(stub, rpc)(request, timeout=CALL_TIMEOUT_S, metadata=metadata or None)
-        if rpc == "Generate":
+    method = SERVICE.methods_by_name[rpc]
+    try:  # a client stream (ImportSession) sends the one message; a server stream is read to its end
+        result = getattr(stub, rpc)(iter([request]) if method.client_streaming else request,
+                                    timeout=CALL_TIMEOUT_S, metadata=metadata or None)
+        if method.server_streaming:
             for _ in result:
                 pass
         return grpc.StatusCode.OK, ""

@@ -92,6 +92,7 @@ def field_renamer(body: Body) -> Callable[[str], str]:
                 ("max_new_tokens", lambda rest: max_name + rest),
                 ("method", lambda rest: "retopk.method" + _flat(rest)),
                 ("session_id", lambda rest: "retopk.session_id" + rest),
+                ("chat_history", lambda rest: "retopk.chat_history" + rest),
                 ("stop_token_ids", lambda rest: "retopk.stop_token_ids" + rest),
                 ("constraint.json_schema", lambda rest: "response_format.json_schema.schema"),
                 ("constraint.regex", lambda rest: "retopk.regex"),
@@ -321,6 +322,7 @@ def generate_message(body: Body, vocab_size: int, max_new_tokens: int | None = N
                 _set(message.sampling, name, value, f"retopk.{name}")
         if options.session_id is not None:
             message.session_id = options.session_id
+        message.chat_history = options.chat_history
         if options.method is not None:
             message.method.CopyFrom(_method(options.method))
         message.ignore_eos = options.ignore_eos

@@ -32,6 +32,9 @@ class RetopkOptions(_Body):
                       (the SDK's ``Method.coerce`` reads it; absent: the server's default method)
     session_id        continue this session (created with the gRPC CreateSession or ``retopk session``):
                       its KV cache is reused, so send only the turn's new prompt or new messages
+    chat_history      with session_id: ``messages`` is the whole conversation (as OpenAI clients send it),
+                      replacing the session's; an edited history rewinds the session to the common prefix
+                      (GenerateRequest.chat_history)
     top_k, min_p, repetition_penalty
                       the sampler's other knobs (GenerateRequest.sampling)
     ignore_eos, stop_token_ids
@@ -42,6 +45,7 @@ class RetopkOptions(_Body):
 
     method: str | dict[str, Any] | None = None
     session_id: str | None = None
+    chat_history: bool = False
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
