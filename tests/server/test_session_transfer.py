@@ -171,3 +171,24 @@ def test_a_busy_session_is_not_exported_and_the_limits_are_reported(fake_server)
             client.export_session("")
         with pytest.raises(NotFound):
             client.export_session("nope")
+
+
+def test_the_async_client_moves_a_session_too(fake_server):
+    import asyncio
+
+    from retopk_client import AsyncClient
+
+    a, b = fake_server(), fake_server()
+
+    async def move() -> tuple:
+        async with AsyncClient(a.address, timeout=30) as ca, AsyncClient(b.address, timeout=30) as cb:
+            await ca.create_session(session_id="s")
+            await ca.complete("Hello", session_id="s", temperature=0, max_new_tokens=4)
+            info = await cb.import_session(await ca.export_session("s", close=True), session_id="t")
+            reply = await cb.complete(" again", session_id="t", temperature=0, max_new_tokens=4)
+            return info, list(reply.token_ids)
+
+    info, tokens = asyncio.run(move())
+    first = greedy_reference(enc("Hello"), 4)
+    assert info.session_id == "t" and info.num_tokens == 9
+    assert tokens == greedy_reference(enc("Hello") + first + enc(" again"), 4)
