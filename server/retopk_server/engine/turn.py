@@ -95,10 +95,10 @@ class ActiveRequest:
         """The tokens to prefill (pending + new input), checked against the limits; sets ``prompt_ids``.
 
         A chat whose rendering differs from what the session holds (an edited or regenerated history, a reply
-        the template renders otherwise) rewinds the session to the longest common token prefix first (after
-        the checks, so a refused turn leaves the session as it was): ``runner.rewind`` keeps the KV cache up to
-        there, resets the method state, and the feed re-renders from what it kept (at least the method's last
-        ``prefill_queries`` tokens, which its prefill observes again, as a fresh session's would)."""
+        the template renders otherwise) rewinds the session to the longest common token prefix first (after the
+        input checks, so a turn refused for its input leaves the session as it was): ``runner.rewind`` keeps the
+        KV cache up to there, resets the method state, and the feed re-renders from what it kept (at least the
+        method's last ``prefill_queries`` tokens, which its prefill observes again, as a fresh session's would)."""
         field, info, record = self.spec.input_field, runner.info, self.record
         new_ids, full, common = self._input_ids(runner)
         rewinding = common is not None

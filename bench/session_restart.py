@@ -1,0 +1,102 @@
+"""A restart with --session-dir: each saved session's first token after the restart vs an uninterrupted turn's.
+
+Server A runs in this process (the real gRPC service, engine and runtime on the embedded model, its own
+runner) with ``--session-dir`` on a temporary directory. ``--sessions`` sessions each take a prompt of
+``--tokens`` random token ids, then a short turn whose time to first token (the server's own timing) is the
+uninterrupted figure. A is drained (every session written to the directory: the drain's time is reported),
+server B starts on the same directory with a new runner, and each session's next short turn there loads it on
+first use (read, checked, imported) before its prefill: that turn's time to first token is the restart figure.
+Both turns feed the same number of new tokens. Medians and the worst ratio are printed, JSON with ``--out``.
+
+    python -m bench.session_restart --sessions 16 --tokens 1000 --threads 2 --out docs/bench/session_restart.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path as FsPath
+
+from retopk_core.hugepages import enable_transparent_hugepages
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+    p.add_argument("--sessions", type=int, default=16, help="saved sessions (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=1000, help="prompt tokens of each session (default %(default)s)")
+    p.add_argument("--turn", type=int, default=8, help="new tokens of each timed turn (default %(default)s)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
+    p.add_argument("--cache-bytes", type=int, default=4 << 30, help="each server's --kv-cache-bytes")
+    p.add_argument("--out", type=FsPath, default=None, help="write the result as JSON there")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    enable_transparent_hugepages()
+    import torch
+
+    from bench.handoff import LocalServer
+    from retopk_client import Client
+    from retopk_core.models import load_model
+    from retopk_server.config import ServerConfig
+    from retopk_server.runtime import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    directory = tempfile.mkdtemp(prefix="retopk-sessions-")
+    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
+                          max_sessions=max(64, args.sessions), max_sessions_per_key=args.sessions,
+                          session_idle_timeout_s=None, watchdog_timeout_s=None, session_dir=directory)
+    model, tokenizer = load_model(args.model)
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+
+    def short_turn(client: Client, sid: str, last: int):
+        ids = [last] + torch.randint(0, vocab, (args.turn - 1,), generator=gen).tolist()
+        return client.complete(token_ids=ids, session_id=sid, temperature=0, max_new_tokens=2, ignore_eos=True)
+
+    first = LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
+    before, last = [], {}
+    with Client(first.address, timeout=3600) as client:
+        for i in range(args.sessions):
+            sid = f"s{i}"
+            client.create_session(session_id=sid)
+            prompt = torch.randint(0, vocab, (args.tokens,), generator=gen).tolist()
+            out = client.complete(token_ids=prompt, session_id=sid, temperature=0, max_new_tokens=1, ignore_eos=True)
+            out = short_turn(client, sid, out.token_ids[-1])
+            before.append(out.timings.time_to_first_token_seconds)
+            last[sid] = out.token_ids[-1]
+    t0 = time.perf_counter()
+    first.close()  # the drain writes every session
+    drain_s = time.perf_counter() - t0
+    saved = sum(p.stat().st_size for p in FsPath(directory).iterdir())
+
+    second = LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
+    after = []
+    with Client(second.address, timeout=3600) as client:
+        for i in range(args.sessions):
+            after.append(short_turn(client, f"s{i}", last[f"s{i}"]).timings.time_to_first_token_seconds)
+    second.close()
+
+    ratios = [a / b for a, b in zip(after, before, strict=True)]
+    result = {"sessions": args.sessions, "tokens": args.tokens, "turn_tokens": args.turn, "threads": args.threads,
+              "saved_bytes": saved, "drain_s": drain_s, "first_token_uninterrupted_s": before,
+              "first_token_after_restart_s": after, "median_uninterrupted_s": statistics.median(before),
+              "median_after_restart_s": statistics.median(after), "median_ratio": statistics.median(ratios),
+              "worst_ratio": max(ratios)}
+    print(f"{args.sessions} sessions of {args.tokens} tokens, {saved / 2**20:.0f} MiB saved, drain {drain_s:.2f} s, "
+          f"{args.threads} threads")
+    print(f"  first token of a {args.turn}-token turn: uninterrupted median {result['median_uninterrupted_s']:.3f} s, "
+          f"after the restart median {result['median_after_restart_s']:.3f} s")
+    print(f"  ratio after / uninterrupted: median {result['median_ratio']:.2f}, worst {result['worst_ratio']:.2f}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
