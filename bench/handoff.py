@@ -2,15 +2,16 @@
 
 Two servers run in this process (the real gRPC service, engine and runtime, each its own runner on the
 embedded model, over loopback). A session of ``--tokens`` prompt tokens is prefilled on A. Then, for
-``--rounds`` rounds:
+``--rounds`` rounds (after ``--warmup`` untimed ones), each measured on its own:
 
-- handoff (after ``--warmup`` untimed ones): ExportSession from A and ImportSession into B through the SDK
-  (the artifact's bytes over gRPC, encoded, checked and written into B's pools), then the session is moved
-  back the same way for the next round;
+- handoff: what a draining A does with ``--handoff-peer B`` (service/handoff.py's ``keep_sessions``): export on
+  A's engine thread, encode, ImportSession to B over gRPC, checked and written into B's pools; the copy on B
+  is closed again for the next round;
+- through a client: the SDK's ``export_session`` from A and ``import_session`` into B (the bytes cross twice);
 - re-prefill: the baseline a replay pays, a fresh session on B fed the same tokens (its prefill time from the
   server's own timings, and the wall time of the whole call);
-- first token: the next turn (a few tokens) of the moved session on B vs the same turn of the re-prefilled
-  session on B, which never moved (time to first token from the server's timings).
+- first token: the next turn (a few tokens) of the handed-over session on B vs the same turn of the
+  re-prefilled session on B, which never moved (time to first token from the server's timings).
 
 Medians are printed with the ratio handoff / re-prefill and written as JSON with ``--out``.
 
@@ -66,17 +67,23 @@ class LocalServer:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     enable_transparent_hugepages()
+    from retopk_core.models import load_model
+
+    return measure(args, *load_model(args.model))
+
+
+def measure(args, model, tokenizer) -> dict:
+    """The run of ``main`` on a loaded (model, tokenizer) (the tests pass the embedded model they hold)."""
     import torch
 
     from retopk_client import Client
-    from retopk_core.models import load_model
     from retopk_server.config import ServerConfig
     from retopk_server.runtime import ModelRunner
+    from retopk_server.service.handoff import keep_sessions
 
     torch.set_num_threads(args.threads)
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
                           max_prompt_tokens=args.tokens, session_idle_timeout_s=None, watchdog_timeout_s=None)
-    model, tokenizer = load_model(args.model)
     servers = [LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
                for _ in range(2)]
     a, b = (Client(s.address, timeout=3600) for s in servers)
@@ -86,28 +93,39 @@ def main(argv=None) -> dict:
 
     a.create_session(method=args.method, session_id="moving")
     first = a.complete(token_ids=prompt, session_id="moving", max_new_tokens=1, temperature=0, ignore_eos=True)
-    handoff, sizes, reprefill, reprefill_wall = [], [], [], []
-    holder, other = a, b
-    for _ in range(args.warmup):
-        other.import_session(holder.export_session("moving", close=True))
-        holder, other = other, holder
-    for r in range(args.rounds):
+
+    def hand_over() -> float:
         t0 = time.perf_counter()
-        data = holder.export_session("moving", close=True)
-        other.import_session(data)
-        handoff.append(time.perf_counter() - t0)
+        moved = asyncio.run_coroutine_threadsafe(keep_sessions(servers[0].engine, time.monotonic() + 3600,
+                                                               servers[1].address, None, None),
+                                                 servers[0].loop).result()[0]
+        elapsed = time.perf_counter() - t0
+        assert moved == 1, "the session was not handed over"
+        return elapsed
+
+    handoff, relay, sizes, reprefill, reprefill_wall = [], [], [], [], []
+    for r in range(args.warmup + args.rounds):
+        took = hand_over()
+        b.close_session("moving")
+        t0 = time.perf_counter()
+        data = a.export_session("moving")
+        b.import_session(data)
+        relayed = time.perf_counter() - t0
+        b.close_session("moving")
+        if r < args.warmup:
+            continue
+        handoff.append(took)
+        relay.append(relayed)
         sizes.append(len(data))
-        holder, other = other, holder
         sid = f"fresh-{r}"
         b.create_session(method=args.method, session_id=sid)
         t0 = time.perf_counter()
         done = b.complete(token_ids=prompt, session_id=sid, max_new_tokens=1, temperature=0, ignore_eos=True)
         reprefill_wall.append(time.perf_counter() - t0)
         reprefill.append(done.timings.prefill_seconds)
-        if r < args.rounds - 1:
+        if r < args.warmup + args.rounds - 1:
             b.close_session(sid)
-    if holder is not b:  # the moved session's next turn runs on B, next to the re-prefilled one
-        b.import_session(holder.export_session("moving", close=True))
+    hand_over()  # the moved session's next turn runs on B, next to the re-prefilled one
     moved_turn = b.complete(token_ids=[first.token_ids[-1]], session_id="moving", **turn)
     fresh_turn = b.complete(token_ids=[done.token_ids[-1]], session_id=sid, **turn)
     for client in (a, b):
@@ -119,6 +137,7 @@ def main(argv=None) -> dict:
         "tokens": args.tokens, "method": args.method or "default (server's ReTopK)", "threads": args.threads,
         "rounds": args.rounds, "artifact_bytes": statistics.median(sizes),
         "handoff_s": statistics.median(handoff), "handoff_all_s": handoff,
+        "through_client_s": statistics.median(relay), "through_client_all_s": relay,
         "reprefill_s": statistics.median(reprefill), "reprefill_wall_s": statistics.median(reprefill_wall),
         "first_token_moved_s": moved_turn.timings.time_to_first_token_seconds,
         "first_token_unmoved_s": fresh_turn.timings.time_to_first_token_seconds,
@@ -128,7 +147,8 @@ def main(argv=None) -> dict:
     result["first_token_ratio"] = result["first_token_moved_s"] / result["first_token_unmoved_s"]
     print(f"session of {args.tokens} tokens ({result['method']}), artifact {result['artifact_bytes'] / 2**20:.1f} MiB, "
           f"{args.threads} threads, median of {args.rounds}:")
-    print(f"  handoff (export + import over gRPC)  {result['handoff_s']:.3f} s")
+    print(f"  handoff (A's drain path to B)        {result['handoff_s']:.3f} s")
+    print(f"  through a client (export, import)    {result['through_client_s']:.3f} s")
     print(f"  re-prefill (server's prefill time)   {result['reprefill_s']:.3f} s "
           f"(call {result['reprefill_wall_s']:.3f} s)")
     print(f"  handoff / re-prefill                 {result['handoff_over_reprefill']:.4f}")

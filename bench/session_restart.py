@@ -38,11 +38,17 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     enable_transparent_hugepages()
+    from retopk_core.models import load_model
+
+    return measure(args, *load_model(args.model))
+
+
+def measure(args, model, tokenizer) -> dict:
+    """The run of ``main`` on a loaded (model, tokenizer) (the tests pass the embedded model they hold)."""
     import torch
 
     from bench.handoff import LocalServer
     from retopk_client import Client
-    from retopk_core.models import load_model
     from retopk_server.config import ServerConfig
     from retopk_server.runtime import ModelRunner
 
@@ -51,7 +57,6 @@ def main(argv=None) -> dict:
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
                           max_sessions=max(64, args.sessions), max_sessions_per_key=args.sessions,
                           session_idle_timeout_s=None, watchdog_timeout_s=None, session_dir=directory)
-    model, tokenizer = load_model(args.model)
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
 

@@ -113,10 +113,12 @@ def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_heal
         "empty": (b"", grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
         "future format": (with_header(data, format=2), grpc.StatusCode.FAILED_PRECONDITION, "format 2"),
         "foreign key": (data, grpc.StatusCode.PERMISSION_DENIED, "another key"),
+        "announcing an oversized payload": (with_header(data, payload_bytes=1 << 50), grpc.StatusCode.INVALID_ARGUMENT,
+                                            "exceeds"),
     }
     for name, (bad, code, words) in cases.items():
         got = import_status(b, bad, key="bob" if name == "foreign key" else "alice")
-        assert got[0] == code and words in got[1] and got[1].startswith("artifact"), (name, got)
+        assert got[0] == code and words in got[1] and got[1].startswith(("artifact", "data")), (name, got)
     over = import_status(b, b"", chunks=[pb.ImportSessionRequest(data=b"\0" * ((1 << 20) + 1))])
     assert over[0] == grpc.StatusCode.INVALID_ARGUMENT and over[1].startswith("data: a chunk holds at most")
     late_id = import_status(b, b"", chunks=[pb.ImportSessionRequest(data=data[:10]),

@@ -86,8 +86,8 @@ def check_model(artifact: SessionArtifact, info) -> str | None:
     return "; ".join(diffs) or None
 
 
-def encode(artifact: SessionArtifact) -> bytes:
-    """The artifact's bytes (module docstring)."""
+def encode_parts(artifact: SessionArtifact) -> tuple[bytes, bytes]:
+    """The artifact's bytes in two parts, (magic and header line, payload), whose concatenation is ``encode``'s."""
     state = artifact.state
     tensors = {"token_ids": state.token_ids.contiguous(), "kv.k": state.k.contiguous(), "kv.v": state.v.contiguous()}
     for name, t in (state.state or {}).items():
@@ -99,35 +99,101 @@ def encode(artifact: SessionArtifact) -> bytes:
             "last_used_unix": artifact.last_used_unix, "has_state": state.state is not None}
     payload = save_tensors(tensors, metadata={"retopk": json.dumps(meta)})
     header = {"format": FORMAT, "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest()}
-    return MAGIC + json.dumps(header).encode() + b"\n" + payload
+    return MAGIC + json.dumps(header).encode() + b"\n", payload
+
+
+def encode(artifact: SessionArtifact) -> bytes:
+    """The artifact's bytes (module docstring)."""
+    prefix, payload = encode_parts(artifact)
+    return prefix + payload
+
+
+def chunks(parts: tuple[bytes, ...], size: int):
+    """The bytes of ``parts`` (``encode_parts``) in pieces of at most ``size``, without joining them first."""
+    for part in parts:
+        view = memoryview(part)
+        for at in range(0, len(part), size):
+            yield bytes(view[at:at + size])
 
 
 def decode(data: bytes) -> SessionArtifact:
     """Parse and check an artifact's bytes -> SessionArtifact; ArtifactError naming what is wrong."""
-    data = bytes(data)
-    if not data.startswith(MAGIC):
-        raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
-    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
-    if end < 0:
-        raise ArtifactError("artifact", "truncated or corrupted header")
-    try:
-        header = json.loads(data[len(MAGIC):end])
-        version, size, digest = header["format"], header["payload_bytes"], header["payload_sha256"]
-    except (ValueError, KeyError, TypeError):
-        raise ArtifactError("artifact", "corrupted header (not the JSON line of format 1)") from None
-    if version != FORMAT:
-        raise UnsupportedFormat("artifact", f"format {version!r} is not supported (this server reads format {FORMAT})")
-    payload = data[end + 1:]
-    if not isinstance(size, int) or len(payload) != size:
-        raise ArtifactError("artifact", f"truncated: {len(payload)} payload bytes, the header says {size!r}")
-    if hashlib.sha256(payload).hexdigest() != digest:
-        raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
-    meta = _metadata(payload)
-    try:
-        tensors = load_tensors(payload)
-    except Exception as e:  # noqa: BLE001 - safetensors' own error types
-        raise ArtifactError("artifact", f"the tensors do not parse: {type(e).__name__}") from None
-    return _artifact(meta, tensors)
+    reader = ArtifactReader()
+    reader.feed(data)
+    return reader.finish()
+
+
+class ArtifactReader:
+    """An artifact read as its bytes arrive (ImportSession's chunks): ``feed`` each piece in order, then
+    ``finish`` -> the SessionArtifact. The header is checked as soon as it is in (an artifact announcing more
+    than ``limit`` payload bytes is refused before its payload arrives) and the payload is hashed as it comes,
+    so that it is copied once (joined) before safetensors reads it."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._head = b""  # the bytes before the payload, until the header line is complete
+        self._size: int | None = None  # the payload's length the header announced
+        self._digest = ""
+        self._hash = hashlib.sha256()
+        self._parts: list[bytes] = []
+        self._received = 0
+
+    def feed(self, data: bytes) -> None:
+        if self._size is None:
+            self._head += data
+            data = self._header()
+            if self._size is None:
+                return
+        if self._received + len(data) > self._size:
+            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {self._size} the header says")
+        self._hash.update(data)
+        self._parts.append(data)
+        self._received += len(data)
+
+    def _header(self) -> bytes:
+        """Parse the header once it is in -> the payload bytes that came with it (b"" before)."""
+        head = self._head
+        if not MAGIC.startswith(head[:len(MAGIC)]):
+            raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
+        end = head.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+        if end < 0:
+            if len(head) >= len(MAGIC) + MAX_HEADER_BYTES:
+                raise ArtifactError("artifact", "corrupted header (no line end)")
+            return b""
+        try:
+            header = json.loads(head[len(MAGIC):end])
+            version, size, digest = header["format"], header["payload_bytes"], header["payload_sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise ArtifactError("artifact", "corrupted header (not the JSON line of format 1)") from None
+        if version != FORMAT:
+            raise UnsupportedFormat("artifact", f"format {version!r} is not supported (this server reads format "
+                                                f"{FORMAT})")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
+            raise ArtifactError("artifact", "corrupted header (payload_bytes, payload_sha256)")
+        if self.limit is not None and size > self.limit:
+            raise ArtifactError("data", f"the artifact exceeds {self.limit} bytes "
+                                        "(ModelInfo.limits.max_session_artifact_bytes)")
+        self._size, self._digest = size, digest
+        rest, self._head = head[end + 1:], b""
+        return rest
+
+    def finish(self) -> SessionArtifact:
+        if self._size is None:
+            if len(self._head) < len(MAGIC) or not self._head.startswith(MAGIC):
+                raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
+            raise ArtifactError("artifact", "truncated or corrupted header")
+        if self._received != self._size:
+            raise ArtifactError("artifact", f"truncated: {self._received} payload bytes, the header says {self._size}")
+        if self._hash.hexdigest() != self._digest:
+            raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
+        payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        meta = _metadata(payload)
+        try:
+            tensors = load_tensors(payload)
+        except Exception as e:  # noqa: BLE001 - safetensors' own error types
+            raise ArtifactError("artifact", f"the tensors do not parse: {type(e).__name__}") from None
+        return _artifact(meta, tensors)
 
 
 def _metadata(payload: bytes) -> dict:

@@ -41,13 +41,17 @@ class SessionStore:
     def has(self, owner: str, session_id: str) -> bool:
         return self.path(owner, session_id).is_file()
 
-    def save(self, owner: str, session_id: str, artifact: bytes, last_used_unix: float | None = None) -> bool:
-        """Write the artifact (replacing an older one), dated ``last_used_unix`` (the session's last use: the
-        oldest files, deleted first past the budget, are the sessions unused the longest) -> whether it was
-        written (False: it alone exceeds the budget)."""
-        if len(artifact) > self.budget:
+    def save(self, owner: str, session_id: str, artifact: bytes | tuple[bytes, ...],
+             last_used_unix: float | None = None) -> bool:
+        """Write the artifact (its bytes, or their parts in order: session_artifact.encode_parts), replacing an
+        older one, dated ``last_used_unix`` (the session's last use: the oldest files, deleted first past the
+        budget, are the sessions unused the longest) -> whether it was written (False: it alone exceeds the
+        budget)."""
+        parts = (artifact,) if isinstance(artifact, bytes) else artifact
+        size = sum(len(p) for p in parts)
+        if size > self.budget:
             log.warning("session %s/%s not saved: %d bytes exceed --session-dir-bytes %d", owner, session_id,
-                        len(artifact), self.budget)
+                        size, self.budget)
             return False
         path = self.path(owner, session_id)
         tmp = path.with_suffix(".tmp")
@@ -55,7 +59,8 @@ class SessionStore:
         try:
             os.fchmod(fd, 0o600)  # whatever the umask or a stale file said
             with os.fdopen(fd, "wb") as f:
-                f.write(artifact)
+                for part in parts:
+                    f.write(part)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -27,7 +27,7 @@ import grpc
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.engine import Engine
-from retopk_server.engine.session_artifact import encode
+from retopk_server.engine.session_artifact import chunks, encode_parts
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.service.limits import SESSION_CHUNK_BYTES
 from retopk_server.service.servicer import PEER_METADATA, SESSION_METADATA
@@ -35,9 +35,10 @@ from retopk_server.service.servicer import PEER_METADATA, SESSION_METADATA
 log = logging.getLogger("retopk_server")
 
 
-def import_requests(data: bytes) -> list[pb.ImportSessionRequest]:
-    return [pb.ImportSessionRequest(data=data[at:at + SESSION_CHUNK_BYTES])
-            for at in range(0, len(data), SESSION_CHUNK_BYTES)]
+def import_requests(parts: tuple[bytes, ...]):
+    """The ImportSession stream of an artifact's parts (session_artifact.encode_parts)."""
+    for chunk in chunks(parts, SESSION_CHUNK_BYTES):
+        yield pb.ImportSessionRequest(data=chunk)
 
 
 async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_key: str | None,
@@ -55,17 +56,17 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
             if left <= 0:
                 break
             artifact = await asyncio.wrap_future(engine.commands.export_session(session_id, owner))
-            data = await asyncio.to_thread(encode, artifact)
+            parts = await asyncio.to_thread(encode_parts, artifact)
             if stub is not None:
                 metadata = [(SESSION_METADATA, session_id)] + ([(PEER_METADATA, peer_key)] if peer_key else [])
                 try:
-                    await stub.ImportSession(iter(import_requests(data)), metadata=metadata, timeout=left)
+                    await stub.ImportSession(import_requests(parts), metadata=metadata, timeout=left)
                     moved += 1
                     continue
                 except grpc.RpcError as e:
                     log.warning("handing session %s/%s to %s failed: %s: %s", owner or "anonymous", session_id, peer,
                                 e.code().name, e.details())
-            if store is not None and await asyncio.to_thread(store.save, owner, session_id, data,
+            if store is not None and await asyncio.to_thread(store.save, owner, session_id, parts,
                                                              artifact.last_used_unix):
                 saved += 1
     finally:

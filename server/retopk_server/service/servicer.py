@@ -299,7 +299,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             await self._restore_saved(caller, session_id)
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
                                                                               request.close))
-            data = await asyncio.to_thread(session_artifact.encode, artifact)
+            parts = await asyncio.to_thread(session_artifact.encode_parts, artifact)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
             fail = _fail_from(exc)
             code = fail.code.name
@@ -307,9 +307,8 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             self._hook("on_rpc", "ExportSession", code, time.monotonic() - t0)
             await context.abort(fail.code, fail.message)
         try:
-            step = self.limits.max_session_chunk_bytes
-            for at in range(0, len(data), step):
-                yield pb.SessionChunk(data=data[at:at + step])
+            for chunk in session_artifact.chunks(parts, self.limits.max_session_chunk_bytes):
+                yield pb.SessionChunk(data=chunk)
         except asyncio.CancelledError:
             code = _cancelled_code(context)
             raise
@@ -318,24 +317,27 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
 
     @functools.partial(_unary, peer=True)
     async def ImportSession(self, request_iterator, context, caller: Caller) -> pb.SessionInfo:
-        """Gather the artifact's chunks (each and all bounded), parse it off the engine thread, open the session."""
-        chunks, total, session_id = [], 0, None
+        """Read the artifact's chunks as they arrive (each and all bounded; ArtifactReader checks the header and
+        hashes the payload on the way), parse it off the engine thread, open the session."""
+        total, session_id, first = 0, None, True
         limit, step = self.limits.max_session_artifact_bytes, self.limits.max_session_chunk_bytes
-        async for message in request_iterator:
-            if len(message.data) > step:
-                raise InvalidArgument("data", f"a chunk holds at most {step} bytes "
-                                              f"(ModelInfo.limits.max_session_chunk_bytes), got {len(message.data)}")
-            if message.HasField("session_id"):
-                if chunks:
-                    raise InvalidArgument("session_id", "set it in the first message only")
-                session_id = convert._identifier("session_id", message.session_id)
-            total += len(message.data)
-            if total > limit:
-                raise InvalidArgument("data", f"the artifact exceeds {limit} bytes "
-                                              "(ModelInfo.limits.max_session_artifact_bytes)")
-            chunks.append(message.data)
+        reader = session_artifact.ArtifactReader(limit)
         try:
-            artifact = await asyncio.to_thread(session_artifact.decode, b"".join(chunks))
+            async for message in request_iterator:
+                if len(message.data) > step:
+                    raise InvalidArgument("data", f"a chunk holds at most {step} bytes (ModelInfo.limits."
+                                                  f"max_session_chunk_bytes), got {len(message.data)}")
+                if message.HasField("session_id"):
+                    if not first:
+                        raise InvalidArgument("session_id", "set it in the first message only")
+                    session_id = convert._identifier("session_id", message.session_id)
+                first = False
+                total += len(message.data)
+                if total > limit:
+                    raise InvalidArgument("data", f"the artifact exceeds {limit} bytes "
+                                                  "(ModelInfo.limits.max_session_artifact_bytes)")
+                reader.feed(message.data)
+            artifact = await asyncio.to_thread(reader.finish)
         except session_artifact.UnsupportedFormat as e:
             raise Fail(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except session_artifact.ArtifactError as e:

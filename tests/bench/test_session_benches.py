@@ -1,0 +1,26 @@
+"""bench/handoff.py and bench/session_restart.py run end to end on the embedded model at toy sizes (no timing
+asserted): the moved and the restarted sessions continue, and every figure the reports print is there."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import handoff, session_restart
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_handoff_reports_the_ratio_and_the_moved_session_continues(embedded_model, tmp_path):
+    args = handoff.parse_args(["--tokens", "48", "--rounds", "1", "--warmup", "1", "--threads", "1",
+                               "--cache-bytes", str(256 << 20), "--out", str(tmp_path / "h.json")])
+    result = handoff.measure(args, *embedded_model)
+    assert result["same_tokens"] and result["artifact_bytes"] > 0
+    assert result["handoff_over_reprefill"] == result["handoff_s"] / result["reprefill_s"]
+    assert (tmp_path / "h.json").is_file()
+
+
+def test_session_restart_reports_every_session(embedded_model):
+    args = session_restart.parse_args(["--sessions", "2", "--tokens", "32", "--threads", "1",
+                                       "--cache-bytes", str(256 << 20)])
+    result = session_restart.measure(args, *embedded_model)
+    assert len(result["first_token_after_restart_s"]) == 2 and result["saved_bytes"] > 0
