@@ -6,7 +6,8 @@ runner) with ``--session-dir`` on a temporary directory. ``--sessions`` sessions
 uninterrupted figure. A is drained (every session written to the directory: the drain's time is reported),
 server B starts on the same directory with a new runner, and each session's next short turn there loads it on
 first use (read, checked, imported) before its prefill: that turn's time to first token is the restart figure.
-Both turns feed the same number of new tokens. Medians and the worst ratio are printed, JSON with ``--out``.
+Both turns feed the same number of new tokens; both times are the client's, from sending the turn to its first
+token (the server's own timing starts after the load). Medians and the worst ratio are printed, JSON with ``--out``.
 
     python -m bench.session_restart --sessions 16 --tokens 1000 --threads 2 --out docs/bench/session_restart.json
 """
@@ -60,9 +61,17 @@ def measure(args, model, tokenizer) -> dict:
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
 
-    def short_turn(client: Client, sid: str, last: int):
+    def short_turn(client: Client, sid: str, last: int) -> tuple[float, int]:
+        """(seconds from sending the turn to its first token, as the client sees them: a restored session's
+        load from the directory included; the turn's last token)."""
         ids = [last] + torch.randint(0, vocab, (args.turn - 1,), generator=gen).tolist()
-        return client.complete(token_ids=ids, session_id=sid, temperature=0, max_new_tokens=2, ignore_eos=True)
+        t0 = time.perf_counter()
+        with client.generate(token_ids=ids, session_id=sid, temperature=0, max_new_tokens=2,
+                             ignore_eos=True) as stream:
+            chunks = [next(stream)]
+            first = time.perf_counter() - t0
+            chunks += list(stream)
+        return first, chunks[-1].token_ids[-1]
 
     first = LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
     before, last = [], {}
@@ -72,9 +81,8 @@ def measure(args, model, tokenizer) -> dict:
             client.create_session(session_id=sid)
             prompt = torch.randint(0, vocab, (args.tokens,), generator=gen).tolist()
             out = client.complete(token_ids=prompt, session_id=sid, temperature=0, max_new_tokens=1, ignore_eos=True)
-            out = short_turn(client, sid, out.token_ids[-1])
-            before.append(out.timings.time_to_first_token_seconds)
-            last[sid] = out.token_ids[-1]
+            first_token, last[sid] = short_turn(client, sid, out.token_ids[-1])
+            before.append(first_token)
     t0 = time.perf_counter()
     first.close()  # the drain writes every session
     drain_s = time.perf_counter() - t0
@@ -84,7 +92,7 @@ def measure(args, model, tokenizer) -> dict:
     after = []
     with Client(second.address, timeout=3600) as client:
         for i in range(args.sessions):
-            after.append(short_turn(client, f"s{i}", last[f"s{i}"]).timings.time_to_first_token_seconds)
+            after.append(short_turn(client, f"s{i}", last[f"s{i}"])[0])
     second.close()
 
     ratios = [a / b for a, b in zip(after, before, strict=True)]
