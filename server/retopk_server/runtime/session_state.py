@@ -144,8 +144,9 @@ def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: Se
             table = pool.block_table([session.blocks], device)  # (1, blocks)
             rows = pool.rows(table, torch.zeros(1, dtype=torch.long, device=device), L)  # (1, H_kv, L)
             k, v = state.positions(state.k), state.positions(state.v)  # (layers, H_kv, L, d)
-            for layer in range(pool.num_layers):
-                pool.write(layer, rows, k[layer].unsqueeze(0).to(device), v[layer].unsqueeze(0).to(device))
+            for layer in range(pool.num_layers):  # (1, H_kv, L, d) each, laid out as KVPool.write reads them
+                pool.write(layer, rows, k[layer].unsqueeze(0).contiguous().to(device),
+                           v[layer].unsqueeze(0).contiguous().to(device))
     if state.state is not None:
         group.write_state(session.slots, state.state)
     session.token_ids = state.token_ids.tolist()
