@@ -14,7 +14,6 @@ import time
 import pytest
 
 from retopk_client import Client, DeadlineExceeded, FailedPrecondition, RetopkError
-from retopk_server.engine.idempotency import digest  # noqa: F401 - the rule the retry tests rely on
 from tests.server.fake_runner import FakeRunner, greedy_reference
 
 pytestmark = pytest.mark.timeout(60)
