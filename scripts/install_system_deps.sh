@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Install the Debian packages that tests and evaluation use, only if missing:
 #   prometheus  promtool validates docker/'s Prometheus config; a real scraper for the metrics tests
-#   bible-kjv   `bible -f "Gen1:1-Rev22:21"` prints the default long evaluation text
+#   bible-kjv   `bible -f "Gen1:1-Rev22:21"` prints the default long evaluation text (scripture)
+#   debian-reference-en, jargon-text, libpython3-stdlib
+#               the other evaluation corpora (bench/eval/corpora.py): technical documentation, modern
+#               prose, source code (the standard library's modules), so quality is measured on more than
+#               one kind of text
 #   nginx       the gRPC router with session affinity that tests/deploy/test_nginx_affinity.py runs on
 #               loopback in front of real server processes (its service is not started or enabled)
 # Non-interactive as root (CI). Where they are missing and cannot be installed (not root, no apt-get) it
@@ -10,7 +14,7 @@
 # exit 0, and those tests skip with their own reason.
 set -euo pipefail
 
-PACKAGES=(prometheus bible-kjv nginx)
+PACKAGES=(prometheus bible-kjv nginx debian-reference-en jargon-text libpython3-stdlib)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

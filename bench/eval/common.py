@@ -12,9 +12,7 @@ import argparse
 import json
 import math
 import platform
-import re
 import shlex
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -23,35 +21,19 @@ from pathlib import Path
 
 import torch
 
+from bench.eval import corpora
 from retopk_client.params import parse_params
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
 from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
 
-KJV = "kjv"  # the default corpus: the King James Bible from Debian's bible-kjv package
-KJV_COMMAND = ["bible", "-f", "Gen1:1-Rev22:21"]
-_VERSE_REF = re.compile(r"^\S+?\d+:\d+\s+", re.MULTILINE)  # "Ge1:1 " at the start of each verse line
+KJV = corpora.KJV  # the default corpus
 
 
 # ---- corpus -------------------------------------------------------------------------------------
-def kjv_text() -> str:
-    """The whole King James Bible, one verse a line, verse references ("Ge1:1") stripped."""
-    try:
-        text = subprocess.run(KJV_COMMAND, check=True, capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        raise SystemExit("the default corpus needs Debian's bible-kjv package (scripts/install_system_deps.sh, "
-                         "or apt-get install bible-kjv); or pass --corpus PATH to any text file") from None
-    return _VERSE_REF.sub("", text)
-
-
 def load_corpus(corpus: str | None) -> str:
-    """``kjv`` (or None) -> the default corpus; anything else is a UTF-8 text file path."""
-    if corpus in (None, KJV):
-        return kjv_text()
-    text = Path(corpus).read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise SystemExit(f"corpus {corpus!r} is empty")
-    return text
+    """A corpus name of ``bench.eval.corpora`` (None: the KJV) or a UTF-8 text file path -> its text."""
+    return corpora.load(corpus)
 
 
 def split_documents(text: str, encode, n_docs: int, length: int) -> list[list[int]]:
@@ -101,7 +83,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (0 = torch default). 1 by default: on a shared machine more threads "
                         "than free cores make every step many times slower")
-    g.add_argument("--corpus", default=KJV, help="text file for documents and haystacks (default: kjv)")
+    g.add_argument("--corpus", default=KJV, help=f"documents and haystacks: {', '.join(corpora.CORPORA)} (Debian "
+                   "packages, bench/eval/corpora.py) or a UTF-8 text file (default: kjv)")
 
 
 # The evaluations' shared budget K: the server's default K (defined once, in the server's runtime config).

@@ -66,6 +66,9 @@ def parse_args(argv=None):
     g.add_argument("--needles", type=int, default=3, help="needles in multikey / values in multivalue")
     g.add_argument("--max-new", type=int, default=0, help="answer tokens (default 12 per expected value + 4)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefill-question", action="store_true",
+                   help="the serving protocol of bench.eval.niah: the question is prefilled with the context, only "
+                        "the prompt's last token and the answer are decoded by the method")
     g = p.add_argument_group("fidelity")
     g.add_argument("--fidelity-docs", type=int, default=2, help="first documents of the longest length")
     g.add_argument("--fidelity-suffix", type=int, default=0, help="steps per document (default --suffix)")
@@ -118,8 +121,9 @@ def stage_settings(args, runner, stage: str) -> dict:
     if stage == "ppl":
         return {**base, "lengths": args.lengths, "docs": args.docs, "suffix": args.suffix}
     if stage == "niah":
+        # prefill_question only when set, so that stores of the paper's protocol made before the option resume
         return {**base, "tasks": args.tasks, "depths": args.depths, "needles": args.needles, "max_new": args.max_new,
-                "seed": args.seed}  # stored per length
+                "seed": args.seed, **({"prefill_question": True} if args.prefill_question else {})}  # per length
     return {**base, "length": max(args.lengths), "docs": args.fidelity_docs, "of_docs": args.docs,
             "suffix": args.fidelity_suffix or args.suffix}
 
@@ -174,7 +178,7 @@ def run_niah(args, runner, text: str, runs, store: dict, checkpoint=None) -> Non
             continue
         t = time.time()
         res = niah.evaluate(runner, todo, text, [L], tasks, args.depths, args.needles, args.max_new, True, args.seed,
-                            desc=f"policies niah {L}", batch=args.batch)
+                            desc=f"policies niah {L}", batch=args.batch, prefill_question=args.prefill_question)
         for r in todo:
             if not niah_entry(have, r):
                 have[r.label] = {"spec": spec_key(r), "lengths": {}}

@@ -137,7 +137,7 @@ def test_split_documents_is_deterministic_and_exact_length(tiny):
 
 @pytest.mark.skipif(shutil.which("bible") is None, reason="Debian's bible-kjv is not installed")
 def test_default_corpus_strips_verse_references():
-    from bench.eval.common import kjv_text
+    from bench.eval.corpora import kjv_text
 
     text = kjv_text()
     assert text.startswith("In the beginning God created the heaven and the earth.")
