@@ -66,7 +66,9 @@ def ordered_worst_first(rows: dict, label: str, names: list[str], lengths: list[
 
 def corpus_rows(rows: dict, labels: list[str], names: list[str], lengths: list[int], niah_lengths: list[int]) -> list:
     """Per setting, one row per corpus (worst first) with ΔPPL ± error and group reads per length, NIAH beside
-    Exact Top-K's, fidelity and the targets met; then the setting's worst over the corpora."""
+    Exact Top-K's, fidelity, the targets met and whether it is on that corpus's Pareto front of ΔPPL and
+    group reads (``policies.pareto_front``); then the setting's worst over the corpora."""
+    fronts = {c: {r["method"] for r in policies.pareto_front(list(rows.get(c, {}).values()), lengths)} for c in names}
     out = []
     for label in labels:
         order = ordered_worst_first(rows, label, names, lengths)
@@ -74,7 +76,7 @@ def corpus_rows(rows: dict, labels: list[str], names: list[str], lengths: list[i
             r = rows[c].get(label, {})
             exact = rows[c].get(policies.EXACT, {})
             row = {"policy": r.get("policy", label), "corpus": c, "kind": corpora.KINDS.get(c, "file"),
-                   "meets": r.get("meets")}
+                   "meets": r.get("meets"), "front": "yes" if label in fronts[c] else ""}
             for L in lengths:
                 row.update({k: r.get(k) for k in (f"dppl_{L}", f"dppl_se_{L}", f"group_read_{L}")})
             for L in niah_lengths:
@@ -101,7 +103,8 @@ def report(args, opts, runner, started: float, names: list[str], rows: dict) -> 
     cols += [c for L in Ls for c in ((f"dppl_{L}", f"ΔPPL {L}", "%"), (f"dppl_se_{L}", "±", "%"),
                                      (f"group_read_{L}", f"group reads {L}", "%"))]
     cols += [c for L in nLs for c in ((f"niah_{L}", f"NIAH {L}", ".1f"), (f"niah_exact_{L}", "Exact's", ".1f"))]
-    cols += [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("meets", "targets met", "")]
+    cols += [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("meets", "targets met", ""),
+             ("front", "on the front", "")]
     tables = [(f"ΔPPL against Exact Top-K (K = {opts.top_k}) ± one standard error over the {opts.docs} documents, "
                f"group-read rate, NIAH beside Exact Top-K's on the same cases, fidelity at L = {max(Ls)}; targets: "
                f"ΔPPL <= {opts.target_dppl:.0%}, NIAH >= Exact Top-K, group reads <= {opts.target_group_read:.0%}",
