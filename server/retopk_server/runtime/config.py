@@ -66,6 +66,8 @@ class RuntimeConfig:
                     (runtime/budget.py); None: ``kv_cache_fraction`` of the memory free on the device once the
                     model is loaded (CUDA: mem_get_info's free, CPU: MemAvailable)
     kv_cache_fraction  that share when kv_cache_bytes is None, in (0, 1]
+    prefix_cache    keep the full KV blocks of first prefills for later prompts that start with the same tokens
+                    (runtime/prefix_cache.py); False: every prompt is prefilled whole
     """
 
     model: str = "smollm2-135m"
@@ -80,6 +82,7 @@ class RuntimeConfig:
     kv_block_size: int = 256
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = DEFAULT_CACHE_FRACTION
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -97,6 +100,8 @@ class RuntimeConfig:
         check_int("max_context", self.max_context, optional=True)
         check_int("kv_cache_bytes", self.kv_cache_bytes, optional=True)
         check_number("kv_cache_fraction", self.kv_cache_fraction, low=0, high=1)
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         if not self.kv_cache_fraction > 0:
             raise ValueError(f"kv_cache_fraction must lie in (0, 1], got {self.kv_cache_fraction!r}")
         if self.rope_scaling is not None:

@@ -178,6 +178,10 @@ class KVPool:
             self._shared[b] = self._shared.get(b, 0) + 1
         return list(blocks)
 
+    def holders(self, block: int) -> int:
+        """How many holders (sessions, the prefix cache) a block in use has."""
+        return 1 + self._shared.get(block, 0)
+
     def release(self, blocks: list[int]) -> None:
         for b in blocks:
             extra = self._shared.get(b, 0)

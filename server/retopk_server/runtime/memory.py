@@ -31,6 +31,8 @@ class MemoryUsage:
 
     *_used: held by open sessions; *_reserved: allocated by the runner's pools (used or free);
     budget: the bytes both pools may reserve together (``RuntimeConfig.kv_cache_bytes``; 0: unknown).
+    prefix_cache_*: the KV blocks the prefix cache holds (runtime/prefix_cache.py), whether sessions share
+    them or not; of them *_idle_bytes held by the cache alone (reserved, not used: eviction gives them back).
     """
 
     kv_used: int = 0
@@ -38,6 +40,9 @@ class MemoryUsage:
     method_state_used: int = 0
     method_state_reserved: int = 0
     budget: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_cache_idle_bytes: int = 0
 
     @property
     def used(self) -> int:

@@ -7,6 +7,10 @@ token once it is all in. The method observes the prompt (``method.prefill``, wit
 ``prefill_queries`` queries collected across chunks) in the last chunk only, so where the chunks fall
 changes nothing. ``abort()`` before the end rewinds the session to where it started (the method has seen
 none of it yet), giving back the blocks beyond that point.
+
+With the prefix cache (prefix_cache.py), a first prompt's leading ``cached`` tokens are already in the
+session when the job starts (their blocks mapped from the cache): the job feeds the rest, and once the
+prompt is in it caches the prompt's full blocks for later prompts.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ if TYPE_CHECKING:
 
 
 class PrefillJob:
-    """begin, end: the session's length before and after the prompt; ``pos`` the next position to feed."""
+    """begin, end: the session's length before and after the prompt; ``pos`` the next position to feed;
+    cached: the prompt's tokens that came from the prefix cache (positions begin .. begin + cached - 1);
+    hashes: the chain hashes of the prompt's full blocks to cache once it is in (None: do not cache)."""
 
-    def __init__(self, runner: ModelRunner, session: Session, token_ids: list[int]) -> None:
-        self.runner, self.session, self.token_ids = runner, session, token_ids
-        self.begin = self.pos = session.length
+    def __init__(self, runner: ModelRunner, session: Session, token_ids: list[int], begin: int | None = None,
+                 hashes: list[bytes] | None = None) -> None:
+        self.runner, self.session, self.token_ids, self.hashes = runner, session, token_ids, hashes
+        self.begin = session.length if begin is None else begin
+        self.pos = session.length
+        self.cached = self.pos - self.begin
         self.end = self.begin + len(token_ids)
         self.group = runner._groups[session.method]
         self.table = runner.pool.block_table([session.blocks], runner.device)
@@ -65,6 +74,9 @@ class PrefillJob:
             logits = runner._forward(ctx, torch.tensor([ids], device=dev), positions)
             self.session.token_ids.extend(ids)
             self.pos = e
+        if self.done and self.hashes is not None and self.runner.prefix_cache is not None:
+            full = self.end // self.runner.pool.block_size  # begin is 0: the prompt's full blocks
+            self.runner.prefix_cache.insert(self.hashes[:full], self.session.blocks[:full])
         return logits[0] if self.done else None
 
     def abort(self) -> None:

@@ -11,6 +11,7 @@ or the rows' methods).
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from retopk_server.runtime.memory import MemoryUsage, release_freed_memory
 from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob
+from retopk_server.runtime.prefix_cache import PrefixCache, block_hashes
 from retopk_server.runtime.sampling_defaults import model_defaults
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import SessionState
@@ -126,6 +128,7 @@ class ModelRunner:
         self.budget = CacheBudget(limit)
         self.pool = KVPool(num_layers, num_kv_heads, head_dim, config.kv_block_size, kv_dtype, self.device,
                            budget=self.budget)
+        self.prefix_cache = PrefixCache(self.pool) if config.prefix_cache else None
         self._groups: dict[MethodSpec, MethodGroup] = {}
         self.sessions: dict[str, Session] = {}
         self._group(config.default_method)  # a bad default method fails here, not on the first request
@@ -208,6 +211,8 @@ class ModelRunner:
         try:
             session.slots = self._alloc_slots(session.method, session.id)
         except BudgetExceeded:
+            if self.prefix_cache is not None:
+                self.prefix_cache.evict()  # its idle blocks go before the tail is trimmed
             if not self.pool.trim():
                 raise
             session.slots = self._alloc_slots(session.method, session.id)
@@ -247,8 +252,15 @@ class ModelRunner:
         if length > self.max_context:
             raise ContextTooLong(f"session {session.id!r}: {length} tokens exceed max_context {self.max_context}")
         need = self.pool.blocks_for(length) - len(session.blocks)
-        session.blocks.extend(self.pool.alloc(need, after=session.blocks[-1] if session.blocks else None,
-                                              session_id=session.id))
+        after = session.blocks[-1] if session.blocks else None
+        try:
+            blocks = self.pool.alloc(need, after=after, session_id=session.id)
+        except BudgetExceeded:
+            # idle cached prefix blocks go before anything else (the engine evicts idle sessions after)
+            if self.prefix_cache is None or not self.prefix_cache.evict(need - self.pool.free_blocks):
+                raise
+            blocks = self.pool.alloc(need, after=after, session_id=session.id)
+        session.blocks.extend(blocks)
 
     def fork_prefix(self, source: Session, targets: list[Session], length: int) -> None:
         """Give each empty target session the source's first ``length`` tokens, their keys and values copied.
@@ -344,19 +356,26 @@ class ModelRunner:
     def memory(self) -> MemoryUsage:
         """Cache bytes in use (counted by the pools: blocks and slots handed out), reserved by the KV pool
         and the method-state pools, and the budget they share."""
-        groups = self._groups.values()
-        return MemoryUsage(kv_used=self.pool.used_blocks * self.pool.block_nbytes, kv_reserved=self.pool.nbytes(),
+        groups, cache, block = self._groups.values(), self.prefix_cache, self.pool.block_nbytes
+        cached, idle = (len(cache), cache.idle_blocks) if cache is not None else (0, 0)
+        return MemoryUsage(kv_used=(self.pool.used_blocks - idle) * block, kv_reserved=self.pool.nbytes(),
                            method_state_used=sum(g.used_slots * g.slot_nbytes() for g in groups),
-                           method_state_reserved=sum(g.reserved for g in groups), budget=self.budget.limit)
+                           method_state_reserved=sum(g.reserved for g in groups), budget=self.budget.limit,
+                           prefix_cache_blocks=cached, prefix_cache_bytes=cached * block,
+                           prefix_cache_idle_bytes=idle * block)
 
     # ---- steps -------------------------------------------------------------------------------------
     def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token."""
         return forward(self.decoder, input_ids, position_ids, partial(attend, ctx))
 
-    def start_prefill(self, session: Session, token_ids: list[int]) -> PrefillJob:
+    def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
         """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).
 
+        prefix_key: the namespace of the prefix cache (prefix_cache.namespace: the caller's key and salt) for
+        the session's first prefill: the prompt's cached blocks are mapped into the session and only the rest
+        is prefilled (``job.cached`` says how many tokens came from the cache), and its full blocks are cached
+        once it is in. None, a later turn, or a runner without a prefix cache: neither.
         ValueError (ContextTooLong past max_context) or BudgetExceeded, before anything changes.
         """
         self._check_open(session)
@@ -366,16 +385,45 @@ class ModelRunner:
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
         self._ensure_slots(session)
-        self.reserve(session, session.length + len(token_ids))
-        return PrefillJob(self, session, token_ids)
+        begin, hashes = session.length, None
+        if prefix_key is not None and self.prefix_cache is not None and begin == 0:
+            hashes = block_hashes(prefix_key, token_ids, self.pool.block_size)
+            P = self.pool.block_size
+            blocks = self.prefix_cache.lookup(hashes, self.cached_prefix(session, len(token_ids)) // P,
+                                              self.prefill_grid // P)
+            session.blocks = blocks
+            session.token_ids = token_ids[:len(blocks) * self.pool.block_size]
+        try:
+            self.reserve(session, begin + len(token_ids))
+        except BaseException:
+            if hashes is not None:  # the session gives its mapped blocks back: nothing changed
+                self.pool.release(session.blocks)
+                session.blocks, session.token_ids = [], []
+            raise
+        return PrefillJob(self, session, token_ids, begin, hashes)
 
-    def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
+    def cached_prefix(self, session: Session, length: int) -> int:
+        """The most tokens of a ``length``-token first prompt of ``session`` that may come from the prefix cache:
+        a multiple of the prefill grid (``prefill_grid``), so that the rest is prefilled in the
+        same chunks as the whole prompt would be, that leaves the prompt's last max(1, prefill_queries) tokens
+        to prefill: the method observes their queries (ReTopK seeds its FIFO from them) and the last one's
+        logits are the prefill's result."""
+        keep = max(1, self._groups[session.method].method.prefill_queries)
+        return max(0, length - keep) // self.prefill_grid * self.prefill_grid
+
+    @property
+    def prefill_grid(self) -> int:
+        """lcm(kv_block_size, prefill_chunk): a cache hit covers a multiple of it (``cached_prefix``)."""
+        return math.lcm(self.pool.block_size, self.config.prefill_chunk)
+
+    def prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> torch.Tensor:
         """Append token_ids to the session (dense, chunked) -> (vocab,) float32 logits after the last one.
 
-        Works for a first prompt and for a later turn's new tokens alike. Raises ContextTooLong (nothing
-        is done) if the session would exceed max_context, BudgetExceeded if its blocks do not fit.
+        Works for a first prompt and for a later turn's new tokens alike; ``prefix_key`` as in start_prefill.
+        Raises ContextTooLong (nothing is done) if the session would exceed max_context, BudgetExceeded if its
+        blocks do not fit.
         """
-        job = self.start_prefill(session, token_ids)
+        job = self.start_prefill(session, token_ids, prefix_key)
         return job.step(job.remaining)
 
     @torch.inference_mode()

@@ -1,0 +1,120 @@
+"""PrefixCache: full KV blocks of prompts, reused by later prompts that start with the same tokens.
+
+Keys. Block i of a prompt (positions iP .. iP + P - 1, P the KV block size) is keyed by the chain hash
+
+    h_0 = SHA-256(namespace),   h_{i+1} = SHA-256(h_i || tokens of block i)
+
+so a key names a block's tokens AND everything before them, and the namespace (``namespace()``: the
+caller's API key and its ``cache_salt``, or the salt alone under global sharing) keeps one tenant's
+blocks out of every other tenant's chains. A block's keys and values depend on nothing else: prefill is
+dense attention for every method, so one cached block serves sessions of any method.
+
+What is cached. Only blocks a session's FIRST prefill computed (or mapped from the cache): their keys
+and values are a dense prefill of the tokens before them. Positions a decode step wrote went through the
+session's method (sparse for ReTopK) and are never registered, nor anything after them.
+
+Lifecycle of a cached block (KVPool holder counts; the cache is one holder):
+  registered   at the end of a first prefill, the cache takes a reference to each full block
+  mapped       a later prompt's session shares the run of cached blocks its prompt starts with (``lookup``)
+  idle         every session released it: the cache alone holds it; it stays until the budget needs it
+  evicted      least recently used first, only idle blocks (``evict``), before any idle session is evicted
+A cached block is full, and sessions only append, so no one ever writes into it; the first block a
+prompt does not share is a new block of its own, filled by its prefill.
+
+Exactness (``ModelRunner.cached_prefix``): a hit covers a multiple of the prefill grid, lcm(block size,
+prefill chunk), so the rest of the prompt is prefilled in the very chunks (same shapes, same inputs) that
+a prefill of the whole prompt uses; and it leaves the prompt's last ``prefill_queries`` tokens uncached,
+so the method observes the same last queries. The method state after a hit therefore equals a full
+prefill's bit for bit, provided the cached blocks were themselves prefilled in whole chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from retopk_server.runtime.kv_pool import KVPool
+
+# Longest ``cache_salt`` a request may set (characters); the service refuses longer ones.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def namespace(owner: str, salt: str = "", shared: bool = False) -> bytes:
+    """The root of a request's chains: its owner (an API key's name, "" anonymous) and ``salt``, or only the salt
+    when the server shares its cache across keys. Length-prefixed, so no two (owner, salt) pairs collide."""
+    parts = ("" if shared else owner, salt)
+    return b"".join(len(p.encode()).to_bytes(4, "little") + p.encode() for p in parts)
+
+
+def block_hashes(root: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chain hash of each FULL block of ``token_ids`` (len // block_size of them), from ``root``."""
+    out, h = [], hashlib.sha256(root).digest()
+    for i in range(len(token_ids) // block_size):
+        h = hashlib.sha256(h + array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()).digest()
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    """Chain hash -> KV block id, least recently used first. Engine thread only (as the runner)."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._blocks: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def idle_blocks(self) -> int:
+        """Cached blocks no session holds (what ``evict`` can give back)."""
+        return sum(1 for b in self._blocks.values() if self.pool.holders(b) == 1)
+
+    def lookup(self, hashes: list[bytes], most: int, multiple: int = 1) -> list[int]:
+        """The block ids of the longest run of ``hashes[:most]`` that is cached, cut to a multiple of ``multiple``
+        blocks, each with a new holder (the caller's session: release them as its own), marked recently used."""
+        run = []
+        for h in hashes[:most]:
+            block = self._blocks.get(h)
+            if block is None:
+                break
+            run.append(block)
+        del run[len(run) // multiple * multiple:]
+        self._touch(hashes[:len(run)])
+        return self.pool.share(run)
+
+    def insert(self, hashes: list[bytes], blocks: list[int]) -> None:
+        """Cache ``blocks`` (full, prefilled) under ``hashes``: the cache becomes one more holder of each block
+        it did not have under that hash (a hash cached already keeps its block)."""
+        for h, block in zip(hashes, blocks, strict=True):
+            if h not in self._blocks:
+                self._blocks[h] = self.pool.share([block])[0]
+        self._touch(hashes)
+
+    def _touch(self, hashes: list[bytes]) -> None:
+        # deepest first, so that a block is never older than the blocks after it in its chain: eviction,
+        # oldest first, takes a chain's tail before its head and leaves no unreachable block behind
+        for h in reversed(hashes):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+
+    def evict(self, n: int | None = None) -> int:
+        """Give back up to ``n`` (None: every) idle cached blocks to the pool, least recently used first ->
+        how many. A block some session holds is never evicted."""
+        gone = []
+        for h, block in self._blocks.items():
+            if n is not None and len(gone) >= n:
+                break
+            if self.pool.holders(block) == 1:
+                gone.append(h)
+        for h in gone:
+            self.pool.release([self._blocks.pop(h)])
+        return len(gone)
+
+    def clear(self) -> int:
+        """Drop every entry (the blocks stay with the sessions that hold them) -> how many entries."""
+        n = len(self._blocks)
+        self.pool.release(list(self._blocks.values()))
+        self._blocks.clear()
+        return n
