@@ -130,6 +130,12 @@ OPTIONS: tuple[Option, ...] = (
                                                    "are evicted, least recently used first", "BYTES"),
     Option("kv_cache_fraction", float, "share of the free device memory (CPU: available RAM) the cache budget "
                                        "takes when --kv-cache-bytes is none", "F"),
+    Option("prefix_cache", parse_bool, "reuse the KV blocks of a prompt's start that an earlier prompt of the same "
+                                       "API key (and cache_salt) prefilled; idle cached blocks go first when the "
+                                       "cache budget is short (false = prefill every prompt whole)", "BOOL"),
+    Option("prefix_cache_shared", parse_bool, "share cached prefixes across API keys (single-tenant deployments: "
+                                              "a prompt's time to first token reveals whether another key sent "
+                                              "the same start; cache_salt still separates)", "BOOL"),
     Option("max_queue", int, "requests waiting for admission; beyond it Generate is RESOURCE_EXHAUSTED"),
     Option("max_running", int, "requests decoded together in one batch"),
     Option("max_sessions", int, "open sessions; beyond it CreateSession is RESOURCE_EXHAUSTED"),

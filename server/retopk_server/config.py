@@ -34,10 +34,10 @@ class ServerConfig:
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
     model, device, weights, kv_dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size, kv_cache_bytes,
-    kv_cache_fraction     the model runtime's settings: documented in, and defaulting to, RuntimeConfig
+    kv_cache_fraction, prefix_cache  the model runtime's settings: documented in, and defaulting to, RuntimeConfig
     method, method_params default attention method of requests and sessions that name none
     max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens,
-    max_step_tokens       the engine's limits: documented in, and defaulting to, EngineConfig
+    max_step_tokens, prefix_cache_shared  the engine's limits: documented in, and defaulting to, EngineConfig
     session_idle_timeout_s  a named session unused for this long is closed (None: never; the engine's own
                           default is None, a server's one hour)
     watchdog_timeout_s    with work pending, the engine loop stuck in one iteration this long means a hung engine
@@ -89,6 +89,8 @@ class ServerConfig:
     kv_block_size: int = RuntimeConfig.kv_block_size
     kv_cache_bytes: int | None = RuntimeConfig.kv_cache_bytes
     kv_cache_fraction: float = RuntimeConfig.kv_cache_fraction
+    prefix_cache: bool = RuntimeConfig.prefix_cache
+    prefix_cache_shared: bool = EngineConfig.prefix_cache_shared
     max_queue: int = EngineConfig.max_queue
     max_running: int = EngineConfig.max_running
     max_sessions: int = EngineConfig.max_sessions
@@ -123,8 +125,9 @@ class ServerConfig:
             check_int(name, getattr(self, name), low=0)
             if getattr(self, name) > 65535:
                 raise ParamError(name, f"{name} must be an integer in [0, 65535], got {getattr(self, name)!r}")
-        if not isinstance(self.metrics_per_head, bool):
-            raise ValueError(f"metrics_per_head must be true or false, got {self.metrics_per_head!r}")
+        for name in ("metrics_per_head", "prefix_cache", "prefix_cache_shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict, got {self.method_params!r}")
         check_number("drain_grace_s", self.drain_grace_s, low=0)
@@ -187,11 +190,11 @@ class ServerConfig:
                              default_method=self.method_spec(), max_context=self.max_context,
                              rope_scaling=self.rope_scaling, prefill_chunk=self.prefill_chunk,
                              kv_block_size=self.kv_block_size, kv_cache_bytes=self.kv_cache_bytes,
-                             kv_cache_fraction=self.kv_cache_fraction)
+                             kv_cache_fraction=self.kv_cache_fraction, prefix_cache=self.prefix_cache)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,
                             max_prompt_tokens=self.max_prompt_tokens, max_new_tokens=self.max_new_tokens,
                             default_max_new_tokens=self.default_max_new_tokens, max_step_tokens=self.max_step_tokens,
                             session_idle_timeout_s=self.session_idle_timeout_s,
-                            watchdog_timeout_s=self.watchdog_timeout_s)
+                            watchdog_timeout_s=self.watchdog_timeout_s, prefix_cache_shared=self.prefix_cache_shared)

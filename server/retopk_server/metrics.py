@@ -37,6 +37,13 @@ Traffic and load
   query-support FIFOs and the other methods' state), retopk_cache_budget_bytes (the budget both share,
   --kv-cache-bytes), retopk_sessions_evicted_total (idle sessions closed to make room in it),
   retopk_model_info{architecture,layers,heads,...,weight_format,kv_dtype} = 1
+Prefix cache (runtime/prefix_cache.py)
+  retopk_prefix_cache_lookup_tokens_total  prompt tokens looked up (a session's first prompt, cache on)
+  retopk_prefix_cache_hit_tokens_total     of them, the tokens whose KV blocks came from the cache
+        hit rate:  rate(retopk_prefix_cache_hit_tokens_total[5m]) / rate(retopk_prefix_cache_lookup_tokens_total[5m])
+  retopk_prefix_cache_blocks               KV blocks the cache holds (shared with sessions or not)
+  retopk_prefix_cache_bytes{kind=held|idle}  their bytes; idle: held by the cache alone (evicted first, least
+                                           recently used, when the budget is short)
 The process (prometheus_client's ProcessCollector, on Linux): process_resident_memory_bytes,
   process_virtual_memory_bytes, process_cpu_seconds_total, process_open_fds, process_start_time_seconds
 Router-facing load (plain gauges a gateway or the Gateway API Inference Extension's endpoint picker scores
@@ -311,13 +318,22 @@ class Metrics:
         self.query_bytes = Gauge(PREFIX + "query_cache_bytes", "Method-state bytes (ReTopK's query-support "
                                  "caches): held by sessions (used) or allocated (reserved).", [*m, "kind"],
                                  registry=r)
+        self.prefix_lookup = Counter(PREFIX + "prefix_cache_lookup_tokens", "Prompt tokens looked up in the "
+                                     "prefix cache.", m, registry=r)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens whose KV blocks came from the "
+                                   "prefix cache.", m, registry=r)
+        self.prefix_blocks = Gauge(PREFIX + "prefix_cache_blocks", "KV blocks the prefix cache holds.", m,
+                                   registry=r)
+        self.prefix_bytes = Gauge(PREFIX + "prefix_cache_bytes", "Bytes of the KV blocks the prefix cache holds "
+                                  "(held), of them held by the cache alone (idle).", [*m, "kind"], registry=r)
         self.model_info = Gauge(PREFIX + "model_info", "The served model (value 1).",
                                 [*m, "architecture", "layers", "heads", "kv_heads", "head_dim", "device",
                                  "backend", "default_method", "weight_format", "kv_dtype"], registry=r)
 
 
 _MODEL_ONLY = ("exact_share", "running", "waiting", "kv_utilization", "cache_budget", "evictions", "prompt_tokens",
-               "generation_tokens", "ttft", "tpot", "e2e", "queue_wait", "prefill", "step", "batch")
+               "prefix_lookup", "prefix_hits", "prefix_blocks", "generation_tokens", "ttft", "tpot", "e2e",
+               "queue_wait", "prefill", "step", "batch")
 
 
 class MetricsObserver(EngineObserver):
@@ -375,6 +391,10 @@ class MetricsObserver(EngineObserver):
     def on_prefill(self, request, num_tokens: int, seconds: float) -> None:
         self._one["prompt_tokens"].inc(num_tokens)
         self._one["prefill"].observe(seconds)
+
+    def on_prefix_lookup(self, request, num_tokens: int, cached_tokens: int) -> None:
+        self._one["prefix_lookup"].inc(num_tokens)
+        self._one["prefix_hits"].inc(cached_tokens)
 
     def on_first_token(self, request, seconds: float) -> None:
         self._one["ttft"].observe(seconds)
@@ -450,6 +470,9 @@ class MetricsObserver(EngineObserver):
             self._one["kv_utilization"].set(min(1.0, usage.kv_used / usage.kv_reserved) if usage.kv_reserved else 0.0)
         self._one["cache_budget"].set(usage.budget)
         m.query_bytes.labels(model, "reserved").set(usage.method_state_reserved)
+        self._one["prefix_blocks"].set(usage.prefix_cache_blocks)
+        m.prefix_bytes.labels(model, "held").set(usage.prefix_cache_bytes)
+        m.prefix_bytes.labels(model, "idle").set(usage.prefix_cache_idle_bytes)
 
     def on_session_opened(self, session_id: str, ephemeral: bool) -> None:
         self._count_session(ephemeral, +1)

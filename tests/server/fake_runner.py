@@ -203,8 +203,8 @@ class FakeRunner:
         session.blocks += list(range(self._next_block, self._next_block + need))
         self._next_block += need
 
-    def start_prefill(self, session: Session, token_ids: list[int]) -> FakePrefill:
-        self._touch()
+    def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> FakePrefill:
+        self._touch()  # no prefix cache: a fake prefill costs nothing
         if not token_ids:
             raise ValueError("token_ids must not be empty")
         self.reserve(session, session.length + len(token_ids))
@@ -251,6 +251,7 @@ class FakePrefill:
         self.runner, self.session, self.token_ids = runner, session, token_ids
         self.begin = self.pos = session.length
         self.end = self.begin + len(token_ids)
+        self.cached = self.looked_up = 0
 
     @property
     def remaining(self) -> int:

@@ -9,8 +9,10 @@ passed (running, queued, being prefilled), then feed prompts with the iteration'
 (``max_step_tokens`` minus one token per running request): the next chunk of the request being admitted
 and, once it is in (its first token sampled, the request joins the batch), the next queued requests
 while the batch has room. Admission opens or takes the session and reserves KV blocks for the whole
-prompt (runner.start_prefill); under memory pressure idle sessions are evicted least recently used
-first (sessions.with_room), and a prompt that still does not fit is RESOURCE_EXHAUSTED. Before the
+prompt (runner.start_prefill, which maps the blocks of its start that the prefix cache holds under the
+request's namespace: its key and cache_salt, runtime/prefix_cache.py); under memory pressure idle
+sessions are evicted least recently used first (sessions.with_room; the runner gave back the cache's
+idle blocks before), and a prompt that still does not fit is RESOURCE_EXHAUSTED. Before the
 decode step, ``_reserve_decode`` reserves each running request's next KV block by the same rule.
 
 A queued request whose client cancels ends at once, from the asyncio thread (``RequestStream.cancel`` ->
@@ -25,6 +27,7 @@ import time
 from retopk_server.engine.faults import request_error
 from retopk_server.engine.requests import EngineError, ErrorCode
 from retopk_server.engine.turn import ActiveRequest
+from retopk_server.runtime.prefix_cache import namespace
 
 log = logging.getLogger("retopk_server.engine")
 
@@ -102,10 +105,14 @@ class Admission:
             r.record = self.sessions.take(r.session_id, r.spec.owner)
             r.method = r.record.session.method
         feed = r.feed(runner, self.config.max_prompt_tokens)
+        key = namespace(r.spec.owner, r.spec.cache_salt, self.config.prefix_cache_shared)
         try:
-            r.job = self.sessions.with_room(r.spec.input_field, runner.start_prefill, r.record.session, feed)
+            r.job = self.sessions.with_room(r.spec.input_field, runner.start_prefill, r.record.session, feed, key)
         except ValueError as e:  # ContextTooLong and friends, raised before the cache is touched
             raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{r.spec.input_field}: {e}") from None
+        r.cached_tokens = r.job.cached
+        if r.job.looked_up:
+            self._hook("on_prefix_lookup", r, r.job.looked_up, r.job.cached)
 
     def _prefill_chunk(self, r: ActiveRequest, budget: int) -> int:
         """Feed up to ``budget`` of the admitted request's prompt tokens -> how many; with the last one in,

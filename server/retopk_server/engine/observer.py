@@ -29,6 +29,10 @@ class EngineObserver:
     def on_prefill(self, request, num_tokens: int, seconds: float) -> None:
         """A request's new tokens went through the model."""
 
+    def on_prefix_lookup(self, request, num_tokens: int, cached_tokens: int) -> None:
+        """A request's ``num_tokens`` prompt tokens were looked up in the prefix cache, its first ``cached_tokens``
+        of them found (runtime/prefix_cache.py)."""
+
     def on_first_token(self, request, seconds: float) -> None:
         """A request produced its first token, ``seconds`` after it arrived (time to first token)."""
 

@@ -73,6 +73,8 @@ class EngineConfig:
     watchdog_timeout_s      with work pending, a loop iteration that has not ended after this long means the
                             engine thread hangs: the engine fails (engine/supervision.py; None: no watchdog).
                             Far above the longest legitimate iteration, which ``max_step_tokens`` bounds
+    prefix_cache_shared     cached prompt prefixes are shared by every caller (only ``cache_salt`` separates
+                            them); False: by the requests of one API key (runtime/prefix_cache.py ``namespace``)
     """
 
     max_queue: int = 64
@@ -86,6 +88,7 @@ class EngineConfig:
     idle_wait_s: float = 0.5
     session_idle_timeout_s: float | None = None
     watchdog_timeout_s: float | None = 300.0
+    prefix_cache_shared: bool = False
 
     def __post_init__(self) -> None:
         for name in ("session_idle_timeout_s", "watchdog_timeout_s"):
@@ -106,6 +109,8 @@ class EngineConfig:
                              f"got {self.default_max_new_tokens}")
         if not self.idle_wait_s > 0:
             raise ValueError(f"idle_wait_s must be positive, got {self.idle_wait_s!r}")
+        if not isinstance(self.prefix_cache_shared, bool):
+            raise ValueError(f"prefix_cache_shared must be True or False, got {self.prefix_cache_shared!r}")
 
 
 MAX_TOP_LOGPROBS = 20
@@ -185,6 +190,7 @@ class GenerationRequest:
     tools: list[dict] | None = None
     tool_choice: str = "auto"  # "none", "auto", "required" or "function"
     tool_function: str | None = None  # with tool_choice "function": the function's name
+    cache_salt: str = ""  # separates this request's cached prefixes from those of other salts (prefix_cache.py)
 
     def check_n(self) -> None:
         """INVALID_ARGUMENT naming ``n`` when it is out of range or above 1 in a named session."""
@@ -214,6 +220,7 @@ class Usage:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     session_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV blocks came from the prefix cache
 
 
 @dataclass

@@ -72,9 +72,10 @@ class Runner(Protocol):
         (runtime/budget.py; nothing allocated) when the cache budget cannot hold it."""
         ...
 
-    def start_prefill(self, session: Session, token_ids: list[int]) -> PrefillJob:
+    def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
         """Check ``token_ids`` and reserve their KV room -> the job that feeds them; ValueError or
-        BudgetExceeded with nothing changed."""
+        BudgetExceeded with nothing changed. ``prefix_key``: the prefix cache's namespace for a session's first
+        prefill (runtime/prefix_cache.py); the job's ``cached`` counts the prompt tokens the cache supplied."""
         ...
 
     def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:

@@ -56,6 +56,7 @@ class ActiveRequest:
         self.text_parts: list[str] = []
         self.last_token = -1
         self.prefill_s = 0.0
+        self.cached_tokens = 0  # of the fed tokens, those the prefix cache supplied (runtime/prefix_cache.py)
         self.job = None  # the runner's PrefillJob while the prompt is fed (runtime/prefill.py)
         self.sampler: Sampler | None = None
         self.stop: StopChecker | None = None
@@ -171,7 +172,7 @@ class ActiveRequest:
         child.index, child.record, child.method = index, record, self.method
         child.arrived, child.admitted, child.prefilled, child.prefill_s = (self.arrived, self.admitted,
                                                                           self.prefilled, self.prefill_s)
-        child.prompt_ids, child.context_ids = self.prompt_ids, self.context_ids
+        child.prompt_ids, child.context_ids, child.cached_tokens = self.prompt_ids, self.context_ids, self.cached_tokens
         return child
 
     # ---- finish --------------------------------------------------------------------------------------
@@ -224,7 +225,7 @@ class ActiveRequest:
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), generated_tokens=len(self.generated),
-                     session_tokens=self.record.num_tokens)
+                     session_tokens=self.record.num_tokens, cached_tokens=min(self.cached_tokens, len(self.prompt_ids)))
 
     def remember_turn(self) -> None:
         """Keep what the next turn needs in the session: the unfed last token, the chat, the turn count."""

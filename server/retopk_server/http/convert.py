@@ -312,6 +312,8 @@ def generate_message(body: Body, vocab_size: int, max_new_tokens: int | None = N
              else "max_tokens", None if max_new_tokens is None else (1, max_new_tokens))
     if body.stop is not None:
         message.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.cache_salt is not None:
+        message.cache_salt = body.cache_salt
     for name in _OPENAI_SAMPLING:
         if (value := getattr(body, name)) is not None:
             _set(message.sampling, name, value, name)
@@ -361,10 +363,13 @@ def finish_reason(response: pb.GenerateResponse) -> str | None:
 
 
 def usage(*finals: pb.GenerateResponse) -> dict:
-    """OpenAI usage of a request from the last response of each of its choices: the prompt counted once."""
+    """OpenAI usage of a request from the last response of each of its choices: the prompt counted once, with the
+    prompt tokens the prefix cache supplied (``prompt_tokens_details.cached_tokens``)."""
     prompt = finals[0].usage.prompt_tokens if finals else 0
+    cached = finals[0].usage.cached_prompt_tokens if finals else 0
     completion = sum(r.usage.generated_tokens for r in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def tool_call_deltas(response: pb.GenerateResponse) -> list[dict] | None:

@@ -73,6 +73,7 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
+    cache_salt: str | None = None  # vLLM's: separates this request's cached prefixes (GenerateRequest.cache_salt)
     retopk: RetopkOptions | None = None
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 class PrefillJob:
     """begin, end: the session's length before and after the prompt; ``pos`` the next position to feed;
     cached: the prompt's tokens that came from the prefix cache (positions begin .. begin + cached - 1);
+    looked_up: the prompt's tokens the cache was asked for (its length when it was, else 0);
     hashes: the chain hashes of the prompt's full blocks to cache once it is in (None: do not cache)."""
 
     def __init__(self, runner: ModelRunner, session: Session, token_ids: list[int], begin: int | None = None,
@@ -38,6 +39,7 @@ class PrefillJob:
         self.begin = session.length if begin is None else begin
         self.pos = session.length
         self.cached = self.pos - self.begin
+        self.looked_up = len(token_ids) if hashes is not None else 0
         self.end = self.begin + len(token_ids)
         self.group = runner._groups[session.method]
         self.table = runner.pool.block_table([session.blocks], runner.device)

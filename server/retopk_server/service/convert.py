@@ -28,6 +28,7 @@ from retopk_server.engine.sessions import SessionSnapshot
 from retopk_server.engine.tools import forced_schema
 from retopk_server.runtime.constraints import ConstraintLimits, ConstraintSpec, json_depth, parse_schema
 from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.prefix_cache import MAX_CACHE_SALT_CHARS
 from retopk_server.runtime.sampling import SamplingParams
 from retopk_server.runtime.sampling_defaults import resolve, resolved_fields
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
@@ -365,6 +366,11 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
         if message.n > 1 and spec.session_id is not None:
             raise InvalidArgument("n", "must be 1 with session_id (a session continues one conversation)")
         spec.n = message.n
+    if message.HasField("cache_salt"):
+        if len(message.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgument("cache_salt", f"must be at most {MAX_CACHE_SALT_CHARS} characters, got "
+                                                f"{len(message.cache_salt)}")
+        spec.cache_salt = message.cache_salt
     return spec
 
 
@@ -394,7 +400,7 @@ def generate_response(event: TokenEvent, request_id: str) -> pb.GenerateResponse
         out.finish_reason = _FINISH[event.finish_reason]
         u, t = event.usage, event.timings
         out.usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens, generated_tokens=u.generated_tokens,
-                                    session_tokens=u.session_tokens))
+                                    session_tokens=u.session_tokens, cached_prompt_tokens=u.cached_tokens))
         out.timings.CopyFrom(pb.Timings(queue_seconds=t.queue_s, prefill_seconds=t.prefill_s,
                                         time_to_first_token_seconds=t.time_to_first_token_s,
                                         decode_seconds=t.decode_s, total_seconds=t.total_s))

@@ -33,6 +33,7 @@ from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStr
 from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.constraints import ConstraintError
+from retopk_server.runtime.prefix_cache import MAX_CACHE_SALT_CHARS
 from retopk_server.service import convert
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
@@ -382,7 +383,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         bounds = self.engine.config.constraints
         limits.MergeFrom(pb.Limits(max_constraint_chars=bounds.max_chars, max_constraint_depth=bounds.max_depth,
                                    constraint_compile_timeout_ms=round(bounds.compile_timeout_s * 1000),
-                                   max_n=MAX_N, max_tools=MAX_TOOLS))
+                                   max_n=MAX_N, max_tools=MAX_TOOLS, max_cache_salt_chars=MAX_CACHE_SALT_CHARS))
         limits.MergeFrom(pb.Limits(**self.limits.reported()))
         return pb.ModelInfo(name=info.name, architecture=info.architecture, num_layers=info.num_layers,
                             num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
