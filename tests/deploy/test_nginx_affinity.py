@@ -5,7 +5,8 @@ from a temporary prefix (pid, logs and temp paths there; nothing needs root), lo
 - 20 sessions x 3 chat turns through nginx with the SDK: every request of a session reaches one
   replica (nginx's access log names the upstream of each request; the session lives on that replica
   only), and each later turn prefills only its new tokens (usage), never the conversation again.
-- Requests without a session carry no x-session-id and spread over every replica.
+- Requests without a session carry no x-session-id and spread over every replica; those naming a shared
+  prompt start with x-prefix-key all reach one replica, whose prefix cache serves that start.
 - One replica killed (SIGKILL) after turn 2: its sessions answer NOT_FOUND through nginx (the next
   replica on the hash ring does not hold them), the SDK's replay (Session(replay=True)) continues each
   of them in a new session on a live replica with the whole conversation, and every other session's
@@ -17,6 +18,7 @@ Skips only where no nginx binary exists; `make test` installs it (scripts/instal
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -25,10 +27,13 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from retopk_client import Client, NotFound, RetryPolicy
 from retopk_client.client import Session
+from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from tests._live_server import free_port, launch_servers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -146,6 +151,27 @@ def holder(servers, session_id: str) -> list[int]:
             except NotFound:
                 pass
     return out
+
+
+def test_requests_naming_a_prefix_key_reach_the_replica_that_caches_it(cluster):
+    """x-prefix-key (routing.conf): every request naming the key lands on one replica, whose prefix cache then
+    serves the shared 600-token start to all but the first; the same requests without the key spread over the
+    replicas (least_conn) and each replica's first one prefills the start again."""
+    _, router, _ = cluster
+    rng = random.Random(30)
+
+    def cached(document: list[int], i: int, key: str | None) -> int:
+        ids = document + [rng.randrange(100, 40000) for _ in range(100)]
+        metadata = (("x-prefix-key", key),) if key else ()
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=1)
+        return list(stub.Generate(request, metadata=metadata, timeout=300))[-1].usage.cached_prompt_tokens
+
+    with grpc.insecure_channel(router) as channel:
+        stub = pb_grpc.ReTopKServiceStub(channel)
+        keyed, spread = ([rng.randrange(100, 40000) for _ in range(600)] for _ in range(2))
+        # two blocks of 256 = one prefill chunk; the default method prefills its last 128 tokens in any case
+        assert [cached(keyed, i, "doc-1") for i in range(5)] == [0, 512, 512, 512, 512]
+        assert [cached(spread, i, None) for i in range(5)].count(0) >= 2
 
 
 def test_sessions_stick_to_one_replica_spread_sessionless_and_survive_a_killed_replica(cluster):
