@@ -65,11 +65,13 @@ def test_router_mounts_the_nginx_files_and_waits_for_healthy_replicas():
     assert listen and router["ports"] == [f"{listen.group(1)}:{listen.group(1)}"]
 
 
-def test_routing_hashes_the_session_header_and_balances_the_rest():
+def test_routing_hashes_the_session_header_then_the_prefix_key_and_balances_the_rest():
     routing = (NGINX / "routing.conf").read_text()
-    assert re.search(r"upstream retopk_affinity \{\s*hash \$http_x_session_id consistent;", routing)
+    assert re.search(r"upstream retopk_affinity \{\s*hash \$retopk_affinity_key consistent;", routing)
     assert re.search(r"upstream retopk_balanced \{\s*least_conn;", routing)
-    assert re.search(r'map \$http_x_session_id \$retopk_upstream \{\s*""\s+retopk_balanced;'
+    assert re.search(r'map \$http_x_session_id \$retopk_affinity_key \{\s*""\s+\$http_x_prefix_key;'
+                     r'\s*default\s+\$http_x_session_id;', routing)
+    assert re.search(r'map \$retopk_affinity_key \$retopk_upstream \{\s*""\s+retopk_balanced;'
                      r'\s*default\s+retopk_affinity;', routing)
     assert "grpc_pass grpc://$retopk_upstream;" in (NGINX / "grpc-proxy.conf").read_text()
 
