@@ -385,14 +385,12 @@ class ModelRunner:
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
         self._ensure_slots(session)
-        begin, hashes = session.length, None
+        begin, hashes, P = session.length, None, self.pool.block_size
         if prefix_key is not None and self.prefix_cache is not None and begin == 0:
-            hashes = block_hashes(prefix_key, token_ids, self.pool.block_size)
-            P = self.pool.block_size
+            hashes = block_hashes(prefix_key, token_ids, P)
             blocks = self.prefix_cache.lookup(hashes, self.cached_prefix(session, len(token_ids)) // P,
                                               self.prefill_grid // P)
-            session.blocks = blocks
-            session.token_ids = token_ids[:len(blocks) * self.pool.block_size]
+            session.blocks, session.token_ids = blocks, token_ids[:len(blocks) * P]
         try:
             self.reserve(session, begin + len(token_ids))
         except BaseException:
@@ -404,10 +402,10 @@ class ModelRunner:
 
     def cached_prefix(self, session: Session, length: int) -> int:
         """The most tokens of a ``length``-token first prompt of ``session`` that may come from the prefix cache:
-        a multiple of the prefill grid (``prefill_grid``), so that the rest is prefilled in the
-        same chunks as the whole prompt would be, that leaves the prompt's last max(1, prefill_queries) tokens
-        to prefill: the method observes their queries (ReTopK seeds its FIFO from them) and the last one's
-        logits are the prefill's result."""
+        a multiple of the prefill grid (``prefill_grid``), so that the rest is prefilled in the same chunks as
+        the whole prompt would be, that leaves the prompt's last max(1, prefill_queries) tokens to prefill: the
+        method observes their queries (ReTopK seeds its FIFO from them) and the last one's logits are the
+        prefill's result."""
         keep = max(1, self._groups[session.method].method.prefill_queries)
         return max(0, length - keep) // self.prefill_grid * self.prefill_grid
 
