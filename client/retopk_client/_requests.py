@@ -59,6 +59,7 @@ def generate_request(
     tool_choice: str | Mapping[str, Any] | None = None,
     n: int | None = None,
     chat_history: bool = False,
+    cache_salt: str | None = None,
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for one call; exactly one of prompt, messages, token_ids must be given.
@@ -89,7 +90,8 @@ def generate_request(
         # a turn of a session carries an id of its own, so that a retry of it is answered once (the server's
         # engine/idempotency.py) instead of running twice into the session
         request_id = uuid.uuid4().hex
-    for name, value in (("request_id", request_id), ("session_id", session_id), ("max_new_tokens", max_new_tokens)):
+    for name, value in (("request_id", request_id), ("session_id", session_id), ("max_new_tokens", max_new_tokens),
+                        ("cache_salt", cache_salt)):
         if value is not None:
             _set_field(req, name, value, name)
     samp = sampling_from(sampling, sampling_kwargs)

@@ -226,8 +226,9 @@ class AsyncClient:
     def generate(self, prompt: str | None = None, *, timeout: float | None | object = DEFAULT,
                  **kwargs: Any) -> AsyncGenerateStream:
         """Stream a completion (same arguments as ``Client.generate``); iterate with ``async for``."""
+        prefix_key = kwargs.pop("prefix_key", None)
         request = _requests.generate_request(prompt, **kwargs)
-        metadata = self.config.metadata(kwargs.get("session_id"))
+        metadata = self.config.metadata(kwargs.get("session_id"), prefix_key)
         return AsyncGenerateStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
             self.config.retry,

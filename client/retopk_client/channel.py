@@ -13,6 +13,9 @@ from retopk_client.retry import RetryPolicy
 # gRPC metadata naming the session a call acts on: the affinity key routers hash to keep a session on the
 # replica holding its caches (docs/deploy.md). Sent on every rpc that names a session, on no other.
 SESSION_METADATA = "x-session-id"
+# gRPC metadata naming the shared start of a sessionless request's prompt (a document, a system prompt): routers
+# hash it so that such requests reach the replica whose prefix cache holds that start (docs/deploy.md).
+PREFIX_METADATA = "x-prefix-key"
 
 # Step statistics of long generations can be large; the gRPC default receive limit is 4 MiB.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -66,10 +69,13 @@ class ClientConfig:
             tls=tls, ca=ca, cert=cert, key=key,
         )
 
-    def metadata(self, session_id: str | None = None) -> tuple[tuple[str, str], ...]:
-        """The call's metadata: the API key when set, and ``x-session-id`` when the call names a session."""
+    def metadata(self, session_id: str | None = None, prefix_key: str | None = None) -> tuple[tuple[str, str], ...]:
+        """The call's metadata: the API key when set, and ``x-session-id`` when the call names a session, else
+        ``x-prefix-key`` when it names a shared prompt start (a session routes by its id alone)."""
         auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
-        return (*auth, (SESSION_METADATA, session_id)) if session_id else auth
+        if session_id:
+            return (*auth, (SESSION_METADATA, session_id))
+        return (*auth, (PREFIX_METADATA, prefix_key)) if prefix_key else auth
 
     def channel_options(self) -> list[tuple[str, object]]:
         return [

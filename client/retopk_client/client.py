@@ -252,12 +252,16 @@ class Client:
         ``constraint=Constraint.json_schema({...})`` (or ``json_object()``, ``regex(...)``, ``grammar(...)``);
         ``tools=[Tool(...) or OpenAI-style mappings]`` with ``tool_choice`` ("none", "auto", "required" or
         {"name": ...}; calls arrive in ``Chunk.tool_calls`` / ``Completion.tool_calls``); ``n`` choices of one
-        prompt (chunks name their ``index``; ``stream.completions()`` gathers one Completion per choice).
+        prompt (chunks name their ``index``; ``stream.completions()`` gathers one Completion per choice);
+        ``cache_salt`` (the prefix cache shares a prompt's start only among requests of one key and salt) and
+        ``prefix_key`` (sent as ``x-prefix-key``: a router sends requests that name one shared prompt start to
+        one replica, whose prefix cache then holds it; docs/deploy.md).
         Unset sampling fields take the server's defaults (``ModelInfo.default_sampling``); ``temperature=0``
         is greedy. ``timeout`` bounds the whole stream.
         """
+        prefix_key = kwargs.pop("prefix_key", None)
         request = _requests.generate_request(prompt, **kwargs)
-        metadata = self.config.metadata(kwargs.get("session_id"))
+        metadata = self.config.metadata(kwargs.get("session_id"), prefix_key)
         return GenerateStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
             self.config.retry,

@@ -441,6 +441,7 @@ class Usage(_Dictable):
     prompt_tokens: int
     generated_tokens: int
     session_tokens: int
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the server's prefix cache supplied
 
 
 @dataclass(frozen=True)

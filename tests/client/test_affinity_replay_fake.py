@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from retopk_client import AsyncClient, Client, RetryPolicy, errors
+from retopk_client.types import Usage
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from tests.client.fake_service import FakeServer
 
@@ -46,6 +47,26 @@ def test_session_calls_carry_the_session_id_and_others_none(fake):
     assert keys(fake) == [("GetModelInfo", None), ("Generate", None), ("CreateSession", sid), ("Generate", sid),
                           ("GetSession", sid), ("CloseSession", sid), ("CreateSession", "mine")]
     assert [r.session_id for r in fake.service.generate_requests] == ["", sid]
+
+
+def test_a_prefix_key_travels_as_x_prefix_key_on_sessionless_calls_only(fake):
+    """The routing key of a shared prompt start (docs/deploy.md), and the cache salt in the body; usage's cached
+    prompt tokens come back typed."""
+    with Client(fake.address, retry=FAST, timeout=30) as client:
+        done = client.complete("a document", prefix_key="doc-1", cache_salt="s")
+        with client.session() as s:
+            s.complete("one", prefix_key="doc-1")  # a session routes by its id alone
+
+    async def main():
+        async with AsyncClient(fake.address, retry=FAST, timeout=30) as client:
+            await client.complete("again", prefix_key="doc-2")
+
+    asyncio.run(main())
+    routed = [(name, md.get("x-prefix-key"), md.get(KEY)) for name, md in fake.service.calls if name == "Generate"]
+    assert routed == [("Generate", "doc-1", None), ("Generate", None, s.id), ("Generate", "doc-2", None)]
+    assert [r.cache_salt for r in fake.service.generate_requests] == ["s", "", ""]
+    assert done.usage.cached_prompt_tokens == 0 and done.usage.prompt_tokens == 1
+    assert Usage.from_proto(pb.Usage(prompt_tokens=9, cached_prompt_tokens=8)).cached_prompt_tokens == 8
 
 
 def test_async_session_calls_carry_the_session_id(fake):
