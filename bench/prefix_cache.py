@@ -10,7 +10,7 @@
 
 Each setting runs on its own runner (``prefix_cache`` on / off: the server's ``--prefix-cache``) over
 the same weights, through the real engine (admission, chunked prefill within --max-step-tokens, batched
-decode), greedy, one after the other. The document and the system prompt are spans of the corpus
+decode), greedy; the settings take turns round by round. The document and the system prompt are spans of the corpus
 (default: the King James Bible of Debian's bible-kjv, as bench/eval uses).
 
     python -m bench.prefix_cache --threads 1
@@ -63,12 +63,13 @@ def _greedy():
     return SamplingParams(temperature=0.0)
 
 
-def document_questions(engine, doc: list[int], rounds: int, encode) -> list[dict]:
-    """Workload 1 on ``engine``: per round, TTFT of the first and of the second question."""
+def document_questions(engine, doc: list[int], rounds: int, encode, first_round: int = 0) -> list[dict]:
+    """Workload 1 on ``engine``: per round, TTFT of the first and of the second question (each round under a
+    salt of its own: its first question finds nothing cached)."""
     questions = ("\n\nQuestion: Who is named first in this text, and what did he do?\nAnswer:",
                  "\n\nQuestion: Summarise the last paragraph in one sentence.\nAnswer:")
     rows = []
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         ttft, cached = [], []
         for i, q in enumerate(questions):
             final = asyncio.run(_request(engine, request_id=f"doc{r}-{i}", token_ids=doc + encode(q),
@@ -114,25 +115,32 @@ def main(argv=None) -> dict:
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     text = load_corpus(args.corpus)
     results: dict = {"threads": torch.get_num_threads()}
-    for cache in (False, True):
+    engines = {}
+    for key, cache in (("without", False), ("with", True)):
         runner = ModelRunner(RuntimeConfig(model=args.model, prefix_cache=cache, **chunk))
+        engines[key] = Engine(lambda runner=runner: runner, EngineConfig(max_running=max(16, args.streams)))
+        results["grid"] = runner.prefill_grid
 
-        def encode(s: str, runner=runner) -> list[int]:
-            return runner.encode(s, add_special_tokens=False)
+    def encode(s: str, runner=runner) -> list[int]:  # either runner: the same tokenizer
+        return runner.encode(s, add_special_tokens=False)
 
-        doc, system = split_documents(text, encode, 2, max(args.doc_tokens, args.system_tokens))
-        doc, system = doc[:args.doc_tokens], system[:args.system_tokens]
-        engine = Engine(lambda runner=runner: runner, EngineConfig(max_running=max(16, args.streams)))
+    doc, system = split_documents(text, encode, 2, max(args.doc_tokens, args.system_tokens))
+    doc, system = doc[:args.doc_tokens], system[:args.system_tokens]
+    for engine in engines.values():
         engine.start()
-        try:
-            key = "with" if cache else "without"
-            results[key] = {"document": document_questions(engine, doc, args.rounds, encode),
-                            "streams": shared_system_prompt(engine, system, args.streams, args.max_new_tokens,
-                                                            encode, salt=key)}
-            results["grid"] = runner.prefill_grid
-        finally:
+    try:
+        # the settings alternate round by round, so that a change in the machine's load hits both alike
+        for key in engines:
+            results[key] = {"document": []}
+        for r in range(args.rounds):
+            for key, engine in engines.items():
+                results[key]["document"] += document_questions(engine, doc, 1, encode, first_round=r)
+        for key, engine in engines.items():
+            results[key]["streams"] = shared_system_prompt(engine, system, args.streams, args.max_new_tokens,
+                                                           encode, salt=key)
+    finally:
+        for engine in engines.values():
             engine.stop()
-        del runner, engine
     report(results, args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
