@@ -14,6 +14,8 @@ decode), greedy; the settings take turns round by round. The document and the sy
 (default: the King James Bible of Debian's bible-kjv, as bench/eval uses).
 
     python -m bench.prefix_cache --threads 1
+    python -m bench.prefix_cache --threads 1 --method full    # without ReTopK's FIFO seeding, which a hit
+                                                              # pays as a cold prefill does
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=int, default=8, help="concurrent streams of workload 2")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens each stream of workload 2 generates")
     p.add_argument("--prefill-chunk", type=int, default=None, help="the server's --prefill-chunk (default: its own)")
+    p.add_argument("--method", default="default", help='the attention method, "name[:key=value,...]" or "default" '
+                                                       "(the server's)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json")
     return p.parse_args(argv)
@@ -105,6 +109,7 @@ def main(argv=None) -> dict:
     enable_transparent_hugepages()  # before torch is imported: see retopk_core/hugepages.py
     import torch
 
+    from bench.e2e_cpu import parse_method
     from bench.eval.common import load_corpus, split_documents
     from retopk_server.engine import Engine
     from retopk_server.engine.requests import EngineConfig
@@ -114,10 +119,11 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     text = load_corpus(args.corpus)
-    results: dict = {"threads": torch.get_num_threads()}
+    method = parse_method(args.method)
+    results: dict = {"threads": torch.get_num_threads(), "method": args.method}
     engines = {}
     for key, cache in (("without", False), ("with", True)):
-        runner = ModelRunner(RuntimeConfig(model=args.model, prefix_cache=cache, **chunk))
+        runner = ModelRunner(RuntimeConfig(model=args.model, prefix_cache=cache, default_method=method, **chunk))
         engines[key] = Engine(lambda runner=runner: runner, EngineConfig(max_running=max(16, args.streams)))
         results["grid"] = runner.prefill_grid
 
@@ -153,8 +159,8 @@ def report(results: dict, args) -> None:
     med = {k: {f: statistics.median(r[f] for r in v["document"]) for f in ("first_s", "second_s")}
            for k, v in (("with", on), ("without", off))}
     prompt, cached = on["document"][0]["prompt_tokens"], on["document"][0]["second_cached"]
-    print(f"# prefix_cache: {args.model}, {results['threads']} threads, prefill grid {results['grid']} tokens, "
-          f"median of {args.rounds} rounds")
+    print(f"# prefix_cache: {args.model}, method {results['method']}, {results['threads']} threads, prefill grid "
+          f"{results['grid']} tokens, median of {args.rounds} rounds")
     print(f"\n## A {args.doc_tokens}-token document asked a second question ({prompt} prompt tokens, "
           f"{cached} of them cached)\n")
     print("| | first question TTFT | second question TTFT | second / first |\n|---|---|---|---|")
