@@ -1,10 +1,12 @@
 """The prefix cache over the OpenAI HTTP front of the live server (embedded model, default method): a second
-prompt that starts with the first one's tokens reports the reused ones in usage.prompt_tokens_details, the
-Prometheus counters see them, and cache_salt (vLLM's field) separates, bounded in length."""
+prompt that starts with the first one's tokens (completions; a chat's first turn with the same system prompt)
+reports the reused ones in usage.prompt_tokens_details, the Prometheus counters see them, and cache_salt
+(vLLM's field) separates, bounded in length."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import httpx
@@ -50,3 +52,22 @@ def test_a_salt_past_its_limit_is_a_400_naming_it(raw, model):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "cache_salt" and "at most 256 characters" in error["message"]
+
+
+def test_a_chats_first_turn_reuses_a_shared_system_prompt(raw, model):
+    rng = random.Random(31)
+    words = ["river", "stone", "lantern", "harbor", "meadow", "copper", "winter", "signal", "orchard", "thunder"]
+    system = " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(500))  # well over 640 tokens
+
+    def chat(question: str) -> dict:
+        body = {"model": model, "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        response = raw.post("/v1/chat/completions", content=json.dumps(body), headers=AUTH)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    assert chat("Which word comes first?")["prompt_tokens_details"]["cached_tokens"] == 0
+    usage = chat("Which word comes last?")
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    # whole prefill chunks of the system prompt, and never the prompt's last 128 tokens
+    assert cached >= 512 and cached % 512 == 0 and cached <= usage["prompt_tokens"] - 128
