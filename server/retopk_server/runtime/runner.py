@@ -384,14 +384,15 @@ class ModelRunner:
             raise ValueError("token_ids must not be empty")
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
-        self._ensure_slots(session)
         begin, hashes, P = session.length, None, self.pool.block_size
         if prefix_key is not None and self.prefix_cache is not None and begin == 0:
+            # mapped first: held by the session, these blocks are safe from the evictions that room may need
             hashes = block_hashes(prefix_key, token_ids, P)
             blocks = self.prefix_cache.lookup(hashes, self.cached_prefix(session, len(token_ids)) // P,
                                               self.prefill_grid // P)
             session.blocks, session.token_ids = blocks, token_ids[:len(blocks) * P]
         try:
+            self._ensure_slots(session)
             self.reserve(session, begin + len(token_ids))
         except BaseException:
             if hashes is not None:  # the session gives its mapped blocks back: nothing changed
@@ -406,7 +407,7 @@ class ModelRunner:
         the whole prompt would be, that leaves the prompt's last max(1, prefill_queries) tokens to prefill: the
         method observes their queries (ReTopK seeds its FIFO from them) and the last one's logits are the
         prefill's result."""
-        keep = max(1, self._groups[session.method].method.prefill_queries)
+        keep = max(1, self.prefill_queries(session))
         return max(0, length - keep) // self.prefill_grid * self.prefill_grid
 
     @property
