@@ -55,8 +55,8 @@ class FaultyRunner(FakeRunner):
     def _poisoned(tokens) -> bool:
         return ord(POISON) in tokens
 
-    def start_prefill(self, session, token_ids):
-        job = super().start_prefill(session, token_ids)
+    def start_prefill(self, session, token_ids, prefix_key=None):
+        job = super().start_prefill(session, token_ids, prefix_key)
         if self.broken or ("prefill" in self.fail and self._poisoned(token_ids)):
             error = self.fail.get("prefill", RuntimeError("device lost"))
 
