@@ -252,15 +252,17 @@ class ModelRunner:
         if length > self.max_context:
             raise ContextTooLong(f"session {session.id!r}: {length} tokens exceed max_context {self.max_context}")
         need = self.pool.blocks_for(length) - len(session.blocks)
-        after = session.blocks[-1] if session.blocks else None
+        session.blocks.extend(self._alloc_blocks(need, session.blocks[-1] if session.blocks else None, session.id))
+
+    def _alloc_blocks(self, n: int, after: int | None, session_id: str) -> list[int]:
+        """``n`` blocks from the pool; when the budget refuses, idle cached prefix blocks go before anything else
+        (the engine evicts idle sessions after)."""
         try:
-            blocks = self.pool.alloc(need, after=after, session_id=session.id)
+            return self.pool.alloc(n, after=after, session_id=session_id)
         except BudgetExceeded:
-            # idle cached prefix blocks go before anything else (the engine evicts idle sessions after)
-            if self.prefix_cache is None or not self.prefix_cache.evict(need - self.pool.free_blocks):
+            if self.prefix_cache is None or not self.prefix_cache.evict(n - self.pool.free_blocks):
                 raise
-            blocks = self.pool.alloc(need, after=after, session_id=session.id)
-        session.blocks.extend(blocks)
+            return self.pool.alloc(n, after=after, session_id=session_id)
 
     def fork_prefix(self, source: Session, targets: list[Session], length: int) -> None:
         """Give each empty target session the source's first ``length`` tokens, their keys and values copied.
@@ -347,7 +349,17 @@ class ModelRunner:
             kept = max(0, length - self.prefill_queries(session))
             self._groups[session.method].reset(session.slots)
         session_state.truncate(self.pool, session, kept)
+        self._own_last_block(session)
         return kept
+
+    def _own_last_block(self, session: Session) -> None:
+        """Copy on write: the session's partly kept last block becomes its own copy when others hold it too (the
+        prefix cache, another session mapping the same cached prefix), since the session will write into it."""
+        if session.length % self.pool.block_size and self.pool.holders(session.blocks[-1]) > 1:
+            [fresh] = self._alloc_blocks(1, None, session.id)
+            self.pool.copy(session.blocks[-1:], [fresh])
+            self.pool.release(session.blocks[-1:])
+            session.blocks[-1] = fresh
 
     def prefill_queries(self, session: Session) -> int:
         """How many of a prompt's last queries the session's method observes at prefill (ReTopK: C)."""

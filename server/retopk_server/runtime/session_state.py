@@ -154,8 +154,8 @@ def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: Se
 
 def truncate(pool: KVPool, session: Session, length: int) -> None:
     """Keep the session's first ``length`` tokens; the blocks past them go back to the pool. The caller keeps
-    the method state consistent (a prefill that never reached the method, or a reset). The session's blocks
-    must be its own (a named session's are: only ephemeral forks share blocks)."""
+    the method state consistent (a prefill that never reached the method, or a reset). A kept block others hold
+    too (the prefix cache's) must not be written: ModelRunner.rewind copies a partly kept one first."""
     del session.token_ids[length:]
     keep = pool.blocks_for(length)
     if not session.closed and len(session.blocks) > keep:

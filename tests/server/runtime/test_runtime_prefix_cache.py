@@ -222,3 +222,22 @@ def test_the_servers_default_retopk_on_the_embedded_model(embedded_model):
         assert int(b["fill"]) == 128
         for field in ("queries", "support", "fill", "ptr", "step", "tau"):
             assert torch.equal(a[field], b[field]), (layer, field)
+
+
+def test_a_rewind_into_a_cached_block_copies_it_before_writing():
+    """An edited chat history rewinds a session into its first prompt's blocks, which the prefix cache (and any
+    session that mapped them) holds: the partly kept block is copied, the cached one stays as it was."""
+    runner = runner_for(tiny_model("llama"), kv_block_size=4, prefill_chunk=4)
+    with torch.inference_mode():
+        session = runner.open_session()
+        runner.prefill(session, A, KEY)
+        shared = session.blocks[4]
+        before = [runner.pool.k[layer][shared].clone() for layer in range(2)]
+        assert runner.rewind(session, 18) == 18  # 4 blocks and 2 tokens of the fifth
+        assert session.blocks[4] != shared and runner.pool.holders(shared) == 1  # the cache's alone now
+        runner.prefill(session, OTHER[:6])  # writes positions 18.. into the session's copy
+        assert all(torch.equal(runner.pool.k[layer][shared], before[layer]) for layer in range(2))
+        # the cached prefix still serves a new prompt, which continues exactly as a cold prefill would
+        plain = runner_for(tiny_model("llama"), kv_block_size=4, prefill_chunk=4, prefix_cache=False)
+        tokens, _, cached = greedy_from(runner, runner.open_session(), A[:30], 4, KEY)
+        assert cached == 28 and tokens == greedy_from(plain, plain.open_session(), A[:30], 4)[0]
