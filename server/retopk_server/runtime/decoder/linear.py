@@ -67,7 +67,8 @@ class DenseLinear:
 
 
 class _BlockLinear:
-    """What the two block formats share: the product (blocks or the wide copy), bytes, the CPU-only rule."""
+    """What the two block formats share: the product (blocks or the wide copy), bytes, the CPU-only rule; each
+    format defines ``dequantized``, which the wide copy is made from."""
 
     format: str
     bits: int
@@ -94,9 +95,6 @@ class _BlockLinear:
         if x.shape[0] >= WIDE_ROWS or not decoder_ops.available():
             return float_matmul(x, self.wide, self.bias, residual)
         return decoder_ops.block_matmul(x.float(), self.qs, self.scales, self.bits, self.bias, residual)  # (M, out)
-
-    def dequantized(self) -> torch.Tensor:
-        raise NotImplementedError
 
     def to(self, device: torch.device):
         return _cpu_only(self, device)
