@@ -9,7 +9,8 @@ queries and the path, Top-R recall (or the "recent" ablation), candidates = reca
 (deduplicated), their exact scores through the block table, scheduled refreshes at each KV group's phase
 (``refresh_stagger``), Top-K rerank, softmax-value, and the exact
 Top-K over the whole history for the heads whose path is not REUSE (the group's keys read once for all
-of them), on those heads the per-head threshold update of ``tau_calibration`` (``state.tau``); then the
+of them), on those heads the per-head threshold update of ``tau_calibration`` (``state.tau``) and, on the
+refresh heads that would have reused, the refresh-period update of ``refresh_guard`` (``state.period``); then the
 FIFO write and the ptr / fill / step advance of ``state``. The source's header
 states the math. The kernel's entry checks shapes, strides, dtypes and devices and raises ValueError
 naming the culprit; this launcher only passes the config along.
@@ -89,11 +90,12 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     Needs ``available()``. Returns what the torch path returns: out (B, H, d_v) in q.dtype, path (B, H) int8,
     max_sim (B, H) float32, n_scored (B, H) int32, selected (B, H, K) int64 -1 padded (in no particular order).
     """
-    from retopk_core.methods.retopk import calibration_constants
+    from retopk_core.methods.retopk import calibration_constants, guard_constants
 
     cfg = method.config
     out, path, max_sim, n_scored, selected = extension().decode(
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, state.queries, state.support, state.fill, state.ptr,
-        state.step, slots, state.tau, state.phase, cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every, cfg.retrieval,
-        cfg.gqa_policy, float(cfg.group_tau_min), float(scale), _CODES, calibration_constants(cfg))
+        state.step, slots, state.tau, state.period, state.phase, cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every,
+        cfg.retrieval, cfg.gqa_policy, float(cfg.group_tau_min), float(scale), _CODES, calibration_constants(cfg),
+        guard_constants(cfg))
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=selected)

@@ -5,14 +5,15 @@
 // One task per (sequence b, KV group g), G = H / H_kv query heads h each (at::parallel_for over tasks):
 //   q̄_h   = q_h / max(||q_h||, 1e-12)                                  (float32)
 //   ρ_hc  = q̄_h · q̄_c for the fill valid FIFO entries c, ρ_max = max_c ρ_hc (-inf when empty)  eq. 6, 7
-//   path_h: REFRESH when T_r > 0, t_dec > 0, (t_dec + φ_g) % T_r == 0 (φ_g = phase[h], the group's refresh
-//           phase, 0 unless refresh_stagger); else FALLBACK when ρ_max < tau_h; else REUSE
+//   path_h: REFRESH when T_r > 0, t_dec > 0, (t_dec + φ_g) % T_h == 0 (φ_g = phase[h], the group's refresh
+//           phase, 0 unless refresh_stagger; T_h = state.period[slot, h] under refresh_guard, else T_r); else
+//           FALLBACK when ρ_max < tau_h; else REUSE
 //           (eq. 13; tau_h = state.tau[slot, h]), then the GQA policy over the group's heads (as gqa_paths):
 //             head     unchanged
 //             promote  read_g = any_h path_h == FALLBACK
 //             group    read_g = mean_h ρ_max < mean_h tau_h or min_h ρ_max < tau_min
 //           a read group's heads take FALLBACK (own ρ_max < tau_h) or PROMOTED, an unread one's REUSE;
-//           REFRESH stays.
+//           REFRESH heads stay.
 //   REUSE:  R_h = TopR_c ρ_hc (retrieval "recent": the R newest entries), A_h = Unique(∪_{c∈R_h} Ŝ_c ∪
 //           {L-W..L-1}) (eq. 8, 9), e_i = (q_h * scale) · k_i for i ∈ A_h (eq. 10), Ŝ = TopK_{A_h} e (eq. 11)
 //   others: e_i for every i < L (the group's keys read once for all its exact heads), Ŝ = TopK e (eq. 1)
@@ -20,6 +21,9 @@
 //   tau_calibration r* > 0, on the exact heads with a non-empty FIFO (calibrate_tau in retopk.py): the
 //           recall reuse would have had, r = |Ŝ ∩ A_h| / |Ŝ|, moves tau_h when |ρ_max - tau_h| < band:
 //           tau_h += rate (r* - r), clamped to [lo, hi]
+//   refresh_guard r_g > 0, on the REFRESH heads with ρ_max >= tau_h (before this step's calibration; guard_period
+//           in retopk.py): the same would-be recall r halves T_h (to lo_T at least) when r < r_g, doubles it (to
+//           T_r at most) when r >= r_g + margin (guard_fresh)
 // Then, per sequence: ptr <- (ptr + 1) % C, fill <- min(fill + 1, C), step <- step + 1.
 // Keys and values are read through the block table: position i of (b, g) is row
 // (block_table[b, i / P] * H_kv + g) * P + i % P of the pool viewed as (N_blocks * H_kv * P, d).
@@ -274,6 +278,8 @@ struct Params {
   int64_t B, H, H_kv, G, d, dv, C, K, R, W, P, P_shift, T_r, bt_stride;  // P_shift = log2 P, or -1
   float tau_min, scale;
   float cal_target, cal_rate, cal_band, cal_lo, cal_hi;  // tau_calibration (target 0 = off)
+  float guard_target, guard_fresh;  // refresh_guard (target 0 = off); recall >= guard_fresh lengthens T_h
+  int64_t guard_lo;                                      // its shortest refresh period
   bool recent;
   int64_t policy;  // 0 head, 1 promote, 2 group
   Codes code;
@@ -580,7 +586,7 @@ template <typename KV>
 void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const int64_t* bt, const int64_t* lengths, const int64_t* slots, at::Tensor& queries,
                at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, float* tau,
-               const int64_t* phase, Outputs& o, int64_t task) {
+               int64_t* period, const int64_t* phase, Outputs& o, int64_t task) {
   const int64_t b = task / p.H_kv, g = task % p.H_kv, G = p.G, h0 = g * G;
   const int64_t slot = slots[b];
   Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
@@ -589,7 +595,16 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
   std::vector<float> qn(G * p.d), qs(G * p.d), sims(G * p.C), ms(G);
   std::vector<int8_t> path(G);
   float* tau_h = tau + slot * p.H + h0;  // (G,) this group's thresholds in state.tau
-  const bool refresh = p.T_r > 0 && t.t_dec > 0 && (t.t_dec + phase[h0]) % p.T_r == 0;  // one phase per group
+  int64_t* period_h = period + slot * p.H + h0;  // (G,) this group's refresh periods in state.period
+  const bool guard = p.guard_target > 0.f;
+  std::vector<char> refresh(G);  // one phase per group; under refresh_guard one period per head
+  bool any_refresh = false, all_refresh = true;
+  for (int64_t j = 0; j < G; ++j) {
+    const int64_t T_h = guard ? period_h[j] : p.T_r;
+    refresh[j] = p.T_r > 0 && t.t_dec > 0 && (t.t_dec + phase[h0]) % T_h == 0;
+    any_refresh |= refresh[j] != 0;
+    all_refresh &= refresh[j] != 0;
+  }
   const char* qbase = static_cast<const char*>(q.data_ptr());
   const int64_t qe = q.element_size();
   for (int64_t j = 0; j < G; ++j) {
@@ -608,9 +623,9 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     float mx = kNegInf;
     for (int64_t c = 0; c < t.fill; ++c) mx = std::max(mx, sj[c]);
     ms[j] = mx;
-    path[j] = refresh ? p.code.refresh : (mx < tau_h[j] ? p.code.fallback : p.code.reuse);
+    path[j] = refresh[j] ? p.code.refresh : (mx < tau_h[j] ? p.code.fallback : p.code.reuse);
   }
-  if (p.policy != 0 && !refresh) {
+  if (p.policy != 0 && !all_refresh) {
     bool read = false;
     if (p.policy == 1) {
       for (int64_t j = 0; j < G; ++j) read |= path[j] == p.code.fallback;
@@ -624,7 +639,8 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
       read = sum / static_cast<float>(G) < tau_sum / static_cast<float>(G) || mn < p.tau_min;
     }
     for (int64_t j = 0; j < G; ++j)
-      path[j] = !read ? p.code.reuse : (path[j] == p.code.fallback ? p.code.fallback : p.code.promoted);
+      if (!refresh[j])
+        path[j] = !read ? p.code.reuse : (path[j] == p.code.fallback ? p.code.fallback : p.code.promoted);
   }
   if (static_cast<int64_t>(s.heaps.size()) < G) s.heaps.resize(G);
   std::vector<int64_t> exact_heads;
@@ -641,12 +657,19 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     std::vector<std::vector<Scored>> tops(exact_heads.size());
     t.exact(exact_heads, qs.data(), tops);
     for (size_t e = 0; e < exact_heads.size(); ++e) s.heaps[exact_heads[e]].swap(tops[e]);
-    for (int64_t j : exact_heads) {  // tau_calibration, before this step's entry enters the FIFO
-      if (p.cal_target <= 0.f || t.fill == 0) continue;
+    for (int64_t j : exact_heads) {  // tau_calibration and refresh_guard, before this step's entry enters the FIFO
+      if (t.fill == 0) continue;
       const float th = tau_h[j];
-      if (!(std::fabs(ms[j] - th) < p.cal_band)) continue;
+      const bool cal = p.cal_target > 0.f && std::fabs(ms[j] - th) < p.cal_band;
+      const bool stale_check = guard && path[j] == p.code.refresh && ms[j] >= th;  // it would have reused
+      if (!cal && !stale_check) continue;
       const float r = t.would_be_recall(h0 + j, sims.data() + j * p.C, s.heaps[j]);
-      tau_h[j] = std::min(std::max(th + p.cal_rate * (p.cal_target - r), p.cal_lo), p.cal_hi);
+      if (cal) tau_h[j] = std::min(std::max(th + p.cal_rate * (p.cal_target - r), p.cal_lo), p.cal_hi);
+      if (stale_check) {
+        const int64_t T_h = period_h[j];
+        if (r < p.guard_target) period_h[j] = std::max(T_h / 2, p.guard_lo);
+        else if (r >= p.guard_fresh) period_h[j] = std::min(T_h * 2, p.T_r);
+      }
     }
   }
   s.acc.resize(p.dv);
@@ -727,11 +750,12 @@ KVShape check_kv(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
 std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
                                at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
-                               const at::Tensor& slots, at::Tensor tau, const at::Tensor& phase, int64_t top_k,
+                               const at::Tensor& slots, at::Tensor tau, at::Tensor period, const at::Tensor& phase,
+                               int64_t top_k,
                                int64_t recall, int64_t window,
                                int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
                                double group_tau_min, double scale, std::vector<int64_t> path_codes,
-                               std::vector<double> calibration) {
+                               std::vector<double> calibration, std::vector<double> guard) {
   // ---- the launcher's checks: shapes, strides, dtypes, devices, and the block table's reach --------
   const auto [B, H, d, N, H_kv, P, dv, max_blocks, bt_stride] = check_kv(q, k_pool, v_pool, block_table, lengths);
   check_int64_vector(slots, "slots", B);
@@ -752,12 +776,21 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
                   tau.size(0) == S && tau.size(1) == H,
               "state.tau must be a contiguous float32 (S, H=", H, ") tensor, got ", tau.scalar_type(), " ",
               tau.sizes());
+  CHECK_VALUE(period.device().is_cpu() && period.scalar_type() == at::kLong && period.is_contiguous() &&
+                  period.dim() == 2 && period.size(0) == S && period.size(1) == H,
+              "state.period must be a contiguous int64 (S, H=", H, ") tensor, got ", period.scalar_type(), " ",
+              period.sizes());
   check_int64_vector(phase, "state.phase", H);
   const int64_t* ph = phase.data_ptr<int64_t>();
   for (int64_t h = 0; h < H; ++h)
     CHECK_VALUE(ph[h] >= 0 && ph[h] == ph[h - h % (H / H_kv)], "state.phase[", h, "] = ", ph[h],
                 ": phases must be >= 0 and shared by the heads of a KV group");
   CHECK_VALUE(calibration.size() == 5, "calibration must be (target, rate, band, lo, hi)");
+  CHECK_VALUE(guard.size() == 3, "guard must be (target, target + margin, lowest period)");
+  const int64_t guard_lo = static_cast<int64_t>(guard[2]);
+  CHECK_VALUE(guard[0] <= 0.0 || (refresh_every > 0 && guard_lo >= 1 && guard_lo <= refresh_every),
+              "refresh_guard needs refresh_every > 0 and a lowest period in [1, refresh_every], got ", refresh_every,
+              ", ", guard_lo);
   CHECK_VALUE(top_k > 0 && recall > 0 && recall <= C && window >= 0 && refresh_every >= 0,
               "top_k, recall (<= C), window, refresh_every out of range: ", top_k, ", ", recall, ", ", window, ", ",
               refresh_every);
@@ -775,6 +808,12 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
     for (int64_t a = 0; a < b; ++a) CHECK_VALUE(sl[a] != sl[b], "slots[", a, "] and slots[", b, "] are both ", sl[b]);
     CHECK_VALUE(fl[sl[b]] >= 0 && fl[sl[b]] <= C && pt[sl[b]] >= 0 && pt[sl[b]] < C, "state.fill / state.ptr of slot ",
                 sl[b], " outside [0, C=", C, "]");
+    if (guard[0] > 0.0)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t T_h = period.data_ptr<int64_t>()[sl[b] * H + h];
+        CHECK_VALUE(T_h >= guard_lo && T_h <= refresh_every, "state.period[", sl[b], ", ", h, "] = ", T_h,
+                    " outside [", guard_lo, ", ", refresh_every, "]");
+      }
   }
 
   const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
@@ -782,6 +821,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
            static_cast<float>(group_tau_min), static_cast<float>(scale),
            static_cast<float>(calibration[0]), static_cast<float>(calibration[1]), static_cast<float>(calibration[2]),
            static_cast<float>(calibration[3]), static_cast<float>(calibration[4]),
+           static_cast<float>(guard[0]), static_cast<float>(guard[1]), guard_lo,
            retrieval == "recent", policy,
            Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
                  static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])}};
@@ -792,19 +832,20 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
             at::empty({B, H, top_k}, at::TensorOptions().dtype(at::kLong))};
   const int64_t* st = step.data_ptr<int64_t>();
   float* tw = tau.data_ptr<float>();
+  int64_t* pdw = period.data_ptr<int64_t>();
   auto body = [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       switch (k_pool.scalar_type()) {
         case at::kFloat:
-          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, ph, o, task);
+          run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, pdw, ph, o, task);
           break;
         case at::kBFloat16:
-          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, ph, o,
-                                 task);
+          run_group<c10::BFloat16>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, pdw, ph, o,
+                                   task);
           break;
         default:
-          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, ph, o,
-                                 task);
+          run_group<c10::Half>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, pdw, ph, o,
+                               task);
       }
     }
   };
@@ -831,7 +872,7 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
   CHECK_VALUE(top_k >= 0 && (top_k > 0 || !exact), "top_k must be >= 0 (> 0 with exact), got ", top_k);
   const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
   Params p{B, H, H_kv, H / H_kv, d, dv, 0, top_k, 0, 0, P, P_shift, 0, bt_stride, 0.f, static_cast<float>(scale),
-           0.f, 0.f, 0.f, 0.f, 0.f, false, 0, Codes{}};
+           0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1, false, 0, Codes{}};
   at::Tensor out = at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor selected = at::full({B, top_k > 0 ? H : 0, top_k}, -1, at::TensorOptions().dtype(at::kLong));
   const int64_t* bt = block_table.data_ptr<int64_t>();

@@ -12,8 +12,9 @@ step with current query q_t over L_t cached keys:
 
 Path (eq. 13): REFRESH when T_r > 0 and t_dec ∈ {T_r, 2T_r, ...} (t_dec = 0 on the first decode
 step after the first prefill; with ``refresh_stagger``, t_dec > 0 and t_dec + φ ≡ 0 mod T_r for the
-phase φ of the head's (layer, KV group), see ``refresh_phases``); else FALLBACK to Exact Top-K when
-ρ_max < tau (an empty cache has ρ_max = -inf); else REUSE. Under GQA the G heads of a KV group share
+phase φ of the head's (layer, KV group), see ``refresh_phases``; with ``refresh_guard`` the head's own
+period T_h, a power-of-two divisor of T_r moved online by ``guard_period``, replaces T_r); else FALLBACK
+to Exact Top-K when ρ_max < tau (an empty cache has ρ_max = -inf); else REUSE. Under GQA the G heads of a KV group share
 its keys, and a group is read in full when any of its heads takes an exact path: ``config.gqa_policy``
 turns the per-head decisions into per-group ones (``gqa_paths``: the paper's per-head rule, "promote"
 or "group"), and every head of a read group may then take the exact support (PROMOTED). After any
@@ -48,6 +49,7 @@ from retopk_core.methods.sparse import (
     sparse_attend,
     topk_select,
 )
+from retopk_core.params import ParamError
 
 
 class QuerySupportCache(SlotPool):
@@ -62,10 +64,13 @@ class QuerySupportCache(SlotPool):
     step    (S,) int64             decode steps taken since the first prefill (t_dec)
     tau     (S, H) float32         each head's fallback threshold (config.tau; moved by ``calibrate_tau``;
                                    the CPU and Triton kernels read and move it in place)
+    period  (S, H) int64           each head's refresh period T_h (config.refresh_every; moved by
+                                   ``guard_period`` under ``refresh_guard``, read and moved in place by the
+                                   CPU kernel)
     phase   (H,) int64             each head's refresh phase φ (the layer's, not per slot; 0 = the paper)
     """
 
-    _fields = ("queries", "support", "fill", "ptr", "step", "tau")
+    _fields = ("queries", "support", "fill", "ptr", "step", "tau", "period")
 
     def __init__(self, num_heads: int, head_dim: int, config: ReTopKConfig, device: torch.device | str = "cpu",
                  capacity: int = 1) -> None:
@@ -78,12 +83,15 @@ class QuerySupportCache(SlotPool):
         self.step = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.tau0 = config.tau
         self.tau = torch.full((self.capacity, num_heads), config.tau, dtype=torch.float32, device=device)
+        self.period0 = config.refresh_every
+        self.period = torch.full((self.capacity, num_heads), config.refresh_every, dtype=torch.long, device=device)
         self.phase = torch.zeros(num_heads, dtype=torch.long, device=device)
 
     def reset_slot(self, slot: int) -> None:
         super().reset_slot(slot)
         self.support[slot] = -1
         self.tau[slot] = self.tau0
+        self.period[slot] = self.period0
 
     def push(self, slots: torch.Tensor, qn: torch.Tensor, support: torch.Tensor) -> None:
         """Insert one entry per (slot, head): slots (B,), qn (B, H, d), support (B, H, K)."""
@@ -118,6 +126,9 @@ class ReTopK(AttentionMethod):
     def __init__(self, config: ReTopKConfig | None = None, backend: str = "torch") -> None:
         """``ReTopK(ReTopKConfig(top_k=64, gqa_policy="group"))``; by name: ``make_method("retopk", top_k=64)``."""
         super().__init__(config, backend)
+        if backend == "triton" and self.config.refresh_guard:  # its kernels decide refreshes on T_r alone
+            raise ParamError("refresh_guard", "refresh_guard is not implemented by the triton backend (torch and "
+                                              "cpu run it); use refresh_guard=0 there")
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
         self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)
@@ -243,8 +254,9 @@ class ReTopK(AttentionMethod):
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
         tau = state.tau.index_select(0, slots) if cfg.tau_calibration else None  # (B, H); else cfg.tau everywhere
-        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase, tau), max_sim, kv.num_kv_heads,
-                         cfg, tau)  # (B, H) int8
+        period = state.period.index_select(0, slots) if cfg.refresh_guard else None  # (B, H); else T_r everywhere
+        path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase, tau, period), max_sim,
+                         kv.num_kv_heads, cfg, tau)  # (B, H) int8
         mark = self.on_stage
         if mark:
             mark("similarity+path")
@@ -265,8 +277,8 @@ class ReTopK(AttentionMethod):
                 sel_pos[b, h], sel_scores[b, h], n_scored[b, h] = self._reuse_select(q[b, h], sim[b, h], kv, state,
                                                                                      slots, b, h, scale)
             exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores, ws=self._ws)
-            if cfg.tau_calibration:
-                self._calibrate(state, slots, sim, max_sim, ~reuse, sel_pos, kv)
+            if cfg.tau_calibration or cfg.refresh_guard:
+                self._observe_exact(state, slots, sim, max_sim, path, tau, sel_pos, kv)
             if mark:
                 mark("exact QK + top-K")
 
@@ -300,20 +312,33 @@ class ReTopK(AttentionMethod):
             mark("top-K rerank")
         return sp, ss, (cand >= 0).sum(-1).to(torch.int32)
 
-    def _calibrate(self, state: QuerySupportCache, slots: torch.Tensor, sim: torch.Tensor, max_sim: torch.Tensor,
-                   exact: torch.Tensor, sel_pos: torch.Tensor, kv: PagedKV) -> None:
+    def _observe_exact(self, state: QuerySupportCache, slots: torch.Tensor, sim: torch.Tensor, max_sim: torch.Tensor,
+                       path: torch.Tensor, tau: torch.Tensor | None, sel_pos: torch.Tensor, kv: PagedKV) -> None:
         """On the heads that took an exact support this step, the recall that reuse would have had
         (|Ŝ_exact ∩ A_t| / |Ŝ_exact| with A_t the candidates eq. 8-9 would have built: reuse reranks A_t by exact
-        scores, so that is its recall) moves each head's tau (``calibrate_tau``). The keys are read
-        already; the extra work is one candidate union per exact head."""
-        b, h = (exact & torch.isfinite(max_sim)).nonzero(as_tuple=True)  # (P,), (P,)
+        scores, so that is its recall) moves each head's tau (``tau_calibration``: every exact head with a
+        non-empty FIFO, ``calibrate_tau``) and its refresh period (``refresh_guard``: the REFRESH heads whose
+        ρ_max >= tau_h, i.e. that would have reused, ``guard_period``). The keys are read already; the extra
+        work is one candidate union per observed head. tau (B, H): the thresholds this step decided with."""
+        cfg = self.config
+        cal = (path != Path.REUSE) & torch.isfinite(max_sim) if cfg.tau_calibration else None  # (B, H)
+        guard = None
+        if cfg.refresh_guard:
+            guard = (path == Path.REFRESH) & (max_sim >= (cfg.tau if tau is None else tau))  # (B, H)
+        b, h = (guard if cal is None else cal if guard is None else cal | guard).nonzero(as_tuple=True)  # (P,) each
         if b.numel() == 0:
             return
         cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M) ascending, -1 padded
         recall = support_recall(cand, sel_pos[b, h])  # (P,)
         rows = slots[b]
-        state.tau[rows, h] = calibrate_tau(state.tau[rows, h], max_sim[b, h], recall, self.config.tau_calibration,
-                                           state.tau0)
+        if cal is not None:
+            on = cal[b, h]  # (P,)
+            new = calibrate_tau(state.tau[rows, h], max_sim[b, h], recall, cfg.tau_calibration, state.tau0)
+            state.tau[rows, h] = torch.where(on, new, state.tau[rows, h])
+        if guard is not None:
+            on = guard[b, h]  # (P,)
+            new = guard_period(state.period[rows, h], recall, cfg.refresh_guard, cfg.refresh_every)
+            state.period[rows, h] = torch.where(on, new, state.period[rows, h])
 
     def _similarity(self, qn: torch.Tensor, state: QuerySupportCache, slots: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,18 +382,19 @@ def plain_dense(lengths: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
 
 
 def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,
-               phase: torch.Tensor | None = None, tau: torch.Tensor | None = None) -> torch.Tensor:
+               phase: torch.Tensor | None = None, tau: torch.Tensor | None = None,
+               period: torch.Tensor | None = None) -> torch.Tensor:
     """Equation 13, per (sequence, head): refresh, else fallback below tau, else reuse.
 
     max_sim (B, H) float32, step (B,) int64 t_dec, phase (H,) int64 φ_h (None = 0), tau (B, H) the heads'
-    thresholds (None = cfg.tau)  ->  (B, H) int8 Path codes; refresh when T_r > 0, t_dec > 0 and
-    (t_dec + φ_h) % T_r == 0.
+    thresholds (None = cfg.tau), period (B, H) int64 the heads' refresh periods T_h (None = T_r)  ->  (B, H)
+    int8 Path codes; refresh when T_r > 0, t_dec > 0 and (t_dec + φ_h) % T_h == 0.
     """
     B, H = max_sim.shape
     T_r = cfg.refresh_every
     if T_r > 0:
         t = step.view(B, 1) + (0 if phase is None else phase.view(1, H))  # (B, H) or (B, 1)
-        refresh = (step.view(B, 1) > 0) & (t % T_r == 0)
+        refresh = (step.view(B, 1) > 0) & (t % (T_r if period is None else period) == 0)
     else:
         refresh = torch.zeros(B, 1, dtype=torch.bool, device=max_sim.device)
     path = torch.where(max_sim < (cfg.tau if tau is None else tau), Path.FALLBACK, Path.REUSE).to(torch.int8)
@@ -450,6 +476,40 @@ def _tau_bounds(tau0: float) -> tuple[float, float]:
 def calibration_constants(cfg: ReTopKConfig) -> list[float]:
     """calibrate_tau's (target, rate, band, lo, hi) for ``cfg``, as the fused CPU kernel takes them."""
     return [cfg.tau_calibration, _CAL_RATE, _CAL_BAND, *_tau_bounds(cfg.tau)]
+
+
+# guard_period's constants: a head's refresh period stays within [T_r / 2^LEVELS, T_r]; it lengthens only when
+# the measured recall clears the target by MARGIN (the safety margin: a head near its target keeps refreshing
+# often rather than oscillate into stale supports).
+_GUARD_LEVELS, _GUARD_MARGIN = 3, 0.1
+
+
+def guard_period(period: torch.Tensor, recall: torch.Tensor, target: float, T_r: int) -> torch.Tensor:
+    """One online update of heads' refresh periods from their scheduled refreshes (P rows; ``refresh_guard``).
+
+    period (P,) int64 T_h, recall (P,) float the recall reuse would have had at this refresh (observed only
+    where the head would have reused: ρ_max >= tau_h). A refresh is the stalest point of a head's reuse run:
+    its supports were last anchored up to T_h steps ago. So
+        recall <  target            ->  T_h <- max(T_h / 2, T_r / 2^LEVELS)   (stale: re-anchor sooner)
+        recall >= target + MARGIN   ->  T_h <- min(2 T_h, T_r)               (fresh: back towards T_r)
+    else unchanged. T_h stays a power-of-two divisor of T_r (T_r a power of two), so the scheduled refreshes
+    of T_r are kept and a fresh text costs nothing; a text whose attention drifts faster than reuse tracks it
+    (similar queries, supports gone stale, which no threshold on ρ catches) is refreshed more often.
+    """
+    shorter = torch.clamp(period // 2, min=guard_floor(T_r))
+    longer = torch.clamp(period * 2, max=T_r)
+    return torch.where(recall < target, shorter, torch.where(recall >= target + _GUARD_MARGIN, longer, period))
+
+
+def guard_constants(cfg: ReTopKConfig) -> list[float]:
+    """guard_period's (target, target + margin, lowest period) for ``cfg`` (target 0 = off), as the fused CPU
+    kernel takes them (the sum made here, as guard_period makes it, so both round it alike)."""
+    return [cfg.refresh_guard, cfg.refresh_guard + _GUARD_MARGIN, float(guard_floor(cfg.refresh_every))]
+
+
+def guard_floor(T_r: int) -> int:
+    """The shortest refresh period ``guard_period`` gives a head: T_r / 2^LEVELS, at least 1 (T_r > 0)."""
+    return max(1, T_r >> _GUARD_LEVELS)
 
 
 def _unique_rows(cand: torch.Tensor, span: int) -> torch.Tensor:

@@ -22,10 +22,11 @@ class RefHead:
     """One query head of one sequence: its FIFO of (unit query, support) and the step counter."""
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
-                 phase: int = 0, calibration: float = 0.0):
+                 phase: int = 0, calibration: float = 0.0, guard: float = 0.0):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
-        self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % T_r == 0
+        self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
+        self.guard, self.period = guard, T_r  # refresh_guard: this head's refresh period moves (guard_step)
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -46,6 +47,14 @@ class RefHead:
         if abs(max_sim - self.tau) < 0.05:
             self.tau = min(self.tau0, max(self.tau0 - 0.35, self.tau + 0.1 * (self.calibration - recall)))
 
+    def guard_step(self, recall: float) -> None:
+        """refresh_guard's rule, written out, on a refresh where the head would have reused: a recall under
+        the target halves the period (to T_r / 8 at least), one at least 0.1 above it doubles it (to T_r)."""
+        if recall < self.guard:
+            self.period = max(self.period // 2, max(1, self.T_r // 8))
+        elif recall >= self.guard + 0.1:
+            self.period = min(self.period * 2, self.T_r)
+
     def _push(self, q: torch.Tensor, support: list[int]) -> None:
         self.fifo.append((q / q.norm(), support))
         if len(self.fifo) > self.C:
@@ -63,7 +72,7 @@ class RefHead:
         qbar = q / q.norm()
         sims = [float(qbar @ qc) for qc, _ in self.fifo]  # eq. 6
         max_sim = max(sims) if sims else -math.inf  # eq. 7
-        if self.T_r > 0 and self.t_dec > 0 and (self.t_dec + self.phase) % self.T_r == 0:  # eq. 13
+        if self.T_r > 0 and self.t_dec > 0 and (self.t_dec + self.phase) % self.period == 0:  # eq. 13
             return REFRESH, max_sim
         return (FALLBACK if max_sim < self.tau else REUSE), max_sim
 
@@ -87,8 +96,12 @@ class RefHead:
         cand = reuse_cand if path == REUSE else set(range(L))
         scores = {i: float(q @ keys[i].double()) * scale for i in cand}  # eq. 10 / eq. 4
         support = topk_positions(scores, self.K)  # eq. 11 / eq. 1
+        recall = len(set(support) & reuse_cand) / len(support) if support else 1.0
+        would_reuse = max_sim >= self.tau  # the threshold this step decided with (before calibrate moves it)
         if self.calibration and path != REUSE and sims:
-            self.calibrate(max_sim, len(set(support) & reuse_cand) / len(support))
+            self.calibrate(max_sim, recall)
+        if self.guard and path == REFRESH and sims and would_reuse:
+            self.guard_step(recall)
         m = max(scores[i] for i in support)
         w = torch.tensor([math.exp(scores[i] - m) for i in support], dtype=torch.float64)
         out = (w / w.sum()) @ values[support].double()  # eq. 12
@@ -113,10 +126,11 @@ def group_paths(heads: list[RefHead], queries: list[torch.Tensor], policy: str, 
     head: each its own. promote: a group with any head falling back sends every head to an exact path.
     group: the group is read when its heads' mean max_sim < tau or their lowest < tau_min. In a read
     group a head below tau falls back and the others are PROMOTED; in an unread group all reuse.
-    Refresh happens on the same step for every head of a sequence and is kept.
+    A refreshing head keeps REFRESH (every head of a sequence at once, unless refresh_guard gave the heads
+    their own periods).
     """
     own = [h.decide(q) for h, q in zip(heads, queries, strict=True)]
-    if policy == "head" or own[0][0] == REFRESH:
+    if policy == "head" or all(p == REFRESH for p, _ in own):
         return [p for p, _ in own]
     sims = [m for _, m in own]
     if policy == "promote":
@@ -126,5 +140,5 @@ def group_paths(heads: list[RefHead], queries: list[torch.Tensor], policy: str, 
     else:
         raise ValueError(policy)
     if not read:
-        return [REUSE] * len(heads)
-    return [FALLBACK if p == FALLBACK else PROMOTED for p, _ in own]
+        return [REFRESH if p == REFRESH else REUSE for p, _ in own]
+    return [p if p in (REFRESH, FALLBACK) else PROMOTED for p, _ in own]

@@ -77,6 +77,7 @@ def assert_same_step(a, b, sa, sb, tol: float = 1e-5) -> None:
     torch.testing.assert_close(sb.queries, sa.queries, atol=1e-6, rtol=1e-6)
     assert torch.equal(sa.support.sort(-1).values, sb.support.sort(-1).values)
     torch.testing.assert_close(sb.tau, sa.tau, atol=1e-6, rtol=0)  # per-head thresholds (tau_calibration)
+    assert torch.equal(sa.period, sb.period), (sa.period, sb.period)  # per-head refresh periods (refresh_guard)
 
 
 @needs_kernel
@@ -108,6 +109,28 @@ def test_calibrated_tau_matches_torch_path(case, policy):
     for a, b, sa, sb in twin_run(cfg, trace, case[0], case[1], use_paged=True):
         assert_same_step(a, b, sa, sb)
         moved |= bool((sb.tau != 0.8).any())
+    assert moved
+
+
+@needs_kernel
+@pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
+@pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0), ("group", 0.0)], ids=["head", "promote", "group"])
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["mha", "gqa3", "gqa7"])
+def test_refresh_guard_matches_torch_path(case, policy, calibration):
+    """refresh_guard in the kernel: per-head refresh periods decide the refreshes and move by the would-be
+    reuse recall of the refreshes that would have reused, as the torch path's guard_period does, step by
+    step (state.period compared in assert_same_step); the periods really moved."""
+    from tests.core.test_retopk import CASES
+
+    case = CASES[case]
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=0.8)
+    cfg.update(tau=0.8, refresh_every=8)
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=40,
+                       T=case[4] + 2, noise=0.4)
+    moved = False
+    for a, b, sa, sb in twin_run(cfg, trace, case[0], case[1], use_paged=True):
+        assert_same_step(a, b, sa, sb)
+        moved |= bool((sb.period != 8).any())
     assert moved
 
 

@@ -31,7 +31,8 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     T_r = cfg["refresh_every"]
     phase = [stagger_phase(layer, h // G, H_kv, T_r) if cfg.get("refresh_stagger") and T_r else 0 for h in range(H)]
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
-                     T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0))
+                     T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0),
+                     cfg.get("refresh_guard", 0.0))
              for h in range(H)] for _ in range(B)]
     if keep is not None:
         keep.update(state=state, slots=slots, refs=refs)
@@ -168,6 +169,98 @@ def test_calibrated_tau_matches_reference(case, policy):
     core_tau = keep["state"].tau[keep["slots"]].double()
     torch.testing.assert_close(core_tau, ref_tau, atol=1e-5, rtol=0)
     assert (ref_tau < 0.8 - 1e-9).any() and (ref_tau <= 0.8).all(), ref_tau  # relaxed, never above tau0
+
+
+@pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
+@pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0), ("group", 0.0)], ids=["head", "promote", "group"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
+def test_refresh_guard_matches_reference(case, policy, calibration):
+    """refresh_guard: each head's refresh period moves on its scheduled refreshes by the would-be reuse
+    recall (torch core vs the reference loop's scalar rule), so heads of one group refresh on different
+    steps; paths, supports, outputs and the periods agree step by step, and the periods moved both ways."""
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=0.8)
+    cfg.update(tau=0.8, refresh_every=8)
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=40,
+                       T=case[4] + 2, noise=0.4)
+    seen, keep, periods = set(), {}, set()
+    for out, rows in run_both(cfg, trace, case[0], case[1], keep=keep):
+        seen |= assert_step_matches_reference(out, rows)
+        ref_period = torch.tensor([[h.period for h in heads] for heads in keep["refs"]])  # (B, H)
+        assert torch.equal(keep["state"].period[keep["slots"]], ref_period), (keep["state"].period, ref_period)
+        periods |= set(ref_period.flatten().tolist())
+    assert {Path.REUSE, Path.FALLBACK, Path.REFRESH} <= seen
+    assert {8, 1} <= periods and len(periods) > 2, periods  # shortened to the floor, and back up
+
+
+def test_guard_period_rule():
+    """The update itself on hand-made observations (T_r = 128, target 0.8: floor 16, lengthen at >= 0.9)."""
+    from retopk_core.methods.retopk import guard_period
+
+    period = torch.tensor([128, 128, 32, 16, 64, 64, 128, 32])
+    recall = torch.tensor([0.70, 0.85, 0.50, 0.10, 0.95, 0.89, 1.00, 0.90])
+    new = guard_period(period, recall, 0.8, 128)
+    # stale: halve; in the margin: keep; stale at the floor: keep; fresh: double; fresh at T_r: keep
+    torch.testing.assert_close(new, torch.tensor([64, 128, 16, 16, 128, 64, 128, 64]))
+
+
+def guard_trace(stale: bool, steps: int = 64, L0: int = 200, d: int = 16, seed: int = 0):
+    """One head whose consecutive queries are within 0.04 rad of each other, so with a full FIFO it never
+    falls back (tau 0.85): stale or not, ρ_max ~ 1 on every step. Stale: the query turns steadily in a
+    plane (0.04 rad a step) over keys of large norm, so the Top-K of the current query drifts away from
+    the supports the last exact step anchored, and reuse, which only recombines those supports and the
+    recent window, misses more the longer it runs; no threshold on ρ sees it. Stable: the query stays
+    put and every new key scores below the support, so the exact support never changes.
+    -> keys, values (1, 1, L0 + steps, d), prompt queries (1, 8, d), decode queries (steps, 1, 1, d)."""
+    g = torch.Generator().manual_seed(seed)
+    u, v = torch.linalg.qr(torch.randn(d, 2, generator=g))[0].T  # orthonormal (d,) each
+    keys = torch.randn(1, 1, L0 + steps, d, generator=g) * 5.0
+    if not stale:
+        keys[0, 0, L0:] = -u  # new keys score -|u|^2: never in the support
+    values = torch.randn(1, 1, L0 + steps, d, generator=g)
+    angle = (0.04 if stale else 0.0) * torch.arange(-8, steps, dtype=torch.float32)  # (8 + steps,)
+    q = torch.cos(angle).view(-1, 1) * u + torch.sin(angle).view(-1, 1) * v  # (8 + steps, d)
+    return keys, values, q[:8].view(1, 8, d), q[8:].view(steps, 1, 1, d)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_guard_shortens_the_period_on_stale_supports_only(backend):
+    """A constructed stale head (similar queries, drifting supports) has its refresh period cut by its own
+    refreshes, and the shorter period raises what reuse recalls of Exact Top-K's support; a stable head
+    keeps T_r and decodes exactly as without the guard (same paths, same supports)."""
+    from retopk_core.cpu import launch
+    from retopk_core.fidelity import support_recall
+
+    if backend == "cpu" and not launch.available():
+        pytest.skip("fused CPU kernel not built")
+    L0, steps, T_r = 200, 64, 16
+    result = {}
+    for stale in (True, False):
+        keys, values, prompt_q, queries = guard_trace(stale, steps, L0)
+        for guard in (0.0, 0.8):
+            method = make_method("retopk", backend=backend, top_k=8, cache_size=8, window=4, recall=2, tau=0.85,
+                                 refresh_every=T_r, refresh_guard=guard)
+            state = method.init_state(1, 1, keys.shape[-1])
+            slot = torch.tensor([state.alloc()])
+            method.prefill(state, 0, prompt_q, torch.arange(L0 - 8, L0),
+                           PagedKV.contiguous(keys, values, torch.tensor([L0])))
+            paths, recalls, sels, min_period = [], [], [], T_r
+            for t in range(steps):
+                kv = PagedKV.contiguous(keys, values, torch.tensor([L0 + t + 1]))
+                out = method.decode(queries[t], kv, state, slot)
+                exact = make_method("exact_topk", top_k=8).decode(queries[t], kv, None, slot).selected
+                paths.append(int(out.path[0, 0]))
+                recalls.append(float(support_recall(out.selected, exact)))
+                sels.append(sorted(out.selected[0, 0].tolist()))
+                min_period = min(min_period, int(state.period[0, 0]))
+            assert Path.FALLBACK not in paths  # every step would reuse: only refreshes re-anchor
+            result[stale, guard] = (paths, sum(recalls) / steps, sels, min_period)
+    stale_off, stale_on = result[True, 0.0], result[True, 0.8]
+    assert stale_on[3] <= T_r // 4 and stale_off[3] == T_r  # the guard cut the stale head's period
+    assert stale_on[0].count(Path.REFRESH) > 2 * stale_off[0].count(Path.REFRESH)
+    assert stale_on[1] > stale_off[1] + 0.05, (stale_on[1], stale_off[1])  # and reuse recalls more of Exact Top-K
+    stable_off, stable_on = result[False, 0.0], result[False, 0.8]
+    assert stable_on[3] == T_r and stable_on[0] == stable_off[0] and stable_on[2] == stable_off[2]
+    assert stable_on[1] == 1.0
 
 
 def test_calibrate_tau_rule():

@@ -41,9 +41,9 @@ SMOLLM2 = dataclasses.replace(FakeInfo(), num_layers=30, num_heads=9, num_kv_hea
 
 
 def retopk_state_bytes(info, C: int, K: int) -> int:
-    """ReTopK's FIFO per session: queries (C, d) float32 + supports (C, K) int64 + a float32 threshold per
-    head and layer, plus three int64 counters per layer."""
-    return info.num_layers * (info.num_heads * (C * (4 * info.head_dim + 8 * K) + 4) + 3 * 8)
+    """ReTopK's FIFO per session: queries (C, d) float32 + supports (C, K) int64 + a float32 threshold and an
+    int64 refresh period per head and layer, plus three int64 counters per layer."""
+    return info.num_layers * (info.num_heads * (C * (4 * info.head_dim + 8 * K) + 4 + 8) + 3 * 8)
 
 
 # --- method hyperparameters against the model ---------------------------------------------------------

@@ -17,7 +17,8 @@ session exactly as the one that captured it would have: same keys, values, FIFOs
 
 Imported state comes from outside the process, so ``check`` bounds every value a kernel indexes with before
 anything is written: ReTopK's supports are positions in [-1, L) (a kernel gathers keys at them), its fill
-count in [0, C], write pointer in [0, C), step counter >= 0, thresholds and queries finite. A method whose
+count in [0, C], write pointer in [0, C), step counter >= 0, thresholds and queries finite, refresh periods
+within [T_r / 8, T_r] (a kernel divides by them). A method whose
 state has no such check here (the evaluation baselines) cannot be imported.
 
 ``truncate`` shortens a session to its first ``length`` tokens (a prefill undone, a chat history rewound).
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from retopk_core.methods.retopk import guard_floor
 from retopk_server.runtime.attention import MethodGroup
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.method_spec import MethodSpec
@@ -103,17 +105,18 @@ def check(state: SessionState, pool: KVPool, vocab_size: int, max_context: int) 
             raise StateMismatch(f"kv_dtype: the session's KV cache is {str(t.dtype).removeprefix('torch.')}, this "
                                 f"server's is {str(pool.k[0].dtype).removeprefix('torch.')}")
     if state.state is not None:
-        _check_method_state(state.method.name, state.state, L)
+        _check_method_state(state.method, state.state, L)
 
 
-def _check_method_state(name: str, tensors: dict[str, torch.Tensor], length: int) -> None:
+def _check_method_state(method: MethodSpec, tensors: dict[str, torch.Tensor], length: int) -> None:
     """The bounds of the values a method's kernels index with (module docstring)."""
+    name = method.name
     if not tensors:
         return
     if name != "retopk":
         raise StateMismatch(f"method {name!r}: its state cannot be imported (only full, exact_topk and retopk "
                             "sessions move between servers)")
-    for field in ("queries", "support", "fill", "ptr", "step", "tau"):
+    for field in ("queries", "support", "fill", "ptr", "step", "tau", "period"):
         if field not in tensors:
             raise ValueError(f"method state: field {field!r} is missing")
     C = tensors["queries"].shape[2] if tensors["queries"].dim() == 4 else 0
@@ -127,6 +130,12 @@ def _check_method_state(name: str, tensors: dict[str, torch.Tensor], length: int
     for field in ("queries", "tau"):
         if not tensors[field].is_floating_point() or not bool(torch.isfinite(tensors[field]).all()):
             raise ValueError(f"method state: {field} must be finite floating-point values")
+    T_r = method.build().config.refresh_every
+    lo = min(guard_floor(T_r), T_r)  # refresh_guard's shortest period; T_r = 0 (no refresh): every period is 0
+    period = tensors["period"]
+    if period.dtype != torch.long or not bool(((period >= lo) & (period <= T_r)).all()):
+        raise ValueError(f"method state: period must be int64 in [{lo}, {T_r}] (refresh periods of refresh_every "
+                         f"= {T_r})")
 
 
 def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: SessionState) -> None:

@@ -85,7 +85,8 @@ def test_session_memory_is_reported_and_freed_on_close():
     mem = s.nbytes()
     assert mem["kv"] == 3 * layers * 2 * kv_heads * 8 * d * 4  # 3 blocks of 8 positions, keys and values, fp32
     # per layer: unit queries (H, C, d) fp32 + supports (H, C, K) int64 + fill, ptr, step int64 + tau (H,) fp32
-    assert mem["method_state"] == layers * (heads * 4 * d * 4 + heads * 4 * 16 * 8 + 3 * 8 + heads * 4)
+    # + refresh period (H,) int64
+    assert mem["method_state"] == layers * (heads * 4 * d * 4 + heads * 4 * 16 * 8 + 3 * 8 + heads * 4 + heads * 8)
     full = runner.open_session(MethodSpec("full"))
     assert full.nbytes() == {"kv": 0, "method_state": 0}
 

@@ -77,6 +77,7 @@ def test_imported_values_out_of_bounds_or_another_setup_are_refused_before_anyth
         "support past the tokens": (variant(state={"support": support}), ValueError, "support positions"),
         "fill past C": (variant(state={"fill": good.state["fill"] + 100}), ValueError, "fill"),
         "NaN query": (variant(state={"queries": good.state["queries"] * float("nan")}), ValueError, "finite"),
+        "refresh period 0": (variant(state={"period": good.state["period"] * 0}), ValueError, "period"),  # a divisor
         "token id past the vocabulary": (variant(token_ids=good.token_ids + 1000), ValueError, "token_ids"),
         "another KV dtype": (variant(k=good.k.float(), v=good.v.float()), StateMismatch, "kv_dtype"),
         "another model's layers": (variant(k=good.k[:1], v=good.v[:1]), StateMismatch, "KV cache"),
