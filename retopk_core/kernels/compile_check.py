@@ -55,11 +55,11 @@ def kernel_specs(small: bool) -> list[tuple]:
         specs.append((selector._selector_kernel,
                       dict(q_ptr=p["bf16"], slots_ptr=p["i64"], len_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], phase_ptr=p["i64"],
-                           path_ptr=p["i8"],
+                           period_ptr=p["i64"], path_ptr=p["i8"],
                            maxsim_ptr=p["f32"], nscored_ptr=p["i32"], cand_ptr=p["i32"], count_ptr=p["i32"],
                            cal_count_ptr=p["i32"], at_ptr=p["i64"], merged_ptr=p["i8"], tau_ptr=p["f32"]),
                       dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, N_SORT=n_sort, BLOCK_W=32,
-                           RUN=run, ALL_CAND=all_cand, CALIBRATE=calibrate), 8))
+                           RUN=run, ALL_CAND=all_cand, CALIBRATE=calibrate, GUARD=calibrate), 8))
     specs.append((indexed_qk._indexed_qk_kernel,
                   dict(q_ptr=p["bf16"], k_ptr=p["bf16"], table_ptr=p["i64"], cand_ptr=p["i32"], count_ptr=p["i32"],
                        out_ptr=p["f32"], scale="fp32"),
@@ -71,9 +71,10 @@ def kernel_specs(small: bool) -> list[tuple]:
                            w_ptr=p["f32"], out_ptr=p["bf16"], slots_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            at_ptr=p["i64"], wptr_ptr=p["i64"], fill_ptr=p["i64"], step_ptr=p["i64"],
                            len_ptr=p["i64"], cal_count_ptr=p["i32"], maxsim_ptr=p["f32"], tau_ptr=p["f32"],
-                           TARGET="fp32", RATE="fp32", BAND="fp32", LO="fp32", HI="fp32"),
+                           TARGET="fp32", RATE="fp32", BAND="fp32", LO="fp32", HI="fp32", period_ptr=p["i64"],
+                           G_TARGET="fp32", G_FRESH="fp32"),
                       dict(K_PAD=K_pad, N_PAD=n_pad, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_KV=64, RETOPK=retopk,
-                           CALIBRATE=calibrate, LOG_N=n_pad.bit_length()), 8))
+                           CALIBRATE=calibrate, GUARD=calibrate, LOG_N=n_pad.bit_length()), 8))
     return specs
 
 

@@ -14,7 +14,9 @@ covers positions < dense_below only); as in the torch path, rows with L + C < de
 dense steps (no exact Top-K, no FIFO entry, ``selected`` -1, only the step counter advances). Each
 head's threshold is state.tau[slot, h]; with ``tau_calibration`` the selector builds every head's
 candidates A_t and the select + attend launch moves the thresholds of the exact (non-DENSE) heads by
-the recall reuse would have had (``calibrate_tau``).
+the recall reuse would have had (``calibrate_tau``); with ``refresh_guard`` the selector decides each head's
+refresh on its own period state.period[slot, h] and select + attend moves the periods of the refresh heads
+that would have reused by the same recall (``guard_period``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from retopk_core.kernels.selector import _selector_kernel
 from retopk_core.kernels.workspace import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path, StepOutput
-from retopk_core.methods.retopk import calibration_constants, gqa_paths, plain_dense
+from retopk_core.methods.retopk import calibration_constants, gqa_paths, guard_constants, plain_dense
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -127,8 +129,9 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     n_scored = torch.empty(B, H, dtype=torch.int32, device=dev)
     cand = ws.get("cand", (B, H, N_pad), torch.int32)
     count = ws.get("cand_count", (B, H), torch.int32)  # M_t of the heads that reuse, else 0
-    calibrate = cfg.tau_calibration > 0
-    cal_count = ws.get("cand_count_all", (B, H), torch.int32) if calibrate else count  # every head's M_t
+    calibrate, guard = cfg.tau_calibration > 0, cfg.refresh_guard > 0
+    observe = calibrate or guard  # exact heads measure the recall reuse would have had
+    cal_count = ws.get("cand_count_all", (B, H), torch.int32) if observe else count  # every head's M_t
     cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
     at = ws.get("fifo_at", (B,), torch.long)  # each row's FIFO write position, for stage 3
     N_sort = next_pow2(R * K, 2)  # the selector sorts the recalled supports only, not the window
@@ -136,12 +139,12 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     big = N_sort >= 1024
     _selector_kernel[(B, H)](
         q, q.stride(0), q.stride(1), slots, kv.lengths,
-        state.queries, state.support, state.fill, state.ptr, state.step, state.phase,
+        state.queries, state.support, state.fill, state.ptr, state.step, state.phase, state.period,
         path, max_sim, n_scored, cand, count, cal_count, at, merged,
         state.tau, cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
         N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), RUN=K if K & (K - 1) == 0 else 0,
-        ALL_CAND=cfg.gqa_policy == "group", CALIBRATE=calibrate, num_warps=8 if big else 4)
+        ALL_CAND=cfg.gqa_policy == "group", CALIBRATE=observe, GUARD=guard, num_warps=8 if big else 4)
     if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
         tau = state.tau.index_select(0, slots) if calibrate else None  # (B, H), as the torch path's
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg, tau)
@@ -163,7 +166,9 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
     keys = exact_topk_keys(q, kv, K, scale, ws, path=exact_path, chunk=chunk)  # (B, H, K_pad), non-reuse heads
-    cal = (cal_count, max_sim, state.tau, calibration_constants(cfg)) if calibrate else None  # max_sim NaN: DENSE
+    cal = (cal_count, max_sim, state.tau, calibration_constants(cfg)) if observe else None  # max_sim NaN: DENSE
+    if guard:
+        cal += ((state.period, guard_constants(cfg), cfg.refresh_every),)
     out, sel = _attend(q, kv, K, ws, keys, retopk=(path, cand, cand_scores, count, N_pad, slots, at, state,
                                                    cfg.dense_below), cal=cal)
     if dense is not None:  # dense rows attend to every position; a push row's FIFO entry is the exact Top-K above
@@ -186,15 +191,17 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         path, cand, cand_scores, count, N_pad, slots, at, state, dense_below = retopk
         queries, support, C = state.queries, state.support, state.queries.shape[2]
         ptr, fill, step = state.ptr, state.fill, state.step
-    cal_count, max_sim, tau, (target, rate, band, lo, hi) = cal or (exact_keys,) * 3 + ((0.0,) * 5,)  # unused: None
+    cal_count, max_sim, tau, (target, rate, band, lo, hi) = cal[:4] if cal else (exact_keys,) * 3 + ((0.0,) * 5,)
+    guard = cal is not None and len(cal) > 4
+    period, (g_target, g_fresh, g_lo), T_r = cal[4] if guard else (exact_keys, (0.0, 0.0, 1), 0)  # unused: GUARD off
     _select_attend_kernel[(B, H)](
         q, q.stride(0), q.stride(1), kv.v_pool, kv.block_table, kv.block_table.stride(0),
         path, cand, cand_scores, count, exact_keys,
         sel, weights, out, out.stride(0), out.stride(1),
         slots, queries, support, at, ptr, fill, step, kv.lengths, dense_below,
-        cal_count, max_sim, tau, target, rate, band, lo, hi,
+        cal_count, max_sim, tau, target, rate, band, lo, hi, period, g_target, g_fresh, int(g_lo), T_r,
         K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
         K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
-        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, LOG_N=N_pad.bit_length(),
+        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, GUARD=guard, LOG_N=N_pad.bit_length(),
         num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)
     return out, sel

@@ -28,7 +28,11 @@ is not empty (ρ_max > -inf) also moves its threshold as ``calibrate_tau`` does:
 have had, r = |Ŝ ∩ A_t| / |Ŝ| (``fidelity.support_recall``; A_t the selector's candidate row, sorted
 ascending, of length cal_count: one vectorised binary search per selected position), gives
     tau_h <- clamp(tau_h + [|ρ_max - tau_h| < BAND] RATE (TARGET - r), LO, HI)
-(``calibration_constants``), written back to state.tau[slot, h] by the head's own program.
+(``calibration_constants``; TARGET 0: thresholds untouched), written back to state.tau[slot, h] by the head's
+own program. With GUARD (``refresh_guard``) the same recall, on a REFRESH head whose ρ_max >= tau_h (the
+threshold before this step's move), moves its refresh period as ``guard_period`` does:
+    T_h <- max(T_h / 2, G_LO) if r < G_TARGET,  min(2 T_h, T_R) if r >= G_FRESH,  else T_h
+(``guard_constants``), written back to state.period[slot, h].
 """
 
 from __future__ import annotations
@@ -46,10 +50,11 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
                           sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
                           slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr, len_ptr, DENSE_BELOW,
                           cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI,
+                          period_ptr, G_TARGET, G_FRESH, G_LO, T_R,
                           K, H, H_KV, P, G, C,
                           K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
-                          RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, LOG_N: tl.constexpr):
+                          RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, LOG_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * H + h
@@ -96,8 +101,16 @@ def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_
             recall = tl.sum(hit.to(tl.float32), 0) / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
             tau_at = tau_ptr + tl.load(slots_ptr + b) * H + h
             th = tl.load(tau_at)
-            move = tl.where(tl.abs(rho - th) < BAND, RATE * (TARGET - recall), 0.0)
-            tl.store(tau_at, tl.minimum(tl.maximum(th + move, LO), HI))
+            if TARGET > 0:
+                move = tl.where(tl.abs(rho - th) < BAND, RATE * (TARGET - recall), 0.0)
+                tl.store(tau_at, tl.minimum(tl.maximum(th + move, LO), HI))
+            if GUARD:
+                if (path == 2) & (rho >= th):  # a refresh where the head would have reused
+                    per_at = period_ptr + tl.load(slots_ptr + b) * H + h
+                    t_h = tl.load(per_at)
+                    t_new = tl.where(recall < G_TARGET, tl.maximum(t_h // 2, G_LO),
+                                     tl.where(recall >= G_FRESH, tl.minimum(t_h * 2, T_R), t_h))
+                    tl.store(per_at, t_new)
     m = tl.max(e, 0)
     p = tl.where(valid, tl.exp(e - tl.where(m > float("-inf"), m, 0.0)), 0.0)
     p = p / tl.maximum(tl.sum(p, 0), 1.0)  # the sum is >= 1 (exp(0) at the max) unless nothing is selected (plain)

@@ -3,8 +3,9 @@
     q̄      = q / ||q||                                                  unit query
     ρ_c    = q̄ · q̄_c  for the fill_b valid FIFO entries, -inf elsewhere   (eq. 6)
     ρ_max  = max_c ρ_c;  R_t = TopR_c ρ_c (or the R newest entries)        (eq. 7)
-    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_r == 0 else FALLBACK if ρ_max < tau_h else REUSE (eq. 13;
-             φ_h the head's refresh phase, 0 unless ``refresh_stagger``)
+    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_h == 0 else FALLBACK if ρ_max < tau_h else REUSE (eq. 13;
+             φ_h the head's refresh phase, 0 unless ``refresh_stagger``; T_h = state.period[slot, h] with
+             GUARD (``refresh_guard``), else T_r)
     A_t    = Unique(∪_{c∈R_t} Ŝ_c ∪ {L-W, ..., L-1} ∩ [0, L))            (eq. 8, 9)
 
 tau is the head's own threshold state.tau[slot, h] (every head's cfg.tau unless ``tau_calibration``
@@ -13,8 +14,8 @@ on exact paths), and for reuse heads the candidate positions sorted ascending an
 of a row of width N_PAD >= R*K + W (int32) with their count M_t in ``count`` (0 for exact-path heads).
 With ALL_CAND (the "group" GQA policy, where a head below tau may still reuse with its group)
 fallback heads get candidates and a count too; the launcher then applies the policy on the device and
-fixes count / n_scored. With CALIBRATE (``tau_calibration``) every head builds A_t, whatever its path,
-and writes M_t to ``cal_count`` as well: stage 3 measures on the exact heads the recall reuse would
+fixes count / n_scored. With CALIBRATE (``tau_calibration`` or ``refresh_guard``) every head builds A_t,
+whatever its path, and writes M_t to ``cal_count`` as well: stage 3 measures on the exact heads the recall reuse would
 have had (``count`` stays the reuse heads' own, so the indexed QK and the reuse selection ignore them).
 Head 0 of each sequence also copies the FIFO's write pointer ptr[slot] to ``at[b]``: stage 3 writes the
 new entry there while it advances ptr itself.
@@ -51,12 +52,12 @@ from retopk_core.kernels.bitonic import POS_PAD, bitonic_merge_sort, bitonic_sor
 
 @triton.jit
 def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
-                     cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr,
+                     cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr, period_ptr,
                      path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, cal_count_ptr, at_ptr, merged_ptr,
                      tau_ptr, T_R, H, C, K, W,
                      R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
-                     RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr):
+                     RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -71,7 +72,10 @@ def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
     cq = tl.load(cq_ptr + entry[:, None] * D + d[None, :], mask=(c < C)[:, None] & (d < D)[None, :], other=0.0)
     sim = tl.where(c < fill, tl.sum(cq * qn[None, :], 1), float("-inf"))  # (BLOCK_C,)
     max_sim = tl.max(sim, 0)
-    refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.maximum(T_R, 1) == 0)
+    if GUARD:  # the head's own refresh period (refresh_guard; >= 1, checked by the launcher's caller)
+        refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.load(period_ptr + slot * H + h) == 0)
+    else:
+        refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.maximum(T_R, 1) == 0)
     path = tl.where(refresh, 2, tl.where(max_sim < tl.load(tau_ptr + slot * H + h), 1, 0))
     row = b * H + h
     tl.store(path_ptr + row, path.to(tl.int8))

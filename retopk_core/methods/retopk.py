@@ -49,7 +49,6 @@ from retopk_core.methods.sparse import (
     sparse_attend,
     topk_select,
 )
-from retopk_core.params import ParamError
 
 
 class QuerySupportCache(SlotPool):
@@ -126,9 +125,6 @@ class ReTopK(AttentionMethod):
     def __init__(self, config: ReTopKConfig | None = None, backend: str = "torch") -> None:
         """``ReTopK(ReTopKConfig(top_k=64, gqa_policy="group"))``; by name: ``make_method("retopk", top_k=64)``."""
         super().__init__(config, backend)
-        if backend == "triton" and self.config.refresh_guard:  # its kernels decide refreshes on T_r alone
-            raise ParamError("refresh_guard", "refresh_guard is not implemented by the triton backend (torch and "
-                                              "cpu run it); use refresh_guard=0 there")
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
         self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)

@@ -135,6 +135,20 @@ def test_dense_floor_on_the_device_matches_torch(policy, calibration):
         assert (st.tau[0] < 0.8).any() and reused_below, st.tau
 
 
+@pytest.mark.parametrize("policy,calibration", [(("head", 0.0, 0.8), 0.0), (("promote", 0.0, 0.8), 0.8)],
+                         ids=["head", "promote-calibrated"])
+def test_refresh_guard_on_the_device_matches_torch(policy, calibration):
+    """refresh_guard in the kernels: the selector decides each head's refresh on its own period, select +
+    attend moves the periods of the refresh heads that would have reused by the recall reuse would have had;
+    paths, supports, outputs, thresholds and periods equal the torch path's, and the periods moved."""
+    moved = False
+    for a, b, st, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [40, 20], 16, "similarity", (0, 1), steps=8,
+                                policy=policy, noise=0.75, tau_calibration=calibration, refresh_guard=0.8):
+        _assert_same_step(a, b, st, sk)
+        moved |= bool((st.period != 3).any())
+    assert moved, st.period
+
+
 def _assert_same_step(a, b, st, sk, skip_max_sim=None):
     """One step of the triton path (b, sk) equals the torch path's (a, st), thresholds included."""
     assert torch.equal(a.path, b.path), (a.path, b.path)
@@ -149,6 +163,7 @@ def _assert_same_step(a, b, st, sk, skip_max_sim=None):
     for name in ("fill", "ptr", "step"):
         assert torch.equal(getattr(sk, name), getattr(st, name)), name
     torch.testing.assert_close(sk.tau, st.tau, atol=1e-6, rtol=0)
+    assert torch.equal(sk.period, st.period), (sk.period, st.period)
 
 
 # (H_kv, G, policy): MHA and GQA under the paper's policy, GQA under "promote" ("group": the calibrated dense
