@@ -8,6 +8,9 @@ corpora (every corpus's PPL before any NIAH), so a stopped run has the most impo
 
     python -m bench.eval.multi_corpus --lengths 4096 8192 --docs 4 --suffix 128 --parts ppl,niah \\
         --methods retopk:...,retopk:... --out results/multi
+
+--corpus-docs NAME=N gives the named corpora N documents per length instead of --docs: more where the
+standard error over documents is larger than the effect to resolve (issue 35).
 """
 
 from __future__ import annotations
@@ -23,13 +26,31 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpora", default=",".join(corpora.CORPORA),
                    help="comma-separated corpus names of bench.eval.corpora (or text file paths)")
+    p.add_argument("--corpus-docs", default="", metavar="NAME=N,...",
+                   help="documents per length for the named corpora (2 to 256), instead of --docs")
     p.add_argument("--out", type=Path, required=True, help="output folder; one sub-folder per corpus")
-    return p.parse_known_args(argv)
+    args, rest = p.parse_known_args(argv)
+    args.corpus_docs = parse_corpus_docs(p, args.corpus_docs, [c for c in args.corpora.split(",") if c])
+    return args, rest
+
+
+def parse_corpus_docs(p: argparse.ArgumentParser, value: str, names: list[str]) -> dict[str, int]:
+    """"kjv=8,jargon=6" -> {"kjv": 8, "jargon": 6}; each name one of ``names``, each count in [2, 256] (two
+    documents at least: the standard error needs them)."""
+    out = {}
+    for item in [x for x in value.split(",") if x]:
+        name, _, n = item.partition("=")
+        if name not in names or not n.isdigit() or not 2 <= int(n) <= 256:
+            p.error(f"--corpus-docs: {item!r} is not NAME=N with NAME one of --corpora ({', '.join(names)}) and N "
+                    "in [2, 256]")
+        out[name] = int(n)
+    return out
 
 
 def corpus_argv(args, rest: list[str], corpus: str, part: str) -> list[str]:
-    """The policies command line of one (corpus, stage)."""
-    return [*rest, "--corpus", corpus, "--parts", part, "--resume", "--out", str(args.out / corpus_dir(corpus))]
+    """The policies command line of one (corpus, stage); a --corpus-docs count comes last, so it wins."""
+    docs = ["--docs", str(args.corpus_docs[corpus])] if corpus in args.corpus_docs else []
+    return [*rest, *docs, "--corpus", corpus, "--parts", part, "--resume", "--out", str(args.out / corpus_dir(corpus))]
 
 
 def corpus_dir(corpus: str) -> str:
@@ -105,7 +126,9 @@ def report(args, opts, runner, started: float, names: list[str], rows: dict) -> 
     cols += [c for L in nLs for c in ((f"niah_{L}", f"NIAH {L}", ".1f"), (f"niah_exact_{L}", "Exact's", ".1f"))]
     cols += [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("meets", "targets met", ""),
              ("front", "on the front", "")]
-    tables = [(f"ΔPPL against Exact Top-K (K = {opts.top_k}) ± one standard error over the {opts.docs} documents, "
+    per = {corpus_dir(c): n for c, n in args.corpus_docs.items()}
+    docs = ", ".join(f"{c}: {per.get(c, opts.docs)}" for c in names)
+    tables = [(f"ΔPPL against Exact Top-K (K = {opts.top_k}) ± one standard error over the documents ({docs}), "
                f"group-read rate, NIAH beside Exact Top-K's on the same cases, fidelity at L = {max(Ls)}; targets: "
                f"ΔPPL <= {opts.target_dppl:.0%}, NIAH >= Exact Top-K, group reads <= {opts.target_group_read:.0%}",
                common.markdown_table(corpus_rows(rows, settings + [policies.FULL], names, Ls, nLs), cols))]
@@ -123,10 +146,11 @@ def report(args, opts, runner, started: float, names: list[str], rows: dict) -> 
         tables.append(("Leave one corpus out: the setting with the smallest worst ΔPPL among those reading <= "
                        f"{opts.target_group_read:.0%} of groups on the other corpora, and its numbers on the corpus "
                        "held out", common.markdown_table(cv, cv_cols)))
-    meta = common.run_meta(opts, runner, started, corpora=names, lengths=Ls, docs=opts.docs, suffix=opts.suffix)
+    meta = common.run_meta(opts, runner, started, corpora=names, lengths=Ls, docs=opts.docs, suffix=opts.suffix,
+                           corpus_docs=args.corpus_docs)
     meta["corpus"] = ",".join(names)
     common.write_results(args.out, "multi_corpus", f"ReTopK settings on {len(names)} corpora, K={opts.top_k}, "
-                         f"{opts.docs} documents x {opts.suffix} teacher-forced steps at L = {', '.join(map(str, Ls))}",
+                         f"documents ({docs}) x {opts.suffix} teacher-forced steps at L = {', '.join(map(str, Ls))}",
                          tables, meta, {"rows": rows, "cross_validation": cv})
 
 

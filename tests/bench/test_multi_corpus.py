@@ -93,6 +93,18 @@ def test_leave_one_out_picks_on_the_others_and_reports_the_held_out_numbers():
 
 
 # ---- end to end -----------------------------------------------------------------------------------
+def test_corpus_docs_give_the_named_corpora_their_own_document_count(tmp_path):
+    from bench.eval import multi_corpus, policies
+
+    argv = ["--docs", "4", "--corpora", "kjv,jargon", "--corpus-docs", "jargon=12", "--out", str(tmp_path)]
+    args, rest = multi_corpus.parse_args(argv)
+    docs = {c: policies.parse_args(multi_corpus.corpus_argv(args, rest, c, "ppl")).docs for c in ("kjv", "jargon")}
+    assert docs == {"kjv": 4, "jargon": 12}
+    for bad in ("jargon=1", "jargon=257", "debian-reference=8", "jargon", "jargon=x"):
+        with pytest.raises(SystemExit):
+            multi_corpus.parse_args([*argv[:4], "--corpus-docs", bad, "--out", str(tmp_path)])
+
+
 def test_multi_corpus_runs_every_corpus_and_cross_validates(tiny, tmp_path):  # noqa: F811
     from bench.eval import multi_corpus, policies
 
