@@ -2,6 +2,7 @@
 
     retopk_decode(method, q, kv, state, slots, scale) -> StepOutput
     dense_decode(q, kv, scale, top_k=0, exact=False) -> (out, selected or None)
+    topk_rows(scores, k) -> (N, k) positions of each row's k largest scores (ReTopK's prefill seeding)
 
 The same step as the torch reference ``ReTopK._sparse_step`` (retopk_core/methods/retopk.py), eq. 6-13
 and the GQA policy of ``gqa_paths``, for every (sequence, head) of the batch: similarity to the cached
@@ -82,6 +83,13 @@ def dense_decode(q: torch.Tensor, kv: PagedKV, scale: float, top_k: int = 0,
     out, selected = extension().dense_decode(q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, float(scale),
                                              int(top_k), bool(exact))
     return out, (selected if top_k else None)
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores (N, L) float32, unit column stride -> (N, k) int64: the positions of each row's k largest scores,
+    the best first, ties to the lower position, -1 where a row has fewer than k finite scores (the positions
+    ``sparse.topk_select(scores, None, k)[0]`` selects, up to the order of ties). Needs ``available()``."""
+    return extension().topk_rows(scores, int(k))
 
 
 def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tensor, scale: float) -> StepOutput:

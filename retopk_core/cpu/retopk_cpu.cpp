@@ -39,10 +39,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <utility>
 #include <vector>
+
+#ifdef __SSE__
+#include <xmmintrin.h>
+#endif
 
 namespace {
 
@@ -920,6 +925,74 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
   return {out, selected};
 }
 
+// The largest of x[0..15] (NaN lanes may be dropped: a NaN is never selected anyway).
+inline float block_max16(const float* x) {
+#ifdef __SSE__
+  __m128 m = _mm_max_ps(_mm_max_ps(_mm_loadu_ps(x), _mm_loadu_ps(x + 4)),
+                        _mm_max_ps(_mm_loadu_ps(x + 8), _mm_loadu_ps(x + 12)));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+#else
+  float m = x[0];
+  for (int j = 1; j < 16; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+#endif
+}
+
+// ReTopK's prefill seeding (ReTopK.prefill, retopk.py): the positions of each row's k largest scores, the
+// best first, the lower position first among equal scores (Better), -1 where a row of fewer than k finite
+// scores must take a -inf; NaN is never selected. scores (N, L) float32, unit column stride -> (N, k)
+// int64. Per row: the maxima of its blocks of 16; the k-th largest of them is a bar no entry of the Top-k
+// is below (the k largest maxima are k distinct entries), so one pass admits only the entries >= bar,
+// skipping every block whose maximum is below it, and keep_best's running cut raises the bar as they come.
+// Where torch.topk partially sorts every row, this reads each score once and sorts a few per row.
+at::Tensor topk_rows(const at::Tensor& scores, int64_t k) {
+  CHECK_VALUE(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2 &&
+                  (scores.size(1) <= 1 || scores.stride(1) == 1),
+              "scores must be a float32 (N, L) CPU tensor with unit column stride");
+  CHECK_VALUE(k > 0, "k must be positive, got ", k);
+  const int64_t N = scores.size(0), L = scores.size(1), stride = scores.stride(0), nb = L / 16;
+  at::Tensor out = at::full({N, k}, -1, at::TensorOptions().dtype(at::kLong));
+  const float* base = scores.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Scored> buf;
+    buf.reserve(2 * k);
+    std::vector<float> maxima(nb), kth(nb);
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = base + r * stride;
+      for (int64_t b = 0; b < nb; ++b) maxima[b] = block_max16(row + 16 * b);
+      float bar = -INFINITY;  // entries >= bar enter until the first cut, entries > bar after it
+      if (nb >= k) {
+        kth = maxima;
+        std::nth_element(kth.begin(), kth.begin() + (k - 1), kth.end(), std::greater<float>());
+        bar = kth[k - 1];
+      }
+      bool cut = false;
+      buf.clear();
+      auto admit = [&](int64_t i) {
+        const float v = row[i];
+        if (cut ? v > bar : v >= bar) {
+          buf.emplace_back(v, i);
+          if (static_cast<int64_t>(buf.size()) == 2 * k) {
+            bar = keep_best(buf, k);
+            cut = true;
+          }
+        }
+      };
+      for (int64_t b = 0; b < nb; ++b)
+        if (cut ? maxima[b] > bar : maxima[b] >= bar)
+          for (int64_t i = 16 * b; i < 16 * b + 16; ++i) admit(i);
+      for (int64_t i = 16 * nb; i < L; ++i) admit(i);
+      if (static_cast<int64_t>(buf.size()) > k) keep_best(buf, k);
+      std::sort(buf.begin(), buf.end(), Better{});
+      for (size_t j = 0; j < buf.size(); ++j) o[r * k + j] = buf[j].first == -INFINITY ? -1 : buf[j].second;
+    }
+  });
+  return out;
+}
+
 // The decoder's ops, compiled from decoder_ops.cpp into the same library.
 int64_t best_isa();
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
@@ -937,4 +1010,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w over the rows of x");
   m.def("rope_", &rope_, "RoPE in place on x (N, heads, d): x cos + rotate_half(x) sin");
   m.def("store_rows", &store_rows, "pool[rows[i]] = src[i], cast to the pool's dtype");
+  m.def("topk_rows", &topk_rows, "The positions of each row's k largest scores, best first (ReTopK's prefill seeding)");
 }

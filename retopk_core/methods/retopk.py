@@ -166,16 +166,25 @@ class ReTopK(AttentionMethod):
         elif H * T * L <= SHORT_BATCH_KEYS:  # a short prompt: every group in one matmul and one Top-K
             qs = q.float().reshape(H_kv, G * T, d) * scale  # (H_kv, G*T, d)
             scores = group_scores(qs, kv, 0, L).view(H, T, L).masked_fill(~causal, NEG_INF)  # (H, T, L)
-            support = topk_select(scores.view(H * T, L), None, K)[0].view(H, T, K)
+            support = self._seed_topk(scores.view(H * T, L), K).view(H, T, K)
+        # every query sees the keys before the first of them: only the columns from there on need the mask
+        seen = int(positions.min()) + 1 if T else L
         for g in range(H_kv if L > K and H * T * L > SHORT_BATCH_KEYS else 0):  # one group's (G*T, L) scores at a time
             qs = q[g * G:(g + 1) * G].float().reshape(1, G * T, d) * scale  # (1, G*T, d)
-            scores = group_scores(qs, kv, 0, L, group=g)[0].view(G, T, L).masked_fill(~causal, NEG_INF)
-            sel, _ = topk_select(scores.view(G * T, L), None, K)  # (G*T, K)
-            support[g * G:(g + 1) * G] = sel.view(G, T, K)
+            scores = group_scores(qs, kv, 0, L, group=g)[0].view(G, T, L)  # (G, T, L)
+            scores[..., seen:].masked_fill_(~causal[:, seen:], NEG_INF)
+            support[g * G:(g + 1) * G] = self._seed_topk(scores.view(G * T, L), K).view(G, T, K)
         if L > K and self.backend == "triton":  # Top-K rows come in score order (the causal masks are sorted)
             support = by_position(support)  # for the selector's merge-only path; ~7 ms a layer on a CPU core,
             # so not for the torch and CPU steps, which read supports as sets
         state.push_many(slot, _unit(q), support)
+
+    def _seed_topk(self, scores: torch.Tensor, K: int) -> torch.Tensor:
+        """Each row's Top-K positions (N, L) -> (N, K) int64: the fused CPU kernel's one pass per row on the cpu
+        backend (torch.topk's partial sort of every row was most of a seeding's cost), else torch.topk."""
+        if self.backend == "cpu" and cpu_launch.usable(scores) and scores.stride(-1) == 1:
+            return cpu_launch.topk_rows(scores, K)
+        return topk_select(scores, None, K)[0]
 
     # -- decode ----------------------------------------------------------------------------------
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
