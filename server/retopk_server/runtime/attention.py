@@ -185,7 +185,7 @@ class StepContext:
     prefill_slots: list[int] | None = None
     prefill_start: int = 0  # python int copy of start[0]
     prefill_last: bool = False  # this chunk ends the new tokens: hand the tail queries to the method
-    tail_start: int = 0  # first position whose query the method wants
+    tail_start: int = 0  # first position whose query is kept (the method wants the last prefill_queries of them)
     tails: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, t, d) queries kept so far
 
 
@@ -265,7 +265,8 @@ def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) ->
             prev = ctx.tails.get(layer)
             ctx.tails[layer] = kept if prev is None else torch.cat([prev, kept], dim=1)
     if ctx.prefill_last:
-        q_tail = ctx.tails.pop(layer, None) if want > 0 else None
+        # the tails may start before the last ``want`` (the prefix cache keeps some of them, prefill.py)
+        q_tail = ctx.tails[layer][:, -want:] if want > 0 and layer in ctx.tails else None
         positions = None
         if q_tail is not None:
             positions = torch.arange(L - q_tail.shape[1], L, device=query.device)

@@ -10,7 +10,11 @@ none of it yet), giving back the blocks beyond that point.
 
 With the prefix cache (prefix_cache.py), a first prompt's leading ``cached`` tokens are already in the
 session when the job starts (their blocks mapped from the cache): the job feeds the rest, and once the
-prompt is in it caches the prompt's full blocks for later prompts.
+prompt is in it caches the prompt's full blocks for later prompts. The method's last queries then start
+with the cached tail queries (``tail``) of the positions before the hit's end that the job does not feed.
+A job that caches blocks also keeps, at its last grid boundary E past its start, the queries of positions
+E - Q .. E - 1 (Q the method's ``prefill_queries``) beside the block ending at E, when it computed them
+in the whole chunk that ends at E (the chunk a full prefill computes them in).
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ class PrefillJob:
     """begin, end: the session's length before and after the prompt; ``pos`` the next position to feed;
     cached: the prompt's tokens that came from the prefix cache (positions begin .. begin + cached - 1);
     looked_up: the prompt's tokens the cache was asked for (its length when it was, else 0);
-    hashes: the chain hashes of the prompt's full blocks to cache once it is in (None: do not cache)."""
+    hashes: the chain hashes of the prompt's full blocks to cache once it is in (None: do not cache);
+    tail: the cached queries (layers, H, n, d) of positions pos - n .. pos - 1, the last n of which the method
+    observes with the ones the job computes (None: the job computes all it observes)."""
 
     def __init__(self, runner: ModelRunner, session: Session, token_ids: list[int], begin: int | None = None,
-                 hashes: list[bytes] | None = None) -> None:
+                 hashes: list[bytes] | None = None, tail: torch.Tensor | None = None) -> None:
         self.runner, self.session, self.token_ids, self.hashes = runner, session, token_ids, hashes
         self.begin = session.length if begin is None else begin
         self.pos = session.length
@@ -43,7 +49,19 @@ class PrefillJob:
         self.end = self.begin + len(token_ids)
         self.group = runner._groups[session.method]
         self.table = runner.pool.block_table([session.blocks], runner.device)
+        Q = self.group.method.prefill_queries
+        self.tail_start = max(self.begin, self.end - Q)  # the first position whose query the method observes
         self.tails: dict[int, torch.Tensor] = {}  # layer -> the prompt's last queries collected so far
+        if tail is not None and self.tail_start < self.pos:
+            self.tails = {layer: t[:, t.shape[1] - (self.pos - self.tail_start):] for layer, t in enumerate(tail)}
+        # where to keep tail queries for later prompts (prefix_cache.py): the last grid boundary past pos
+        chunk, grid = runner.config.prefill_chunk, runner.prefill_grid
+        self.keep_at = self.end // grid * grid if hashes is not None and 0 < Q <= chunk else 0
+        if self.keep_at - Q >= self.pos:
+            self.tail_start = min(self.tail_start, self.keep_at - Q)
+        else:
+            self.keep_at = 0
+        self.whole_chunk_at_keep = False  # the job computed positions keep_at - chunk .. keep_at - 1 in one forward
         self.aborted = False
 
     @property
@@ -69,17 +87,29 @@ class PrefillJob:
             ctx = StepContext(mode="prefill", pool=runner.pool, table=self.table,
                               start=torch.tensor([s], device=dev), lengths=torch.tensor([e], device=dev),
                               prefill_group=self.group, prefill_slots=self.session.slots, prefill_start=s,
-                              prefill_last=e == self.end,
-                              tail_start=max(self.begin, self.end - self.group.method.prefill_queries),
-                              tails=self.tails)
+                              prefill_last=e == self.end, tail_start=self.tail_start, tails=self.tails)
             positions = torch.arange(s, e, device=dev).unsqueeze(0)  # (1, T)
             logits = runner._forward(ctx, torch.tensor([ids], device=dev), positions)
             self.session.token_ids.extend(ids)
             self.pos = e
-        if self.done and self.hashes is not None and self.runner.prefix_cache is not None:
-            full = self.end // self.runner.pool.block_size  # begin is 0: the prompt's full blocks
-            self.runner.prefix_cache.insert(self.hashes[:full], self.session.blocks[:full])
+            if e == self.keep_at and s == e - runner.config.prefill_chunk:
+                self.whole_chunk_at_keep = True
+        if self.done:
+            if self.hashes is not None and self.runner.prefix_cache is not None:
+                self._cache_prompt()
+            self.tails.clear()
         return logits[0] if self.done else None
+
+    def _cache_prompt(self) -> None:
+        """Cache the prompt's full blocks, and the tail queries at ``keep_at`` when the job computed them in the
+        chunk a full prefill computes them in."""
+        cache, P = self.runner.prefix_cache, self.runner.pool.block_size
+        full = self.end // P  # begin is 0: the prompt's full blocks
+        cache.insert(self.hashes[:full], self.session.blocks[:full])
+        if self.whole_chunk_at_keep and self.tails:
+            Q, first = self.group.method.prefill_queries, self.keep_at - self.tail_start  # tails start at tail_start
+            queries = torch.stack([self.tails[layer][:, first - Q:first] for layer in range(len(self.tails))])
+            cache.insert_queries(self.hashes[self.keep_at // P - 1], queries.contiguous())  # (layers, H, Q, d)
 
     def abort(self) -> None:
         """Stop before the end: the session goes back to ``begin`` tokens (blocks past them released)."""

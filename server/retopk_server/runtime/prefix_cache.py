@@ -23,9 +23,17 @@ prompt does not share is a new block of its own, filled by its prefill.
 
 Exactness (``ModelRunner.cached_prefix``): a hit covers a multiple of the prefill grid, lcm(block size,
 prefill chunk), so the rest of the prompt is prefilled in the very chunks (same shapes, same inputs) that
-a prefill of the whole prompt uses; and it leaves the prompt's last ``prefill_queries`` tokens uncached,
-so the method observes the same last queries. The method state after a hit therefore equals a full
-prefill's bit for bit, provided the cached blocks were themselves prefilled in whole chunks.
+a prefill of the whole prompt uses. A method that observes the prompt's last Q = ``prefill_queries``
+queries at prefill (ReTopK seeds its FIFO from them) must see the same Q queries as a full prefill; the
+positions among them that the hit covers are not computed again, so their queries come from the cache:
+
+Tail queries. Beside the block that ends a first prompt's last grid boundary E (the end of the last whole
+chunk among its full blocks), the cache keeps the post-RoPE queries of positions E - Q .. E - 1, every
+layer, (layers, H, Q, d) float32 (``insert_queries``). They are the values the chunk [E - chunk, E) of any
+full prefill computes, since that chunk's inputs are the same tokens and keys. A later prompt whose hit
+ends at E takes them (``queries``) and prefills only the tokens after E; a hit that ends at a boundary
+without them leaves the prompt's last Q tokens to the prefill, as before. They count against the cache
+budget and go with their block (evicted, cleared).
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+import torch
+
+from retopk_server.runtime.budget import BudgetExceeded
 from retopk_server.runtime.kv_pool import KVPool
 
 # Longest ``cache_salt`` a request may set (characters); the service refuses longer ones.
@@ -62,6 +73,7 @@ class PrefixCache:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self._blocks: OrderedDict[bytes, int] = OrderedDict()
+        self._queries: dict[bytes, torch.Tensor] = {}  # chain hash of a block ending a grid boundary -> tail queries
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -83,6 +95,36 @@ class PrefixCache:
         del run[len(run) // multiple * multiple:]
         self._touch(hashes[:len(run)])
         return self.pool.share(run)
+
+    @property
+    def query_bytes(self) -> int:
+        """Bytes of the tail queries kept (charged to the pool's budget)."""
+        return sum(_nbytes(q) for q in self._queries.values())
+
+    def queries(self, h: bytes) -> torch.Tensor | None:
+        """The tail queries kept beside the cached block ``h`` (layers, H, Q, d) float32, or None."""
+        return self._queries.get(h) if h in self._blocks else None
+
+    def insert_queries(self, h: bytes, queries: torch.Tensor) -> bool:
+        """Keep ``queries`` (layers, H, Q, d), the last Q queries before the end of cached block ``h``, beside it
+        -> whether they are kept: not when ``h`` is not cached, already has as many, or the budget cannot hold
+        them (the cache holds what fits; a later hit then prefills those positions again)."""
+        old = self._queries.get(h)
+        if h not in self._blocks or (old is not None and old.shape[2] >= queries.shape[2]):
+            return False
+        budget, need = self.pool.budget, _nbytes(queries) - (0 if old is None else _nbytes(old))
+        if budget is not None:
+            try:
+                budget.charge(need, "the prefix cache's tail queries")
+            except BudgetExceeded:
+                return False
+        self._queries[h] = queries
+        return True
+
+    def _drop_queries(self, h: bytes) -> None:
+        q = self._queries.pop(h, None)
+        if q is not None and self.pool.budget is not None:
+            self.pool.budget.refund(_nbytes(q))
 
     def insert(self, hashes: list[bytes], blocks: list[int]) -> None:
         """Cache ``blocks`` (full, prefilled) under ``hashes``: the cache becomes one more holder of each block
@@ -110,6 +152,7 @@ class PrefixCache:
                 gone.append(h)
         for h in gone:
             self.pool.release([self._blocks.pop(h)])
+            self._drop_queries(h)
         return len(gone)
 
     def clear(self) -> int:
@@ -117,4 +160,10 @@ class PrefixCache:
         n = len(self._blocks)
         self.pool.release(list(self._blocks.values()))
         self._blocks.clear()
+        for h in list(self._queries):
+            self._drop_queries(h)
         return n
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

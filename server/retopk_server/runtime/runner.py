@@ -396,13 +396,12 @@ class ModelRunner:
             raise ValueError("token_ids must not be empty")
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
-        begin, hashes, P = session.length, None, self.pool.block_size
+        begin, hashes, tail = session.length, None, None
         if prefix_key is not None and self.prefix_cache is not None and begin == 0:
             # mapped first: held by the session, these blocks are safe from the evictions that room may need
-            hashes = block_hashes(prefix_key, token_ids, P)
-            blocks = self.prefix_cache.lookup(hashes, self.cached_prefix(session, len(token_ids)) // P,
-                                              self.prefill_grid // P)
-            session.blocks, session.token_ids = blocks, token_ids[:len(blocks) * P]
+            hashes = block_hashes(prefix_key, token_ids, self.pool.block_size)
+            session.blocks, tail = self._map_cached(session, hashes, len(token_ids))
+            session.token_ids = token_ids[:len(session.blocks) * self.pool.block_size]
         try:
             self._ensure_slots(session)
             self.reserve(session, begin + len(token_ids))
@@ -411,15 +410,32 @@ class ModelRunner:
                 self.pool.release(session.blocks)
                 session.blocks, session.token_ids = [], []
             raise
-        return PrefillJob(self, session, token_ids, begin, hashes)
+        return PrefillJob(self, session, token_ids, begin, hashes, tail)
 
-    def cached_prefix(self, session: Session, length: int) -> int:
+    def _map_cached(self, session: Session, hashes: list[bytes], length: int) -> tuple[list[int], torch.Tensor | None]:
+        """The cached blocks a ``length``-token first prompt of ``session`` starts with, held for it, and the tail
+        queries the method needs from them (``cached_prefix``; None when it needs none)."""
+        cache, P, Q = self.prefix_cache, self.pool.block_size, self.prefill_queries(session)
+        blocks = cache.lookup(hashes, self.cached_prefix(session, length, with_queries=True) // P,
+                              self.prefill_grid // P)
+        hit = len(blocks) * P
+        if length - hit >= Q:  # the prefill computes every query the method observes
+            return blocks, None
+        tail = cache.queries(hashes[hit // P - 1]) if hit else None
+        if tail is not None and tail.shape[2] >= Q - (length - hit):
+            return blocks, tail
+        keep = self.cached_prefix(session, length) // P  # without them: the last Q tokens are prefilled
+        self.pool.release(blocks[keep:])
+        return blocks[:keep], None
+
+    def cached_prefix(self, session: Session, length: int, with_queries: bool = False) -> int:
         """The most tokens of a ``length``-token first prompt of ``session`` that may come from the prefix cache:
         a multiple of the prefill grid (``prefill_grid``), so that the rest is prefilled in the same chunks as
-        the whole prompt would be, that leaves the prompt's last max(1, prefill_queries) tokens to prefill: the
-        method observes their queries (ReTopK seeds its FIFO from them) and the last one's logits are the
-        prefill's result."""
-        keep = max(1, self.prefill_queries(session))
+        the whole prompt would be, that leaves at least the prompt's last token to prefill (its logits are the
+        prefill's result) and, unless the cache keeps the tail queries at that boundary (``with_queries``,
+        prefix_cache.py), the last ``prefill_queries`` tokens too: the method observes their queries (ReTopK
+        seeds its FIFO from them)."""
+        keep = 1 if with_queries else max(1, self.prefill_queries(session))
         return max(0, length - keep) // self.prefill_grid * self.prefill_grid
 
     @property

@@ -97,6 +97,63 @@ def test_the_retopk_fifo_after_a_hit_holds_the_prompts_last_queries():
         assert int(state.fill[slot]) == 6 and bool((state.support[slot] >= 0).any())
 
 
+# prompt -> the tokens its hit covers, with blocks of 4, chunks of 8 and A's (then the third prompt's) blocks cached
+TAIL_CASES = [
+    ("past the last boundary by less than C: A's tail queries", A + OTHER[:2], 40),
+    ("a boundary A kept no queries at: its last C tokens are prefilled", A[:32] + OTHER[:3], 24),
+    ("past the boundary by C or more: none needed", A + OTHER[:12], 40),
+    ("one more token than that prompt: its own tail queries", A + OTHER[:12] + [7], 48),
+]
+
+
+@pytest.mark.parametrize("spec", [METHODS[2], METHODS[3], MethodSpec("full"), METHODS[4]],
+                         ids=["retopk C=4", "retopk C=6", "full", "quest"])
+def test_a_hit_past_the_last_queries_takes_them_from_the_cache(spec):
+    """A hit may end fewer than C tokens before the prompt's end when the cache kept the queries of the C positions
+    before that boundary: the prefill computes only the tokens after it, and still the method state (the FIFO
+    seeded from the prompt's last C queries) and the greedy tokens equal a full prefill's, bit for bit."""
+    model = tiny_model("llama")
+    cached = runner_for(model, spec, kv_block_size=4, prefill_chunk=8)
+    plain = runner_for(model, spec, kv_block_size=4, prefill_chunk=8, prefix_cache=False)
+    Q = cached.prefill_queries(cached.open_session())
+    with torch.inference_mode():
+        for runner in (cached, plain):
+            greedy_from(runner, runner.open_session(), A, 2, KEY)
+        # A's last whole chunk ends at 40: the queries of 40 - Q .. 39 are kept beside its tenth block
+        kept = cached.prefix_cache.queries(block_hashes(KEY, A, 4)[9])
+        assert (kept is None) == (Q == 0)
+        if kept is not None:
+            info = cached.info
+            assert kept.shape == (info.num_layers, info.num_heads, Q, info.head_dim)
+            assert cached.prefix_cache.query_bytes == kept.numel() * 4
+        for name, prompt, hit in TAIL_CASES:
+            hit = hit if Q else (len(prompt) - 1) // 8 * 8 if name.startswith("a boundary") else hit
+            want_tokens, want_state, _ = greedy_from(plain, plain.open_session(), prompt, 6, KEY)
+            tokens, state, got = greedy_from(cached, cached.open_session(), prompt, 6, KEY)
+            assert got == hit, name
+            assert tokens == want_tokens, name
+            for layer, (a, b) in enumerate(zip(state, want_state, strict=True)):
+                for field in a.keys() & b.keys():
+                    assert torch.equal(a[field], b[field]), (name, layer, field)
+    if Q:
+        assert int(state[0]["fill"]) == Q  # seeded from Q queries, Q - 1 of them the cache's
+
+
+def test_tail_queries_count_against_the_budget_and_go_with_their_block():
+    spec = METHODS[2]
+    runner = runner_for(tiny_model("llama"), spec, kv_block_size=4, prefill_chunk=8)
+    with torch.inference_mode():
+        session = runner.open_session()
+        runner.prefill(session, A, KEY)
+        assert runner.prefix_cache.evict() == 0  # the session holds the blocks: nothing goes
+        runner.close_session(session)
+        kept, info = runner.prefix_cache.query_bytes, runner.info
+        assert kept == info.num_layers * info.num_heads * 4 * info.head_dim * 4  # layers x heads x C x d float32
+        reserved = runner.budget.reserved
+        assert runner.prefix_cache.evict() == 10
+        assert runner.prefix_cache.query_bytes == 0 and runner.budget.reserved == reserved - kept
+
+
 def test_hits_stop_on_the_prefill_grid():
     """Chunks of 8 over blocks of 4: a hit covers whole chunks, so the rest is prefilled in the chunks of a full
     prefill, and the logits are those of the cache off bit for bit."""
@@ -204,24 +261,30 @@ def test_idle_cached_blocks_make_room_before_the_budget_refuses():
 def test_the_servers_default_retopk_on_the_embedded_model(embedded_model):
     """The default method (K = 64, C = W = 128, dense below 1K) on the real model: a 1.3K-token prompt whose
     first 1,100 tokens were prefilled before takes two whole chunks from the cache, seeds its FIFOs from the
-    same 128 last queries and decodes the same greedy tokens as with the cache off (sparse steps: past 1K)."""
+    same 128 last queries and decodes the same greedy tokens as with the cache off (sparse steps: past 1K);
+    so does a prompt that extends the whole 1,536-token document by 20 tokens, 108 of whose 128 last queries
+    come from the cache."""
     model, tokenizer = embedded_model
     config = dict(kv_cache_bytes=256 << 20)
     cached = ModelRunner(RuntimeConfig(**config), model=model, tokenizer=tokenizer)
     plain = ModelRunner(RuntimeConfig(prefix_cache=False, **config), model=model, tokenizer=tokenizer)
     g = torch.Generator().manual_seed(0)
     document = torch.randint(100, 40000, (1536,), generator=g).tolist()
-    prompt = document[:1100] + torch.randint(100, 40000, (200,), generator=g).tolist()
+    question = torch.randint(100, 40000, (200,), generator=g).tolist()
+    # 4 blocks of 256 = 2 chunks of 512, the last 128 tokens prefilled in any case; then the whole document
+    # (3 chunks) with the queries of its positions 1408 .. 1535 from the cache, 20 tokens prefilled
+    cases = [(document[:1100] + question, 1024), (document + question[:20], 1536)]
     with torch.inference_mode():
         cached.prefill(cached.open_session(), document, KEY)
-        tokens, state, hit = greedy_from(cached, cached.open_session(), prompt, 8, KEY)
-        want_tokens, want_state, _ = greedy_from(plain, plain.open_session(), prompt, 8, KEY)
-    assert hit == 1024  # 4 blocks of 256 = 2 chunks of 512; the last 128 tokens are prefilled in any case
-    assert tokens == want_tokens
-    for layer, (a, b) in enumerate(zip(state, want_state, strict=True)):
-        assert int(b["fill"]) == 128
-        for field in ("queries", "support", "fill", "ptr", "step", "tau"):
-            assert torch.equal(a[field], b[field]), (layer, field)
+        for prompt, want_hit in cases:
+            tokens, state, hit = greedy_from(cached, cached.open_session(), prompt, 8, KEY)
+            want_tokens, want_state, _ = greedy_from(plain, plain.open_session(), prompt, 8, KEY)
+            assert hit == want_hit
+            assert tokens == want_tokens
+            for layer, (a, b) in enumerate(zip(state, want_state, strict=True)):
+                assert int(b["fill"]) == 128
+                for field in ("queries", "support", "fill", "ptr", "step", "tau"):
+                    assert torch.equal(a[field], b[field]), (layer, field)
 
 
 def test_a_rewind_into_a_cached_block_copies_it_before_writing():
