@@ -58,10 +58,11 @@ class ReTopKConfig(MethodConfig):
                                         "similarity at which reuse would still recall a share r* of the exact support "
                                         "(0 = the paper's fixed tau; see retopk.calibrate_tau)", low=0.0, high=1.0)
 
-    refresh_guard: float = param(0.0, "r_g: staleness guard: on a head's scheduled refresh where it would have reused "
-                                      "(rho_max >= its tau), the recall reuse would have had is measured; below r_g "
-                                      "the head's refresh period halves (to T_r / 8 at least), at r_g + 0.1 or more it "
-                                      "doubles back (to T_r at most); 0 = the fixed T_r (see retopk.guard_period)",
+    refresh_guard: float = param(0.0, "r_g: staleness guard: each head's refresh period starts at T_r / 8; on its "
+                                      "refreshes where it would have reused (rho_max >= its tau) the recall reuse "
+                                      "would have had is measured: below r_g the period halves (to T_r / 8 at least), "
+                                      "at r_g + 0.1 or more it doubles (to T_r at most); 0 = the fixed T_r (see "
+                                      "retopk.guard_period)",
                                  low=0.0, high=1.0)
 
     def validate(self) -> None:

@@ -63,9 +63,9 @@ class QuerySupportCache(SlotPool):
     step    (S,) int64             decode steps taken since the first prefill (t_dec)
     tau     (S, H) float32         each head's fallback threshold (config.tau; moved by ``calibrate_tau``;
                                    the CPU and Triton kernels read and move it in place)
-    period  (S, H) int64           each head's refresh period T_h (config.refresh_every; moved by
-                                   ``guard_period`` under ``refresh_guard``, read and moved in place by the
-                                   CPU kernel)
+    period  (S, H) int64           each head's refresh period T_h (config.refresh_every; under
+                                   ``refresh_guard`` it starts at ``guard_floor`` and ``guard_period`` moves it;
+                                   the CPU and Triton kernels read and move it in place)
     phase   (H,) int64             each head's refresh phase φ (the layer's, not per slot; 0 = the paper)
     """
 
@@ -82,8 +82,9 @@ class QuerySupportCache(SlotPool):
         self.step = torch.zeros(self.capacity, dtype=torch.long, device=device)
         self.tau0 = config.tau
         self.tau = torch.full((self.capacity, num_heads), config.tau, dtype=torch.float32, device=device)
-        self.period0 = config.refresh_every
-        self.period = torch.full((self.capacity, num_heads), config.refresh_every, dtype=torch.long, device=device)
+        # refresh_guard: every head starts at the shortest period and earns the longer ones (guard_period)
+        self.period0 = guard_floor(config.refresh_every) if config.refresh_guard else config.refresh_every
+        self.period = torch.full((self.capacity, num_heads), self.period0, dtype=torch.long, device=device)
         self.phase = torch.zeros(num_heads, dtype=torch.long, device=device)
 
     def reset_slot(self, slot: int) -> None:
@@ -497,9 +498,12 @@ def guard_period(period: torch.Tensor, recall: torch.Tensor, target: float, T_r:
     its supports were last anchored up to T_h steps ago. So
         recall <  target            ->  T_h <- max(T_h / 2, T_r / 2^LEVELS)   (stale: re-anchor sooner)
         recall >= target + MARGIN   ->  T_h <- min(2 T_h, T_r)               (fresh: back towards T_r)
-    else unchanged. T_h stays a power-of-two divisor of T_r (T_r a power of two), so the scheduled refreshes
-    of T_r are kept and a fresh text costs nothing; a text whose attention drifts faster than reuse tracks it
-    (similar queries, supports gone stale, which no threshold on ρ catches) is refreshed more often.
+    else unchanged. Each head starts at the shortest period (``QuerySupportCache``): a session's first
+    refreshes come early, so a head whose supports go stale is caught within T_r / 2^LEVELS steps, and a
+    head on stable text earns T_r after LEVELS refreshes (steps T_r / 8, T_r / 4, T_r / 2: three exact steps
+    more than the fixed schedule, once per session). T_h stays a power-of-two divisor of T_r (T_r a power of
+    two), so the scheduled refreshes of T_r are kept; a text whose attention drifts faster than reuse tracks
+    it (similar queries, supports gone stale, which no threshold on ρ catches) is refreshed more often.
     """
     shorter = torch.clamp(period // 2, min=guard_floor(T_r))
     longer = torch.clamp(period * 2, max=T_r)

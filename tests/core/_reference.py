@@ -26,7 +26,8 @@ class RefHead:
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
-        self.guard, self.period = guard, T_r  # refresh_guard: this head's refresh period moves (guard_step)
+        # refresh_guard: this head's refresh period starts at T_r / 8 (at least 1) and moves (guard_step)
+        self.guard, self.period = guard, (max(1, T_r // 8) if guard else T_r)
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 

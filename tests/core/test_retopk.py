@@ -224,9 +224,10 @@ def guard_trace(stale: bool, steps: int = 64, L0: int = 200, d: int = 16, seed: 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_guard_shortens_the_period_on_stale_supports_only(backend):
-    """A constructed stale head (similar queries, drifting supports) has its refresh period cut by its own
-    refreshes, and the shorter period raises what reuse recalls of Exact Top-K's support; a stable head
-    keeps T_r and decodes exactly as without the guard (same paths, same supports)."""
+    """A constructed stale head (similar queries, drifting supports) keeps a short refresh period (it starts
+    at the floor T_r / 8, and its refreshes halve it again whenever it has grown past what the drift allows),
+    which raises what reuse recalls of Exact Top-K's support; a stable head earns T_r back within its first LEVELS = 3 refreshes and selects exactly
+    what it selects without the guard (its extra refreshes find the support reuse finds)."""
     from retopk_core.cpu import launch
     from retopk_core.fidelity import support_recall
 
@@ -243,7 +244,7 @@ def test_guard_shortens_the_period_on_stale_supports_only(backend):
             slot = torch.tensor([state.alloc()])
             method.prefill(state, 0, prompt_q, torch.arange(L0 - 8, L0),
                            PagedKV.contiguous(keys, values, torch.tensor([L0])))
-            paths, recalls, sels, min_period = [], [], [], T_r
+            paths, recalls, sels, max_period = [], [], [], 0
             for t in range(steps):
                 kv = PagedKV.contiguous(keys, values, torch.tensor([L0 + t + 1]))
                 out = method.decode(queries[t], kv, state, slot)
@@ -251,16 +252,17 @@ def test_guard_shortens_the_period_on_stale_supports_only(backend):
                 paths.append(int(out.path[0, 0]))
                 recalls.append(float(support_recall(out.selected, exact)))
                 sels.append(sorted(out.selected[0, 0].tolist()))
-                min_period = min(min_period, int(state.period[0, 0]))
+                max_period = max(max_period, int(state.period[0, 0]))
             assert Path.FALLBACK not in paths  # every step would reuse: only refreshes re-anchor
-            result[stale, guard] = (paths, sum(recalls) / steps, sels, min_period)
+            result[stale, guard] = (paths, sum(recalls) / steps, sels, max_period, int(state.period[0, 0]))
     stale_off, stale_on = result[True, 0.0], result[True, 0.8]
-    assert stale_on[3] <= T_r // 4 and stale_off[3] == T_r  # the guard cut the stale head's period
+    assert stale_on[4] < T_r and stale_off[4] == T_r  # the stale head ends on a shorter period
     assert stale_on[0].count(Path.REFRESH) > 2 * stale_off[0].count(Path.REFRESH)
     assert stale_on[1] > stale_off[1] + 0.05, (stale_on[1], stale_off[1])  # and reuse recalls more of Exact Top-K
     stable_off, stable_on = result[False, 0.0], result[False, 0.8]
-    assert stable_on[3] == T_r and stable_on[0] == stable_off[0] and stable_on[2] == stable_off[2]
-    assert stable_on[1] == 1.0
+    assert stable_on[4] == T_r and stable_on[2] == stable_off[2] and stable_on[1] == 1.0
+    extra = stable_on[0].count(Path.REFRESH) - stable_off[0].count(Path.REFRESH)
+    assert 0 < extra <= 3, extra  # the refreshes at T_r / 8, T_r / 4, T_r / 2 (steps 2, 4, 8), then T_r
 
 
 def test_calibrate_tau_rule():

@@ -141,12 +141,12 @@ def test_refresh_guard_on_the_device_matches_torch(policy, calibration):
     """refresh_guard in the kernels: the selector decides each head's refresh on its own period, select +
     attend moves the periods of the refresh heads that would have reused by the recall reuse would have had;
     paths, supports, outputs, thresholds and periods equal the torch path's, and the periods moved."""
-    moved = False
+    periods = set()
     for a, b, st, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [40, 20], 16, "similarity", (0, 1), steps=8,
                                 policy=policy, noise=0.75, tau_calibration=calibration, refresh_guard=0.8):
         _assert_same_step(a, b, st, sk)
-        moved |= bool((st.period != 3).any())
-    assert moved, st.period
+        periods |= set(sk.period.flatten().tolist())
+    assert len(periods) > 1, periods  # T_r = 3: from the floor 1 to 2 or 3
 
 
 def _assert_same_step(a, b, st, sk, skip_max_sim=None):
