@@ -18,6 +18,15 @@
 //     rotate_half(x) = (-x[d/2:], x[:d/2]) (transformers' convention).
 //   store_rows(pool (R, d), rows (B, H_kv, T), src (B, H_kv, T, d) strided): pool[rows[b, g, t]] <- src[b, g, t]
 //     in the pool's dtype (round to nearest even for bfloat16 / float16, as torch's casts).
+//   store_kv(k_pool, v_pool, rows, k, v): store_rows of a step's keys and of its values, in one call.
+//
+// The two halves of a decode layer around its attention, one call each (the decoder's fused path; the
+// same ops in the same order as calling them one by one, so its results equal that path's):
+//   attn_in(x (M, D), w_attn, eps, qkv blocks, cos, sin (M, d), rot_heads, d)
+//     -> qkv (M, out) = rms_norm(x) W_qkv^T (+ b), its first rot_heads heads of d values rotated by RoPE
+//   mlp_out(x (M, D), a (M, H d), o blocks, w_mlp, eps, gate_up blocks, down blocks)
+//     -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T, swiglu([g, u]) = g / (1 + e^-g) * u
+//   swiglu(gu (M, 2F)) -> (M, F), the same product alone.
 //
 // The loops exist for AVX-512, AVX2 (both with FMA and F16C) and plain C++, chosen per call by ``isa``
 // (best_isa() unless a caller asks for a lower one, as the tests do to cover every path on one machine).
@@ -407,4 +416,55 @@ void store_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src)
     case at::kHalf: store_as(pool.data_ptr<c10::Half>(), rp, src); break;
     default: CHECK_VALUE(false, "pool must be float32, bfloat16 or float16, got ", pool.scalar_type());
   }
+}
+
+void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v) {
+  for (at::Tensor* pool : {&k_pool, &v_pool})
+    CHECK_VALUE(pool->device().is_cpu() && pool->is_contiguous() && pool->dim() >= 2,
+                "k_pool and v_pool must be contiguous CPU tensors whose last dim is the head dim");
+  at::Tensor kf = k_pool.view({-1, k_pool.size(-1)}), vf = v_pool.view({-1, v_pool.size(-1)});
+  store_rows(kf, rows, k);
+  store_rows(vf, rows, v);
+}
+
+at::Tensor swiglu(const at::Tensor& gu) {
+  CHECK_VALUE(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be (M, 2F)");
+  const int64_t M = gu.size(0), F = gu.size(1) / 2;
+  check_f32_matrix(gu, "gu", M, 2 * F);
+  at::Tensor y = at::empty({M, F}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / F), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* g = gp + i * 2 * F;
+      const float* u = g + F;
+      float* o = yp + i * F;
+      for (int64_t j = 0; j < F; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return y;
+}
+
+at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
+                   const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa) {
+  CHECK_VALUE(d > 0 && rot_heads >= 0 && qs.size(0) % d == 0 && rot_heads * d <= qs.size(0),
+              "rot_heads (", rot_heads, ") heads of d (", d, ") values must fit in the ", qs.size(0), " outputs");
+  at::Tensor y = block_matmul(rms_norm(x, w_attn, eps), qs, scales, bits, bias, c10::nullopt, isa);  // (M, out)
+  at::Tensor heads = y.view({y.size(0), qs.size(0) / d, d}).narrow(1, 0, rot_heads);
+  rope_(heads, cos, sin);
+  return y;
+}
+
+at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
+                   int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
+                   const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
+                   const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
+                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa) {
+  CHECK_VALUE(x.dim() == 2 && a.dim() == 2 && a.size(0) == x.size(0), "x must be (M, D) and a (M, H d)");
+  check_f32_matrix(x, "x", -1, x.size(1));
+  check_f32_matrix(a, "a", x.size(0), a.size(1));
+  at::Tensor x1 = block_matmul(a, o_qs, o_scales, o_bits, o_bias, x, isa);  // (M, D): x + a W_o^T
+  at::Tensor gu = block_matmul(rms_norm(x1, w_mlp, eps), gu_qs, gu_scales, gu_bits, gu_bias, c10::nullopt, isa);
+  return block_matmul(swiglu(gu), dn_qs, dn_scales, dn_bits, dn_bias, x1, isa);  // (M, D)
 }

@@ -4,6 +4,13 @@
     rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
     store_rows(pool, rows, src): pool[rows] <- src in the pool's dtype
+    store_kv(k_pool, v_pool, rows, k, v): store_rows of a step's keys and values in one call
+    swiglu(gu) -> silu(g) * u for gu = [g, u]
+    attn_in(x, w_attn, eps, qkv, cos, sin, rot_heads, d) -> rope(rms_norm(x) W_qkv^T (+ b)) on its first rot_heads heads
+    mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
+
+``attn_in`` and ``mlp_out`` are a decode layer's two halves around its attention, each the ops above in the
+order the unfused path calls them (so each result equals that path's); their weights are ``Blocks``.
 
 They compute in float32; the source's header states the block layouts and the math, and each entry checks
 shapes and dtypes (ValueError naming the argument). ``available()`` says whether the library loads;
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +33,17 @@ from retopk_core.cpu.launch import available, extension
 
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
-__all__ = ["ISA_NAMES", "available", "best_isa", "block_matmul", "isa", "rms_norm", "rope_", "store_rows"]
+__all__ = ["ISA_NAMES", "Blocks", "attn_in", "available", "best_isa", "block_matmul", "isa", "mlp_out", "rms_norm",
+           "rope_", "store_kv", "store_rows", "swiglu"]
+
+
+class Blocks(NamedTuple):
+    """A block-quantized weight as ``block_matmul`` takes it: qs, scales for ``bits`` 4 or 8, and a float32 bias."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    bias: torch.Tensor | None
 
 
 def best_isa() -> int:
@@ -63,3 +81,28 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 def store_rows(pool: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """pool (R, d) any float dtype; rows (B, H_kv, T) int64; src (B, H_kv, T, d) float32, any strides."""
     extension().store_rows(pool, rows, src)
+
+
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Pools (..., d) contiguous, viewed as rows; rows (B, H_kv, T) int64; k, v (B, H_kv, T, d) float32."""
+    extension().store_kv(k_pool, v_pool, rows, k, v)
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """gu (M, 2F) float32 -> (M, F)."""
+    return extension().swiglu(gu.contiguous())
+
+
+def attn_in(x: torch.Tensor, w_attn: torch.Tensor, eps: float, qkv: Blocks, cos: torch.Tensor, sin: torch.Tensor,
+            rot_heads: int, d: int) -> torch.Tensor:
+    """x (M, D) float32 -> qkv (M, out) float32, heads 0..rot_heads-1 (of d values each) rotated; cos, sin (M, d)."""
+    return extension().attn_in(x, w_attn, float(eps), qkv.qs, qkv.scales, qkv.bits, qkv.bias, cos, sin, rot_heads, d,
+                               isa())
+
+
+def mlp_out(x: torch.Tensor, a: torch.Tensor, o: Blocks, w_mlp: torch.Tensor, eps: float, gate_up: Blocks,
+            down: Blocks) -> torch.Tensor:
+    """x (M, D), a (M, H d) float32 -> the residual stream after the layer's o product and MLP, (M, D)."""
+    return extension().mlp_out(x, a.contiguous(), o.qs, o.scales, o.bits, o.bias, w_mlp, float(eps), gate_up.qs,
+                               gate_up.scales, gate_up.bits, gate_up.bias, down.qs, down.scales, down.bits, down.bias,
+                               isa())

@@ -1000,6 +1000,16 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src);
+void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
+at::Tensor swiglu(const at::Tensor& gu);
+at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
+                   const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa);
+at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
+                   int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
+                   const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
+                   const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
+                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ReTopK's fused CPU decode step and the decoder's CPU ops (see retopk_core/cpu/launch.py)";
@@ -1011,4 +1021,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "RoPE in place on x (N, heads, d): x cos + rotate_half(x) sin");
   m.def("store_rows", &store_rows, "pool[rows[i]] = src[i], cast to the pool's dtype");
   m.def("topk_rows", &topk_rows, "The positions of each row's k largest scores, best first (ReTopK's prefill seeding)");
+  m.def("store_kv", &store_kv, "store_rows of a step's keys and of its values");
+  m.def("swiglu", &swiglu, "g / (1 + exp(-g)) * u for gu = [g, u]");
+  m.def("attn_in", &attn_in, "rms_norm, the QKV product and RoPE of a decode layer in one call");
+  m.def("mlp_out", &mlp_out, "the o product, residual, rms_norm, gate-up, swiglu, down and residual in one call");
 }

@@ -10,6 +10,7 @@ counts it. GQA: query head h reads KV head h // (H // H_kv).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -74,6 +75,29 @@ class StepOutput:
     n_scored: torch.Tensor
     selected: torch.Tensor | None
     n_approx: torch.Tensor | None = None
+
+
+def uniform_output(out: torch.Tensor, path: Path, lengths: torch.Tensor,
+                   selected: torch.Tensor | None = None) -> StepOutput:
+    """The StepOutput of a step on which every head took ``path`` and scored all of its sequence's keys:
+    out (B, H, d_v), lengths (B,) -> path (B, H) = ``path``, max_sim NaN, n_scored (B, H) = lengths.
+
+    The path and max_sim tensors are constants shared by every step of that shape (readers only read them),
+    so that a dense step pays for its attention, not for filling them each layer."""
+    B, H = out.shape[:2]
+    return StepOutput(out=out, path=constant((B, H), int(path), torch.int8, out.device),
+                      max_sim=constant((B, H), float("nan"), torch.float32, out.device),
+                      n_scored=lengths.to(torch.int32).view(B, 1).expand(B, H), selected=selected)
+
+
+def constant(shape: tuple[int, ...], value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` filled with ``value``, made once per (shape, value, dtype, device): never write to it."""
+    return _constant(shape, "nan" if value != value else value, dtype, device)  # NaN != NaN: keyed by name
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(shape: tuple[int, ...], value: float | str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full(shape, float(value), dtype=dtype, device=device)
 
 
 class SlotPool:

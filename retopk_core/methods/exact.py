@@ -13,7 +13,7 @@ import torch
 
 from retopk_core.cpu import launch as cpu_launch
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput, uniform_output
 from retopk_core.methods.sparse import Workspace, exact_select, resolve_scale, sparse_attend
 from retopk_core.params import MethodConfig, param
 
@@ -52,7 +52,4 @@ class ExactTopK(AttentionMethod):
             out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
             if self.on_stage:
                 self.on_stage("sparse attend")
-        n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
-        path = torch.full((B, H), Path.EXACT, dtype=torch.int8, device=q.device)
-        return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
-                          n_scored=n.clone(), selected=sel_pos)
+        return uniform_output(out, Path.EXACT, kv.lengths, sel_pos)

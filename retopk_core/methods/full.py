@@ -6,7 +6,7 @@ import torch
 
 from retopk_core.cpu import launch as cpu_launch
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput, uniform_output
 from retopk_core.methods.sparse import dense_attend, resolve_scale
 
 
@@ -25,7 +25,4 @@ class FullAttention(AttentionMethod):
             out, _ = cpu_launch.dense_decode(q, kv, scale)
         else:
             out = dense_attend(q, kv, scale)  # (B, H, d_v)
-        n = kv.lengths.to(torch.int32).view(B, 1).expand(B, H)
-        path = torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device)
-        return StepOutput(out=out, path=path, max_sim=torch.full((B, H), float("nan"), device=q.device),
-                          n_scored=n.clone(), selected=None)
+        return uniform_output(out, Path.DENSE, kv.lengths)

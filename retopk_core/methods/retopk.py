@@ -34,7 +34,7 @@ from retopk_core.config import ReTopKConfig
 from retopk_core.cpu import launch as cpu_launch
 from retopk_core.fidelity import support_recall
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
+from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput, constant, uniform_output
 from retopk_core.methods.sparse import (
     NEG_INF,
     SHORT_BATCH_KEYS,
@@ -243,11 +243,9 @@ class ReTopK(AttentionMethod):
                 state.push(slots.index_select(0, rows), _unit(q.index_select(0, rows)), sel_pos.index_select(0, rows))
         else:
             out = cpu_launch.dense_decode(q, kv, scale)[0] if fused else dense_attend(q, kv, scale)  # Full's step
-            sel_pos = torch.full((B, H, K), -1, dtype=torch.long, device=q.device)
+            sel_pos = constant((B, H, K), -1, torch.long, q.device)
         state.step[slots] += 1
-        return StepOutput(out=out, path=torch.full((B, H), Path.DENSE, dtype=torch.int8, device=q.device),
-                          max_sim=torch.full((B, H), float("nan"), device=q.device),
-                          n_scored=kv.lengths.to(torch.int32).view(B, 1).expand(B, H).clone(), selected=sel_pos)
+        return uniform_output(out, Path.DENSE, kv.lengths, sel_pos)
 
     def _sparse_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                      scale: float) -> StepOutput:

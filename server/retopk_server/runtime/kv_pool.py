@@ -214,9 +214,8 @@ class KVPool:
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values k, v: (B, H_kv, T, d) at ``rows`` (B, H_kv, T) from ``rows()``."""
-        if k.device.type == "cpu" and k.dtype == torch.float32 and decoder_ops.available():  # one loop each
-            for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-                decoder_ops.store_rows(pool.view(-1, pool.shape[-1]), rows, x)
+        if k.device.type == "cpu" and k.dtype == torch.float32 and decoder_ops.available():  # one call for both
+            decoder_ops.store_kv(self.k[layer], self.v[layer], rows, k, v)
             return
         flat = rows.view(-1)
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):

@@ -32,6 +32,16 @@ def wide_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
+def blocks_path(rows: int) -> bool:
+    """Whether a product over ``rows`` rows of x runs on the blocks (a decode step) rather than the wide copy."""
+    return rows < WIDE_ROWS and decoder_ops.available()
+
+
+def is_blocks(lin) -> bool:
+    """Whether ``lin`` holds GGUF blocks (``lin.blocks`` is what the fused layer ops take)."""
+    return isinstance(lin, _BlockLinear)
+
+
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, in) float32 @ weight (out, in)^T in the weight's float dtype -> (M, out) float32 (+ bias) (+ residual):
@@ -76,6 +86,7 @@ class _BlockLinear:
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.qs, self.scales = qs.contiguous(), scales.to(torch.float16).contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
+        self.blocks = decoder_ops.Blocks(self.qs, self.scales, self.bits, self.bias)  # what the fused layer ops take
         self.wide = self.dequantized().to(wide_dtype())  # (out, in): the prefill GEMM's copy
 
     def set_wide_dtype(self, dtype: torch.dtype) -> None:
@@ -92,7 +103,7 @@ class _BlockLinear:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] >= WIDE_ROWS or not decoder_ops.available():
+        if not blocks_path(x.shape[0]):
             return float_matmul(x, self.wide, self.bias, residual)
         return decoder_ops.block_matmul(x.float(), self.qs, self.scales, self.bits, self.bias, residual)  # (M, out)
 

@@ -11,11 +11,14 @@ rmsnorm(x) = x / sqrt(mean(x^2) + eps). The projections are fused (one QKV matmu
 and held in any weight format of linear.py; RoPE's cos / sin come from transformers' own rotary
 embedding for the model's config (every RoPE type it supports), once per forward for all layers, and
 rotate q and k in one pass. On a CPU, RMSNorm and RoPE run in the fused CPU library (decoder_ops), one
-call each instead of several torch ops.
+call each instead of several torch ops. When every matmul holds GGUF blocks, a decode step's layer is two
+calls into that library around its attention (``decoder_ops.attn_in`` / ``mlp_out``): the same ops in the
+same order, without a Python call and a tensor per op in between.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from retopk_core.cpu import decoder_ops
-from retopk_server.runtime.decoder.linear import Linear
+from retopk_server.runtime.decoder.linear import Linear, blocks_path, is_blocks
 
 # attend(layer, q (B, H, T, d), k (B, H_kv, T, d), v (B, H_kv, T, d), scale) -> (B, H, T, d)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -66,6 +69,11 @@ class Decoder:
         """Every matmul of the model, the LM head last."""
         body = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return [*body, self.lm_head]
+
+    @functools.cached_property
+    def fused(self) -> bool:
+        """Whether a decode step's layers run as two fused calls: every layer's matmuls hold GGUF blocks."""
+        return all(is_blocks(lin) for lin in self.linears()[:-1])
 
     def set_prefill_dtype(self, dtype: torch.dtype) -> None:
         """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
@@ -117,11 +125,19 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     """One decoder layer on x (B*T, D) -> the new residual stream (B*T, D)."""
     B, T = shape
     H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
-    qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps)).view(B * T, H + 2 * H_kv, d)
-    rope_(qkv[:, :H + H_kv], cos, sin)  # q and k rotated together
+    fused = dec.fused and blocks_path(B * T)
+    if fused:
+        qkv = decoder_ops.attn_in(x, layer.attn_norm, dec.eps, layer.qkv.blocks, cos, sin, H + H_kv, d)
+    else:
+        qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps))
+        rope_(qkv.view(B * T, H + 2 * H_kv, d)[:, :H + H_kv], cos, sin)  # q and k rotated together
     heads = qkv.view(B, T, H + 2 * H_kv, d).transpose(1, 2)  # (B, H + 2 H_kv, T, d)
     out = attend(index, heads[:, :H], heads[:, H:H + H_kv], heads[:, H + H_kv:], 1.0 / math.sqrt(d))  # (B, H, T, d)
-    x = layer.o(out.transpose(1, 2).reshape(B * T, H * d), residual=x)
+    a = out.transpose(1, 2).reshape(B * T, H * d)
+    if fused:
+        return decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, dec.eps, layer.gate_up.blocks,
+                                   layer.down.blocks)
+    x = layer.o(a, residual=x)
     gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps)).chunk(2, dim=-1)  # (B*T, F) each
     return layer.down(F.silu(gate).mul_(up), residual=x)
 
