@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
+from retopk_server.engine.safetensors_parts import PayloadError, payload_parts, read_payload
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session_state import SessionState
 
@@ -86,8 +85,9 @@ def check_model(artifact: SessionArtifact, info) -> str | None:
     return "; ".join(diffs) or None
 
 
-def encode_parts(artifact: SessionArtifact) -> tuple[bytes, bytes]:
-    """The artifact's bytes in two parts, (magic and header line, payload), whose concatenation is ``encode``'s."""
+def encode_parts(artifact: SessionArtifact) -> tuple[bytes | memoryview, ...]:
+    """The artifact's bytes in parts, (magic and header line, the payload's parts: safetensors_parts.payload_parts,
+    which view the artifact's tensors), whose concatenation is ``encode``'s."""
     state = artifact.state
     tensors = {"token_ids": state.token_ids.contiguous(), "kv.k": state.k.contiguous(), "kv.v": state.v.contiguous()}
     for name, t in (state.state or {}).items():
@@ -97,15 +97,17 @@ def encode_parts(artifact: SessionArtifact) -> tuple[bytes, bytes]:
             "owner": artifact.owner, "session_id": artifact.session_id, "pending": list(artifact.pending),
             "messages": artifact.messages, "turns": artifact.turns, "created_unix": artifact.created_unix,
             "last_used_unix": artifact.last_used_unix, "has_state": state.state is not None}
-    payload = save_tensors(tensors, metadata={"retopk": json.dumps(meta)})
-    header = {"format": FORMAT, "payload_bytes": len(payload), "payload_sha256": hashlib.sha256(payload).hexdigest()}
-    return MAGIC + json.dumps(header).encode() + b"\n", payload
+    payload = payload_parts(tensors, {"retopk": json.dumps(meta)})
+    digest = hashlib.sha256()
+    for part in payload:
+        digest.update(part)
+    header = {"format": FORMAT, "payload_bytes": sum(len(p) for p in payload), "payload_sha256": digest.hexdigest()}
+    return (MAGIC + json.dumps(header).encode() + b"\n", *payload)
 
 
 def encode(artifact: SessionArtifact) -> bytes:
     """The artifact's bytes (module docstring)."""
-    prefix, payload = encode_parts(artifact)
-    return prefix + payload
+    return b"".join(encode_parts(artifact))
 
 
 def chunks(parts: tuple[bytes, ...], size: int):
@@ -116,39 +118,65 @@ def chunks(parts: tuple[bytes, ...], size: int):
             yield bytes(view[at:at + size])
 
 
-def decode(data: bytes) -> SessionArtifact:
+def decode(data) -> SessionArtifact:
     """Parse and check an artifact's bytes -> SessionArtifact; ArtifactError naming what is wrong."""
     reader = ArtifactReader()
     reader.feed(data)
     return reader.finish()
 
 
+def read_file(path, limit: int | None = None) -> SessionArtifact:
+    """``decode`` of a file's artifact, its payload read straight into the buffer the tensors then view."""
+    reader = ArtifactReader(limit)
+    with open(path, "rb") as f:
+        reader.feed(f.read(len(MAGIC) + MAX_HEADER_BYTES))
+        reader.read_rest(f)
+    return reader.finish()
+
+
 class ArtifactReader:
     """An artifact read as its bytes arrive (ImportSession's chunks): ``feed`` each piece in order, then
     ``finish`` -> the SessionArtifact. The header is checked as soon as it is in (an artifact announcing more
-    than ``limit`` payload bytes is refused before its payload arrives) and the payload is hashed as it comes,
-    so that it is copied once (joined) before safetensors reads it."""
+    than ``limit`` payload bytes is refused before its payload arrives); the payload is hashed as it comes and
+    copied once, into the buffer whose views become the artifact's tensors (safetensors_parts.read_payload)."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit
         self._head = b""  # the bytes before the payload, until the header line is complete
-        self._size: int | None = None  # the payload's length the header announced
         self._digest = ""
         self._hash = hashlib.sha256()
-        self._parts: list[bytes] = []
+        self._payload: np.ndarray | None = None  # (payload_bytes,) uint8, allocated once the header is in
         self._received = 0
 
-    def feed(self, data: bytes) -> None:
-        if self._size is None:
+    def feed(self, data) -> None:
+        if self._payload is None:
             self._head += data
             data = self._header()
-            if self._size is None:
+            if self._payload is None:
                 return
-        if self._received + len(data) > self._size:
-            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {self._size} the header says")
+        n = len(data)
+        if self._received + n > len(self._payload):
+            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {len(self._payload)} the "
+                                            "header says")
         self._hash.update(data)
-        self._parts.append(data)
-        self._received += len(data)
+        self._payload[self._received:self._received + n] = np.frombuffer(data, dtype=np.uint8)
+        self._received += n
+
+    def read_rest(self, f) -> None:
+        """Feed the rest of the binary file ``f``, read into the payload's buffer without a copy between."""
+        if self._payload is None:
+            return
+        view = memoryview(self._payload)[self._received:]
+        while view:
+            n = f.readinto(view)
+            if not n:
+                return  # truncated: finish says so
+            self._hash.update(view[:n])
+            self._received += n
+            view = view[n:]
+        if f.read(1):
+            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {len(self._payload)} the "
+                                            "header says")
 
     def _header(self) -> bytes:
         """Parse the header once it is in -> the payload bytes that came with it (b"" before)."""
@@ -173,40 +201,31 @@ class ArtifactReader:
         if self.limit is not None and size > self.limit:
             raise ArtifactError("data", f"the artifact exceeds {self.limit} bytes "
                                         "(ModelInfo.limits.max_session_artifact_bytes)")
-        self._size, self._digest = size, digest
+        self._digest = digest
+        self._payload = np.empty(size, dtype=np.uint8)  # not touched (nor committed) before the bytes arrive
         rest, self._head = head[end + 1:], b""
         return rest
 
     def finish(self) -> SessionArtifact:
-        if self._size is None:
+        if self._payload is None:
             if len(self._head) < len(MAGIC) or not self._head.startswith(MAGIC):
                 raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
             raise ArtifactError("artifact", "truncated or corrupted header")
-        if self._received != self._size:
-            raise ArtifactError("artifact", f"truncated: {self._received} payload bytes, the header says {self._size}")
+        if self._received != len(self._payload):
+            raise ArtifactError("artifact", f"truncated: {self._received} payload bytes, the header says "
+                                            f"{len(self._payload)}")
         if self._hash.hexdigest() != self._digest:
             raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
-        payload = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-        self._parts = []
-        meta = _metadata(payload)
+        payload, self._payload = self._payload, None
         try:
-            tensors = load_tensors(payload)
-        except Exception as e:  # noqa: BLE001 - safetensors' own error types
-            raise ArtifactError("artifact", f"the tensors do not parse: {type(e).__name__}") from None
+            metadata, tensors = read_payload(payload, MAX_METADATA_BYTES)
+        except PayloadError as e:
+            raise ArtifactError("artifact", f"the tensors do not parse: {e}") from None
+        try:
+            meta = json.loads(metadata["retopk"])
+        except (ValueError, KeyError, TypeError):
+            raise ArtifactError("artifact", "the payload carries no retopk metadata") from None
         return _artifact(meta, tensors)
-
-
-def _metadata(payload: bytes) -> dict:
-    """The "retopk" JSON object of the safetensors header (its first 8 bytes: the header's length, u64 LE)."""
-    if len(payload) < 8:
-        raise ArtifactError("artifact", "truncated payload")
-    (n,) = struct.unpack("<Q", payload[:8])
-    if n > min(MAX_METADATA_BYTES, len(payload) - 8):
-        raise ArtifactError("artifact", "corrupted payload header")
-    try:
-        return json.loads(json.loads(payload[8:8 + n])["__metadata__"]["retopk"])
-    except (ValueError, KeyError, TypeError):
-        raise ArtifactError("artifact", "the payload carries no retopk metadata") from None
 
 
 def _artifact(meta: dict, tensors: dict[str, torch.Tensor]) -> SessionArtifact:

@@ -5,8 +5,9 @@ which carries the owner and the id again): the name needs no escaping and tells 
 directory is made (or tightened) to mode 0700 and every file is created 0600, written to a temporary name
 and renamed, so a reader never sees half a file. ``budget`` bounds the directory's bytes: after a write the
 oldest files (by modification time, which is the session's last use) are deleted until the rest fit; an
-artifact larger than the whole budget is not written. ``take`` reads a session's file and deletes it: the
-session then lives in a server's memory again, and the next drain writes it anew.
+artifact larger than the whole budget is not written. ``take`` reads a session's file (its payload straight
+into the buffer its tensors view) and deletes it: the session then lives in a server's memory again, and the
+next drain writes it anew.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+
+from retopk_server.engine import session_artifact
+from retopk_server.engine.session_artifact import SessionArtifact
 
 log = logging.getLogger("retopk_server.engine")
 
@@ -41,7 +45,7 @@ class SessionStore:
     def has(self, owner: str, session_id: str) -> bool:
         return self.path(owner, session_id).is_file()
 
-    def save(self, owner: str, session_id: str, artifact: bytes | tuple[bytes, ...],
+    def save(self, owner: str, session_id: str, artifact: bytes | tuple[bytes | memoryview, ...],
              last_used_unix: float | None = None) -> bool:
         """Write the artifact (its bytes, or their parts in order: session_artifact.encode_parts), replacing an
         older one, dated ``last_used_unix`` (the session's last use: the oldest files, deleted first past the
@@ -70,19 +74,20 @@ class SessionStore:
         self._evict(keep=path)
         return True
 
-    def take(self, owner: str, session_id: str) -> bytes | None:
-        """The session's artifact, its file deleted; None when there is none."""
+    def take(self, owner: str, session_id: str, limit: int | None = None) -> SessionArtifact | None:
+        """The session's artifact (read and checked: session_artifact.read_file, whose ArtifactError goes to the
+        caller), its file deleted either way; None when there is none."""
         path = self.path(owner, session_id)
         try:
-            data = path.read_bytes()
+            return session_artifact.read_file(path, limit)
         except FileNotFoundError:
             return None
-        path.unlink(missing_ok=True)
-        return data
+        finally:
+            path.unlink(missing_ok=True)
 
-    def put_back(self, owner: str, session_id: str, artifact: bytes, last_used_unix: float | None = None) -> None:
+    def put_back(self, owner: str, session_id: str, artifact: SessionArtifact) -> None:
         """Undo a ``take`` whose import failed (the server cannot run it now; a later one may)."""
-        self.save(owner, session_id, artifact, last_used_unix)
+        self.save(owner, session_id, session_artifact.encode_parts(artifact), artifact.last_used_unix)
 
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self.directory.glob("*" + SUFFIX))

@@ -151,20 +151,20 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         if store is None or session_id is None or not store.has(caller.name, session_id):
             return
         async with self._restoring:
-            data = await asyncio.to_thread(store.take, caller.name, session_id)
-            if data is None:  # a concurrent call restored it
-                return
             try:
-                artifact = await asyncio.to_thread(session_artifact.decode, data)
+                artifact = await asyncio.to_thread(store.take, caller.name, session_id,
+                                                   self.limits.max_session_artifact_bytes)
             except session_artifact.ArtifactError as e:
                 log.warning("dropped the saved session %s/%s: %s", caller.label, session_id, e)
+                return
+            if artifact is None:  # a concurrent call restored it
                 return
             try:
                 await self._engine(self.engine.commands.import_session(artifact, caller.name, session_id,
                                                                        caller.max_sessions))
             except EngineError as e:
                 if e.code.value != "ALREADY_EXISTS":  # else a session of that id is open here: the file is stale
-                    await asyncio.to_thread(store.put_back, caller.name, session_id, data, artifact.last_used_unix)
+                    await asyncio.to_thread(store.put_back, caller.name, session_id, artifact)
                     raise
             log.info("session %s/%s restored from %s", caller.label, session_id, store.directory)
 
