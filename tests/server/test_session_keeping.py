@@ -1,6 +1,7 @@
 """Sessions outlive a drain (real service code, fake runner): --session-dir writes them (files 0600 in a 0700
-directory, within a byte budget, the least recently used deleted first) and a later server loads each on its
-first use; --handoff-peer hands them to another server, for their owners (the peer key), and the conversation
+directory, within a byte budget, the least recently used deleted first) and a later server loads them in the
+background from its start, the most recently used first while they fit without evicting, and each other one on
+its first use; --handoff-peer hands them to another server, for their owners (the peer key), and the conversation
 continues there as if it had never moved.
 
 The embedded model's restart: tests/server/test_session_transfer_live.py; through nginx with real processes:
@@ -10,12 +11,13 @@ tests/deploy/test_nginx_handoff.py.
 from __future__ import annotations
 
 import stat
+import time
 
 import pytest
 
 from retopk_client import Client, NotFound
 from retopk_server.cli import config_from
-from tests.server.fake_runner import greedy_reference
+from tests.server.fake_runner import BLOCK, FakeRunner, greedy_reference
 from tests.server.test_tenancy import KEYS, line
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,12 +41,26 @@ def conversation(client: Client, session_id: str, turns: list[str]) -> list[int]
     return context
 
 
-def test_sessions_saved_at_a_drain_come_back_on_first_use_after_a_restart(fake_server, tmp_path):
-    directory = tmp_path / "sessions"
+def listed(client: Client, count: int) -> set[str]:
+    """The ids of the open sessions, once there are ``count`` (the background preload's; 30 s at most)."""
+    deadline = time.monotonic() + 30
+    while len(ids := {s.session_id for s in client.list_sessions()}) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ids
+
+
+def saved_pair(fake_server, directory) -> dict[str, list[int]]:
+    """alpha's and then beta's 3-turn conversations (beta used last), saved by a drain -> their contexts."""
     first = fake_server(session_dir=str(directory))
     with Client(first.address, timeout=30) as client:
         contexts = {sid: conversation(client, sid, [f"{sid} one", " two", " three"]) for sid in ("alpha", "beta")}
     first.drain(0.0)
+    return contexts
+
+
+def test_sessions_saved_at_a_drain_come_back_after_a_restart(fake_server, tmp_path):
+    directory = tmp_path / "sessions"
+    contexts = saved_pair(fake_server, directory)
     files = sorted(directory.iterdir())
     assert len(files) == 2 and stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
@@ -52,7 +68,7 @@ def test_sessions_saved_at_a_drain_come_back_on_first_use_after_a_restart(fake_s
 
     second = fake_server(session_dir=str(directory))  # the restart
     with Client(second.address, timeout=30) as client:
-        assert client.list_sessions() == []  # loaded lazily, on first use
+        assert listed(client, 2) == {"alpha", "beta"}  # preloaded in the background, no call needed
         info = client.get_session("alpha")
         assert info.turns == 3 and info.num_tokens == len(contexts["alpha"])
         for sid, context in contexts.items():
@@ -60,6 +76,21 @@ def test_sessions_saved_at_a_drain_come_back_on_first_use_after_a_restart(fake_s
         assert list(directory.iterdir()) == []  # each file was taken by its session
         with pytest.raises(NotFound):
             client.get_session("never")
+
+
+def test_the_preload_stops_before_evicting_and_the_rest_come_back_on_first_use(fake_server, tmp_path):
+    directory = tmp_path / "sessions"
+    contexts = saved_pair(fake_server, directory)
+    one = -(-max(len(c) for c in contexts.values()) // BLOCK)  # the blocks of one session: room for one only
+    second = fake_server(FakeRunner(kv_blocks=one + 1), session_dir=str(directory))
+    with Client(second.address, timeout=30) as client:
+        assert listed(client, 1) == {"beta"}  # the most recently used first; alpha did not fit without evicting
+        time.sleep(0.2)
+        assert {s.session_id for s in client.list_sessions()} == {"beta"} and len(list(directory.iterdir())) == 1
+        # alpha's first use loads it, evicting the idle beta as any new session would
+        assert turn(client, "alpha", " four") == greedy_reference(contexts["alpha"] + enc(" four"), 5,
+                                                                   stop_at_eos=False)
+        assert list(directory.iterdir()) == []
 
 
 def test_the_session_dir_keeps_the_most_recently_used_within_its_budget(fake_server, tmp_path):

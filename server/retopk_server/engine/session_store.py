@@ -75,9 +75,12 @@ class SessionStore:
         return True
 
     def take(self, owner: str, session_id: str, limit: int | None = None) -> SessionArtifact | None:
-        """The session's artifact (read and checked: session_artifact.read_file, whose ArtifactError goes to the
-        caller), its file deleted either way; None when there is none."""
-        path = self.path(owner, session_id)
+        """``owner``'s saved session ``session_id`` (``take_file``); None when there is none."""
+        return self.take_file(self.path(owner, session_id), limit)
+
+    def take_file(self, path: Path, limit: int | None = None) -> SessionArtifact | None:
+        """The artifact in ``path`` (read and checked: session_artifact.read_file, whose ArtifactError goes to
+        the caller), the file deleted either way; None when there is none."""
         try:
             return session_artifact.read_file(path, limit)
         except FileNotFoundError:

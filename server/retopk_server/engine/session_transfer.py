@@ -19,6 +19,7 @@ from retopk_core.params import ParamError
 from retopk_server.engine.requests import EngineError, ErrorCode
 from retopk_server.engine.session_artifact import SessionArtifact, check_model, model_fingerprint
 from retopk_server.engine.sessions import SessionRecord, SessionSnapshot, SessionTable, runtime_id
+from retopk_server.runtime.budget import BudgetExceeded
 from retopk_server.runtime.method_limits import check_method
 from retopk_server.runtime.session_state import StateMismatch
 
@@ -40,8 +41,9 @@ def _failed(message: str) -> EngineError:
 
 
 def import_session(table: SessionTable, artifact: SessionArtifact, owner: str = "", session_id: str | None = None,
-                   max_owned: int | None = None) -> SessionSnapshot:
-    """Open ``artifact``'s session as ``owner``'s ``session_id`` (default: the id it was exported under)."""
+                   max_owned: int | None = None, evict: bool = True) -> SessionSnapshot:
+    """Open ``artifact``'s session as ``owner``'s ``session_id`` (default: the id it was exported under);
+    ``evict=False``: RESOURCE_EXHAUSTED rather than evicting idle sessions when it does not fit (a preload)."""
     runner = table.runner
     info = runner.info
     if (diff := check_model(artifact, info)) is not None:
@@ -62,7 +64,12 @@ def import_session(table: SessionTable, artifact: SessionArtifact, owner: str = 
     name = session_id or artifact.session_id
     table.check_new(name, owner, max_owned)
     try:
-        session = table.with_room("artifact", runner.import_session, artifact.state, runtime_id(owner, name))
+        if evict:
+            session = table.with_room("artifact", runner.import_session, artifact.state, runtime_id(owner, name))
+        else:
+            session = runner.import_session(artifact.state, runtime_id(owner, name))
+    except BudgetExceeded as e:
+        raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"artifact: {e}") from None
     except StateMismatch as e:
         raise _failed(f"artifact: {e}") from None
     except ValueError as e:

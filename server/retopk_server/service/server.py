@@ -110,6 +110,7 @@ class RunningServer:
         self.keys = keys
         self.http = None  # the OpenAI-compatible HTTP front (retopk_server.http.serve.HttpFront) when on
         self.store = store  # --session-dir
+        self.saved = None  # its sessions' return after a restart (service/saved_sessions.py), with store
 
     async def drain(self, grace_s: float | None = None) -> None:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
@@ -148,6 +149,8 @@ class RunningServer:
         if self.http is not None:  # stops listening; open connections get its graceful timeout
             await self.http.stop()
         await self.server.stop(grace=2.0)
+        if self.saved is not None:
+            await self.saved.stop()  # before the sessions are kept: a preload under way ends first
         if keep_until is not None:
             while self.engine.in_flight() and self.engine.failure is None and time.monotonic() < keep_until:
                 await asyncio.sleep(0.05)  # a cut stream ends at the engine's next step, its session then idle
@@ -181,6 +184,9 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     await server.start()
     running = RunningServer(config, server, engine, health_servicer, port, keys, store)
     running.supervisor = await Supervisor(engine, health_servicer).start()  # liveness and readiness SERVING
+    if servicer.saved is not None:
+        running.saved = servicer.saved
+        running.saved.start_preload()
     if config.http_port is not None:
         from retopk_server.http.serve import HttpFront  # fastapi and uvicorn load only when the front is on
 

@@ -39,6 +39,7 @@ from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.quota import StreamQuota, TooManyStreams
+from retopk_server.service.saved_sessions import SavedSessions
 
 log = logging.getLogger("retopk_server.service")
 
@@ -123,7 +124,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         self.keys = keys if keys is not None else KeyRing.from_config(config)
         self.streams = StreamQuota()
         self.store = store  # --session-dir (engine/session_store.py) or None
-        self._restoring = asyncio.Lock()
+        self.saved = SavedSessions(store, engine, self.limits.max_session_artifact_bytes) if store else None
 
     def _hook(self, name: str, *args) -> None:
         try:
@@ -144,29 +145,10 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         return self.keys.identify(sent[0] if len(sent) == 1 else None)
 
     async def _restore_saved(self, caller: Caller, session_id: str | None) -> None:
-        """A session an earlier server saved in --session-dir comes back on its first use (engine/session_store.py):
-        its file is read, imported as the caller's, and deleted. A file that does not parse is dropped; one that
-        this server cannot import now (limits, model setup) stays for a later try and the call gets that status."""
-        store = self.store
-        if store is None or session_id is None or not store.has(caller.name, session_id):
-            return
-        async with self._restoring:
-            try:
-                artifact = await asyncio.to_thread(store.take, caller.name, session_id,
-                                                   self.limits.max_session_artifact_bytes)
-            except session_artifact.ArtifactError as e:
-                log.warning("dropped the saved session %s/%s: %s", caller.label, session_id, e)
-                return
-            if artifact is None:  # a concurrent call restored it
-                return
-            try:
-                await self._engine(self.engine.commands.import_session(artifact, caller.name, session_id,
-                                                                       caller.max_sessions))
-            except EngineError as e:
-                if e.code.value != "ALREADY_EXISTS":  # else a session of that id is open here: the file is stale
-                    await asyncio.to_thread(store.put_back, caller.name, session_id, artifact)
-                    raise
-            log.info("session %s/%s restored from %s", caller.label, session_id, store.directory)
+        """A session an earlier server saved in --session-dir comes back before its first use
+        (service/saved_sessions.py)."""
+        if self.saved is not None and session_id is not None:
+            await self.saved.restore(caller.name, session_id, caller.max_sessions)
 
     def _check_affinity(self, context, session_id: str | None) -> None:
         """The x-session-id metadata, when sent, must name the body's session (``session_id``)."""

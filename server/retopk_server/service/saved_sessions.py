@@ -1,0 +1,120 @@
+"""--session-dir's sessions back in memory after a restart (engine/session_store.py holds the files).
+
+A saved session comes back on its first use (``restore``, before the call that names it runs) and, from
+start-up on, in the background (``preload``): the most recently used first, each imported only while it fits
+the cache budget without evicting a session (the first that does not fit ends the preload; the rest wait on
+disk for their first use). A client coming back after a restart then finds its session already in memory
+instead of waiting for the file to be read, checked and imported before its turn.
+
+Each file is loaded once: a call naming a session whose load is under way (a preload's or another call's)
+waits for it. A file that does not parse is dropped; one this server cannot import now (limits, model setup)
+goes back into the directory for a later try, and the call that asked for it gets the status. A session of
+that id already open here makes the file stale: it is dropped. A preload opens each session for the owner its
+artifact names (the key that saved it), only from a file stored under that owner and id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from retopk_server.engine import Engine, EngineError, session_artifact
+from retopk_server.engine.requests import ErrorCode
+from retopk_server.engine.session_store import SUFFIX, SessionStore
+
+log = logging.getLogger("retopk_server")
+
+
+class SavedSessions:
+    """See the module docstring. ``limit``: the largest artifact read (ModelInfo.limits.max_session_artifact_bytes)."""
+
+    def __init__(self, store: SessionStore, engine: Engine, limit: int) -> None:
+        self.store, self.engine, self.limit = store, engine, limit
+        self._loads: dict[Path, asyncio.Future] = {}  # the file being loaded -> done when it is
+        self._preload: asyncio.Task | None = None
+        self.preloaded = 0
+
+    def start_preload(self) -> None:
+        """``preload`` in the background (the server calls it once it accepts calls)."""
+        self._preload = asyncio.get_running_loop().create_task(self.preload())
+
+    async def stop(self) -> None:
+        """No more preloading (a drain): the loads under way end first (a file is never left half taken; an
+        import the draining engine refuses puts its file back)."""
+        if self._preload is not None:
+            self._preload.cancel()
+            await asyncio.gather(self._preload, return_exceptions=True)
+        await asyncio.gather(*self._loads.values(), return_exceptions=True)
+
+    async def restore(self, owner: str, session_id: str, max_owned: int | None) -> None:
+        """Bring ``owner``'s saved session ``session_id`` back before a call uses it (nothing when none is saved);
+        the import's EngineError when this server cannot open it now."""
+        path = self.store.path(owner, session_id)
+        if path in self._loads:
+            await asyncio.shield(self._loads[path])  # a preload of it: its result is the file's fate
+        if path.is_file():  # none under way, or a preload that left it (it did not fit without evicting)
+            await self._load(path, owner, session_id, max_owned, evict=True)
+
+    async def preload(self) -> int:
+        """Import the saved sessions, most recently used first, while each fits without evicting -> how many."""
+        def newest_first() -> list[Path]:
+            files = []
+            for p in self.store.directory.glob("*" + SUFFIX):
+                try:
+                    files.append((p.stat().st_mtime, p))
+                except FileNotFoundError:  # restored meanwhile
+                    continue
+            return [p for _, p in sorted(files, reverse=True)]
+
+        for path in await asyncio.to_thread(newest_first):
+            if path in self._loads or not path.is_file():
+                continue
+            try:  # shielded: a stop lets the load under way finish
+                if not await asyncio.shield(self._load(path, None, None, None, evict=False)):
+                    continue
+            except EngineError as e:
+                if e.code == ErrorCode.RESOURCE_EXHAUSTED:
+                    log.info("preloading saved sessions stopped: %s", e)
+                    break
+                continue
+            self.preloaded += 1
+        log.info("%d saved sessions preloaded from %s", self.preloaded, self.store.directory)
+        return self.preloaded
+
+    async def _load(self, path: Path, owner: str | None, session_id: str | None, max_owned: int | None,
+                    evict: bool) -> bool:
+        """Read, check and import the file at ``path`` (``owner`` None: a preload, for the owner the artifact
+        names) -> whether a session was opened."""
+        done = asyncio.get_running_loop().create_future()
+        self._loads[path] = done
+        try:
+            return await self._read_and_import(path, owner, session_id, max_owned, evict)
+        finally:
+            del self._loads[path]
+            done.set_result(None)
+
+    async def _read_and_import(self, path: Path, owner: str | None, session_id: str | None, max_owned: int | None,
+                               evict: bool) -> bool:
+        try:
+            artifact = await asyncio.to_thread(self.store.take_file, path, self.limit)
+        except session_artifact.ArtifactError as e:
+            log.warning("dropped the saved session file %s: %s", path.name, e)
+            return False
+        if artifact is None:
+            return False
+        if owner is None:
+            owner, session_id = artifact.owner, artifact.session_id
+            if self.store.path(owner, session_id) != path:  # not where this server saves that session
+                log.warning("dropped the saved session file %s: it holds another session", path.name)
+                return False
+        try:
+            await asyncio.wrap_future(self.engine.commands.import_session(artifact, owner, session_id, max_owned,
+                                                                          evict))
+        except EngineError as e:
+            if e.code != ErrorCode.ALREADY_EXISTS:  # else a session of that id is open here: the file is stale
+                await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
+                raise
+            return False
+        log.info("session %s of %s restored from %s", session_id, owner or "anonymous", self.store.directory)
+        return True
