@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -303,29 +303,47 @@ class Client:
         req = pb.CloseSessionRequest(session_id=session_id)
         return SessionInfo.from_proto(self._unary(self._stub.CloseSession, req, timeout, session_id=session_id).session)
 
-    def export_session(self, session_id: str, *, close: bool = False,
-                       timeout: float | None | object = DEFAULT) -> bytes:
+    def export_session(self, session_id: str, *, close: bool = False, timeout: float | None | object = DEFAULT,
+                       progress: Callable[[int], None] | None = None) -> bytes:
         """The session's portable artifact: its KV cache, method state, pending token, conversation and owner
         (ExportSession's chunks joined). ``close=True`` closes it on the server once copied (the session moves).
-        Not retried: with ``close`` a lost reply would lose the session."""
+        ``progress(bytes received so far)`` is called after each chunk. Not retried: with ``close`` a lost reply
+        would lose the session."""
         req = pb.ExportSessionRequest(session_id=session_id, close=close)
         try:
             chunks = self._stub.ExportSession(req, timeout=self.config.call_timeout(timeout),
                                               metadata=self.config.metadata(session_id))
-            return b"".join(chunk.data for chunk in chunks)
+            parts, done = [], 0
+            for chunk in chunks:
+                parts.append(chunk.data)
+                done += len(chunk.data)
+                if progress is not None:
+                    progress(done)
+            return b"".join(parts)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
     def import_session(self, artifact: bytes, *, session_id: str | None = None,
-                       timeout: float | None | object = DEFAULT) -> SessionInfo:
+                       timeout: float | None | object = DEFAULT,
+                       progress: Callable[[int, int], None] | None = None) -> SessionInfo:
         """Rebuild a session from ``export_session``'s artifact (same key, same model setup); it continues where
         the exported one stood. ``session_id``: its new id (default: the exported one's); through a router give
-        it, so that the import carries the affinity key. Not retried (a lost reply could import twice)."""
+        it, so that the import carries the affinity key. ``progress(bytes sent so far, all bytes)`` is called as
+        each chunk goes out. Not retried (a lost reply could import twice)."""
         metadata = self.config.metadata(session_id)
+        requests = _requests.import_session_requests(artifact, session_id)
+
+        def sent():
+            done = 0
+            for req in requests:
+                yield req
+                done += len(req.data)
+                if progress is not None:
+                    progress(done, len(artifact))
+
         try:
-            requests = iter(_requests.import_session_requests(artifact, session_id))
             return SessionInfo.from_proto(self._stub.ImportSession(
-                requests, timeout=self.config.call_timeout(timeout), metadata=metadata))
+                sent(), timeout=self.config.call_timeout(timeout), metadata=metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

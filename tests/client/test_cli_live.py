@@ -11,6 +11,7 @@ import pytest
 from tests.client.conftest import cli_env
 
 COMMANDS = ["generate", "chat", "sessions", "sessions list", "sessions show", "sessions create", "sessions close",
+            "sessions export", "sessions import",
             "info", "status", "health", "bench"]
 
 
@@ -99,6 +100,39 @@ def test_sessions_create_list_show_close(run_cli):
     closed = run_cli("sessions", "close", sid)
     assert closed.returncode == 0 and sid in closed.stdout
     assert sid not in {s["session_id"] for s in json.loads(run_cli("sessions", "list", "--json").stdout)}
+
+
+def test_sessions_export_and_import_move_a_session_through_a_file(run_cli, tmp_path):
+    """Exported (closed), imported again: the next turn's greedy tokens equal the same conversation never moved."""
+    def turn(sid: str, text: str) -> list[int]:
+        done = run_cli("generate", text, "--session", sid, "--max-new-tokens", "4", "--temperature", "0",
+                       "--ignore-eos", "--raw", "--json")
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["token_ids"]
+
+    for sid in ("moving", "staying"):
+        assert run_cli("sessions", "create", "--session-id", sid, "--method", "full").returncode == 0
+        turn(sid, "The river runs")
+    path = tmp_path / "moving.session"
+    out = run_cli("sessions", "export", "moving", "-o", str(path), "--close", "--progress")
+    assert out.returncode == 0, out.stderr
+    assert "exported" in out.stderr and "MiB" in out.stderr and f"to {path}" in out.stdout
+    assert path.stat().st_mode & 0o777 == 0o600 and path.read_bytes().startswith(b"RETOPK-SESSION")
+    assert run_cli("sessions", "show", "moving").returncode == 1  # closed: it moved into the file
+    back = run_cli("sessions", "import", str(path), "--json", "--progress")
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["session_id"] == "moving" and "imported" in back.stderr
+    assert turn("moving", " and then") == turn("staying", " and then")
+    for sid in ("moving", "staying"):
+        run_cli("sessions", "close", sid)
+
+    missing = run_cli("sessions", "import", str(tmp_path / "nothing.session"))
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    (tmp_path / "bad.session").write_bytes(b"GARBAGE" * 10)
+    bad = run_cli("sessions", "import", str(tmp_path / "bad.session"), "--quiet")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "not a retopk session artifact" in bad.stderr
+    nowhere = run_cli("sessions", "export", "staying", "-o", str(tmp_path / "no" / "dir" / "x"))
+    assert nowhere.returncode == 2 and "--output" in nowhere.stderr
 
 
 def test_chat_is_scriptable_through_stdin_and_closes_its_session(run_cli):
