@@ -133,6 +133,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("prefix_cache", parse_bool, "reuse the KV blocks of a prompt's start that an earlier prompt of the same "
                                        "API key (and cache_salt) prefilled; idle cached blocks go first when the "
                                        "cache budget is short (false = prefill every prompt whole)", "BOOL"),
+    Option("prefix_cache_bytes", parse_optional_bytes, "most bytes the prefix cache keeps in blocks no session "
+                                                       "holds once a session closes, least recently used evicted "
+                                                       "first, e.g. 64MiB (none = up to the cache budget)", "BYTES"),
     Option("prefix_cache_shared", parse_bool, "share cached prefixes across API keys (single-tenant deployments: "
                                               "a prompt's time to first token reveals whether another key sent "
                                               "the same start; cache_salt still separates)", "BOOL"),

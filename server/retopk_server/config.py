@@ -34,7 +34,8 @@ class ServerConfig:
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
     model, device, weights, kv_dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size, kv_cache_bytes,
-    kv_cache_fraction, prefix_cache  the model runtime's settings: documented in, and defaulting to, RuntimeConfig
+    kv_cache_fraction, prefix_cache, prefix_cache_bytes
+                          the model runtime's settings: documented in, and defaulting to, RuntimeConfig
     method, method_params default attention method of requests and sessions that name none
     max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens,
     max_step_tokens, prefix_cache_shared  the engine's limits: documented in, and defaulting to, EngineConfig
@@ -90,6 +91,7 @@ class ServerConfig:
     kv_cache_bytes: int | None = RuntimeConfig.kv_cache_bytes
     kv_cache_fraction: float = RuntimeConfig.kv_cache_fraction
     prefix_cache: bool = RuntimeConfig.prefix_cache
+    prefix_cache_bytes: int | None = RuntimeConfig.prefix_cache_bytes
     prefix_cache_shared: bool = EngineConfig.prefix_cache_shared
     max_queue: int = EngineConfig.max_queue
     max_running: int = EngineConfig.max_running
@@ -190,7 +192,8 @@ class ServerConfig:
                              default_method=self.method_spec(), max_context=self.max_context,
                              rope_scaling=self.rope_scaling, prefill_chunk=self.prefill_chunk,
                              kv_block_size=self.kv_block_size, kv_cache_bytes=self.kv_cache_bytes,
-                             kv_cache_fraction=self.kv_cache_fraction, prefix_cache=self.prefix_cache)
+                             kv_cache_fraction=self.kv_cache_fraction, prefix_cache=self.prefix_cache,
+                             prefix_cache_bytes=self.prefix_cache_bytes)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_queue=self.max_queue, max_running=self.max_running, max_sessions=self.max_sessions,

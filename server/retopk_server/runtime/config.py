@@ -68,6 +68,9 @@ class RuntimeConfig:
     kv_cache_fraction  that share when kv_cache_bytes is None, in (0, 1]
     prefix_cache    keep the full KV blocks of first prefills for later prompts that start with the same tokens
                     (runtime/prefix_cache.py); False: every prompt is prefilled whole
+    prefix_cache_bytes  the most bytes the cached blocks no session holds (and their tail queries) keep once a
+                    session closes, least recently used evicted first; None: up to the cache budget (they go
+                    when an allocation needs the room)
     """
 
     model: str = "smollm2-135m"
@@ -83,6 +86,7 @@ class RuntimeConfig:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float = DEFAULT_CACHE_FRACTION
     prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -99,6 +103,7 @@ class RuntimeConfig:
         check_int("kv_block_size", self.kv_block_size)
         check_int("max_context", self.max_context, optional=True)
         check_int("kv_cache_bytes", self.kv_cache_bytes, optional=True)
+        check_int("prefix_cache_bytes", self.prefix_cache_bytes, low=0, optional=True)
         check_number("kv_cache_fraction", self.kv_cache_fraction, low=0, high=1)
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")

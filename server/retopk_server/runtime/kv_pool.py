@@ -129,6 +129,24 @@ class KVPool:
         self._free = {i for i in self._free if i < blocks}
         return freed
 
+    def compact(self) -> dict[int, int]:
+        """Move the used blocks that lie above the first ``used_blocks`` ids into the free ids below (every layer,
+        keys and values; holder counts move with them) -> {old id: new id}: every holder must rename its blocks
+        so (ModelRunner._compact). Afterwards the used blocks are the lowest ids, and ``trim`` can give back
+        every free block, not only a free tail. Movers go to holes lowest first, in their order, so a session's
+        run of consecutive blocks stays consecutive where the holes are."""
+        n = self.used_blocks
+        movers = sorted(b for b in range(n, self.capacity) if b not in self._free)
+        holes = sorted(b for b in self._free if b < n)
+        if not movers:
+            return {}
+        self.copy(movers, holes)
+        moved = dict(zip(movers, holes, strict=True))
+        self._shared = {moved.get(b, b): extra for b, extra in self._shared.items()}
+        self._free.difference_update(holes)
+        self._free.update(movers)
+        return moved
+
     def shrink(self) -> int:
         """``trim`` once the blocks up to the highest used one are at most a quarter of the pool, or none is used
         (so that a load that comes and goes does not resize the pool at every session) -> bytes freed."""

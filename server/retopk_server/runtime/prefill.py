@@ -78,6 +78,8 @@ class PrefillJob:
         if self.aborted or self.done:
             raise RuntimeError("this prefill has ended")
         runner, dev = self.runner, self.runner.device
+        # read again: a compaction between steps may have moved the session's blocks (ModelRunner._compact)
+        self.table = runner.pool.block_table([self.session.blocks], dev)
         stop = min(self.end, self.pos + max(1, max_tokens))
         logits = None
         while self.pos < stop:

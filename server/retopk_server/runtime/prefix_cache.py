@@ -155,6 +155,34 @@ class PrefixCache:
             self._drop_queries(h)
         return len(gone)
 
+    def rename(self, moved: dict[int, int]) -> None:
+        """The pool moved blocks (KVPool.compact): old id -> new id."""
+        for h, block in self._blocks.items():
+            self._blocks[h] = moved.get(block, block)
+
+    def _entry_bytes(self, h: bytes) -> int:
+        q = self._queries.get(h)
+        return self.pool.block_nbytes + (0 if q is None else _nbytes(q))
+
+    def idle_bytes(self) -> int:
+        """Bytes that ``evict()`` would give back: the idle blocks and the tail queries beside them."""
+        return sum(self._entry_bytes(h) for h, b in self._blocks.items() if self.pool.holders(b) == 1)
+
+    def evict_to(self, most: int) -> int:
+        """Evict idle blocks, least recently used first, until the idle ones hold at most ``most`` bytes -> how many
+        went (a cap on what the cache keeps for later prompts, ``RuntimeConfig.prefix_cache_bytes``)."""
+        idle = [h for h, b in self._blocks.items() if self.pool.holders(b) == 1]  # least recently used first
+        total, gone = sum(self._entry_bytes(h) for h in idle), []
+        for h in idle:
+            if total <= most:
+                break
+            total -= self._entry_bytes(h)
+            gone.append(h)
+        for h in gone:
+            self.pool.release([self._blocks.pop(h)])
+            self._drop_queries(h)
+        return len(gone)
+
     def clear(self) -> int:
         """Drop every entry (the blocks stay with the sessions that hold them) -> how many entries."""
         n = len(self._blocks)

@@ -212,10 +212,24 @@ class ModelRunner:
             session.slots = self._alloc_slots(session.method, session.id)
         except BudgetExceeded:
             if self.prefix_cache is not None:
-                self.prefix_cache.evict()  # its idle blocks go before the tail is trimmed
+                self.prefix_cache.evict()  # its idle blocks go before the pool is compacted and trimmed
+            self._compact()
             if not self.pool.trim():
                 raise
             session.slots = self._alloc_slots(session.method, session.id)
+
+    def _compact(self) -> None:
+        """Move the KV pool's used blocks to its lowest ids (KVPool.compact) and rename them in every holder: the
+        open sessions and the prefix cache. Then the pool can give back all its free blocks (``trim``), not
+        only a free tail: freed cached blocks and closed sessions' blocks between live ones stop pinning the
+        budget. PrefillJobs read their session's blocks at each step, so a job in progress follows."""
+        moved = self.pool.compact()
+        if not moved:
+            return
+        for session in self.sessions.values():
+            session.blocks = [moved.get(b, b) for b in session.blocks]
+        if self.prefix_cache is not None:
+            self.prefix_cache.rename(moved)
 
     def _alloc_slots(self, spec: MethodSpec, session_id: str) -> list[int]:
         try:
@@ -238,6 +252,10 @@ class ModelRunner:
             freed += group.shrink()
         session.blocks, session.slots, session.closed = [], None, True
         self.sessions.pop(session.id, None)
+        if self.prefix_cache is not None and self.config.prefix_cache_bytes is not None:
+            self.prefix_cache.evict_to(self.config.prefix_cache_bytes)  # the blocks it held may be idle now
+        if 4 * self.pool.used_blocks <= self.pool.capacity:  # shrink's condition, wherever the used blocks lie
+            self._compact()
         freed += self._drop_if_unused(session.method) + self.pool.shrink()
         if freed:
             release_freed_memory()
