@@ -41,6 +41,10 @@ Prefix cache (runtime/prefix_cache.py)
   retopk_prefix_cache_lookup_tokens_total  prompt tokens looked up (a session's first prompt, cache on)
   retopk_prefix_cache_hit_tokens_total     of them, the tokens whose KV blocks came from the cache
         hit rate:  rate(retopk_prefix_cache_hit_tokens_total[5m]) / rate(retopk_prefix_cache_lookup_tokens_total[5m])
+  retopk_prefix_cache_key_lookup_tokens_total{key}, retopk_prefix_cache_key_hit_tokens_total{key}  the same per
+                                           API key: ``key`` is the key's configured name (never the secret;
+                                           "anonymous" without keys), the first MAX_KEY_LABELS names seen by the
+                                           process, every later one counted under "other" (bounded cardinality)
   retopk_prefix_cache_blocks               KV blocks the cache holds (shared with sessions or not)
   retopk_prefix_cache_bytes{kind=held|idle}  their bytes; idle: held by the cache alone (evicted first, least
                                            recently used, when the budget is short)
@@ -322,6 +326,12 @@ class Metrics:
                                      "prefix cache.", m, registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens whose KV blocks came from the "
                                    "prefix cache.", m, registry=r)
+        self.prefix_key_lookup = Counter(PREFIX + "prefix_cache_key_lookup_tokens", "Prompt tokens looked up in the "
+                                         "prefix cache, by API key name (at most MAX_KEY_LABELS, then other).",
+                                         [*m, "key"], registry=r)
+        self.prefix_key_hits = Counter(PREFIX + "prefix_cache_key_hit_tokens", "Prompt tokens whose KV blocks came "
+                                       "from the prefix cache, by API key name (at most MAX_KEY_LABELS, then "
+                                       "other).", [*m, "key"], registry=r)
         self.prefix_blocks = Gauge(PREFIX + "prefix_cache_blocks", "KV blocks the prefix cache holds.", m,
                                    registry=r)
         self.prefix_bytes = Gauge(PREFIX + "prefix_cache_bytes", "Bytes of the KV blocks the prefix cache holds "
@@ -330,6 +340,9 @@ class Metrics:
                                 [*m, "architecture", "layers", "heads", "kv_heads", "head_dim", "device",
                                  "backend", "default_method", "weight_format", "kv_dtype"], registry=r)
 
+
+# Distinct API key names the per-key prefix cache counters label; later names are counted under "other".
+MAX_KEY_LABELS = 32
 
 _MODEL_ONLY = ("exact_share", "running", "waiting", "kv_utilization", "cache_budget", "evictions", "prompt_tokens",
                "prefix_lookup", "prefix_hits", "prefix_blocks", "generation_tokens", "ttft", "tpot", "e2e",
@@ -357,6 +370,7 @@ class MetricsObserver(EngineObserver):
         self._offsets: dict[tuple[int, int], np.ndarray] = {}
         self._last_token: dict[int, float] = {}  # id(request) -> monotonic time of its latest token
         self._open = {"named": 0, "ephemeral": 0}
+        self._keys: set[str] = set()  # ``key`` label values in use (_key_label)
         self.exporter: MetricsServer | None = None  # set by create_observer
         m, model = self.metrics, self.model
         # Children that exist before their first event, so rates and ratios read 0 instead of nothing.
@@ -395,6 +409,19 @@ class MetricsObserver(EngineObserver):
     def on_prefix_lookup(self, request, num_tokens: int, cached_tokens: int) -> None:
         self._one["prefix_lookup"].inc(num_tokens)
         self._one["prefix_hits"].inc(cached_tokens)
+        key = self._key_label(request.spec.owner)
+        self.metrics.prefix_key_lookup.labels(self.model, key).inc(num_tokens)
+        self.metrics.prefix_key_hits.labels(self.model, key).inc(cached_tokens)
+
+    def _key_label(self, owner: str) -> str:
+        """The ``key`` label of an API key's name: the name itself for the first MAX_KEY_LABELS names, "other" after
+        (a deployment with many keys keeps a bounded number of series; names are operator-chosen, never secrets)."""
+        label = owner or "anonymous"
+        if label not in self._keys:
+            if len(self._keys) >= MAX_KEY_LABELS:
+                return "other"
+            self._keys.add(label)
+        return label
 
     def on_first_token(self, request, seconds: float) -> None:
         self._one["ttft"].observe(seconds)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.metrics import Metrics, MetricsObserver
+from retopk_server.metrics import MAX_KEY_LABELS, Metrics, MetricsObserver
 from retopk_server.runtime.memory import MemoryUsage
 from tests.server.fake_runner import FakeTokenizer
 from tests.server.runtime.runtime_helpers import prompt_ids, runner_for, tiny_model
@@ -119,6 +119,28 @@ def test_idle_cached_blocks_go_before_an_idle_session_and_blocks_in_use_stay(ser
     assert usage(s, "alice", OTHER[:16] + DOC[:2]).cached_prompt_tokens == 16
 
 
+def by(owner: str) -> SimpleNamespace:
+    """A request as the observer sees it: its spec names the caller's key (service/auth.py)."""
+    return SimpleNamespace(spec=SimpleNamespace(owner=owner))
+
+
+def test_the_per_key_counters_label_at_most_max_key_labels_names():
+    """Key names label the per-key counters up to MAX_KEY_LABELS; the names after share "other", so a deployment
+    with many keys keeps a bounded number of series. The anonymous owner (no keys configured) is "anonymous"."""
+    observer = MetricsObserver("m", Metrics())
+    names = [f"k{i}" for i in range(MAX_KEY_LABELS + 5)]
+    for name in ["", *names]:
+        observer.on_prefix_lookup(by(name), 10, 4)
+    value = observer.metrics.registry.get_sample_value
+    assert value("retopk_prefix_cache_key_hit_tokens_total", {"model": "m", "key": "anonymous"}) == 4
+    assert value("retopk_prefix_cache_key_hit_tokens_total", {"model": "m", "key": names[MAX_KEY_LABELS - 2]}) == 4
+    assert value("retopk_prefix_cache_key_hit_tokens_total", {"model": "m", "key": names[MAX_KEY_LABELS - 1]}) is None
+    assert value("retopk_prefix_cache_key_lookup_tokens_total", {"model": "m", "key": "other"}) == 6 * 10
+    series = {s.labels["key"] for metric in observer.metrics.registry.collect() for s in metric.samples
+              if s.name == "retopk_prefix_cache_key_hit_tokens_total"}
+    assert len(series) == MAX_KEY_LABELS + 1
+
+
 def test_the_metrics_count_lookups_hits_and_cached_blocks():
     observer = MetricsObserver("m", Metrics())
     info = SimpleNamespace(architecture="A", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4, device="cpu",
@@ -126,12 +148,15 @@ def test_the_metrics_count_lookups_hits_and_cached_blocks():
                            kv_dtype="")
     observer.on_start(info, lambda: MemoryUsage(prefix_cache_blocks=3, prefix_cache_bytes=3072,
                                                 prefix_cache_idle_bytes=1024))
-    observer.on_prefix_lookup(None, 40, 24)
-    observer.on_prefix_lookup(None, 30, 0)
+    observer.on_prefix_lookup(by("alice"), 40, 24)
+    observer.on_prefix_lookup(by("bob"), 30, 0)
     observer.on_load(0, 0, 0)
     value = observer.metrics.registry.get_sample_value
     assert value("retopk_prefix_cache_lookup_tokens_total", {"model": "m"}) == 70
     assert value("retopk_prefix_cache_hit_tokens_total", {"model": "m"}) == 24
+    for key, lookup, hits in (("alice", 40, 24), ("bob", 30, 0)):
+        assert value("retopk_prefix_cache_key_lookup_tokens_total", {"model": "m", "key": key}) == lookup
+        assert value("retopk_prefix_cache_key_hit_tokens_total", {"model": "m", "key": key}) == hits
     assert value("retopk_prefix_cache_blocks", {"model": "m"}) == 3
     assert value("retopk_prefix_cache_bytes", {"model": "m", "kind": "held"}) == 3072
     assert value("retopk_prefix_cache_bytes", {"model": "m", "kind": "idle"}) == 1024
