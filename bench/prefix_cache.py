@@ -14,8 +14,7 @@ decode), greedy; the settings take turns round by round. The document and the sy
 (default: the King James Bible of Debian's bible-kjv, as bench/eval uses).
 
     python -m bench.prefix_cache --threads 1
-    python -m bench.prefix_cache --threads 1 --method full    # without ReTopK's FIFO seeding, which a hit
-                                                              # pays as a cold prefill does
+    python -m bench.prefix_cache --threads 1 --methods default full exact_topk --workloads document --cache-only
 """
 
 from __future__ import annotations
@@ -40,8 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--streams", type=int, default=8, help="concurrent streams of workload 2")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens each stream of workload 2 generates")
     p.add_argument("--prefill-chunk", type=int, default=None, help="the server's --prefill-chunk (default: its own)")
-    p.add_argument("--method", default="default", help='the attention method, "name[:key=value,...]" or "default" '
-                                                       "(the server's)")
+    p.add_argument("--methods", nargs="+", default=["default"],
+                   help='attention methods, "name[:key=value,...]" or "default" (the server\'s); they take turns')
+    p.add_argument("--workloads", nargs="+", choices=("document", "streams"), default=["document", "streams"],
+                   help="which workloads to run (default: both)")
+    p.add_argument("--cache-only", action="store_true", help="only the runners with the cache (no baseline without)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json")
     return p.parse_args(argv)
@@ -119,15 +121,18 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     text = load_corpus(args.corpus)
-    method = parse_method(args.method)
-    results: dict = {"threads": torch.get_num_threads(), "method": args.method}
-    engines = {}
-    for key, cache in (("without", False), ("with", True)):
-        runner = ModelRunner(RuntimeConfig(model=args.model, prefix_cache=cache, default_method=method, **chunk))
-        engines[key] = Engine(lambda runner=runner: runner, EngineConfig(max_running=max(16, args.streams)))
-        results["grid"] = runner.prefill_grid
+    settings = (("with", True),) if args.cache_only else (("without", False), ("with", True))
+    results: dict = {"threads": torch.get_num_threads(), "methods": {}}
+    engines = {}  # (method, setting) -> Engine
+    for name in args.methods:
+        results["methods"][name] = {key: {"document": []} for key, _ in settings}
+        for key, cache in settings:
+            runner = ModelRunner(RuntimeConfig(model=args.model, prefix_cache=cache, default_method=parse_method(name),
+                                               **chunk))
+            engines[name, key] = Engine(lambda runner=runner: runner, EngineConfig(max_running=max(16, args.streams)))
+            results["grid"] = runner.prefill_grid
 
-    def encode(s: str, runner=runner) -> list[int]:  # either runner: the same tokenizer
+    def encode(s: str, runner=runner) -> list[int]:  # any runner: the same tokenizer
         return runner.encode(s, add_special_tokens=False)
 
     doc, system = split_documents(text, encode, 2, max(args.doc_tokens, args.system_tokens))
@@ -135,47 +140,54 @@ def main(argv=None) -> dict:
     for engine in engines.values():
         engine.start()
     try:
-        # the settings alternate round by round, so that a change in the machine's load hits both alike
-        for key in engines:
-            results[key] = {"document": []}
-        for r in range(args.rounds):
-            for key, engine in engines.items():
-                results[key]["document"] += document_questions(engine, doc, 1, encode, first_round=r)
-        for key, engine in engines.items():
-            results[key]["streams"] = shared_system_prompt(engine, system, args.streams, args.max_new_tokens,
-                                                           encode, salt=key)
+        # the methods and settings take turns round by round, so that a change in the machine's load hits all alike
+        for r in range(args.rounds if "document" in args.workloads else 0):
+            for (name, key), engine in engines.items():
+                results["methods"][name][key]["document"] += document_questions(engine, doc, 1, encode, first_round=r)
+        for (name, key), engine in engines.items():
+            if "streams" in args.workloads:
+                results["methods"][name][key]["streams"] = shared_system_prompt(
+                    engine, system, args.streams, args.max_new_tokens, encode, salt=key)
     finally:
         for engine in engines.values():
             engine.stop()
-    report(results, args)
+    for name, per in results["methods"].items():
+        report(name, per, results, args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     return results
 
 
-def report(results: dict, args) -> None:
-    on, off = results["with"], results["without"]
-    med = {k: {f: statistics.median(r[f] for r in v["document"]) for f in ("first_s", "second_s")}
-           for k, v in (("with", on), ("without", off))}
-    prompt, cached = on["document"][0]["prompt_tokens"], on["document"][0]["second_cached"]
-    print(f"# prefix_cache: {args.model}, method {results['method']}, {results['threads']} threads, prefill grid "
+def report(method: str, per: dict, results: dict, args) -> None:
+    print(f"# prefix_cache: {args.model}, method {method}, {results['threads']} threads, prefill grid "
           f"{results['grid']} tokens, median of {args.rounds} rounds")
-    print(f"\n## A {args.doc_tokens}-token document asked a second question ({prompt} prompt tokens, "
-          f"{cached} of them cached)\n")
-    print("| | first question TTFT | second question TTFT | second / first |\n|---|---|---|---|")
-    for k in ("without", "with"):
-        m = med[k]
-        print(f"| {k} the cache | {m['first_s']:.2f} s | {m['second_s']:.2f} s | {m['second_s'] / m['first_s']:.1%} |")
-    print(f"\nsecond question with / without the cache: {med['with']['second_s'] / med['without']['second_s']:.1%}")
-    print(f"\n## {args.streams} streams sharing a {args.system_tokens}-token system prompt, {args.max_new_tokens} "
-          "new tokens each\n")
-    print("| | wall | generated tokens/s | median TTFT | prompt tokens from the cache |\n|---|---|---|---|---|")
-    for k, v in (("without", off["streams"]), ("with", on["streams"])):
-        print(f"| {k} the cache | {v['wall_s']:.1f} s | {v['tokens_per_s']:.2f} | {v['ttft_median_s']:.2f} s | "
-              f"{v['cached_tokens']} |")
-    speedup = on["streams"]["tokens_per_s"] / off["streams"]["tokens_per_s"]
-    print(f"\nthroughput with / without the cache: {speedup:.2f}x")
+    if "document" in args.workloads:
+        med = {k: {f: statistics.median(r[f] for r in v["document"]) for f in ("first_s", "second_s")}
+               for k, v in per.items()}
+        prompt, cached = per["with"]["document"][0]["prompt_tokens"], per["with"]["document"][0]["second_cached"]
+        print(f"\n## A {args.doc_tokens}-token document asked a second question ({prompt} prompt tokens, "
+              f"{cached} of them cached)\n")
+        print("| | first question TTFT | second question TTFT | second / first |\n|---|---|---|---|")
+        for k, m in med.items():
+            print(f"| {k} the cache | {m['first_s']:.2f} s | {m['second_s']:.2f} s | "
+                  f"{m['second_s'] / m['first_s']:.1%} |")
+        ratios = ", ".join(f"{r['second_s'] / r['first_s']:.1%}" for r in per["with"]["document"])
+        print(f"\nsecond / first with the cache, round by round: {ratios}")
+        if "without" in med:
+            share = med["with"]["second_s"] / med["without"]["second_s"]
+            print(f"second question with / without the cache: {share:.1%}")
+    if "streams" in args.workloads:
+        print(f"\n## {args.streams} streams sharing a {args.system_tokens}-token system prompt, {args.max_new_tokens} "
+              "new tokens each\n")
+        print("| | wall | generated tokens/s | median TTFT | prompt tokens from the cache |\n|---|---|---|---|---|")
+        for k, v in per.items():
+            v = v["streams"]
+            print(f"| {k} the cache | {v['wall_s']:.1f} s | {v['tokens_per_s']:.2f} | {v['ttft_median_s']:.2f} s | "
+                  f"{v['cached_tokens']} |")
+        if "without" in per:
+            speedup = per["with"]["streams"]["tokens_per_s"] / per["without"]["streams"]["tokens_per_s"]
+            print(f"\nthroughput with / without the cache: {speedup:.2f}x")
 
 
 if __name__ == "__main__":
