@@ -34,6 +34,7 @@ BUDGET = 256 * MIB
 # What resident memory may add to the idle server beyond the budget: a pool growth holds the old and the new
 # tensors for a moment (at most the budget again), plus the forwards' activations and allocator slack.
 OVERHEAD = BUDGET + 128 * MIB
+PREFIX_CACHE = 32 * MIB  # what idle cached prefix blocks may keep (--prefix-cache-bytes): about 11 blocks of 64
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800 if FULL else 600)]
 
@@ -65,13 +66,14 @@ class Rss:
 @pytest.fixture(scope="module")
 def server():
     metrics = free_port()
-    # The prefix cache off: these tests hold the sessions' own memory to account (no leak, flat RSS, no
-    # eviction in vain). With it on, idle cached blocks keep the pool at the budget by design, and, spread
-    # through the pool, they keep a growing method-state pool from the bytes a trim would free (a known gap,
-    # docs/reliability.md); its own eviction order is tested in tests/server/test_prefix_cache_service.py.
+    # The prefix cache on, as served by default, with its idle blocks capped (PREFIX_CACHE): these tests hold
+    # the sessions' own memory to account (no leak, flat RSS, no eviction in vain) while the cache keeps the
+    # full blocks of first prompts. Uncapped, idle cached blocks would fill the pool up to the budget by
+    # design, and the soak's resident size would grow until they did. Compaction (KVPool.compact) lets the
+    # method-state pools grow into the bytes of evicted cached blocks wherever those lay in the pool.
     srv = launch_server("--kv-cache-bytes", str(BUDGET), "--kv-block-size", "64", "--max-running", "4",
                         "--max-queue", "1024", "--max-sessions", "64", "--max-new-tokens", "256",
-                        "--prefix-cache", "false", "--metrics-port", str(metrics), timeout=600)
+                        "--prefix-cache-bytes", str(PREFIX_CACHE), "--metrics-port", str(metrics), timeout=600)
     srv.metrics_port = metrics
     channel = grpc.insecure_channel(srv.address)
     srv.stub = pb_grpc.ReTopKServiceStub(channel)
