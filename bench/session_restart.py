@@ -9,6 +9,12 @@ first use (read, checked, imported) before its prefill: that turn's time to firs
 Both turns feed the same number of new tokens; both times are the client's, from sending the turn to its first
 token (the server's own timing starts after the load). Medians and the worst ratio are printed, JSON with ``--out``.
 
+B preloads the saved sessions in the background from its start, while no call runs (service/saved_sessions.py).
+By default the turns come at once after the restart, in the order the sessions were made (the least recently
+used first: the preload's last), so that each turn finds its session on disk or being loaded; with
+``--after-preload`` they come once B holds every session (clients returning after the restart's background
+load, whose time is reported).
+
     python -m bench.session_restart --sessions 16 --tokens 1000 --threads 2 --out docs/bench/session_restart.json
 """
 
@@ -32,6 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--turn", type=int, default=8, help="new tokens of each timed turn (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
     p.add_argument("--cache-bytes", type=int, default=4 << 30, help="each server's --kv-cache-bytes")
+    p.add_argument("--after-preload", action="store_true", help="the turns after B preloaded every session")
     p.add_argument("--out", type=FsPath, default=None, help="write the result as JSON there")
     return p.parse_args(argv)
 
@@ -89,20 +96,28 @@ def measure(args, model, tokenizer) -> dict:
     saved = sum(p.stat().st_size for p in FsPath(directory).iterdir())
 
     second = LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
-    after = []
+    after, preload_s = [], None
     with Client(second.address, timeout=3600) as client:
+        if args.after_preload:
+            t0 = time.perf_counter()
+            while len(client.list_sessions()) < args.sessions and time.perf_counter() - t0 < 600:
+                time.sleep(0.05)
+            preload_s = time.perf_counter() - t0
         for i in range(args.sessions):
             after.append(short_turn(client, f"s{i}", last[f"s{i}"])[0])
     second.close()
 
     ratios = [a / b for a, b in zip(after, before, strict=True)]
     result = {"sessions": args.sessions, "tokens": args.tokens, "turn_tokens": args.turn, "threads": args.threads,
-              "saved_bytes": saved, "drain_s": drain_s, "first_token_uninterrupted_s": before,
+              "saved_bytes": saved, "drain_s": drain_s,
+              "after_preload": args.after_preload, "preload_wait_s": preload_s, "first_token_uninterrupted_s": before,
               "first_token_after_restart_s": after, "median_uninterrupted_s": statistics.median(before),
               "median_after_restart_s": statistics.median(after), "median_ratio": statistics.median(ratios),
               "worst_ratio": max(ratios)}
     print(f"{args.sessions} sessions of {args.tokens} tokens, {saved / 2**20:.0f} MiB saved, drain {drain_s:.2f} s, "
           f"{args.threads} threads")
+    if preload_s is not None:
+        print(f"  B preloaded every session {preload_s:.2f} s after its start")
     print(f"  first token of a {args.turn}-token turn: uninterrupted median {result['median_uninterrupted_s']:.3f} s, "
           f"after the restart median {result['median_after_restart_s']:.3f} s")
     print(f"  ratio after / uninterrupted: median {result['median_ratio']:.2f}, worst {result['worst_ratio']:.2f}")

@@ -19,8 +19,10 @@ def test_handoff_reports_the_ratio_and_the_moved_session_continues(embedded_mode
     assert (tmp_path / "h.json").is_file()
 
 
-def test_session_restart_reports_every_session(embedded_model):
+@pytest.mark.parametrize("after_preload", [False, True])
+def test_session_restart_reports_every_session(embedded_model, after_preload):
     args = session_restart.parse_args(["--sessions", "2", "--tokens", "32", "--threads", "1",
-                                       "--cache-bytes", str(256 << 20)])
+                                       "--cache-bytes", str(256 << 20), *["--after-preload"] * after_preload])
     result = session_restart.measure(args, *embedded_model)
     assert len(result["first_token_after_restart_s"]) == 2 and result["saved_bytes"] > 0
+    assert (result["preload_wait_s"] is not None) == after_preload

@@ -3,8 +3,10 @@
 A saved session comes back on its first use (``restore``, before the call that names it runs) and, from
 start-up on, in the background (``preload``): the most recently used first, each imported only while it fits
 the cache budget without evicting a session (the first that does not fit ends the preload; the rest wait on
-disk for their first use). A client coming back after a restart then finds its session already in memory
-instead of waiting for the file to be read, checked and imported before its turn.
+disk for their first use), and only once the server has been idle (no request running, no call waiting for a
+saved session) for QUIET_S, so that the preload takes the engine and the CPU from no one's turn. A client
+coming back after a restart then finds its session already in memory instead of waiting for the file to be
+read, checked and imported before its turn.
 
 Each file is loaded once: a call naming a session whose load is under way (a preload's or another call's)
 waits for it. A file that does not parse is dropped; one this server cannot import now (limits, model setup)
@@ -25,6 +27,8 @@ from retopk_server.engine.session_store import SUFFIX, SessionStore
 
 log = logging.getLogger("retopk_server")
 
+QUIET_S = 0.25  # idle time before each preloaded file: a client's next call in a burst of turns comes sooner
+
 
 class SavedSessions:
     """See the module docstring. ``limit``: the largest artifact read (ModelInfo.limits.max_session_artifact_bytes)."""
@@ -34,6 +38,7 @@ class SavedSessions:
         self._loads: dict[Path, asyncio.Future] = {}  # the file being loaded -> done when it is
         self._preload: asyncio.Task | None = None
         self.preloaded = 0
+        self._demand = 0  # calls waiting for their saved session
 
     def start_preload(self) -> None:
         """``preload`` in the background (the server calls it once it accepts calls)."""
@@ -51,10 +56,23 @@ class SavedSessions:
         """Bring ``owner``'s saved session ``session_id`` back before a call uses it (nothing when none is saved);
         the import's EngineError when this server cannot open it now."""
         path = self.store.path(owner, session_id)
-        if path in self._loads:
-            await asyncio.shield(self._loads[path])  # a preload of it: its result is the file's fate
-        if path.is_file():  # none under way, or a preload that left it (it did not fit without evicting)
-            await self._load(path, owner, session_id, max_owned, evict=True)
+        self._demand += 1
+        try:
+            if path in self._loads:
+                await asyncio.shield(self._loads[path])  # a preload of it: its result is the file's fate
+            if path.is_file():  # none under way, or a preload that left it (it did not fit without evicting)
+                await self._load(path, owner, session_id, max_owned, evict=True)
+        finally:
+            self._demand -= 1
+
+    async def _quiet(self) -> None:
+        """Return once no request has run and no call has waited for a saved session for QUIET_S."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while loop.time() - since < QUIET_S:
+            await asyncio.sleep(QUIET_S / 10)
+            if self._demand or self.engine.in_flight():
+                since = loop.time()
 
     async def preload(self) -> int:
         """Import the saved sessions, most recently used first, while each fits without evicting -> how many."""
@@ -68,6 +86,7 @@ class SavedSessions:
             return [p for _, p in sorted(files, reverse=True)]
 
         for path in await asyncio.to_thread(newest_first):
+            await self._quiet()
             if path in self._loads or not path.is_file():
                 continue
             try:  # shielded: a stop lets the load under way finish
