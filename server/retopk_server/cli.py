@@ -173,8 +173,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("tls_client_ca", parse_optional_str, "PEM CA certificate(s): require client certificates signed by "
                                                 "it (mutual TLS)", "PATH"),
     Option("session_dir", parse_optional_str, "directory the sessions left at a drain are written to (files "
-                                              "readable by the server only) and loaded from on first use after "
-                                              "a restart (a volume that outlives the process)", "DIR"),
+                                              "readable by the server only) and loaded back from after a "
+                                              "restart, in the background and on first use (a volume that "
+                                              "outlives the process)", "DIR"),
     Option("session_dir_bytes", parse_optional_bytes, "most bytes --session-dir holds; the oldest sessions are "
                                                       "deleted first", "BYTES"),
     Option("handoff_peer", parse_optional_str, "at a drain, send every idle session to this address (the router's, "

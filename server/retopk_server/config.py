@@ -61,8 +61,9 @@ class ServerConfig:
     tls_client_ca         PEM file of the CA that signs client certificates: mutual TLS, a client without
                           one is refused in the handshake (needs tls_cert)
     session_dir           a directory where the sessions left at a drain are written (one artifact file each, mode
-                          0600, the directory 0700) and from which a later server loads each on its first use
-                          (engine/session_store.py; None: sessions end with the process)
+                          0600, the directory 0700) and from which a later server loads them back, in the
+                          background from its start and each on its first use (engine/session_store.py,
+                          service/saved_sessions.py; None: sessions end with the process)
     session_dir_bytes     the most bytes session_dir holds; past it the oldest files are deleted first
     handoff_peer          at a drain, send every idle session there (ImportSession) once this server stopped
                           listening: the router's address (docs/deploy.md: the router's consistent hash then
