@@ -364,9 +364,9 @@ RETOPK_INLINE v8f exp8(v8f x) {
 }
 
 // w[0..n) <- softmax(w): exp(w_i - max) / Σ.
-RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
-  float m = kNegInf, sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, w[i]);
+// w[i] <- exp(w[i] - m) for i < n -> their sum (the unnormalized softmax of a row whose maximum is m).
+RETOPK_CLONES float exp_shift_inplace(float* w, int64_t n, float m) {
+  float sum = 0.f;
   int64_t i = 0;
   v8f acc{};
   for (; i + 8 <= n; i += 8) {
@@ -379,7 +379,17 @@ RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
     w[i] = std::exp(w[i] - m);
     sum += w[i];
   }
-  const float inv = 1.f / sum;
+  return sum;
+}
+
+RETOPK_CLONES float row_max(const float* w, int64_t n) {
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, w[i]);
+  return m;
+}
+
+RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
+  const float inv = 1.f / exp_shift_inplace(w, n, row_max(w, n));
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) w[k] *= inv;
 }
@@ -578,6 +588,30 @@ struct Task {
     for (int64_t first = 0; first < L;) {
       const int64_t rows = std::min(L - first, p.P - first % p.P);
       weighted_rows<KV>(s.scores.data() + first, L, G, v_pool + val_off(first), rows, p.dv, acc);
+      first += rows;
+    }
+  }
+
+  // Positions lo..hi-1 of the G heads' dense attention, unnormalized (one part of a split-K step):
+  // mx[e] = max_i s_ei, sum[e] = Σ_i exp(s_ei - mx[e]), acc[e] = Σ_i exp(s_ei - mx[e]) v_i.
+  void dense_part(const float* qs, int64_t lo, int64_t hi, float* acc, float* mx, float* sum) const {
+    Scratch& s = scratch();
+    const int64_t G = p.G, n = hi - lo;
+    s.scores.resize(G * n);
+    for (int64_t first = lo; first < hi;) {
+      const int64_t rows = std::min(hi - first, p.P - first % p.P);
+      dot_heads<KV>(qs, G, k_pool + key_off(first), rows, p.d, s.scores.data() + (first - lo), n);
+      first += rows;
+    }
+    for (int64_t e = 0; e < G; ++e) {
+      float* w = s.scores.data() + e * n;
+      mx[e] = row_max(w, n);
+      sum[e] = exp_shift_inplace(w, n, mx[e]);
+    }
+    std::fill(acc, acc + G * p.dv, 0.f);
+    for (int64_t first = lo; first < hi;) {
+      const int64_t rows = std::min(hi - first, p.P - first % p.P);
+      weighted_rows<KV>(s.scores.data() + (first - lo), n, G, v_pool + val_off(first), rows, p.dv, acc);
       first += rows;
     }
   }
@@ -865,11 +899,77 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   return {o.out, o.path, o.max_sim, o.n_scored, o.selected};
 }
 
+namespace {
+
+// Full attention split along the keys (flash-decoding): each (sequence, KV group) in parts of kDensePart
+// positions, one task each, so that a few groups keep every thread busy; then per head
+//   out = Σ_p e^(m_p - M) acc_p / Σ_p e^(m_p - M) sum_p,  M = max_p m_p  (dense_part's m, sum, acc).
+// The parts depend on L alone, never on the batch, so a row's output does not depend on its batch.
+constexpr int64_t kDensePart = 512;
+
+void split_dense(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const int64_t* bt, const int64_t* len, at::Tensor& out) {
+  const int64_t B = p.B, H_kv = p.H_kv, G = p.G, d = p.d, dv = p.dv;
+  std::vector<int64_t> parts(B), first(B + 1, 0);  // parts per (sequence, group); tasks of sequence b from first[b]
+  for (int64_t b = 0; b < B; ++b) {
+    parts[b] = (len[b] + kDensePart - 1) / kDensePart;
+    first[b + 1] = first[b] + H_kv * parts[b];
+  }
+  const int64_t tasks = first[B];
+  std::vector<float> acc(tasks * G * dv), mx(tasks * G), sum(tasks * G);
+  const char* qbase = static_cast<const char*>(q.data_ptr());
+  auto run = [&](auto kv_type, int64_t task) {
+    using KV = decltype(kv_type);
+    const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
+    const int64_t g = (task - first[b]) / parts[b], part = (task - first[b]) % parts[b], h0 = g * G;
+    Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, len[b], 0,
+               nullptr, nullptr, 0, 0, 0};
+    std::vector<float> qs(G * d);
+    for (int64_t j = 0; j < G; ++j) {
+      float* x = qs.data() + j * d;
+      read_row(q, qbase + (b * q.stride(0) + (h0 + j) * q.stride(1)) * q.element_size(), q.stride(2), d, x);
+      for (int64_t i = 0; i < d; ++i) x[i] *= p.scale;
+    }
+    const int64_t lo = part * kDensePart, hi = std::min(len[b], lo + kDensePart);
+    t.dense_part(qs.data(), lo, hi, acc.data() + task * G * dv, mx.data() + task * G, sum.data() + task * G);
+  };
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      switch (k_pool.scalar_type()) {
+        case at::kFloat: run(float{}, task); break;
+        case at::kBFloat16: run(c10::BFloat16{}, task); break;
+        default: run(c10::Half{}, task);
+      }
+    }
+  });
+  char* obase = static_cast<char*>(out.data_ptr());
+  std::vector<float> o(dv);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < H_kv; ++g)
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t t0 = first[b] + g * parts[b];
+        float M = kNegInf, den = 0.f;
+        for (int64_t k = 0; k < parts[b]; ++k) M = std::max(M, mx[(t0 + k) * G + j]);
+        std::fill(o.begin(), o.end(), 0.f);
+        for (int64_t k = 0; k < parts[b]; ++k) {
+          const float w = std::exp(mx[(t0 + k) * G + j] - M);
+          den += w * sum[(t0 + k) * G + j];
+          const float* a = acc.data() + ((t0 + k) * G + j) * dv;
+          for (int64_t c = 0; c < dv; ++c) o[c] += w * a[c];
+        }
+        for (int64_t c = 0; c < dv; ++c) o[c] /= den;
+        write_row(out.scalar_type(), o.data(), dv, obase + (b * p.H + g * G + j) * dv * out.element_size());
+      }
+}
+
+}  // namespace
+
 // Full attention (top_k = 0), full attention plus each head's exact Top-K of the same scores (top_k > 0,
 // exact = false: the dense floor's steps that push a FIFO entry), or Exact Top-K attention (top_k > 0,
 // exact = true: softmax over the K best scores only, eq. 1 and 12) for q (B, H, d) over the paged
-// keys and values, one task per (sequence, KV group). Returns out (B, H, dv) in q's dtype and, with
-// top_k > 0, selected (B, H, top_k) int64 (-1 padded when L < top_k, in no particular order).
+// keys and values, one task per (sequence, KV group), or with top_k = 0 per part of kDensePart keys of one
+// (split_dense). Returns out (B, H, dv) in q's dtype and, with top_k > 0, selected (B, H, top_k) int64
+// (-1 padded when L < top_k, in no particular order).
 std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                      const at::Tensor& block_table, const at::Tensor& lengths, double scale,
                                      int64_t top_k, bool exact) {
@@ -913,6 +1013,10 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
       }
     }
   };
+  if (top_k == 0) {
+    split_dense(p, q, k_pool, v_pool, bt, len, out);
+    return {out, selected};
+  }
   at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       switch (k_pool.scalar_type()) {

@@ -83,6 +83,23 @@ def test_dense_decode_matches_the_definition(dtype, mode, shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [100, 256])
+def test_full_attention_split_along_the_keys_matches_the_definition_and_not_its_batch(dtype, block):
+    """Full attention runs in parts of 512 keys merged by their maxima: lengths across one, two and several
+    parts (a part boundary inside a block for block 100) equal the float64 definition, and each row's output
+    is the same bits alone as in the batch (the parts depend on L, never on the batch)."""
+    lengths = [1500, 513, 512, 7]
+    q, kv = case(len(lengths), 9, 3, 64, lengths, block, dtype, seed=block)
+    out, _ = launch.dense_decode(q, kv, 0.125)
+    ref_out, _ = reference(q, kv, 0.125, 0, False)
+    torch.testing.assert_close(out.double(), ref_out, atol=TOL, rtol=TOL)
+    for b in range(len(lengths)):
+        one = PagedKV(kv.k_pool, kv.v_pool, kv.block_table[b:b + 1], kv.lengths[b:b + 1])
+        assert torch.equal(launch.dense_decode(q[b:b + 1], one, 0.125)[0], out[b:b + 1])
+
+
+@needs_kernel
 @pytest.mark.parametrize("name,params", [("full", {}), ("exact_topk", {"top_k": 16})])
 def test_methods_on_the_cpu_backend_take_the_kernel_and_equal_their_torch_code(name, params):
     q, kv = case(2, 9, 3, 64, [300, 40], 256, torch.bfloat16, seed=5)
