@@ -226,8 +226,9 @@ def guard_trace(stale: bool, steps: int = 64, L0: int = 200, d: int = 16, seed: 
 def test_guard_shortens_the_period_on_stale_supports_only(backend):
     """A constructed stale head (similar queries, drifting supports) keeps a short refresh period (it starts
     at the floor T_r / 8, and its refreshes halve it again whenever it has grown past what the drift allows),
-    which raises what reuse recalls of Exact Top-K's support; a stable head earns T_r back within its first LEVELS = 3 refreshes and selects exactly
-    what it selects without the guard (its extra refreshes find the support reuse finds)."""
+    which raises what reuse recalls of Exact Top-K's support; a stable head earns T_r back within its first
+    LEVELS = 3 refreshes and selects exactly what it selects without the guard (its extra refreshes find the
+    support reuse finds)."""
     from retopk_core.cpu import launch
     from retopk_core.fidelity import support_recall
 
