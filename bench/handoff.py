@@ -83,7 +83,8 @@ def measure(args, model, tokenizer) -> dict:
 
     torch.set_num_threads(args.threads)
     config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
-                          max_prompt_tokens=args.tokens, session_idle_timeout_s=None, watchdog_timeout_s=None)
+                          max_prompt_tokens=args.tokens, session_idle_timeout_s=None, watchdog_timeout_s=None,
+                          prefix_cache=False)  # a re-prefill prefills: B's prefix cache would hold the prompt
     servers = [LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
                for _ in range(2)]
     a, b = (Client(s.address, timeout=3600) for s in servers)
