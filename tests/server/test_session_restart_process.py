@@ -1,0 +1,44 @@
+"""A real process restart with --session-dir (the embedded model, small prompts): SIGTERM drains the server,
+which writes its idle session to the directory and exits 0; a new process on the same directory continues the
+session, and its greedy turn equals the same conversation's fourth turn on a session that never stopped."""
+
+from __future__ import annotations
+
+import pytest
+
+from retopk_client import Client
+from tests._live_server import launch_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TURNS = [[101, 2000, 345, 46, 7, 890], [12, 13, 14], [5000, 6000], [77, 78, 79, 80]]
+
+
+def turn(client: Client, session_id: str, ids: list[int]) -> list[int]:
+    return list(client.complete(token_ids=ids, session_id=session_id, temperature=0, max_new_tokens=4,
+                                ignore_eos=True).token_ids)
+
+
+def test_a_session_continues_with_identical_greedy_tokens_after_a_process_restart(tmp_path):
+    directory = tmp_path / "sessions"
+    first = launch_server("--session-dir", str(directory))
+    try:
+        with Client(first.address, timeout=300) as client:
+            client.create_session(session_id="ref")  # the reference: all four turns, never stopped
+            reference = [turn(client, "ref", ids) for ids in TURNS]
+            reference_tokens = client.close_session("ref").num_tokens
+            client.create_session(session_id="kept")
+            assert [turn(client, "kept", ids) for ids in TURNS[:3]] == reference[:3]
+        assert first.stop() == 0  # SIGTERM: the drain writes "kept"
+    finally:
+        first.kill()
+    assert len(list(directory.iterdir())) == 1
+
+    second = launch_server("--session-dir", str(directory))
+    try:
+        with Client(second.address, timeout=300) as client:
+            assert turn(client, "kept", TURNS[3]) == reference[3]
+            info = client.get_session("kept")
+            assert info.turns == 4 and info.num_tokens == reference_tokens
+    finally:
+        second.stop()
