@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from retopk_core.params import MethodConfig, ParamError, param
 
 GQA_POLICIES = ("head", "promote", "group")
+# How far tau calibration may lower a head's threshold below the configured tau (retopk_policy.calibrate_tau).
+TAU_CALIBRATION_SPAN = 0.35
 
 
 @dataclass(frozen=True)
@@ -54,15 +56,16 @@ class ReTopKConfig(MethodConfig):
                                          "T_r steps at its own phase (same average rate), so no step refreshes every "
                                          "layer at once; False = the paper (all at t_dec = T_r, 2T_r, ...)")
 
-    tau_calibration: float = param(0.0, "r*: lower each head's tau online (to tau - 0.35 at most) towards the "
-                                        "similarity at which reuse would still recall a share r* of the exact support "
-                                        "(0 = the paper's fixed tau; see retopk.calibrate_tau)", low=0.0, high=1.0)
+    tau_calibration: float = param(0.0, f"r*: lower each head's tau online (to tau - {TAU_CALIBRATION_SPAN} at most) "
+                                        "towards the similarity at which reuse would still recall a share r* of the "
+                                        "exact support (0 = the paper's fixed tau; see retopk_policy.calibrate_tau)",
+                                   low=0.0, high=1.0)
 
     refresh_guard: float = param(0.0, "r_g: staleness guard: each head's refresh period starts at T_r / 8; on its "
                                       "refreshes where it would have reused (rho_max >= its tau) the recall reuse "
                                       "would have had is measured: below r_g the period halves (to T_r / 8 at least), "
                                       "at r_g + 0.1 or more it doubles (to T_r at most); 0 = the fixed T_r (see "
-                                      "retopk.guard_period)",
+                                      "retopk_policy.guard_period)",
                                  low=0.0, high=1.0)
 
     def validate(self) -> None:

@@ -35,7 +35,8 @@ import torch
 
 from retopk_core.cpu import build
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import Path, StepOutput
+from retopk_core.methods.retopk_policy import calibration_constants, guard_constants
+from retopk_core.methods.step_output import Path, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     Needs ``available()``. Returns what the torch path returns: out (B, H, d_v) in q.dtype, path (B, H) int8,
     max_sim (B, H) float32, n_scored (B, H) int32, selected (B, H, K) int64 -1 padded (in no particular order).
     """
-    from retopk_core.methods.retopk import calibration_constants, guard_constants
-
     cfg = method.config
     out, path, max_sim, n_scored, selected = extension().decode(
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, state.queries, state.support, state.fill, state.ptr,

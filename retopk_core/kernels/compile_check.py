@@ -27,32 +27,32 @@ def kernel_specs(small: bool) -> list[tuple]:
     p = {"f32": "*fp32", "bf16": "*bf16", "i64": "*i64", "i32": "*i32", "i8": "*i8"}
     specs = []
     for dt, dot_f32 in (("bf16", False), ("f32", True)):
-        specs.append((dense._dense_split_kernel,
+        specs.append((dense.dense_split_kernel,
                       dict(q_ptr=p[dt], k_ptr=p[dt], v_ptr=p[dt], table_ptr=p["i64"], len_ptr=p["i64"],
                            po_ptr=p["f32"], pl_ptr=p["f32"], scale="fp32"),
                       dict(G=7, BLOCK_G=16, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_N=64, DOT_F32=dot_f32), 4))
-        specs.append((exact._exact_qk_kernel,
+        specs.append((exact.exact_qk_kernel,
                       dict(q_ptr=p[dt], k_ptr=p[dt], table_ptr=p["i64"], len_ptr=p["i64"], path_ptr=p["i8"],
                            groups_ptr=p["i32"], n_ptr=p["i32"], sc_ptr=p["f32"], scale="fp32"),
                       dict(G=3, BLOCK_G=16, D=D, BLOCK_D=D, BLOCK_N=64, HAS_PATH=not dot_f32, DOT_F32=dot_f32), 4))
-    specs.append((dense._lse_merge_kernel, dict(po_ptr=p["f32"], pl_ptr=p["f32"], out_ptr=p["bf16"], len_ptr=p["i64"]),
+    specs.append((dense.lse_merge_kernel, dict(po_ptr=p["f32"], pl_ptr=p["f32"], out_ptr=p["bf16"], len_ptr=p["i64"]),
                   dict(DV=D, BLOCK_DV=D, BLOCK_S=64), 4))
     for has_path in (False, True):
-        specs.append((exact._exact_work_kernel,
+        specs.append((exact.exact_work_kernel,
                       dict(path_ptr=p["i8"] if has_path else p["i64"], heads_ptr=p["i32"], groups_ptr=p["i32"],
                            n_ptr=p["i32"]),
                       dict(HAS_PATH=has_path, BLOCK=1024), 4))
-    specs.append((exact._chunk_topk_kernel,
+    specs.append((exact.chunk_topk_kernel,
                   dict(sc_ptr=p["f32"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
                   dict(CHUNK=chunk, K_PAD=K_pad), 8))
-    specs.append((exact._merge_topk_kernel,
+    specs.append((exact.merge_topk_kernel,
                   dict(in_ptr=p["i64"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
                   dict(FAN=fan, K_PAD=K_pad), 8))
     # run: K when a power of two (merge-only path for sorted supports), 0 otherwise (full sort only)
     for recent, all_cand, calibrate, run in ((False, False, False, n_sort // 4), (True, False, False, 0),
                                              (False, True, False, n_sort // 4), (False, False, True, n_sort // 4),
                                              (False, True, True, n_sort // 4)):
-        specs.append((selector._selector_kernel,
+        specs.append((selector.selector_kernel,
                       dict(q_ptr=p["bf16"], slots_ptr=p["i64"], len_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], phase_ptr=p["i64"],
                            period_ptr=p["i64"], path_ptr=p["i8"],
@@ -60,12 +60,12 @@ def kernel_specs(small: bool) -> list[tuple]:
                            cal_count_ptr=p["i32"], at_ptr=p["i64"], merged_ptr=p["i8"], tau_ptr=p["f32"]),
                       dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, N_SORT=n_sort, BLOCK_W=32,
                            RUN=run, ALL_CAND=all_cand, CALIBRATE=calibrate, GUARD=calibrate), 8))
-    specs.append((indexed_qk._indexed_qk_kernel,
+    specs.append((indexed_qk.indexed_qk_kernel,
                   dict(q_ptr=p["bf16"], k_ptr=p["bf16"], table_ptr=p["i64"], cand_ptr=p["i32"], count_ptr=p["i32"],
                        out_ptr=p["f32"], scale="fp32"),
                   dict(D=D, BLOCK_D=D, BLOCK_M=64), 4))
     for retopk, calibrate in ((False, False), (True, False), (True, True)):
-        specs.append((select_attend._select_attend_kernel,
+        specs.append((select_attend.select_attend_kernel,
                       dict(q_ptr=p["bf16"], v_ptr=p["bf16"], table_ptr=p["i64"], path_ptr=p["i8"], cand_ptr=p["i32"],
                            cscore_ptr=p["f32"], count_ptr=p["i32"], exact_ptr=p["i64"], sel_ptr=p["i64"],
                            w_ptr=p["f32"], out_ptr=p["bf16"], slots_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],

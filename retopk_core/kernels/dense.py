@@ -26,10 +26,10 @@ from retopk_core.kv import PagedKV
 
 
 @triton.jit
-def _dense_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, po_ptr, pl_ptr, scale,
-                        stride_qb, stride_qh, stride_tb, H_KV, P, SPLIT, N_SPLIT, L_LIM,
-                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                        DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+def dense_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, po_ptr, pl_ptr, scale,
+                       stride_qb, stride_qh, stride_tb, H_KV, P, SPLIT, N_SPLIT, L_LIM,
+                       G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -81,8 +81,8 @@ def _dense_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, po_ptr, pl_ptr,
 
 
 @triton.jit
-def _lse_merge_kernel(po_ptr, pl_ptr, out_ptr, len_ptr, stride_ob, stride_oh, H, N_SPLIT, L_LIM,
-                      DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
+def lse_merge_kernel(po_ptr, pl_ptr, out_ptr, len_ptr, stride_ob, stride_oh, H, N_SPLIT, L_LIM,
+                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if (L_LIM > 0) & (tl.load(len_ptr + b) >= L_LIM):
@@ -137,11 +137,11 @@ def dense_attention(q: torch.Tensor, kv: PagedKV, scale: float, ws: Workspace, t
     # on CPU tensors: triton's interpreter multiplies 16-bit dot operands as raw bits (triton 3.9).
     half = q.dtype == kv.k_pool.dtype == kv.v_pool.dtype and q.dtype in (torch.float16, torch.bfloat16)
     dot_f32 = not q.is_cuda or not half
-    _dense_split_kernel[(B, H_kv, n_split)](
+    dense_split_kernel[(B, H_kv, n_split)](
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, part_out, part_lse, float(scale),
         q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, split, n_split, below,
         G=G, BLOCK_G=next_pow2(G, 16), D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
         BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=4)
-    _lse_merge_kernel[(B, H)](part_out, part_lse, out, kv.lengths, out.stride(0), out.stride(1), H, n_split, below,
+    lse_merge_kernel[(B, H)](part_out, part_lse, out, kv.lengths, out.stride(0), out.stride(1), H, n_split, below,
                               DV=DV, BLOCK_DV=next_pow2(DV, 16), BLOCK_S=min(next_pow2(n_split), 64))
     return out

@@ -1,12 +1,12 @@
 """Exact Top-K support discovery over the full history (Exact Top-K, and ReTopK's fallback/refresh).
 
-    e_i = q . k_i * scale  for every i < L_b              (equation 4; _exact_qk_kernel)
+    e_i = q . k_i * scale  for every i < L_b              (equation 4; exact_qk_kernel)
     S   = TopK_i e_i                                        (equation 1)
 
 Top-K over L scores in two phases without host synchronisation:
-  1. _chunk_topk_kernel: each CHUNK of positions keeps its K_pad best as sorted int64 keys
+  1. chunk_topk_kernel: each CHUNK of positions keeps its K_pad best as sorted int64 keys
      (``bitonic.pack_key``: score bits above position bits, so one sort carries both);
-  2. _merge_topk_kernel: FAN lists of K_pad at a time are merged into one, level by level, until one
+  2. merge_topk_kernel: FAN lists of K_pad at a time are merged into one, level by level, until one
      list is left. The lists are sorted, so a merge runs only the network's merging stages
      (``bitonic_topk(SORTED_RUNS=True)``, lists read in alternating directions), not a full sort.
      The number of levels depends only on L_cap = max_blocks * P (host-known).
@@ -14,7 +14,7 @@ The final list (B, H, K_pad) is sorted best-first; EMPTY pads sequences shorter 
 
 Work sized on the device: with ``path`` given (ReTopK), only heads whose path is not REUSE (0) need
 this pass, and the step cannot know how many without a device-to-host copy. So one program
-(_exact_work_kernel) packs the rows b*H + h of those heads, and the KV groups b*H_kv + g holding one,
+(exact_work_kernel) packs the rows b*H + h of those heads, and the KV groups b*H_kv + g holding one,
 into work lists with their counts; the three kernels then run persistent grids of a fixed size (a few
 programs per SM, host-known) that loop over count x blocks read from device memory. A step where
 every head reuses costs one small wave per kernel instead of B*H_kv*L_cap/BLOCK_N QK programs and
@@ -39,8 +39,8 @@ from retopk_core.kv import PagedKV
 
 
 @triton.jit
-def _exact_work_kernel(path_ptr, heads_ptr, groups_ptr, n_ptr, NH, G,
-                       HAS_PATH: tl.constexpr, BLOCK: tl.constexpr):
+def exact_work_kernel(path_ptr, heads_ptr, groups_ptr, n_ptr, NH, G,
+                      HAS_PATH: tl.constexpr, BLOCK: tl.constexpr):
     """One program. heads[:n[0]] = the rows b*H + h (ascending) whose path != REUSE (all NH rows without
     path); groups[:n[1]] = the KV groups (b*H + h) // G holding such a head."""
     i = tl.arange(0, BLOCK)
@@ -68,10 +68,10 @@ def _exact_work_kernel(path_ptr, heads_ptr, groups_ptr, n_ptr, NH, G,
 
 
 @triton.jit
-def _exact_qk_kernel(q_ptr, k_ptr, table_ptr, len_ptr, path_ptr, groups_ptr, n_ptr, sc_ptr, scale,
-                     stride_qb, stride_qh, stride_tb, H_KV, P, L_CAP, N_BLK,
-                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HAS_PATH: tl.constexpr, DOT_F32: tl.constexpr):
+def exact_qk_kernel(q_ptr, k_ptr, table_ptr, len_ptr, path_ptr, groups_ptr, n_ptr, sc_ptr, scale,
+                    stride_qb, stride_qh, stride_tb, H_KV, P, L_CAP, N_BLK,
+                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_PATH: tl.constexpr, DOT_F32: tl.constexpr):
     H = H_KV * G
     hs = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -103,8 +103,8 @@ def _exact_qk_kernel(q_ptr, k_ptr, table_ptr, len_ptr, path_ptr, groups_ptr, n_p
 
 
 @triton.jit
-def _chunk_topk_kernel(sc_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, L_CAP, N_CHUNK,
-                       CHUNK: tl.constexpr, K_PAD: tl.constexpr):
+def chunk_topk_kernel(sc_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, L_CAP, N_CHUNK,
+                      CHUNK: tl.constexpr, K_PAD: tl.constexpr):
     for w in range(tl.program_id(0), tl.load(n_ptr) * N_CHUNK, tl.num_programs(0)):  # (head, chunk) items
         row = tl.load(heads_ptr + w // N_CHUNK).to(tl.int64)  # b * H + h
         c = w % N_CHUNK
@@ -120,8 +120,8 @@ def _chunk_topk_kernel(sc_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, L_CAP, N_C
 
 
 @triton.jit
-def _merge_topk_kernel(in_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, N_IN, N_OUT, SPAN_IN,
-                       FAN: tl.constexpr, K_PAD: tl.constexpr):
+def merge_topk_kernel(in_ptr, len_ptr, heads_ptr, n_ptr, out_ptr, H, N_IN, N_OUT, SPAN_IN,
+                      FAN: tl.constexpr, K_PAD: tl.constexpr):
     i = sorted_run_index(tl.arange(0, FAN * K_PAD), K_PAD)  # even lists back to front: alternating runs
     for w in range(tl.program_id(0), tl.load(n_ptr) * N_OUT, tl.num_programs(0)):  # (head, output list) items
         row = tl.load(heads_ptr + w // N_OUT).to(tl.int64)
@@ -169,26 +169,26 @@ def exact_topk_keys(q: torch.Tensor, kv: PagedKV, top_k: int, scale: float, ws: 
     heads = ws.get("exact_heads", (B * H,), torch.int32)
     groups = ws.get("exact_groups", (B * H_kv,), torch.int32)
     n_work = ws.get("exact_n_work", (2,), torch.int32)
-    _exact_work_kernel[(1,)](path_arg, heads, groups, n_work, B * H, G, HAS_PATH=has_path, BLOCK=1024)
+    exact_work_kernel[(1,)](path_arg, heads, groups, n_work, B * H, G, HAS_PATH=has_path, BLOCK=1024)
     scores = ws.get("exact_scores", (B, H, L_cap), torch.float32)
     # 16-bit tensor-core dot when q and the cache share a 16-bit dtype; fp32 (IEEE) otherwise, and always
     # on CPU tensors: triton's interpreter multiplies 16-bit dot operands as raw bits (triton 3.9).
     dot_f32 = not q.is_cuda or not (q.dtype == kv.k_pool.dtype and q.dtype in (torch.float16, torch.bfloat16))
     n_blk = triton.cdiv(L_cap, block_n)
-    _exact_qk_kernel[(persistent_programs(q.device, 16, B * H_kv * n_blk),)](
+    exact_qk_kernel[(persistent_programs(q.device, 16, B * H_kv * n_blk),)](
         q, kv.k_pool, kv.block_table, kv.lengths, path_arg, groups, n_work, scores, float(scale),
         q.stride(0), q.stride(1), kv.block_table.stride(0), H_kv, P, L_cap, n_blk,
         G=G, BLOCK_G=next_pow2(G, 16), D=D, BLOCK_D=next_pow2(D, 16), BLOCK_N=block_n,
         HAS_PATH=has_path, DOT_F32=dot_f32, num_warps=4)
     n = triton.cdiv(L_cap, chunk)
     lists = ws.get("exact_lists_a", (B, H, n, K_pad), torch.int64)
-    _chunk_topk_kernel[(persistent_programs(q.device, 4, B * H * n),)](
+    chunk_topk_kernel[(persistent_programs(q.device, 4, B * H * n),)](
         scores, kv.lengths, heads, n_work, lists, H, L_cap, n, CHUNK=chunk, K_PAD=K_pad, num_warps=8)
     span, names = chunk, ("exact_lists_b", "exact_lists_a")
     while n > 1:
         n_out = triton.cdiv(n, fan)
         merged = ws.get(names[0], (B, H, n_out, K_pad), torch.int64)
-        _merge_topk_kernel[(persistent_programs(q.device, 4, B * H * n_out),)](
+        merge_topk_kernel[(persistent_programs(q.device, 4, B * H * n_out),)](
             lists, kv.lengths, heads, n_work, merged, H, n, n_out, span, FAN=fan, K_PAD=K_pad, num_warps=8)
         lists, n, span, names = merged, n_out, span * fan, names[::-1]
     return lists.view(B, H, K_pad)

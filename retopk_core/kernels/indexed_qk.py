@@ -16,9 +16,9 @@ from retopk_core.kernels.paged import pool_rows
 
 
 @triton.jit
-def _indexed_qk_kernel(q_ptr, stride_qb, stride_qh, k_ptr, table_ptr, stride_tb, cand_ptr, count_ptr, out_ptr,
-                       scale, H, H_KV, P, G, N_PAD,
-                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def indexed_qk_kernel(q_ptr, stride_qb, stride_qh, k_ptr, table_ptr, stride_tb, cand_ptr, count_ptr, out_ptr,
+                      scale, H, H_KV, P, G, N_PAD,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.program_id(2) * BLOCK_M

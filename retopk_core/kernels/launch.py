@@ -30,13 +30,13 @@ import triton
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kernels.dense import dense_attention
 from retopk_core.kernels.exact import exact_topk_keys
-from retopk_core.kernels.indexed_qk import _indexed_qk_kernel
-from retopk_core.kernels.select_attend import _select_attend_kernel
-from retopk_core.kernels.selector import _selector_kernel
+from retopk_core.kernels.indexed_qk import indexed_qk_kernel
+from retopk_core.kernels.select_attend import select_attend_kernel
+from retopk_core.kernels.selector import selector_kernel
 from retopk_core.kernels.workspace import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
-from retopk_core.methods.base import Path, StepOutput
-from retopk_core.methods.retopk import calibration_constants, gqa_paths, guard_constants, plain_dense
+from retopk_core.methods.retopk_policy import calibration_constants, gqa_paths, guard_constants, plain_dense
+from retopk_core.methods.step_output import Path, StepOutput
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -137,7 +137,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     N_sort = next_pow2(R * K, 2)  # the selector sorts the recalled supports only, not the window
     merged = ws.get("cand_merged", (B, H), torch.int8)  # 1: merge stages only (sorted runs), 0: full sort
     big = N_sort >= 1024
-    _selector_kernel[(B, H)](
+    selector_kernel[(B, H)](
         q, q.stride(0), q.stride(1), slots, kv.lengths,
         state.queries, state.support, state.fill, state.ptr, state.step, state.phase, state.period,
         path, max_sim, n_scored, cand, count, cal_count, at, merged,
@@ -161,7 +161,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         # here, and select + attend (by the same test) selects nothing and pushes nothing for them
         exact_path = path.masked_fill(plain_dense(kv.lengths, cfg).view(B, 1), Path.REUSE)
     block_m = 64
-    _indexed_qk_kernel[(B, H, triton.cdiv(R * K + W, block_m))](  # blocks up to the largest M_t
+    indexed_qk_kernel[(B, H, triton.cdiv(R * K + W, block_m))](  # blocks up to the largest M_t
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,
         float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)
@@ -194,7 +194,7 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
     cal_count, max_sim, tau, (target, rate, band, lo, hi) = cal[:4] if cal else (exact_keys,) * 3 + ((0.0,) * 5,)
     guard = cal is not None and len(cal) > 4
     period, (g_target, g_fresh, g_lo), T_r = cal[4] if guard else (exact_keys, (0.0, 0.0, 1), 0)  # unused: GUARD off
-    _select_attend_kernel[(B, H)](
+    select_attend_kernel[(B, H)](
         q, q.stride(0), q.stride(1), kv.v_pool, kv.block_table, kv.block_table.stride(0),
         path, cand, cand_scores, count, exact_keys,
         sel, weights, out, out.stride(0), out.stride(1),

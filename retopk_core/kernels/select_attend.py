@@ -45,23 +45,23 @@ from retopk_core.kernels.paged import pool_rows
 
 
 @triton.jit
-def _select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_tb,
-                          path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
-                          sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
-                          slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr, len_ptr, DENSE_BELOW,
-                          cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI,
-                          period_ptr, G_TARGET, G_FRESH, G_LO, T_R,
-                          K, H, H_KV, P, G, C,
-                          K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
-                          RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, LOG_N: tl.constexpr):
+def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_tb,
+                         path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
+                         sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
+                         slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr, len_ptr, DENSE_BELOW,
+                         cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI,
+                         period_ptr, G_TARGET, G_FRESH, G_LO, T_R,
+                         K, H, H_KV, P, G, C,
+                         K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
+                         RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, LOG_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * H + h
     r = tl.arange(0, K_PAD)
     plain = False
     if RETOPK:
-        plain = tl.load(len_ptr + b) + C < DENSE_BELOW  # retopk.plain_dense: no selection, no FIFO entry
+        plain = tl.load(len_ptr + b) + C < DENSE_BELOW  # retopk_policy.plain_dense: no selection, no FIFO entry
         if plain:
             top = tl.full((K_PAD,), EMPTY, tl.int64)
         elif tl.load(path_ptr + row) == 0:

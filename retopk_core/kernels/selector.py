@@ -51,13 +51,13 @@ from retopk_core.kernels.bitonic import POS_PAD, bitonic_merge_sort, bitonic_sor
 
 
 @triton.jit
-def _selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
-                     cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr, period_ptr,
-                     path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, cal_count_ptr, at_ptr, merged_ptr,
-                     tau_ptr, T_R, H, C, K, W,
-                     R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
-                     RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr):
+def selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
+                    cq_ptr, sup_ptr, fill_ptr, wptr_ptr, step_ptr, phase_ptr, period_ptr,
+                    path_ptr, maxsim_ptr, nscored_ptr, cand_ptr, count_ptr, cal_count_ptr, at_ptr, merged_ptr,
+                    tau_ptr, T_R, H, C, K, W,
+                    R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
+                    RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retopk_core.methods.retopk import guard_floor
+from retopk_core.methods.retopk_policy import guard_floor
 from retopk_server.runtime.attention import MethodGroup
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.method_spec import MethodSpec
