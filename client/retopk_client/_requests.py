@@ -15,8 +15,8 @@ from retopk_client.types import (
     Method,
     Sampling,
     Tool,
-    _set_field,
     as_chat_message,
+    set_field,
     tool_choice_proto,
 )
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
@@ -77,11 +77,11 @@ def generate_request(
     req = pb.GenerateRequest()
     for name, value in (("ignore_eos", ignore_eos), ("return_step_stats", return_step_stats),
                         ("logprobs", logprobs), ("top_logprobs", top_logprobs)):
-        _set_field(req, name, value, name)
+        set_field(req, name, value, name)
     for name, values in (("stop", stop), ("stop_token_ids", stop_token_ids)):
         _set_repeated(req, name, values)
     if prompt is not None:
-        _set_field(req, "text", prompt, "prompt")
+        set_field(req, "text", prompt, "prompt")
     elif messages is not None:
         req.chat.CopyFrom(chat_proto(messages))
     else:
@@ -93,7 +93,7 @@ def generate_request(
     for name, value in (("request_id", request_id), ("session_id", session_id), ("max_new_tokens", max_new_tokens),
                         ("cache_salt", cache_salt)):
         if value is not None:
-            _set_field(req, name, value, name)
+            set_field(req, name, value, name)
     samp = sampling_from(sampling, sampling_kwargs)
     if samp is not None:
         req.sampling.CopyFrom(_within("sampling", samp.to_proto))
@@ -107,9 +107,9 @@ def generate_request(
     if (choice := tool_choice_proto(tool_choice)) is not None:
         req.tool_choice.CopyFrom(choice)
     if n is not None:
-        _set_field(req, "n", n, "n")
+        set_field(req, "n", n, "n")
     if chat_history:
-        _set_field(req, "chat_history", chat_history, "chat_history")
+        set_field(req, "chat_history", chat_history, "chat_history")
     return req
 
 
@@ -141,7 +141,7 @@ def new_session_id() -> str:
 def create_session_request(method: Method | str | Mapping[str, Any] | None, session_id: str | None):
     req = pb.CreateSessionRequest()
     if session_id is not None:
-        _set_field(req, "session_id", session_id, "session_id")
+        set_field(req, "session_id", session_id, "session_id")
     meth = Method.coerce(method)
     if meth is not None:
         req.method.CopyFrom(_within("method", meth.to_proto))
@@ -157,7 +157,7 @@ def import_session_requests(artifact: bytes, session_id: str | None) -> list[pb.
     out = [pb.ImportSessionRequest(data=bytes(data[at:at + SESSION_CHUNK_BYTES]))
            for at in range(0, len(data), SESSION_CHUNK_BYTES)] or [pb.ImportSessionRequest()]
     if session_id is not None:
-        _set_field(out[0], "session_id", session_id, "session_id")
+        set_field(out[0], "session_id", session_id, "session_id")
     return out
 
 

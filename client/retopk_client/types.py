@@ -41,7 +41,7 @@ _INTS = {_FD.CPPTYPE_INT32: 31, _FD.CPPTYPE_INT64: 63, _FD.CPPTYPE_UINT32: 32, _
 _FLOATS = (_FD.CPPTYPE_FLOAT, _FD.CPPTYPE_DOUBLE)
 
 
-def _set_field(message, name: str, value, field: str) -> None:
+def set_field(message, name: str, value, field: str) -> None:
     """``message.name = value`` after checking that the field's wire type holds it (FieldValueError naming
     ``field`` otherwise): protobuf's own TypeError names neither the field nor what was expected."""
     fd = message.DESCRIPTOR.fields_by_name[name]
@@ -238,7 +238,7 @@ class Sampling(_Dictable):
         msg = pb.SamplingParameters()
         for f in SAMPLING_FIELDS:
             if getattr(self, f) is not None:
-                _set_field(msg, f, getattr(self, f), f)
+                set_field(msg, f, getattr(self, f), f)
         return msg
 
     @classmethod
@@ -300,10 +300,10 @@ class Method(_Dictable):
     def to_proto(self) -> pb.AttentionMethod:
         """The wire message; FieldValueError naming the hyperparameter its type cannot hold."""
         msg = pb.AttentionMethod()
-        _set_field(msg, "name", self.name, "name")
+        set_field(msg, "name", self.name, "name")
         for f in RETOPK_FIELDS:
             if getattr(self, f) is not None:
-                _set_field(msg, f, getattr(self, f), f)
+                set_field(msg, f, getattr(self, f), f)
         for key, value in self.params.items():
             msg.params[key].CopyFrom(_param_to_proto(key, value))
         return msg

@@ -140,7 +140,7 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
     def authenticate(context: HttpContext) -> None:
         """The servicer's key check, first: a caller without a key learns nothing from its body's checks."""
         try:
-            servicer._authenticate(context)
+            servicer.authenticate(context)
         except Unauthenticated:
             raise ApiError("UNAUTHENTICATED", "missing or wrong API key: send the header "
                                               "'Authorization: Bearer <key>'") from None

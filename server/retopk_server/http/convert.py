@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from retopk_client.types import FieldValueError, Method, _set_field  # the SDK's reading of a method
+from retopk_client.types import FieldValueError, Method, set_field  # the SDK's reading of a method
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.requests import MAX_TOP_LOGPROBS
 from retopk_server.http.errors import ApiError
@@ -145,7 +145,7 @@ def _set(message, name: str, value, param: str, bounds: tuple[int, int] | None =
     if bounds is not None and not bounds[0] <= value <= bounds[1]:
         raise _bad(param, service.range_message(value, *bounds))
     try:
-        _set_field(message, name, value, param)
+        set_field(message, name, value, param)
     except FieldValueError as e:
         raise _bad(param, e.reason) from None
 

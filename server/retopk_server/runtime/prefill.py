@@ -47,7 +47,7 @@ class PrefillJob:
         self.cached = self.pos - self.begin
         self.looked_up = len(token_ids) if hashes is not None else 0
         self.end = self.begin + len(token_ids)
-        self.group = runner._groups[session.method]
+        self.group = runner.method_group(session.method)
         self.table = runner.pool.block_table([session.blocks], runner.device)
         Q = self.group.method.prefill_queries
         self.tail_start = max(self.begin, self.end - Q)  # the first position whose query the method observes
@@ -91,7 +91,7 @@ class PrefillJob:
                               prefill_group=self.group, prefill_slots=self.session.slots, prefill_start=s,
                               prefill_last=e == self.end, tail_start=self.tail_start, tails=self.tails)
             positions = torch.arange(s, e, device=dev).unsqueeze(0)  # (1, T)
-            logits = runner._forward(ctx, torch.tensor([ids], device=dev), positions)
+            logits = runner.forward(ctx, torch.tensor([ids], device=dev), positions)
             self.session.token_ids.extend(ids)
             self.pos = e
             if e == self.keep_at and s == e - runner.config.prefill_chunk:

@@ -395,8 +395,14 @@ class ModelRunner:
                            prefix_cache_idle_bytes=idle * block)
 
     # ---- steps -------------------------------------------------------------------------------------
-    def _forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token."""
+    def method_group(self, spec: MethodSpec) -> MethodGroup:
+        """The group that runs ``spec``'s sessions: its method and one state pool a layer (exists while a session
+        of ``spec`` is open)."""
+        return self._groups[spec]
+
+    def forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One forward of the decoder whose attention runs from ``ctx`` (a prefill chunk or a decode step):
+        input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token."""
         return forward(self.decoder, input_ids, position_ids, partial(attend, ctx))
 
     def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
@@ -502,7 +508,7 @@ class ModelRunner:
                           start=start, lengths=start + 1, groups=groups, with_stats=with_stats,
                           stats=[[] for _ in groups], attention_s=[0.0 for _ in groups])
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
-        logits = self._forward(ctx, ids, start.view(-1, 1))
+        logits = self.forward(ctx, ids, start.view(-1, 1))
         for s, t in zip(sessions, token_ids, strict=True):
             s.token_ids.append(int(t))
         return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)

@@ -95,7 +95,7 @@ SESSION_ID_RULE = (f"1-{MAX_ID_CHARS} characters of letters, digits and _ . : @ 
                    "digit")
 
 
-def _identifier(field: str, value: str) -> str:
+def identifier(field: str, value: str) -> str:
     if not value:
         raise InvalidArgument(field, "must not be empty when set")
     if field == "session_id" and not SESSION_ID.fullmatch(value):
@@ -319,7 +319,7 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
     ``sampling_defaults``. The engine checks ``top_logprobs`` (GenerationRequest.check_logprobs); the
     constraint is checked for size here and compiled by the servicer."""
     constraint_limits = constraint_limits or ConstraintLimits()
-    request_id = (_identifier("request_id", message.request_id) if message.HasField("request_id")
+    request_id = (identifier("request_id", message.request_id) if message.HasField("request_id")
                   else uuid.uuid4().hex)
     spec = GenerationRequest(request_id=request_id, deadline=deadline)
     which = message.WhichOneof("input")
@@ -339,7 +339,7 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
         raise InvalidArgument("chat_history", "needs chat input (the conversation's messages)")
     spec.chat_history = message.chat_history
     if message.HasField("session_id"):
-        spec.session_id = _identifier("session_id", message.session_id)
+        spec.session_id = identifier("session_id", message.session_id)
         if message.HasField("method"):
             raise InvalidArgument("method", "must be absent when session_id is set (a session keeps its own method)")
     elif message.HasField("method"):

@@ -90,7 +90,7 @@ def _unary(method, peer: bool = False):
     """Auth, error mapping and the observer's on_rpc / on_error around a unary rpc.
 
     The rpc method gets the authenticated Caller as its third argument; with ``peer`` that may be PEER, a
-    replica presenting the shared peer key (``_authenticate``).
+    replica presenting the shared peer key (``authenticate``).
     """
     name = method.__name__
 
@@ -98,7 +98,7 @@ def _unary(method, peer: bool = False):
     async def wrapper(self: ReTopKServicer, request, context: grpc.aio.ServicerContext):
         t0, code = time.monotonic(), "OK"
         try:
-            caller = self._authenticate(context, peer)
+            caller = self.authenticate(context, peer)
             return await method(self, request, context, caller)
         except asyncio.CancelledError:
             code = _cancelled_code(context)
@@ -132,7 +132,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         except Exception:
             log.exception("observer hook %s failed", name)
 
-    def _authenticate(self, context, peer: bool = False) -> Caller:
+    def authenticate(self, context, peer: bool = False) -> Caller:
         """The caller of this rpc (KeyRing.identify); Unauthenticated without a known key. With ``peer``, a
         replica that presents the servers' shared ``peer_key`` (PEER_METADATA) is PEER: it hands sessions over
         on behalf of their owners (service/handoff.py)."""
@@ -190,7 +190,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         t0, code = time.monotonic(), "OK"
         stream = caller = None
         try:
-            caller = self._authenticate(context)
+            caller = self.authenticate(context)
             self.streams.acquire(caller)
         except Exception as exc:  # noqa: BLE001 - refused before anything was counted
             caller = None
@@ -243,7 +243,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     # ------------------------------------------------------------------------------------ sessions
     @_unary
     async def CreateSession(self, request: pb.CreateSessionRequest, context, caller: Caller) -> pb.SessionInfo:
-        session_id = convert._identifier("session_id", request.session_id) if request.HasField("session_id") else None
+        session_id = convert.identifier("session_id", request.session_id) if request.HasField("session_id") else None
         self._check_affinity(context, session_id)
         method = (convert.method_spec(request.method, self.engine.info.default_method)
                   if request.HasField("method") else None)
@@ -253,7 +253,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
 
     @_unary
     async def GetSession(self, request: pb.GetSessionRequest, context, caller: Caller) -> pb.SessionInfo:
-        session_id = convert._identifier("session_id", request.session_id)
+        session_id = convert.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
         await self._restore_saved(caller, session_id)
         return convert.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
@@ -265,7 +265,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
 
     @_unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
-        session_id = convert._identifier("session_id", request.session_id)
+        session_id = convert.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
         await self._restore_saved(caller, session_id)
         snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
@@ -276,8 +276,8 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         """The caller's idle session as artifact chunks (engine/session_artifact.py)."""
         t0, code = time.monotonic(), "OK"
         try:
-            caller = self._authenticate(context)
-            session_id = convert._identifier("session_id", request.session_id)
+            caller = self.authenticate(context)
+            session_id = convert.identifier("session_id", request.session_id)
             self._check_affinity(context, session_id)
             await self._restore_saved(caller, session_id)
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
@@ -313,7 +313,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                 if message.HasField("session_id"):
                     if not first:
                         raise InvalidArgument("session_id", "set it in the first message only")
-                    session_id = convert._identifier("session_id", message.session_id)
+                    session_id = convert.identifier("session_id", message.session_id)
                 first = False
                 total += len(message.data)
                 if total > limit:
@@ -325,7 +325,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise Fail(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
         except session_artifact.ArtifactError as e:
             raise InvalidArgument(e.field, str(e).removeprefix(f"{e.field}: ")) from None
-        session_id = session_id or convert._identifier("session_id", artifact.session_id)
+        session_id = session_id or convert.identifier("session_id", artifact.session_id)
         self._check_affinity(context, session_id)
         owner = artifact.owner if caller is PEER else caller.name  # a replica hands it over for its owner
         snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id,

@@ -84,7 +84,7 @@ SPEC = MethodSpec.of("retopk", top_k=16, cache_size=8, window=4, recall=2, tau=0
 
 def _forward_counted(runner, monkeypatch, counter: SyncCounter, host_calls, seen: list):
     """Count inside the model forward only (first layer to last), recording host calls per forward."""
-    original = runner._forward
+    original = runner.forward
 
     def forward(*args, **kwargs):
         before = collections.Counter(host_calls)
@@ -92,7 +92,7 @@ def _forward_counted(runner, monkeypatch, counter: SyncCounter, host_calls, seen
             out = original(*args, **kwargs)
         seen.append(host_calls - before)
         return out
-    monkeypatch.setattr(runner, "_forward", forward)
+    monkeypatch.setattr(runner, "forward", forward)
 
 
 @pytest.mark.slow
