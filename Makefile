@@ -1,6 +1,8 @@
 # retopk developer entry points.
 #   make serve   create/refresh .venv and run the gRPC server on the embedded model (ports 50051, 9464)
-#   make test    the same install plus test extras and system packages, then ruff and pytest
+#   make test    the same install plus test extras and system packages, then ruff and pytest (what CI runs)
+#   make test-full   as make test, plus the long tests CI skips (marker `full`: the nginx replica tests) and the
+#                soak and the rpc fuzzing at their full sizes (RETOPK_RELIABILITY_FULL, RETOPK_FUZZ_REQUESTS)
 #   make lint | make proto | make install | make install-test | make clean
 #   make bench-llamacpp-deps   benchmark only, never part of test: build llama-cpp-python from source
 #                into the venv (5-15 minutes on 2 cores) for bench/vs_llamacpp.py, llama.cpp as the yardstick
@@ -30,10 +32,10 @@ TEST_STAMP := $(VENV)/.retopk-install-test-$(INSTALL_HASH)
 # Compile retopk_core/cpu/retopk_cpu.cpp and decoder_ops.cpp into retopk_core/cpu/_build (see retopk_core/cpu/build.py).
 CPU_KERNEL := $(PY) -m retopk_core.cpu.build
 
-.PHONY: help serve test lint proto install install-test system-deps clean bench-llamacpp-deps
+.PHONY: help serve test test-full lint proto install install-test system-deps clean bench-llamacpp-deps
 
 help:
-	@sed -n '2,8p' Makefile | sed 's/^# //'
+	@sed -n '2,10p' Makefile | sed 's/^# //'
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +81,9 @@ lint: $(TEST_STAMP)
 # pytest exits 5 when it collects no test; make treats that as the failure it is.
 test: install-test proto system-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-full: install-test proto system-deps lint
+	RETOPK_TEST_FULL=1 RETOPK_RELIABILITY_FULL=1 RETOPK_FUZZ_REQUESTS=10000 $(PY) -m pytest $(PYTEST_ARGS)
 
 # llama.cpp as the yardstick (bench/vs_llamacpp.py): llama-cpp-python built from source with the machine's
 # own SIMD (GGML_NATIVE), so it runs as fast as a user's own build would. --no-deps keeps torch and the

@@ -1,8 +1,9 @@
 """Root pytest setup shared by every test folder: Triton's CPU interpreter, the `gpu` marker's skip
 and the embedded model.
 
-The `gpu` and `slow` markers are declared in pyproject.toml. Loading the embedded SmolLM2-135M costs
-~18 s, so it is loaded at most once per pytest process through the session fixture `embedded_model`;
+The `gpu`, `slow` and `full` markers are declared in pyproject.toml; `full` tests run only under
+RETOPK_TEST_FULL=1 (`make test-full`). Loading the embedded SmolLM2-135M is the suite's costliest step,
+so it is loaded at most once per pytest process through the session fixture `embedded_model`;
 tests must not modify the returned model (its weights, config or attention implementation).
 """
 
@@ -23,6 +24,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("RETOPK_TEST_FULL") != "1":  # `make test-full` sets it; `make test` (CI) runs without them
+        skip_full = pytest.mark.skip(reason="a long test: `make test-full` runs it (RETOPK_TEST_FULL=1)")
+        for item in items:
+            if item.get_closest_marker("full") is not None:
+                item.add_marker(skip_full)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

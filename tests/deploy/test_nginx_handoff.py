@@ -11,25 +11,20 @@ exactly what it held before the move (keys, values, method state, against an exp
 nginx sent each import to the very replica that then served the session's turn 4, and turn 4's tokens equal those
 of the same conversation run on a replica that never moved it.
 
-Skips only where no nginx binary exists; `make test` installs it (scripts/install_system_deps.sh).
+Runs in `make test-full` (marker `full`); skips where no nginx binary exists (scripts/install_system_deps.sh
+installs it).
 """
 
 from __future__ import annotations
-
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 from retopk_client import Client, RetryPolicy
 from retopk_server.engine.session_artifact import decode
-from tests._live_server import free_port, launch_servers
-from tests.deploy.test_nginx_affinity import NGINX, access_log, holder, logged_since, nginx_conf, wait_for_port
+from tests.deploy.nginx_cluster import access_log, holder, logged_since, nginx_cluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(900)]
 
 REPLICAS, SESSIONS = 3, 9
 METHODS = ("full", "exact_topk", None)  # None: the server's default ReTopK
@@ -38,26 +33,8 @@ TURNS = ["Name a colour.", "Why that one?", "And a fruit?", "Which is sweeter?"]
 
 @pytest.fixture(scope="module")
 def cluster():
-    if NGINX is None:
-        pytest.skip("needs nginx (Debian package nginx; `make test` installs it via scripts/install_system_deps.sh)")
-    port = free_port()
-    servers = launch_servers(REPLICAS, "--max-running", "8", "--drain-grace-s", "5",
-                             "--handoff-peer", f"127.0.0.1:{port}", timeout=600)
-    prefix = Path(tempfile.mkdtemp(prefix="retopk-nginx-"))
-    prefix.chmod(0o755)  # nginx's workers may run as another user when the test runs as root
-    conf = nginx_conf(prefix, port, [s.address for s in servers])
-    nginx = subprocess.Popen([NGINX, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_port(port, nginx)
-        yield servers, f"127.0.0.1:{port}", prefix
-    finally:
-        nginx.terminate()
-        nginx.wait(30)
-        print("nginx error log:\n" + (prefix / "error.log").read_text()[-4000:])  # shown when the test failed
-        for server in servers:
-            server.kill()
-        shutil.rmtree(prefix, ignore_errors=True)
+    with nginx_cluster(REPLICAS, "--max-running", "8", "--drain-grace-s", "5", "--handoff-peer", "{router}") as c:
+        yield c.servers, c.router, c.prefix
 
 
 def chat(session, text: str) -> list[int]:
