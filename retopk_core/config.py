@@ -74,8 +74,3 @@ class ReTopKConfig(MethodConfig):
                                               f"refresh_every={self.refresh_every}")
         if self.recall > self.cache_size:
             raise ParamError("recall", f"recall must be <= cache_size ({self.cache_size}), got {self.recall}")
-
-    @property
-    def max_candidates(self) -> int:
-        """Upper bound R*K + W on the candidate set of a reuse step (equation 14)."""
-        return self.recall * self.top_k + self.window

@@ -1,12 +1,11 @@
 """Grow-only scratch buffers reused across decode steps, one per name: the torch path's and the kernels'.
 
-A fresh multi-MB tensor costs page faults on every step: on the benchmark CPU, gathering 24K key rows
-(12 MB) took 2.5 ms into a new tensor and 1.1 ms into a reused one. A buffer is reallocated only when
-a request is larger than it, or of another dtype, device or inference mode (an inference tensor
-cannot be written outside inference mode), and then to at least twice its old size, so a sequence
-that grows token by token reallocates O(log L) times. ``allocations`` counts reallocations (tests
-check it stays flat across decode steps). Views handed out are overwritten by the next request of
-the same name: not thread-safe, one decode at a time per workspace.
+A fresh multi-MB tensor costs page faults on every step; a reused one has its pages mapped already. A
+buffer is reallocated only when a request is larger than it, or of another dtype, device or inference
+mode (an inference tensor cannot be written outside inference mode), and then to at least twice its old
+size, so a sequence that grows token by token reallocates O(log L) times. ``allocations`` counts
+reallocations (tests check it stays flat across decode steps). Views handed out are overwritten by the
+next request of the same name: not thread-safe, one decode at a time per workspace.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The network is triton's own (``triton.language.standard.sort_impl``: bitonic stages on the block
 viewed as a {2}^n hypercube, then the bitonic Top-K reduction of Shanbhag et al.); only the
 compare-and-swap differs: it takes min / max over the size-2 axis instead of an XOR reduction. The
-result is identical, compiles to the same data movement, and runs ~30x faster under TRITON_INTERPRET
+result is identical and compiles to the same data movement, and it is much cheaper under TRITON_INTERPRET
 (where an XOR reduction is evaluated element by element).
 
 Sort key of a scored position (to sort scores together with their positions in one int64):

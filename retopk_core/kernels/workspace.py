@@ -4,14 +4,11 @@ decode loop allocates no scratch.
 Ownership: every launcher takes its scratch from one workspace per (device, CUDA stream)
 (``WorkspaceCache.shared``): scratch is consumed within one launcher call, so the layers of a model
 (and the methods) can share it; per-layer workspaces would multiply the largest buffer, the exact
-path's (B, H, L_cap) float32 scores, by the number of layers. ``for_state`` gives a state its own
-workspace for callers that run several decodes concurrently on one stream. Results handed back to
-the caller are always fresh tensors, never views of a workspace.
+path's (B, H, L_cap) float32 scores, by the number of layers. Results handed back to the caller are
+always fresh tensors, never views of a workspace.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -19,18 +16,10 @@ from retopk_core.workspace import Workspace
 
 
 class WorkspaceCache:
-    """Workspaces keyed by a state object (weakly: dropped with the state) or shared per device."""
+    """One workspace per (device, CUDA stream)."""
 
     def __init__(self) -> None:
-        self._by_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._by_device: dict[str, Workspace] = {}
-
-    def for_state(self, state: object, device: torch.device) -> Workspace:
-        ws = self._by_state.get(state)
-        if ws is None or ws.device != torch.device(device):
-            ws = Workspace(device)
-            self._by_state[state] = ws
-        return ws
 
     def shared(self, device: torch.device) -> Workspace:
         device = torch.device(device)
@@ -41,7 +30,6 @@ class WorkspaceCache:
         return self._by_device[key]
 
     def clear(self) -> None:
-        self._by_state.clear()
         self._by_device.clear()
 
 

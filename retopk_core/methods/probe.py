@@ -11,6 +11,8 @@ records into ``rec`` (a ``FidelityRecorder``) against the same step's exact refe
 grouped by the path the inner method took (reuse / fallback / refresh / ...). A dense inner method
 (no selection) counts as recall 1 and mass 1. Costs an extra full-history pass per layer: for
 evaluation only.
+Importing this module registers it as an evaluation wrapper: ``make_method`` builds it by name, a server
+never offers it (``registry.serving_method_names``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from retopk_core.fidelity import full_probabilities, output_cosine, retained_mass, support_recall
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput
-from retopk_core.methods.registry import make_method
+from retopk_core.methods.registry import make_method, register
 from retopk_core.methods.sparse import dense_attend, exact_select, resolve_scale
 
 METRICS = ("recall", "mass", "cosine")
@@ -187,3 +189,6 @@ class FidelityProbe(AttentionMethod):
     def describe(self) -> dict:
         inner = self.inner.describe()
         return {**inner, "method": self.name, "inner": inner["method"]}
+
+
+register(FidelityProbe.name, f"{__name__}:FidelityProbe", serving=False)

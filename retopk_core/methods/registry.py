@@ -7,7 +7,7 @@ import importlib
 from retopk_core.methods.base import AttentionMethod
 from retopk_core.params import ParamError
 
-# name -> "module:class"; the class's ``config_class`` declares its hyperparameters.
+# The methods a server offers, name -> "module:class"; the class's ``config_class`` declares its hyperparameters.
 _METHODS: dict[str, str] = {
     "full": "retopk_core.methods.full:FullAttention",
     "exact_topk": "retopk_core.methods.exact:ExactTopK",
@@ -17,32 +17,31 @@ _METHODS: dict[str, str] = {
     "sparq": "retopk_core.methods.baselines.sparq:SparQ",
     "loki": "retopk_core.methods.baselines.loki:Loki",
     "tokenselect": "retopk_core.methods.baselines.tokenselect:TokenSelect",
-    "fidelity_probe": "retopk_core.methods.probe:FidelityProbe",  # evaluation: wraps a method, measures it
 }
+# Evaluation wrappers (``methods/probe.py``'s fidelity_probe registers itself when the evaluation imports it):
+# built by name in-process like any method, never offered by a server.
+_EVALUATION: dict[str, str] = {}
 
 
-# Evaluation wrappers: the benchmarks build them in-process; a server never offers them to clients.
-_EVALUATION_ONLY = frozenset({"fidelity_probe"})
-
-
-def register(name: str, target: str) -> None:
-    """Add a method: ``target`` is "module:class", an AttentionMethod subclass."""
-    _METHODS[name] = target
+def register(name: str, target: str, serving: bool = True) -> None:
+    """Add a method: ``target`` is "module:class", an AttentionMethod subclass; ``serving`` False for an
+    evaluation wrapper, which ``serving_method_names`` leaves out."""
+    (_METHODS if serving else _EVALUATION)[name] = target
 
 
 def method_names() -> list[str]:
-    return sorted(_METHODS)
+    return sorted(_METHODS | _EVALUATION)
 
 
 def serving_method_names() -> list[str]:
-    """The methods a server offers: every registered one except the evaluation wrappers."""
-    return [name for name in method_names() if name not in _EVALUATION_ONLY]
+    """The methods a server offers: the registered ones but the evaluation wrappers."""
+    return sorted(_METHODS)
 
 
 def method_class(name: str) -> type[AttentionMethod]:
     """The class registered under ``name``; an unknown name is a ParamError on field "name"."""
     try:
-        target = _METHODS[name]
+        target = (_METHODS | _EVALUATION)[name]
     except KeyError:
         raise ParamError("name", f"unknown method {name!r}; choose one of {', '.join(method_names())}") from None
     module, attr = target.split(":")

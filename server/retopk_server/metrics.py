@@ -60,7 +60,7 @@ Cost on the engine thread: a step's (batch, layers, heads) path tensor becomes p
 counts with one ``np.bincount`` added to a numpy array, and its (batch, layers, H_kv) group reads become
 per-layer counts with one sum; the two distributions are bucketed the same way (``np.searchsorted`` +
 ``np.bincount``). Custom collectors expose those arrays at scrape time, so no per-head Python loop runs per
-step (about 0.1 ms of CPU per step for 30 layers x 9 heads, batch 1).
+step.
 """
 
 from __future__ import annotations

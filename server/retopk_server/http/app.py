@@ -33,11 +33,11 @@ from retopk_server.http.context import Aborted, HttpContext
 from retopk_server.http.errors import ApiError, from_status
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
 from retopk_server.service.auth import Unauthenticated
+from retopk_server.service.supervision import READINESS
 
 log = logging.getLogger("retopk_server.http")
 
 JSON_EXPANSION = 3  # JSON may escape a character in 12 bytes ("\ud83d\ude00") where the gRPC message's UTF-8 takes 4
-READINESS = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # the health name routers probe
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import grpc
 
-METADATA_HEADERS = ("authorization", "x-session-id")
+from retopk_server.service.servicer import SESSION_METADATA
+
+METADATA_HEADERS = ("authorization", SESSION_METADATA)
 
 
 class Aborted(Exception):

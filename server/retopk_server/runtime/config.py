@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from retopk_core.models import DEFAULT_MODEL
 from retopk_core.params import check_int, check_number
 from retopk_server.runtime.budget import DEFAULT_CACHE_FRACTION
 from retopk_server.runtime.method_spec import MethodSpec
@@ -76,7 +77,7 @@ class RuntimeConfig:
                     when an allocation needs the room)
     """
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str = "cpu"
     weights: str = "auto"
     kv_dtype: str = "auto"
