@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes, answered by the gRPC servicer's own methods (see ``context.HttpContext``).
+"""The OpenAI-compatible routes (one APIRouter), answered by the gRPC servicer's own methods (see
+``context.HttpContext``).
 
     POST /v1/completions        prompt -> text (streaming as server-sent events with ``stream: true``)
     POST /v1/chat/completions   messages -> the assistant's reply (streaming likewise)
@@ -20,8 +21,9 @@ import asyncio
 import json
 import logging
 import time
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
@@ -118,92 +120,55 @@ def body_bytes(max_message_bytes: int) -> int:
     return JSON_EXPANSION * max_message_bytes
 
 
-def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> FastAPI:
-    """The ASGI app of one server: ``servicer`` its ReTopKServicer (engine started), ``health_servicer`` its grpc
-    health; ``max_body_bytes`` defaults to ``body_bytes`` of the servicer's limits."""
-    if max_body_bytes is None:
-        max_body_bytes = body_bytes(servicer.limits.max_message_bytes)
-    app = FastAPI(title="retopk (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+class Served:
+    """What the routes answer with, one per app (``app.state.served``): the server's ReTopKServicer (engine
+    started), its grpc health servicer, the body limit and the time the app was made (the models' ``created``)."""
 
-    def hook(name: str, *args) -> None:
+    def __init__(self, servicer, health_servicer, max_body_bytes: int) -> None:
+        self.servicer, self.health_servicer, self.max_body_bytes = servicer, health_servicer, max_body_bytes
+        self.created = int(time.time())
+
+    def hook(self, name: str, *args) -> None:
         try:
-            getattr(servicer.observer, name)(*args)
+            getattr(self.servicer.observer, name)(*args)
         except Exception:
             log.exception("observer hook %s failed", name)
 
-    def refused(error: ApiError, t0: float) -> None:
+    def refused(self, error: ApiError, t0: float) -> None:
         """Metrics of a Generate the HTTP front refused before the servicer saw it (as the servicer counts)."""
-        hook("on_error", None, error.code)
-        hook("on_rpc", "Generate", error.code, time.monotonic() - t0)
+        self.hook("on_error", None, error.code)
+        self.hook("on_rpc", "Generate", error.code, time.monotonic() - t0)
 
-    def authenticate(context: HttpContext) -> None:
+    def authenticate(self, context: HttpContext) -> None:
         """The servicer's key check, first: a caller without a key learns nothing from its body's checks."""
         try:
-            servicer.authenticate(context)
+            self.servicer.authenticate(context)
         except Unauthenticated:
             raise ApiError("UNAUTHENTICATED", "missing or wrong API key: send the header "
                                               "'Authorization: Bearer <key>'") from None
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
-        return exc.response()
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        code = {404: "NOT_FOUND", 405: "INVALID_ARGUMENT"}.get(exc.status_code, "INVALID_ARGUMENT")
-        response = ApiError(code, f"{request.method} {request.url.path}: {exc.detail}").response()
-        response.status_code = exc.status_code
-        response.headers.update(exc.headers or {})  # 405's Allow
-        return response
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):  # a bug of ours, never the client's input
-        log.error("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
-        return ApiError("INTERNAL", f"internal error: {type(exc).__name__}").response()
-
-    @app.get("/health")
-    async def health(request: Request):
-        try:
-            answer = await health_servicer.Check(health_pb2.HealthCheckRequest(service=READINESS),
-                                                 HttpContext(request.headers, request.client))
-            serving = answer.status == health_pb2.HealthCheckResponse.SERVING
-        except Aborted:
-            serving = False
-        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
-
-    async def model_info(request: Request) -> pb.ModelInfo:
+    async def model_info(self, request: Request) -> pb.ModelInfo:
         context = HttpContext(request.headers, request.client)
-        authenticate(context)  # HTTP's wording of a missing key (the header), not gRPC's (metadata)
+        self.authenticate(context)  # HTTP's wording of a missing key (the header), not gRPC's (metadata)
         try:
-            return await servicer.GetModelInfo(pb.GetModelInfoRequest(), context)
+            return await self.servicer.GetModelInfo(pb.GetModelInfoRequest(), context)
         except Aborted as a:
             raise from_status(a.code, a.message) from None
 
-    def model_card(info: pb.ModelInfo) -> dict:
-        return {"id": info.name, "object": "model", "created": created, "owned_by": "retopk",
+    def model_card(self, info: pb.ModelInfo) -> dict:
+        return {"id": info.name, "object": "model", "created": self.created, "owned_by": "retopk",
                 "max_model_len": info.max_context}
 
-    @app.get("/v1/models")
-    async def list_models(request: Request):
-        return {"object": "list", "data": [model_card(await model_info(request))]}
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str, request: Request):
-        info = await model_info(request)
-        if model != info.name:
-            raise ApiError("NOT_FOUND", f"model: the model {model!r} does not exist; this server serves "
-                                        f"{info.name!r}", "model")
-        return model_card(info)
-
-    async def start(request: Request, schema):
-        """Check, parse and submit a request -> (body, its Generate stream, the first response)."""
+    async def start(self, request: Request, schema):
+        """Check, parse and submit a request -> (body, its Generate stream, the first response, the renamer)."""
         t0 = time.monotonic()
         context = HttpContext(request.headers, request.client)
+        servicer = self.servicer
         try:
-            authenticate(context)
+            self.authenticate(context)
             try:
-                raw = convert.drop_neutral(await read_json(request, max_body_bytes), schema is ChatCompletionRequest)
+                raw = convert.drop_neutral(await read_json(request, self.max_body_bytes),
+                                           schema is ChatCompletionRequest)
                 body = schema.model_validate(raw)
             except ValidationError as e:
                 raise convert.validation_error(e) from None
@@ -213,7 +178,7 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
                                             f"{info.name!r} (GET /v1/models)", "model")
             message = convert.generate_message(body, info.vocab_size, servicer.config.max_new_tokens)
         except ApiError as e:
-            refused(e, t0)
+            self.refused(e, t0)
             raise
         if body.user is not None:
             log.debug("request from user %r", body.user[:64])
@@ -228,105 +193,173 @@ def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> 
             raise
         return body, stream, first, rename
 
-    async def rest(stream, rename) -> list[pb.GenerateResponse]:
+
+def served_of(request: Request) -> Served:
+    return request.app.state.served
+
+
+ServedDep = Annotated[Served, Depends(served_of)]  # a route's parameter: this app's Served
+
+
+async def rest(stream, rename) -> list[pb.GenerateResponse]:
+    try:
+        return [r async for r in stream]
+    except Aborted as a:
+        raise from_status(a.code, a.message, rename) from None
+    finally:
+        await stream.aclose()
+
+
+def sse_stream(body, stream, first, rename, envelope: dict, chunks):
+    """The server-sent events of a streamed request: ``chunks(response, opening)`` yields the chunks of one
+    GenerateResponse; with include_usage every chunk has ``usage: null`` and a last one the usage."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    async def events():
+        finals, seen = [], set()  # the last response of each finished choice; the choices begun
         try:
-            return [r async for r in stream]
-        except Aborted as a:
-            raise from_status(a.code, a.message, rename) from None
+            response = first
+            while True:
+                for chunk in chunks(response, response.index not in seen):
+                    yield _sse({**chunk, "usage": None} if include_usage else chunk)
+                seen.add(response.index)
+                if response.finish_reason:
+                    finals.append(response)
+                try:
+                    response = await anext(stream)
+                except StopAsyncIteration:
+                    break
+        except Aborted as a:  # after the first token: the status line is long sent
+            yield _sse(from_status(a.code, a.message, rename).body())
+        else:
+            if include_usage:
+                yield _sse({**envelope, "choices": [], "usage": convert.usage(*finals)})
         finally:
             await stream.aclose()
+        yield "data: [DONE]\n\n"
 
-    def sse_stream(body, stream, first, rename, envelope: dict, chunks):
-        """The server-sent events of a streamed request: ``chunks(response, opening)`` yields the chunks of one
-        GenerateResponse; with include_usage every chunk has ``usage: null`` and a last one the usage."""
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return _ClosingStream(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-        async def events():
-            finals, seen = [], set()  # the last response of each finished choice; the choices begun
-            try:
-                response = first
-                while True:
-                    for chunk in chunks(response, response.index not in seen):
-                        yield _sse({**chunk, "usage": None} if include_usage else chunk)
-                    seen.add(response.index)
-                    if response.finish_reason:
-                        finals.append(response)
-                    try:
-                        response = await anext(stream)
-                    except StopAsyncIteration:
-                        break
-            except Aborted as a:  # after the first token: the status line is long sent
-                yield _sse(from_status(a.code, a.message, rename).body())
-            else:
-                if include_usage:
-                    yield _sse({**envelope, "choices": [], "usage": convert.usage(*finals)})
-            finally:
-                await stream.aclose()
-            yield "data: [DONE]\n\n"
 
-        return _ClosingStream(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+router = APIRouter()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body, stream, first, rename = await start(request, CompletionRequest)
-        envelope = convert.envelope("text_completion", first.request_id, body.model)
 
-        offsets: dict[int, convert.CompletionLogprobs] = {}  # per choice: its tokens' text offsets
+@router.get("/health")
+async def health(request: Request, served: ServedDep):
+    try:
+        answer = await served.health_servicer.Check(health_pb2.HealthCheckRequest(service=READINESS),
+                                                    HttpContext(request.headers, request.client))
+        serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+    except Aborted:
+        serving = False
+    return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
 
-        def choice(r: pb.GenerateResponse) -> dict:
-            lp = offsets.setdefault(r.index, convert.CompletionLogprobs()).of(r)
-            return {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": convert.finish_reason(r)}
 
-        if body.stream:
-            def chunks(r: pb.GenerateResponse, opening: bool):
-                if r.text or r.logprobs or r.finish_reason:
-                    yield {**envelope, "choices": [choice(r)]}
+@router.get("/v1/models")
+async def list_models(request: Request, served: ServedDep):
+    return {"object": "list", "data": [served.model_card(await served.model_info(request))]}
 
-            return sse_stream(body, stream, first, rename, envelope, chunks)
-        responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
-        choices = []
-        for group in convert.by_choice(responses):
-            merged, logprobs = None, convert.CompletionLogprobs()
-            for r in group:
-                merged = convert.merge_logprobs(merged, logprobs.of(r))
-            choices.append({"index": group[0].index, "text": "".join(r.text for r in group), "logprobs": merged,
-                            "finish_reason": convert.finish_reason(group[-1])})
-        finals = [r for r in responses if r.finish_reason]
-        return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body, stream, first, rename = await start(request, ChatCompletionRequest)
-        if body.stream:
-            envelope = convert.envelope("chat.completion.chunk", first.request_id, body.model)
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request, served: ServedDep):
+    info = await served.model_info(request)
+    if model != info.name:
+        raise ApiError("NOT_FOUND", f"model: the model {model!r} does not exist; this server serves "
+                                    f"{info.name!r}", "model")
+    return served.model_card(info)
 
-            def chunks(r: pb.GenerateResponse, opening: bool):
-                if opening:
-                    yield {**envelope, "choices": [{"index": r.index, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]}
-                if r.text or r.logprobs or r.finish_reason or r.tool_calls:
-                    delta = {"content": r.text} if r.text else {}
-                    if calls := convert.tool_call_deltas(r):
-                        delta["tool_calls"] = calls
-                    yield {**envelope, "choices": [{"index": r.index, "delta": delta,
-                                                    "logprobs": convert.chat_logprobs(r),
-                                                    "finish_reason": convert.finish_reason(r)}]}
 
-            return sse_stream(body, stream, first, rename, envelope, chunks)
-        envelope = convert.envelope("chat.completion", first.request_id, body.model)
-        responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
-        choices = []
-        for group in convert.by_choice(responses):
-            merged = None
-            for r in group:
-                merged = convert.merge_logprobs(merged, convert.chat_logprobs(r))
-            message = {"role": "assistant", "content": "".join(r.text for r in group)}
-            if calls := convert.whole_tool_calls(group):
-                message["tool_calls"] = calls
-                message["content"] = message["content"] or None
-            choices.append({"index": group[0].index, "message": message, "logprobs": merged,
-                            "finish_reason": convert.finish_reason(group[-1])})
-        finals = [r for r in responses if r.finish_reason]
-        return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
+@router.post("/v1/completions")
+async def completions(request: Request, served: ServedDep):
+    body, stream, first, rename = await served.start(request, CompletionRequest)
+    envelope = convert.envelope("text_completion", first.request_id, body.model)
 
+    offsets: dict[int, convert.CompletionLogprobs] = {}  # per choice: its tokens' text offsets
+
+    def choice(r: pb.GenerateResponse) -> dict:
+        lp = offsets.setdefault(r.index, convert.CompletionLogprobs()).of(r)
+        return {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": convert.finish_reason(r)}
+
+    if body.stream:
+        def chunks(r: pb.GenerateResponse, opening: bool):
+            if r.text or r.logprobs or r.finish_reason:
+                yield {**envelope, "choices": [choice(r)]}
+
+        return sse_stream(body, stream, first, rename, envelope, chunks)
+    responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
+    choices = []
+    for group in convert.by_choice(responses):
+        merged, logprobs = None, convert.CompletionLogprobs()
+        for r in group:
+            merged = convert.merge_logprobs(merged, logprobs.of(r))
+        choices.append({"index": group[0].index, "text": "".join(r.text for r in group), "logprobs": merged,
+                        "finish_reason": convert.finish_reason(group[-1])})
+    finals = [r for r in responses if r.finish_reason]
+    return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, served: ServedDep):
+    body, stream, first, rename = await served.start(request, ChatCompletionRequest)
+    if body.stream:
+        envelope = convert.envelope("chat.completion.chunk", first.request_id, body.model)
+
+        def chunks(r: pb.GenerateResponse, opening: bool):
+            if opening:
+                yield {**envelope, "choices": [{"index": r.index, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
+            if r.text or r.logprobs or r.finish_reason or r.tool_calls:
+                delta = {"content": r.text} if r.text else {}
+                if calls := convert.tool_call_deltas(r):
+                    delta["tool_calls"] = calls
+                yield {**envelope, "choices": [{"index": r.index, "delta": delta,
+                                                "logprobs": convert.chat_logprobs(r),
+                                                "finish_reason": convert.finish_reason(r)}]}
+
+        return sse_stream(body, stream, first, rename, envelope, chunks)
+    envelope = convert.envelope("chat.completion", first.request_id, body.model)
+    responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
+    choices = []
+    for group in convert.by_choice(responses):
+        merged = None
+        for r in group:
+            merged = convert.merge_logprobs(merged, convert.chat_logprobs(r))
+        message = {"role": "assistant", "content": "".join(r.text for r in group)}
+        if calls := convert.whole_tool_calls(group):
+            message["tool_calls"] = calls
+            message["content"] = message["content"] or None
+        choices.append({"index": group[0].index, "message": message, "logprobs": merged,
+                        "finish_reason": convert.finish_reason(group[-1])})
+    finals = [r for r in responses if r.finish_reason]
+    return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
+
+
+async def api_error(request: Request, exc: ApiError):
+    return exc.response()
+
+
+async def http_error(request: Request, exc: HTTPException):
+    code = {404: "NOT_FOUND", 405: "INVALID_ARGUMENT"}.get(exc.status_code, "INVALID_ARGUMENT")
+    response = ApiError(code, f"{request.method} {request.url.path}: {exc.detail}").response()
+    response.status_code = exc.status_code
+    response.headers.update(exc.headers or {})  # 405's Allow
+    return response
+
+
+async def internal_error(request: Request, exc: Exception):  # a bug of ours, never the client's input
+    log.error("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
+    return ApiError("INTERNAL", f"internal error: {type(exc).__name__}").response()
+
+
+def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> FastAPI:
+    """The ASGI app of one server: ``servicer`` its ReTopKServicer (engine started), ``health_servicer`` its grpc
+    health; ``max_body_bytes`` defaults to ``body_bytes`` of the servicer's limits."""
+    if max_body_bytes is None:
+        max_body_bytes = body_bytes(servicer.limits.max_message_bytes)
+    app = FastAPI(title="retopk (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.served = Served(servicer, health_servicer, max_body_bytes)
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.include_router(router)
     return app
