@@ -1,0 +1,65 @@
+"""One decode step's time through the runner, after a prompt of L tokens: the quick A/B of a change to the step.
+
+Prefills the first L tokens of a text for each method, then times ``--steps`` greedy decode steps (each step's
+argmax included) after a few warm-up steps, and prints the median and the minimum per method. To compare two
+commits, run it in a worktree of each, taking turns (the machine's speed drifts), e.g.
+
+    python -m bench.decode_step --length 1024 --methods full default --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from retopk_core.hugepages import enable_transparent_hugepages
+
+enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
+
+import torch  # noqa: E402 - after the huge pages
+
+from bench.e2e_cpu import parse_method  # noqa: E402 - after the huge pages
+from bench.eval.common import load_corpus  # noqa: E402 - after the huge pages
+from retopk_server.runtime import ModelRunner, RuntimeConfig  # noqa: E402 - after the huge pages
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--length", type=int, default=1024, help="prompt tokens before the timed steps")
+    p.add_argument("--methods", nargs="+", default=["full", "default"], help='method specs "name[:key=value,...]"')
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per method")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
+    return p.parse_args(argv)
+
+
+def time_steps(runner: ModelRunner, spec, ids: list[int], warmup: int, steps: int) -> list[float]:
+    """Seconds of each timed greedy step after prefilling ``ids`` in a fresh session of ``spec``."""
+    session = runner.open_session(spec)
+    token = int(runner.prefill(session, ids).argmax())
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        logits, _ = runner.decode([session], [token])
+        token = int(logits[0].argmax())
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    runner.close_session(session)
+    return times
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(RuntimeConfig())
+    ids = runner.encode(load_corpus(args.corpus))[:args.length]
+    print(f"# decode_step: L = {len(ids)}, {args.threads} threads, {args.steps} steps")
+    with torch.inference_mode():
+        for text in args.methods:
+            times = sorted(time_steps(runner, parse_method(text), ids, args.warmup, args.steps))
+            print(f"{text}: median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""bench/decode_step.py's timing loop on a tiny random Llama: the steps it times are real greedy decode steps."""
+
+import torch
+
+from bench import decode_step
+from retopk_server.runtime import ModelRunner, RuntimeConfig
+
+
+def test_time_steps_times_each_step_after_the_warmup_and_closes_its_session():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    spec = decode_step.parse_method("retopk:top_k=8,cache_size=4")
+    runner = ModelRunner(RuntimeConfig(model="tiny", default_method=spec), model=model)
+    with torch.inference_mode():
+        times = decode_step.time_steps(runner, spec, list(range(3, 40)), warmup=2, steps=5)
+    assert len(times) == 5 and all(t > 0 for t in times)
+    assert runner.memory().kv_used == 0  # the session closed: none of its blocks held
