@@ -3,8 +3,7 @@
     block_matmul(x, qs, scales, bits, bias, residual) -> x W^T (+ bias) (+ residual), W in GGUF blocks of 32
     rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
-    store_rows(pool, rows, src): pool[rows] <- src in the pool's dtype
-    store_kv(k_pool, v_pool, rows, k, v): store_rows of a step's keys and values in one call
+    store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
     swiglu(gu) -> silu(g) * u for gu = [g, u]
     attn_in(x, w_attn, eps, qkv, cos, sin, rot_heads, d) -> rope(rms_norm(x) W_qkv^T (+ b)) on its first rot_heads heads
     mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
@@ -34,7 +33,7 @@ from retopk_core.cpu.launch import available, extension
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
 __all__ = ["ISA_NAMES", "Blocks", "attn_in", "available", "best_isa", "block_matmul", "isa", "mlp_out", "rms_norm",
-           "rope_", "store_kv", "store_rows", "swiglu"]
+           "rope_", "store_kv", "swiglu"]
 
 
 class Blocks(NamedTuple):
@@ -76,11 +75,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x (N, heads, d) float32, unit stride along d; cos, sin (N, d) float32."""
     extension().rope_(x, cos, sin)
-
-
-def store_rows(pool: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """pool (R, d) any float dtype; rows (B, H_kv, T) int64; src (B, H_kv, T, d) float32, any strides."""
-    extension().store_rows(pool, rows, src)
 
 
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

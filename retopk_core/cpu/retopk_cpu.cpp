@@ -563,55 +563,52 @@ struct Task {
   // Full attention of the group's G heads (queries qs, scale applied) over all L positions -> acc
   // (G, dv): scores block run by block run (each key row read once for the G heads), a softmax per
   // head, then one pass over the value rows in memory order, each row read once for the G heads.
-  // With p.K > 0 also each head's Top-K of the same scores (the dense floor's exact supports) in
-  // tops[e], ties to the lower position as in exact().
-  void dense(const float* qs, float* acc, std::vector<std::vector<Scored>>* tops) const {
-    Scratch& s = scratch();
-    const int64_t G = p.G;
-    s.scores.resize(G * L);
-    for (int64_t first = 0; first < L;) {  // runs of consecutive rows: the rest of a block
-      const int64_t rows = std::min(L - first, p.P - first % p.P);
-      dot_heads<KV>(qs, G, k_pool + key_off(first), rows, p.d, s.scores.data() + first, L);
-      first += rows;
-    }
-    for (int64_t e = 0; e < G; ++e) {
-      float* w = s.scores.data() + e * L;
-      if (tops != nullptr) {
-        std::vector<Scored>& top = (*tops)[e];
-        top.clear();
-        for (int64_t i = 0; i < L; ++i) top.emplace_back(w[i], i);
-        if (L > p.K) keep_best(top, p.K);
-      }
+  // Also each head's Top-K of the same scores (the dense floor's exact supports) in tops[e], ties to the
+  // lower position as in exact(); Full attention alone is split_dense, over dense_part.
+  void dense(const float* qs, float* acc, std::vector<std::vector<Scored>>& tops) const {
+    float* scores = range_scores(qs, 0, L);
+    for (int64_t e = 0; e < p.G; ++e) {
+      float* w = scores + e * L;
+      std::vector<Scored>& top = tops[e];
+      top.clear();
+      for (int64_t i = 0; i < L; ++i) top.emplace_back(w[i], i);
+      if (L > p.K) keep_best(top, p.K);
       softmax_inplace(w, L);
     }
-    std::fill(acc, acc + G * p.dv, 0.f);
-    for (int64_t first = 0; first < L;) {
-      const int64_t rows = std::min(L - first, p.P - first % p.P);
-      weighted_rows<KV>(s.scores.data() + first, L, G, v_pool + val_off(first), rows, p.dv, acc);
-      first += rows;
-    }
+    range_values(scores, 0, L, acc);
   }
 
   // Positions lo..hi-1 of the G heads' dense attention, unnormalized (one part of a split-K step):
   // mx[e] = max_i s_ei, sum[e] = Σ_i exp(s_ei - mx[e]), acc[e] = Σ_i exp(s_ei - mx[e]) v_i.
   void dense_part(const float* qs, int64_t lo, int64_t hi, float* acc, float* mx, float* sum) const {
-    Scratch& s = scratch();
-    const int64_t G = p.G, n = hi - lo;
-    s.scores.resize(G * n);
-    for (int64_t first = lo; first < hi;) {
+    float* scores = range_scores(qs, lo, hi);
+    for (int64_t e = 0; e < p.G; ++e) {
+      float* w = scores + e * (hi - lo);
+      mx[e] = row_max(w, hi - lo);
+      sum[e] = exp_shift_inplace(w, hi - lo, mx[e]);
+    }
+    range_values(scores, lo, hi, acc);
+  }
+
+  // The G heads' scores of positions lo..hi-1 in scratch().scores, (G, hi - lo): block run by block run,
+  // each key row read once for the G heads.
+  float* range_scores(const float* qs, int64_t lo, int64_t hi) const {
+    std::vector<float>& scores = scratch().scores;
+    scores.resize(p.G * (hi - lo));
+    for (int64_t first = lo; first < hi;) {  // runs of consecutive rows: the rest of a block
       const int64_t rows = std::min(hi - first, p.P - first % p.P);
-      dot_heads<KV>(qs, G, k_pool + key_off(first), rows, p.d, s.scores.data() + (first - lo), n);
+      dot_heads<KV>(qs, p.G, k_pool + key_off(first), rows, p.d, scores.data() + (first - lo), hi - lo);
       first += rows;
     }
-    for (int64_t e = 0; e < G; ++e) {
-      float* w = s.scores.data() + e * n;
-      mx[e] = row_max(w, n);
-      sum[e] = exp_shift_inplace(w, n, mx[e]);
-    }
-    std::fill(acc, acc + G * p.dv, 0.f);
+    return scores.data();
+  }
+
+  // acc (G, dv) = Σ_i w[e, i - lo] v_i over positions lo..hi-1, the value rows in memory order, each read once.
+  void range_values(const float* w, int64_t lo, int64_t hi, float* acc) const {
+    std::fill(acc, acc + p.G * p.dv, 0.f);
     for (int64_t first = lo; first < hi;) {
       const int64_t rows = std::min(hi - first, p.P - first % p.P);
-      weighted_rows<KV>(s.scores.data() + (first - lo), n, G, v_pool + val_off(first), rows, p.dv, acc);
+      weighted_rows<KV>(w + (first - lo), hi - lo, p.G, v_pool + val_off(first), rows, p.dv, acc);
       first += rows;
     }
   }
@@ -901,6 +898,18 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
 
 namespace {
 
+// q[b, h0 .. h0 + G - 1] * scale as float32, (G, d): the queries of one (sequence, KV group).
+std::vector<float> scaled_queries(const Params& p, const at::Tensor& q, int64_t b, int64_t h0) {
+  std::vector<float> qs(p.G * p.d);
+  const char* base = static_cast<const char*>(q.data_ptr());
+  for (int64_t j = 0; j < p.G; ++j) {
+    float* x = qs.data() + j * p.d;
+    read_row(q, base + (b * q.stride(0) + (h0 + j) * q.stride(1)) * q.element_size(), q.stride(2), p.d, x);
+    for (int64_t i = 0; i < p.d; ++i) x[i] *= p.scale;
+  }
+  return qs;
+}
+
 // Full attention split along the keys (flash-decoding): each (sequence, KV group) in parts of kDensePart
 // positions, one task each, so that a few groups keep every thread busy; then per head
 //   out = Σ_p e^(m_p - M) acc_p / Σ_p e^(m_p - M) sum_p,  M = max_p m_p  (dense_part's m, sum, acc).
@@ -909,7 +918,7 @@ constexpr int64_t kDensePart = 512;
 
 void split_dense(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                  const int64_t* bt, const int64_t* len, at::Tensor& out) {
-  const int64_t B = p.B, H_kv = p.H_kv, G = p.G, d = p.d, dv = p.dv;
+  const int64_t B = p.B, H_kv = p.H_kv, G = p.G, dv = p.dv;
   std::vector<int64_t> parts(B), first(B + 1, 0);  // parts per (sequence, group); tasks of sequence b from first[b]
   for (int64_t b = 0; b < B; ++b) {
     parts[b] = (len[b] + kDensePart - 1) / kDensePart;
@@ -917,19 +926,13 @@ void split_dense(const Params& p, const at::Tensor& q, const at::Tensor& k_pool,
   }
   const int64_t tasks = first[B];
   std::vector<float> acc(tasks * G * dv), mx(tasks * G), sum(tasks * G);
-  const char* qbase = static_cast<const char*>(q.data_ptr());
   auto run = [&](auto kv_type, int64_t task) {
     using KV = decltype(kv_type);
     const int64_t b = std::upper_bound(first.begin(), first.end(), task) - first.begin() - 1;
     const int64_t g = (task - first[b]) / parts[b], part = (task - first[b]) % parts[b], h0 = g * G;
     Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, len[b], 0,
                nullptr, nullptr, 0, 0, 0};
-    std::vector<float> qs(G * d);
-    for (int64_t j = 0; j < G; ++j) {
-      float* x = qs.data() + j * d;
-      read_row(q, qbase + (b * q.stride(0) + (h0 + j) * q.stride(1)) * q.element_size(), q.stride(2), d, x);
-      for (int64_t i = 0; i < d; ++i) x[i] *= p.scale;
-    }
+    const std::vector<float> qs = scaled_queries(p, q, b, h0);
     const int64_t lo = part * kDensePart, hi = std::min(len[b], lo + kDensePart);
     t.dense_part(qs.data(), lo, hi, acc.data() + task * G * dv, mx.data() + task * G, sum.data() + task * G);
   };
@@ -982,19 +985,14 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
   at::Tensor selected = at::full({B, top_k > 0 ? H : 0, top_k}, -1, at::TensorOptions().dtype(at::kLong));
   const int64_t* bt = block_table.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
-  const char* qbase = static_cast<const char*>(q.data_ptr());
   char* obase = static_cast<char*>(out.data_ptr());
   auto run = [&](auto kv_type, int64_t task) {
     using KV = decltype(kv_type);
     const int64_t b = task / H_kv, g = task % H_kv, G = p.G, h0 = g * G;
     Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * bt_stride, b, g, len[b], 0,
                nullptr, nullptr, 0, 0, 0};
-    std::vector<float> qs(G * d), acc(G * dv);
-    for (int64_t j = 0; j < G; ++j) {
-      float* x = qs.data() + j * d;
-      read_row(q, qbase + (b * q.stride(0) + (h0 + j) * q.stride(1)) * q.element_size(), q.stride(2), d, x);
-      for (int64_t i = 0; i < d; ++i) x[i] *= p.scale;
-    }
+    const std::vector<float> qs = scaled_queries(p, q, b, h0);
+    std::vector<float> acc(G * dv);
     std::vector<std::vector<Scored>> tops(G);
     if (exact) {
       std::vector<int64_t> heads(G);
@@ -1002,7 +1000,7 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
       t.exact(heads, qs.data(), tops);
       for (int64_t j = 0; j < G; ++j) t.attend(tops[j], acc.data() + j * dv);
     } else {
-      t.dense(qs.data(), acc.data(), top_k > 0 ? &tops : nullptr);
+      t.dense(qs.data(), acc.data(), tops);
     }
     for (int64_t j = 0; j < G; ++j) {
       const int64_t h = h0 + j;
@@ -1103,7 +1101,6 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-void store_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src);
 void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
 at::Tensor swiglu(const at::Tensor& gu);
 at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
@@ -1123,7 +1120,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_matmul", &block_matmul, "x W^T (+ bias) (+ residual) with W in GGUF blocks of 32 (Q4_1 or Q8_0)");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w over the rows of x");
   m.def("rope_", &rope_, "RoPE in place on x (N, heads, d): x cos + rotate_half(x) sin");
-  m.def("store_rows", &store_rows, "pool[rows[i]] = src[i], cast to the pool's dtype");
   m.def("topk_rows", &topk_rows, "The positions of each row's k largest scores, best first (ReTopK's prefill seeding)");
   m.def("store_kv", &store_kv, "store_rows of a step's keys and of its values");
   m.def("swiglu", &swiglu, "g / (1 + exp(-g)) * u for gu = [g, u]");
