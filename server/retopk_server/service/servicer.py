@@ -230,9 +230,10 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         except EngineError as exc:  # the engine already reported it to the observer
             code = exc.code.value
             await context.abort(grpc.StatusCode[exc.code.value], exc.message)
-        except asyncio.CancelledError:  # the client went away or the deadline passed
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away or the deadline passed
             # What the client received: a client that stops reading once it has the last response (the SDK's
-            # complete()) got every token and its status is OK; otherwise a deadline or a cancellation.
+            # complete()) got every token and its status is OK; otherwise a deadline or a cancellation. gRPC
+            # ends the handler either way: the task cancelled, or this generator closed at its yield.
             code = "OK" if final_sent else _cancelled_code(context)
             raise
         finally:
