@@ -127,29 +127,67 @@ class SlotPool:
         """Names of the per-slot state tensors; each has the slot dimension first."""
         return self._fields
 
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """``fields`` without a pool (an imported state checked before any is allocated)."""
+        return cls._fields
+
+    # Fields with a dimension the pool grows as sequences grow (Quest's pages, Loki's projected tokens): field ->
+    # that dimension's index in the per-slot shape. A slot uses its first ``used_extent(slot)`` entries of it.
+    _growing: dict[str, int] = {}
+
+    def used_extent(self, slot: int) -> int:
+        """How much of the growing dimension slot ``slot`` uses (pools with ``_growing`` fields say)."""
+        raise NotImplementedError
+
+    def ensure_extent(self, n: int) -> None:
+        """Grow the growing dimension to at least ``n`` for every slot (pools with ``_growing`` fields say)."""
+        raise NotImplementedError
+
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """Copies of slot ``slot``'s tensors by field name: field f gives ``f[slot]``, of shape f.shape[1:]
-        (a session's state exported to move it to another server)."""
-        return {name: getattr(self, name)[slot].clone() for name in self._fields}
+        """Copies of slot ``slot``'s tensors by field name: field f gives ``f[slot]``, of shape f.shape[1:], a
+        growing field only its used extent (a session's state exported to move it to another server)."""
+        out = {}
+        for name in self._fields:
+            t = getattr(self, name)[slot]
+            if name in self._growing:
+                t = t.narrow(self._growing[name], 0, self.used_extent(slot))
+            out[name] = t.clone()
+        return out
 
     def check_slot(self, tensors: dict[str, torch.Tensor]) -> None:
         """ValueError naming the first field of ``tensors`` (``read_slot``'s form) that is missing or whose
-        shape or dtype differs from this pool's per-slot one."""
+        shape or dtype differs from this pool's per-slot one (a growing dimension: any size, the same in every
+        growing field)."""
         if set(tensors) != set(self._fields):
             raise ValueError(f"state fields {sorted(tensors)} differ from this method's {sorted(self._fields)}")
+        extents = {tensors[name].shape[dim] for name, dim in self._growing.items() if tensors[name].dim() > dim}
+        if len(extents) > 1:
+            raise ValueError(f"state fields {sorted(self._growing)} must agree on their grown size, got {extents}")
         for name in self._fields:
             t, want = tensors[name], getattr(self, name)
-            if tuple(t.shape) != tuple(want.shape[1:]) or t.dtype != want.dtype:
+            shape = list(want.shape[1:])
+            if name in self._growing and t.dim() == len(shape):
+                shape[self._growing[name]] = t.shape[self._growing[name]]
+            if tuple(t.shape) != tuple(shape) or t.dtype != want.dtype:
                 raise ValueError(f"state field {name!r}: {t.dtype} {tuple(t.shape)}, this method holds "
-                                 f"{want.dtype} {tuple(want.shape[1:])}")
+                                 f"{want.dtype} {tuple(shape)}")
 
     def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Slot ``slot`` takes ``tensors`` (``read_slot``'s form), checked first (``check_slot``)."""
+        """Slot ``slot`` takes ``tensors`` (``read_slot``'s form), checked first (``check_slot``); a growing
+        field's entries past what ``tensors`` brings are a fresh slot's."""
         self.check_slot(tensors)
         inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
         with torch.inference_mode(inference):
+            if self._growing:
+                name, dim = next(iter(self._growing.items()))
+                self.ensure_extent(tensors[name].shape[dim])
+                self.reset_slot(slot)
             for name in self._fields:
-                getattr(self, name)[slot] = tensors[name].to(getattr(self, name).device)
+                dst = getattr(self, name)[slot]
+                if name in self._growing:
+                    dst = dst.narrow(self._growing[name], 0, tensors[name].shape[self._growing[name]])
+                dst.copy_(tensors[name])
 
     def nbytes_per_slot(self) -> int:
         return sum(getattr(self, n)[0].numel() * getattr(self, n).element_size() for n in self._fields)
@@ -209,6 +247,15 @@ class AttentionMethod:
         """One decode step. q: (B, H, d) current queries after RoPE; slots: (B,) int64 state slots;
         scale: score scale (default 1/sqrt(d))."""
         raise NotImplementedError
+
+    def check_state(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """Bound an imported session's state (it comes from outside the process) before anything is written:
+        ``tensors`` maps each field of ``init_state``'s pool to (num_layers, *its per-slot shape) for a session of
+        ``length`` tokens. ValueError naming the field when a value a kernel indexes with, divides by or sizes a
+        tensor with lies outside its bounds. A method that keeps state overrides this; the default refuses any
+        state (NotImplementedError: it cannot be imported)."""
+        if tensors:
+            raise NotImplementedError(f"method {self.name!r}: its state cannot be imported")
 
     def describe(self) -> dict:
         """Name, every config field and the backend, for logs, model info, session info and result tables."""

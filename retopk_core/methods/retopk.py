@@ -34,6 +34,7 @@ from retopk_core.config import ReTopKConfig
 from retopk_core.cpu import launch as cpu_launch
 from retopk_core.fidelity import support_recall
 from retopk_core.kv import PagedKV
+from retopk_core.methods import state_bounds
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput, constant, uniform_output
 from retopk_core.methods.retopk_policy import (
     calibrate_tau,
@@ -147,6 +148,21 @@ class ReTopK(AttentionMethod):
             state.phase = refresh_phases(self._layers, num_heads, num_kv_heads, self.config.refresh_every).to(device)
         self._layers += 1
         return state
+
+    def check_state(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """Supports are positions in [-1, length) (a kernel gathers keys at them), the fill count in [0, C], the
+        write pointer in [0, C), the step counter >= 0, thresholds and queries finite, refresh periods within
+        [guard_floor(T_r), T_r] (a kernel divides by them; T_r = 0, no refresh: every period is 0)."""
+        state_bounds.require(tensors, QuerySupportCache.field_names())
+        C = tensors["queries"].shape[2] if tensors["queries"].dim() == 4 else 0
+        state_bounds.integers_within(tensors, "support", -1, length - 1, "positions of the session's tokens")
+        state_bounds.integers_within(tensors, "fill", 0, C)
+        state_bounds.integers_within(tensors, "ptr", 0, max(C, 1) - 1)
+        state_bounds.integers_within(tensors, "step", 0, 2**62)
+        state_bounds.finite(tensors, "queries", "tau")
+        T_r = self.config.refresh_every
+        state_bounds.integers_within(tensors, "period", min(guard_floor(T_r), T_r), T_r,
+                                     f"refresh periods of refresh_every = {T_r}")
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, state: QuerySupportCache, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None,

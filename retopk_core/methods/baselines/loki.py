@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
+from retopk_core.methods import state_bounds
 from retopk_core.methods.base import Path, SlotPool, StepOutput
 from retopk_core.methods.baselines._common import (
     KeyTracking,
@@ -70,6 +71,7 @@ class LokiState(SlotPool):
     """
 
     _fields = ("basis", "has_basis", "proj", "n_tokens")
+    _growing = {"proj": 1}  # tokens
 
     def __init__(self, num_kv_heads: int, head_dim: int, rank: int, device: torch.device | str = "cpu",
                  capacity: int = 1, tokens: int = 64) -> None:
@@ -80,6 +82,12 @@ class LokiState(SlotPool):
         self.has_basis = torch.zeros(self.capacity, dtype=torch.bool, device=device)
         self.proj = torch.zeros(self.capacity, num_kv_heads, tokens, r, device=device)
         self.n_tokens = torch.zeros(self.capacity, dtype=torch.long, device=device)
+
+    def used_extent(self, slot: int) -> int:
+        return int(self.n_tokens[slot])
+
+    def ensure_extent(self, n: int) -> None:
+        self._ensure_tokens(n)
 
     def _ensure_tokens(self, n: int) -> None:
         old = self.proj.shape[2]
@@ -117,6 +125,18 @@ class Loki(KeyTracking):  # prefill: the first one builds the basis from the pro
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> LokiState:
         return LokiState(num_kv_heads, head_dim, self.config.rank, device, capacity)
+
+    def check_state(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """n_tokens in [0, length] and the same in every layer, the projections as many tokens as it counts (the
+        pool grows to them), the basis finite."""
+        state_bounds.require(tensors, LokiState.field_names())
+        state_bounds.integers_within(tensors, "n_tokens", 0, length, "the session's tokens")
+        n = tensors["n_tokens"]
+        if n.numel() and bool((n != n.flatten()[0]).any()):
+            raise ValueError("method state: n_tokens must be the same in every layer")
+        state_bounds.extent(tensors, "proj", 2, int(n.flatten()[0]) if n.numel() else 0, "tokens (n_tokens)")
+        state_bounds.flags(tensors, "has_basis")
+        state_bounds.finite(tensors, "basis", "proj")
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: LokiState, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:

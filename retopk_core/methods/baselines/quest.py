@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
+from retopk_core.methods import state_bounds
 from retopk_core.methods.base import Path, SlotPool, StepOutput
 from retopk_core.methods.baselines._common import KeyTracking, attend_positions, full_path, new_keys, step_output
 from retopk_core.methods.sparse import NEG_INF, kv_heads, resolve_scale
@@ -58,6 +59,7 @@ class QuestPageState(SlotPool):
     """
 
     _fields = ("kmin", "kmax", "n_tokens")
+    _growing = {"kmin": 1, "kmax": 1}  # pages
 
     def __init__(self, num_kv_heads: int, head_dim: int, page_size: int, device: torch.device | str = "cpu",
                  capacity: int = 1, pages: int = 4) -> None:
@@ -71,6 +73,12 @@ class QuestPageState(SlotPool):
         self.kmin[slot] = _INF
         self.kmax[slot] = -_INF
         self.n_tokens[slot] = 0
+
+    def used_extent(self, slot: int) -> int:
+        return -(-int(self.n_tokens[slot]) // self.page_size)
+
+    def ensure_extent(self, n: int) -> None:
+        self._ensure_pages(n)
 
     def _ensure_pages(self, n: int) -> None:
         old = self.kmin.shape[2]
@@ -113,6 +121,18 @@ class Quest(KeyTracking):  # prefill folds the prompt's (or a later turn's) new 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                    capacity: int = 1) -> QuestPageState:
         return QuestPageState(num_kv_heads, head_dim, self.config.page_size, device, capacity)
+
+    def check_state(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """n_tokens in [0, length] and the same in every layer, the page bounds as many pages as they cover (the
+        pool grows to them): ceil(n_tokens / P)."""
+        state_bounds.require(tensors, QuestPageState.field_names())
+        state_bounds.integers_within(tensors, "n_tokens", 0, length, "the session's tokens")
+        n = tensors["n_tokens"]
+        if n.numel() and bool((n != n.flatten()[0]).any()):
+            raise ValueError("method state: n_tokens must be the same in every layer")
+        pages = -(-int(n.flatten()[0]) // self.config.page_size) if n.numel() else 0
+        for name in ("kmin", "kmax"):
+            state_bounds.extent(tensors, name, 2, pages, "pages (ceil(n_tokens / page_size))")
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuestPageState, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:

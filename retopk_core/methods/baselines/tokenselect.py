@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from retopk_core.kv import PagedKV
+from retopk_core.methods import state_bounds
 from retopk_core.methods.base import Path, SlotPool, StepOutput
 from retopk_core.methods.baselines._common import Baseline, attend_positions, step_output
 from retopk_core.methods.sparse import kv_heads, resolve_scale, topk_select
@@ -91,6 +92,15 @@ class TokenSelect(Baseline):
                 kv: PagedKV, scale: float | None = None) -> None:
         """New tokens arrived outside decode: the cached selection no longer covers them."""
         state.has_prev[slot] = False
+
+    def check_state(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        """The selection holds positions in [-1, length) (attention gathers keys at them), mid_end lies in
+        [0, length], the previous queries are finite."""
+        state_bounds.require(tensors, TokenSelectCache.field_names())
+        state_bounds.integers_within(tensors, "sel", -1, length - 1, "positions of the session's tokens")
+        state_bounds.integers_within(tensors, "mid_end", 0, length, "the session's tokens")
+        state_bounds.flags(tensors, "has_prev")
+        state_bounds.finite(tensors, "prev_q")
 
     def decode(self, q: torch.Tensor, kv: PagedKV, state: TokenSelectCache, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:

@@ -16,10 +16,9 @@ else position for position; the method state into the session's slots. A runner 
 session exactly as the one that captured it would have: same keys, values, FIFOs and step counters.
 
 Imported state comes from outside the process, so ``check`` bounds every value a kernel indexes with before
-anything is written: ReTopK's supports are positions in [-1, L) (a kernel gathers keys at them), its fill
-count in [0, C], write pointer in [0, C), step counter >= 0, thresholds and queries finite, refresh periods
-within [T_r / 8, T_r] (a kernel divides by them). A method whose
-state has no such check here (the evaluation baselines) cannot be imported.
+anything is written: the KV cache's shapes and dtype here, the method state's by the method itself
+(``AttentionMethod.check_state``: ReTopK's supports, Quest's pages, TokenSelect's selection, ...). A method
+whose state has no such check cannot be imported.
 
 ``truncate`` shortens a session to its first ``length`` tokens (a prefill undone, a chat history rewound).
 """
@@ -30,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from retopk_core.methods.retopk_policy import guard_floor
 from retopk_server.runtime.attention import MethodGroup
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.method_spec import MethodSpec
@@ -109,33 +107,11 @@ def check(state: SessionState, pool: KVPool, vocab_size: int, max_context: int) 
 
 
 def _check_method_state(method: MethodSpec, tensors: dict[str, torch.Tensor], length: int) -> None:
-    """The bounds of the values a method's kernels index with (module docstring)."""
-    name = method.name
-    if not tensors:
-        return
-    if name != "retopk":
-        raise StateMismatch(f"method {name!r}: its state cannot be imported (only full, exact_topk and retopk "
-                            "sessions move between servers)")
-    for field in ("queries", "support", "fill", "ptr", "step", "tau", "period"):
-        if field not in tensors:
-            raise ValueError(f"method state: field {field!r} is missing")
-    C = tensors["queries"].shape[2] if tensors["queries"].dim() == 4 else 0
-    support, fill, ptr, step = (tensors[f] for f in ("support", "fill", "ptr", "step"))
-    if any(t.dtype != torch.long for t in (support, fill, ptr, step)):
-        raise ValueError("method state: support, fill, ptr and step must be int64")
-    if support.numel() and not bool(((support >= -1) & (support < length)).all()):
-        raise ValueError(f"method state: support positions must lie in [-1, {length}) (the session's tokens)")
-    if not bool(((fill >= 0) & (fill <= C)).all() and ((ptr >= 0) & (ptr < max(C, 1))).all() and (step >= 0).all()):
-        raise ValueError(f"method state: fill must lie in [0, {C}], ptr in [0, {C}), step >= 0")
-    for field in ("queries", "tau"):
-        if not tensors[field].is_floating_point() or not bool(torch.isfinite(tensors[field]).all()):
-            raise ValueError(f"method state: {field} must be finite floating-point values")
-    T_r = method.build().config.refresh_every
-    lo = min(guard_floor(T_r), T_r)  # refresh_guard's shortest period; T_r = 0 (no refresh): every period is 0
-    period = tensors["period"]
-    if period.dtype != torch.long or not bool(((period >= lo) & (period <= T_r)).all()):
-        raise ValueError(f"method state: period must be int64 in [{lo}, {T_r}] (refresh periods of refresh_every "
-                         f"= {T_r})")
+    """The method's own bounds of the values its kernels index with (AttentionMethod.check_state)."""
+    try:
+        method.build().check_state(tensors, length)
+    except NotImplementedError as e:
+        raise StateMismatch(str(e)) from None
 
 
 def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: SessionState) -> None:

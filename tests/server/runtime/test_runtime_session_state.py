@@ -1,6 +1,7 @@
 """A session's state moves between runners: exported after three greedy turns and imported into another
-runner (another KV block size), its fourth turn equals the same conversation's never moved, for full, Exact Top-K
-and ReTopK, and the imported FIFOs equal the exported ones. Imported values a kernel indexes with are bounded."""
+runner (another KV block size), its fourth turn equals the same conversation's never moved, for full, Exact Top-K,
+ReTopK and the stateful baselines (Quest, Loki, TokenSelect), and the imported state (FIFOs, page bounds,
+projections, selections) equals the exported one. Imported values a kernel indexes with are bounded."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ METHODS = {
     "exact_topk": MethodSpec.of("exact_topk", top_k=8),
     # tau 0.5 and T_r 5: every path (reuse, fallback, refresh) is taken within the turns
     "retopk": MethodSpec.of("retopk", top_k=8, cache_size=4, window=2, recall=2, tau=0.5, refresh_every=5),
+    # budgets well under the ~60 tokens of the turns, so that what each selects depends on its state
+    "quest": MethodSpec.of("quest", top_k=12, page_size=4),
+    "loki": MethodSpec.of("loki", top_k=8, rank=4),
+    "tokenselect": MethodSpec.of("tokenselect", top_k=12, initial=2, local=2, threshold=0.5),
 }
 
 
@@ -48,6 +53,11 @@ def test_an_imported_session_continues_as_the_never_moved_one(name):
         assert torch.equal(again.state[field], t), field
     if name == "retopk":
         assert int(exported.state["fill"].min()) > 0 and int(exported.state["step"].min()) > 0  # a live FIFO
+    if name in ("quest", "loki"):  # the grown dimension travels as far as the session uses it, no further
+        grown = exported.state["kmin" if name == "quest" else "proj"].shape[2]
+        assert grown == (-(-exported.length // 4) if name == "quest" else exported.length)
+    if name == "tokenselect":  # carried, though a turn's prefill clears it: only the state's equality shows it
+        assert bool(exported.state["has_prev"].all()) and int(exported.state["sel"].max()) >= 0  # a live selection
 
     fourth = [pending] + prompt_ids(11, seed=9)
     assert greedy(b, moved, fourth, 8) == greedy(a, s, fourth, 8)
@@ -74,7 +84,7 @@ def test_imported_values_out_of_bounds_or_another_setup_are_refused_before_anyth
     support = good.state["support"].clone()
     support[0, 0, 0, 0] = good.length  # a position the session does not hold: a kernel would read past it
     bad = {
-        "support past the tokens": (variant(state={"support": support}), ValueError, "support positions"),
+        "support past the tokens": (variant(state={"support": support}), ValueError, "support must"),
         "fill past C": (variant(state={"fill": good.state["fill"] + 100}), ValueError, "fill"),
         "NaN query": (variant(state={"queries": good.state["queries"] * float("nan")}), ValueError, "finite"),
         "refresh period 0": (variant(state={"period": good.state["period"] * 0}), ValueError, "period"),  # a divisor
@@ -82,10 +92,38 @@ def test_imported_values_out_of_bounds_or_another_setup_are_refused_before_anyth
         "another KV dtype": (variant(k=good.k.float(), v=good.v.float()), StateMismatch, "kv_dtype"),
         "another model's layers": (variant(k=good.k[:1], v=good.v[:1]), StateMismatch, "KV cache"),
         "blocks not covering the tokens": (variant(k=good.k[:, :1], v=good.v[:, :1]), ValueError, "shape"),
-        "a baseline's state": (variant(method=MethodSpec("quest")), StateMismatch, "cannot be imported"),
+        "another method's state": (variant(method=MethodSpec("quest")), ValueError, "field 'kmin' is missing"),
     }
     for name, (state, error, words) in bad.items():
         with pytest.raises(error, match=words):
             b.import_session(state)
         assert not b.sessions and b.memory().kv_used == 0, name  # nothing half-made
     assert b.import_session(good).length == good.length
+
+
+@pytest.mark.parametrize("name, field, change, words", [
+    ("quest", "n_tokens", lambda t, L: t + L, "n_tokens must"),  # more tokens than the session holds
+    ("quest", "kmin", lambda t, L: t.repeat(1, 1, 64, 1), "pages"),  # a pool grown past what the tokens need
+    ("loki", "proj", lambda t, L: t[:, :, :1], "tokens"),
+    ("loki", "basis", lambda t, L: t * float("inf"), "finite"),
+    ("tokenselect", "sel", lambda t, L: t + L, "sel must"),  # positions past the session's tokens
+    ("tokenselect", "mid_end", lambda t, L: t - 2 * L, "mid_end must"),
+])
+def test_a_baselines_state_out_of_bounds_is_refused(name, field, change, words):
+    model, good = state_of(METHODS[name])
+    b = runner_for(model, METHODS[name], kv_block_size=8, kv_dtype="bfloat16")
+    state = {k: t.clone() for k, t in good.state.items()}
+    state[field] = change(state[field], good.length)
+    bad = SessionState(good.method, good.token_ids, good.k, good.v, state)
+    with pytest.raises(ValueError, match=words):
+        b.import_session(bad)
+    assert not b.sessions and b.memory().kv_used == 0
+    assert b.import_session(good).length == good.length
+
+
+def test_a_method_whose_state_has_no_bounds_cannot_be_imported():
+    from retopk_core.methods.base import AttentionMethod
+
+    with pytest.raises(NotImplementedError, match="cannot be imported"):
+        AttentionMethod().check_state({"anything": torch.zeros(1)}, 1)
+    AttentionMethod().check_state({}, 1)  # no state (full, exact_topk): nothing to bound
