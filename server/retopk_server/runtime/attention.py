@@ -1,8 +1,8 @@
-"""The decoder's attention in the runtime (``attend``), and the per-step context it reads.
+"""The decoder's attention in the runtime: a prefill context and a decode context, each with its ``attend``.
 
-The decoder (decoder/llama.py) computes each layer's q, k, v and RoPE and calls ``attend(ctx, layer, q, k,
-v, scale)``: the new keys and values go into the rows' KV blocks, then the layer's attention runs over the
-pool with each row's length from the context.
+The decoder (decoder/llama.py) computes each layer's q, k, v and RoPE and calls ``ctx.attend(layer, q, k,
+v, scale)``: the new keys and values go into the rows' KV blocks (StepKV, shared by both contexts), then the
+layer's attention runs over the pool with each row's length.
 
 Prefill (one session, a chunk of T tokens at positions s..s+T-1): dense softmax attention, causal
 within the chunk and full to the session's earlier positions, via SDPA with GQA. After the last
@@ -158,35 +158,71 @@ class DecodeGroup:
 
 
 @dataclass
-class StepContext:
-    """Everything one forward needs beyond the model's own inputs.
+class StepKV:
+    """Where one forward's new keys and values go, and how far each row reaches.
 
-    mode          "prefill" (one session, a chunk) or "decode" (one token per row)
     table         (B, max_blocks) int64 block table of the rows
     start         (B,) int64 position of each row's first new token
     lengths       (B,) int64 positions valid after this step's tokens are written
     """
 
-    mode: str
     pool: KVPool
     table: torch.Tensor
     start: torch.Tensor
     lengths: torch.Tensor
     rows: torch.Tensor | None = None  # (B, H_kv, T) pool rows of the new tokens (KVPool.rows), made on first use
-    # decode
-    groups: list[DecodeGroup] = field(default_factory=list)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (B, H_kv, T, d) -> written at each row's positions start .. start + T - 1."""
+        if self.rows is None:
+            self.rows = self.pool.rows(self.table, self.start, k.shape[2])  # shared by every layer
+        self.pool.write(layer, self.rows, k, v)
+
+
+@dataclass
+class PrefillContext:
+    """One chunk of one session's prompt (prefill.py).
+
+    first         python int copy of kv.start[0]
+    last          this chunk ends the prompt: hand the tail queries to the method
+    tail_start    first position whose query is kept (the method wants the last ``prefill_queries`` of them)
+    tails         layer -> (H, t, d) queries kept so far, across the prompt's chunks
+    """
+
+    kv: StepKV
+    group: MethodGroup
+    slots: list[int]  # the session's state slot in each layer
+    first: int
+    last: bool
+    tail_start: int
+    tails: dict[int, torch.Tensor]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (1, H, T, d), k, v (1, H_kv, T, d) after RoPE -> (1, H, T, d) dense causal attention."""
+        self.kv.store(layer, k, v)
+        return _prefill(self, layer, q, scale)
+
+
+@dataclass
+class DecodeContext:
+    """One token for each of B sessions, grouped by method (ModelRunner.decode)."""
+
+    kv: StepKV
+    groups: list[DecodeGroup]
     with_stats: bool = False
     # per group: per layer (path, max_sim, n_scored); host tensors once the last layer has run
     stats: list[list[tuple]] = field(default_factory=list)
     attention_s: list[float] = field(default_factory=list)  # per group, summed over layers
     events: list[list[tuple]] = field(default_factory=list)  # per group: per layer (start, end) CUDA events
-    # prefill
-    prefill_group: MethodGroup | None = None
-    prefill_slots: list[int] | None = None
-    prefill_start: int = 0  # python int copy of start[0]
-    prefill_last: bool = False  # this chunk ends the new tokens: hand the tail queries to the method
-    tail_start: int = 0  # first position whose query is kept (the method wants the last prefill_queries of them)
-    tails: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, t, d) queries kept so far
+
+    def __post_init__(self) -> None:
+        self.stats = self.stats or [[] for _ in self.groups]
+        self.attention_s = self.attention_s or [0.0 for _ in self.groups]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (B, H, 1, d), k, v (B, H_kv, 1, d) after RoPE -> (B, H, 1, d), each method group on its rows."""
+        self.kv.store(layer, k, v)
+        return _decode(self, layer, q[:, :, 0], scale).unsqueeze(2)
 
 
 def _event_timing(device: torch.device) -> bool:
@@ -212,7 +248,7 @@ def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _finish_stats(ctx: StepContext) -> None:
+def _finish_stats(ctx: DecodeContext) -> None:
     """After the last layer: every group's per-layer statistics to the host in one copy, and the
     attention time of each group from its CUDA events (complete once that copy has returned)."""
     flat = [t for per_layer in ctx.stats for row in per_layer for t in row]
@@ -223,24 +259,12 @@ def _finish_stats(ctx: StepContext) -> None:
         pairs.clear()
 
 
-def attend(ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """q (B, H, T, d), k, v (B, H_kv, T, d) after RoPE -> (B, H, T, d): k, v stored at each row's positions
-    ctx.start .. + T - 1, then dense causal prefill (one row) or one decode step of the rows' methods (T = 1)."""
-    if ctx.rows is None:
-        ctx.rows = ctx.pool.rows(ctx.table, ctx.start, k.shape[2])  # (B, H_kv, T), shared by every layer
-    ctx.pool.write(layer, ctx.rows, k, v)
-    if ctx.mode == "prefill":
-        return _prefill(ctx, layer, q, scale)
-    return _decode(ctx, layer, q[:, :, 0], scale).unsqueeze(2)  # (B, H, 1, d)
-
-
-def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+def _prefill(ctx: PrefillContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
     """One session's chunk: query (1, H, T, d) -> (1, H, T, d) dense causal attention."""
     _, H, T, _ = query.shape
-    s = ctx.prefill_start
+    s = ctx.first
     L = s + T
-    k, v = ctx.pool.history(layer, ctx.table[0], L)  # (H_kv, L, d)
+    k, v = ctx.kv.pool.history(layer, ctx.kv.table[0], L)  # (H_kv, L, d)
     k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)
     gqa = H != k.shape[1]
     if s == 0 and H * T * L <= PREFILL_SCORES_BUDGET:
@@ -256,7 +280,7 @@ def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) ->
             mask = torch.arange(end, device=query.device).view(1, end) <= qpos  # (j - i, end)
             out[:, :, i:j] = F.scaled_dot_product_attention(query[:, :, i:j], k[:, :, :end], v[:, :, :end],
                                                             attn_mask=mask, scale=scale, enable_gqa=gqa)
-    group = ctx.prefill_group
+    group = ctx.group
     want = group.method.prefill_queries
     if want > 0:
         first = max(ctx.tail_start, s)
@@ -264,18 +288,18 @@ def _prefill(ctx: StepContext, layer: int, query: torch.Tensor, scale: float) ->
             kept = query[0, :, first - s:]  # (H, t, d)
             prev = ctx.tails.get(layer)
             ctx.tails[layer] = kept if prev is None else torch.cat([prev, kept], dim=1)
-    if ctx.prefill_last:
+    if ctx.last:
         # the tails may start before the last ``want`` (the prefix cache keeps some of them, prefill.py)
         q_tail = ctx.tails[layer][:, -want:] if want > 0 and layer in ctx.tails else None
         positions = None
         if q_tail is not None:
             positions = torch.arange(L - q_tail.shape[1], L, device=query.device)
-        kv = ctx.pool.paged(layer, ctx.table[:1], ctx.lengths[:1])
-        group.prefill(layer, ctx.prefill_slots[layer], q_tail, positions, kv, scale)
+        kv = ctx.kv.pool.paged(layer, ctx.kv.table[:1], ctx.kv.lengths[:1])
+        group.prefill(layer, ctx.slots[layer], q_tail, positions, kv, scale)
     return out
 
 
-def _decode(ctx: StepContext, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode(ctx: DecodeContext, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
     """One token per row: q (B, H, d) -> (B, H, d), each method group on its own rows."""
     out = None
     by_events = _event_timing(q.device)
@@ -289,11 +313,12 @@ def _decode(ctx: StepContext, layer: int, q: torch.Tensor, scale: float) -> torc
             else:
                 t0 = time.perf_counter()
         if dg.rows is None:
-            kv = ctx.pool.paged(layer, ctx.table, ctx.lengths)
+            kv = ctx.kv.pool.paged(layer, ctx.kv.table, ctx.kv.lengths)
             res = dg.group.decode(layer, q, kv, dg.slots[layer], scale)
             out = res.out
         else:
-            kv = ctx.pool.paged(layer, ctx.table.index_select(0, dg.rows), ctx.lengths.index_select(0, dg.rows))
+            kv = ctx.kv.pool.paged(layer, ctx.kv.table.index_select(0, dg.rows),
+                                   ctx.kv.lengths.index_select(0, dg.rows))
             res = dg.group.decode(layer, q.index_select(0, dg.rows), kv, dg.slots[layer], scale)
             if out is None:
                 out = q.new_empty(q.shape[0], q.shape[1], res.out.shape[-1])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from retopk_server.runtime.attention import StepContext
+from retopk_server.runtime.attention import PrefillContext, StepKV
 from retopk_server.runtime.session_state import truncate
 
 if TYPE_CHECKING:
@@ -86,10 +86,9 @@ class PrefillJob:
             s = self.pos
             e = min(stop, s + runner.config.prefill_chunk)
             ids = self.token_ids[s - self.begin:e - self.begin]
-            ctx = StepContext(mode="prefill", pool=runner.pool, table=self.table,
-                              start=torch.tensor([s], device=dev), lengths=torch.tensor([e], device=dev),
-                              prefill_group=self.group, prefill_slots=self.session.slots, prefill_start=s,
-                              prefill_last=e == self.end, tail_start=self.tail_start, tails=self.tails)
+            kv = StepKV(runner.pool, self.table, torch.tensor([s], device=dev), torch.tensor([e], device=dev))
+            ctx = PrefillContext(kv, self.group, self.session.slots, first=s, last=e == self.end,
+                                 tail_start=self.tail_start, tails=self.tails)
             positions = torch.arange(s, e, device=dev).unsqueeze(0)  # (1, T)
             logits = runner.forward(ctx, torch.tensor([ids], device=dev), positions)
             self.session.token_ids.extend(ids)

@@ -15,12 +15,11 @@ import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from retopk_server.runtime import session_state
-from retopk_server.runtime.attention import DecodeGroup, MethodGroup, StepContext, attend
+from retopk_server.runtime.attention import DecodeContext, DecodeGroup, MethodGroup, PrefillContext, StepKV
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
 from retopk_server.runtime.chat_tools import template_messages
 from retopk_server.runtime.config import RuntimeConfig
@@ -400,10 +399,11 @@ class ModelRunner:
         of ``spec`` is open)."""
         return self._groups[spec]
 
-    def forward(self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ctx: PrefillContext | DecodeContext, input_ids: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
         """One forward of the decoder whose attention runs from ``ctx`` (a prefill chunk or a decode step):
         input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token."""
-        return forward(self.decoder, input_ids, position_ids, partial(attend, ctx))
+        return forward(self.decoder, input_ids, position_ids, ctx.attend)
 
     def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
         """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).
@@ -504,16 +504,15 @@ class ModelRunner:
                                  dtype=torch.long, device=dev)  # (layers, n)
             row_t = None if len(by_spec) == 1 else torch.tensor(rows, dtype=torch.long, device=dev)
             groups.append(DecodeGroup(self._groups[spec], row_t, slots))
-        ctx = StepContext(mode="decode", pool=self.pool, table=self.pool.block_table([s.blocks for s in sessions], dev),
-                          start=start, lengths=start + 1, groups=groups, with_stats=with_stats,
-                          stats=[[] for _ in groups], attention_s=[0.0 for _ in groups])
+        kv = StepKV(self.pool, self.pool.block_table([s.blocks for s in sessions], dev), start, start + 1)
+        ctx = DecodeContext(kv, groups, with_stats)
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
         logits = self.forward(ctx, ids, start.view(-1, 1))
         for s, t in zip(sessions, token_ids, strict=True):
             s.token_ids.append(int(t))
         return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)
 
-    def _collect_stats(self, ctx: StepContext, by_spec: dict, batch: int) -> list[StepStats]:
+    def _collect_stats(self, ctx: DecodeContext, by_spec: dict, batch: int) -> list[StepStats]:
         out: list[StepStats | None] = [None] * batch
         for gi, rows in enumerate(by_spec.values()):
             per_layer = ctx.stats[gi]
