@@ -14,8 +14,8 @@ import pytest
 
 from retopk_server.engine import EngineError, EngineObserver, ErrorCode
 from retopk_server.metrics import MetricsObserver
+from tests.server.engine.engine_helpers import enc, generate, make_engine, tokens
 from tests.server.fake_runner import BLOCK, FakeRunner, greedy_reference
-from tests.server.test_engine import enc, generate, make_engine, tokens
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,7 +165,7 @@ def test_the_budget_flags_reach_the_runtime_and_the_engine():
 def test_evictions_are_remembered_per_key(monkeypatch):
     """docs/reliability.md: each key's last EVICTED_REMEMBERED evictions are remembered, so another key's many
     evictions do not turn bob's "was evicted" into a plain NOT_FOUND."""
-    from retopk_server.engine import sessions as sessions_module
+    from retopk_server.engine import session_table as sessions_module
     from retopk_server.engine.requests import EngineConfig
 
     monkeypatch.setattr(sessions_module, "EVICTED_REMEMBERED", 2)

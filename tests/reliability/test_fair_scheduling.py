@@ -14,8 +14,8 @@ import time
 import pytest
 
 from retopk_server.engine import ErrorCode, GenerationRequest, RequestStream
+from tests.server.engine.engine_helpers import collect, enc, generate, make_engine, tokens
 from tests.server.fake_runner import FakeRunner, greedy_reference
-from tests.server.test_engine import collect, enc, generate, make_engine, tokens
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -32,8 +32,8 @@ from retopk_server.service.server import serve
 from retopk_server.service.supervision import EXIT_ENGINE_FAILED, READINESS
 from tests._live_server import free_port
 from tests.server.conftest import FakeServer
+from tests.server.engine.engine_helpers import collect, enc, make_engine, tokens
 from tests.server.fake_runner import FakeRunner, greedy_reference
-from tests.server.test_engine import collect, enc, make_engine, tokens
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,14 +143,14 @@ def test_sampling_failure_ends_only_its_request(faulty, monkeypatch, at_step):
 def test_a_failing_batched_argmax_leaves_each_row_to_its_own_sampler(faulty, monkeypatch):
     """The plain greedy rows' one argmax over the batch fails: every row is sampled on its own instead, and
     each still gets the reference's tokens."""
-    import retopk_server.engine.scheduler as scheduler
+    import retopk_server.engine.loop as loop
 
     engine, _ = faulty
 
     def broken(samplers, logits):
         raise FloatingPointError("injected argmax fault")
 
-    monkeypatch.setattr(scheduler, "greedy_tokens", broken)
+    monkeypatch.setattr(loop, "greedy_tokens", broken)
     results = asyncio.run(run_batch(engine, GOOD))
     for text, (got, err) in results.items():
         assert err is None and got == greedy_reference(enc(text), 8), (text, err)
@@ -281,7 +281,7 @@ def test_broken_runner_fails_the_engine_and_everything_it_holds(faulty):
     codes = {error.code for _, error in results}
     assert codes <= {ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE} and ErrorCode.UNAVAILABLE in codes
     assert any("engine failed" in error.message for _, error in results)
-    engine._thread.join(10)
+    engine.join(10)
     assert not engine.alive and isinstance(engine.failure, Exception) and "probe" in str(engine.failure)
 
     async def after():
@@ -299,7 +299,7 @@ def test_runner_broken_exception_needs_no_probe(faulty):
     runner.fail["decode"] = RunnerBroken("context poisoned")
     results = asyncio.run(run_batch(engine, ["only" + POISON]))
     assert results["only" + POISON][1].code is ErrorCode.INTERNAL
-    engine._thread.join(10)
+    engine.join(10)
     assert isinstance(engine.failure, Exception) and "context poisoned" in str(engine.failure)
 
 
@@ -311,9 +311,9 @@ def test_a_dying_loop_turns_health_not_serving():
         for name in ("", READINESS):
             assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == 1  # SERVING
         server.engine.sessions.expire_idle = lambda: 1 / 0  # the loop itself raises
-        with server.engine._wake:
-            server.engine._wake.notify_all()
-        server.engine._thread.join(10)
+        with server.engine.scheduler.lock:
+            server.engine.scheduler.lock.notify_all()
+        server.engine.join(10)
         assert isinstance(server.engine.failure, ZeroDivisionError)
         for name in ("", READINESS):
             while health.Check(health_pb2.HealthCheckRequest(service=name)).status != 2:  # NOT_SERVING
@@ -410,7 +410,7 @@ def test_the_watchdog_counts_only_a_loop_stuck_with_work_pending():
     engine.sessions.expire_idle = expire_idle
     try:
         assert stuck.wait(10)
-        while time.monotonic() - engine._beat <= 0.3:
+        while time.monotonic() - engine.supervision.last_beat <= 0.3:
             time.sleep(0.05)
         assert not engine.check_hung() and engine.alive  # stuck past the timeout, but nothing waits on it
         status = engine.commands.status()  # now a command does

@@ -35,6 +35,7 @@ from retopk_server.metrics import (
 )
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.stats import StepStats
+from tests.server.engine.engine_helpers import collect
 from tests.server.fake_runner import HEADS, LAYERS, FakeRunner
 
 pytestmark = pytest.mark.timeout(60)
@@ -186,16 +187,6 @@ def test_attention_time_is_one_observation_per_method_group_and_labelled_by_its_
     assert similarity == 4 * 6  # NaN rows skipped
 
 
-async def _drain(stream: RequestStream):
-    events = []
-    try:
-        async for event in stream:
-            events.append(event)
-    except EngineError as e:
-        return events, e
-    return events, None
-
-
 async def _run_requests(engine: Engine, specs: list[dict]):
     streams = []
     for i, fields in enumerate(specs):
@@ -206,7 +197,7 @@ async def _run_requests(engine: Engine, specs: list[dict]):
             streams.append(e)
             continue
         streams.append(stream)
-    return await asyncio.gather(*(_drain(s) for s in streams if isinstance(s, RequestStream)))
+    return await asyncio.gather(*(collect(s) for s in streams if isinstance(s, RequestStream)))
 
 
 def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from retopk_server.engine import session_transfer
 from retopk_server.engine.requests import EngineError, ErrorCode
-from retopk_server.engine.sessions import SessionSnapshot
+from retopk_server.engine.session_table import SessionSnapshot
 from retopk_server.engine.turn import encode_chat
 from retopk_server.runtime.method_spec import MethodSpec
 
@@ -99,7 +99,7 @@ class EngineCommands:
         self._call = queue.call
 
     # Session commands act on ``owner``'s sessions only (the caller's key name, "" anonymous): another
-    # owner's session id is NOT_FOUND, exactly as an id that never existed (sessions.py).
+    # owner's session id is NOT_FOUND, exactly as an id that never existed (session_table.py).
     def create_session(self, session_id: str | None, method: MethodSpec | None, owner: str = "",
                        max_owned: int | None = None) -> concurrent.futures.Future:
         def create() -> SessionSnapshot:

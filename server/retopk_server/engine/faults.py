@@ -83,6 +83,12 @@ def engine_failed_error(failure: BaseException) -> EngineError:
                                               "restarted server")
 
 
+def check_runner(runner: Runner, error: Exception) -> None:
+    """EngineFailed when the runner is broken after it raised ``error``."""
+    if (why := runner_broken(runner, error)) is not None:
+        raise EngineFailed(f"the runner is broken: {cause(error)}; probe: {cause(why)}") from why
+
+
 def runner_broken(runner: Runner, exc: BaseException) -> BaseException | None:
     """Why the runner is broken after it raised ``exc`` (``exc`` itself, or the probe's failure), or None.
 

@@ -11,6 +11,23 @@ quick and must not raise (the engine logs and ignores an exception from a hook).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("retopk_server.engine")
+
+
+def hook_of(observer: EngineObserver) -> Callable[..., None]:
+    """``hook(name, *args)`` calls ``observer.name(*args)``; an exception there is logged, never raised: a metrics
+    bug must not take the engine down."""
+    def hook(name: str, *args) -> None:
+        try:
+            getattr(observer, name)(*args)
+        except Exception:
+            log.exception("observer hook %s failed", name)
+
+    return hook
+
 
 class EngineObserver:
     """No-op hooks; override the ones you need."""

@@ -12,7 +12,7 @@ Format 1, the bytes in order:
         model       the served model as ``model_fingerprint`` describes it; an import must match every entry
         method      {"name": ..., "params": [[name, value], ...]}: the session's MethodSpec
         owner, session_id, pending (token ids produced but not fed), messages (the chat so far), turns,
-        created_unix, last_used_unix: the engine's SessionRecord (engine/sessions.py)
+        created_unix, last_used_unix: the engine's SessionRecord (engine/session_table.py)
 
 The checksum (SHA-256 of the payload) catches a truncated or corrupted artifact before anything parses it;
 ``decode`` then bounds every size and type (ArtifactError, the caller's INVALID_ARGUMENT) and

@@ -18,7 +18,7 @@ import time
 from retopk_core.params import ParamError
 from retopk_server.engine.requests import EngineError, ErrorCode
 from retopk_server.engine.session_artifact import SessionArtifact, check_model, model_fingerprint
-from retopk_server.engine.sessions import SessionRecord, SessionSnapshot, SessionTable, runtime_id
+from retopk_server.engine.session_table import SessionRecord, SessionSnapshot, SessionTable, runtime_id
 from retopk_server.runtime.budget import BudgetExceeded
 from retopk_server.runtime.method_limits import check_method
 from retopk_server.runtime.session_state import StateMismatch

@@ -29,7 +29,7 @@ from retopk_server.engine.requests import (
     Usage,
 )
 from retopk_server.engine.runner_protocol import Runner
-from retopk_server.engine.sessions import SessionRecord
+from retopk_server.engine.session_table import SessionRecord
 from retopk_server.engine.stream import RequestStream
 from retopk_server.engine.tools import parser_for
 from retopk_server.runtime.constraints import RowConstraint

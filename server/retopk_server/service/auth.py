@@ -2,7 +2,7 @@
 
 Shared by every front (the gRPC servicer, the HTTP front): both read the same ``authorization:
 Bearer <key>`` value and hand it to ``identify``. The caller's ``name`` owns the sessions it creates
-(engine/sessions.py namespaces session ids by it); its limits bound its concurrent streams and open
+(engine/session_table.py namespaces session ids by it); its limits bound its concurrent streams and open
 sessions.
 
 Keys file (``--api-keys-file``), one key per line; blank lines and ``#`` comments are ignored::

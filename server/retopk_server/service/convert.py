@@ -24,7 +24,7 @@ from retopk_server.engine.requests import (
     GenerationRequest,
     TokenEvent,
 )
-from retopk_server.engine.sessions import SessionSnapshot
+from retopk_server.engine.session_table import SessionSnapshot
 from retopk_server.engine.tools import forced_schema
 from retopk_server.runtime.constraints import ConstraintLimits, ConstraintSpec, json_depth, parse_schema
 from retopk_server.runtime.method_spec import MethodSpec

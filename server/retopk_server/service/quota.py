@@ -2,7 +2,7 @@
 
 A front calls ``acquire(caller)`` before it submits a request and ``release(caller)`` once the stream
 ended (``with quota.stream(caller):`` does both). The per-key limit on open sessions lives with the
-sessions (engine/sessions.py), since only the engine knows when one closes.
+sessions (engine/session_table.py), since only the engine knows when one closes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""The engine's step with a fake runner (no model): tokens equal the request run alone (batched or not), stop
+conditions, the context length, seeded sampling, requests refused for their input, observer hooks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from retopk_server.engine import EngineError, EngineObserver, ErrorCode, FinishReason
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.sampling import SamplingParams
+from tests.server.engine.engine_helpers import enc, generate, make_engine, tokens
+from tests.server.fake_runner import EOS, FakeRunner, greedy_reference
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_single_request_matches_reference_and_reports_usage(engine_runner):
+    engine, runner = engine_runner
+    events, error = asyncio.run(generate(engine, text="hello", max_new_tokens=6))
+    assert error is None
+    expected = greedy_reference(enc("hello"), 6)
+    assert tokens(events) == expected
+    assert "".join(e.text for e in events) == "".join(map(chr, expected))
+    last = events[-1]
+    assert last.finish_reason is FinishReason.LENGTH and all(e.finish_reason is None for e in events[:-1])
+    assert (last.usage.prompt_tokens, last.usage.generated_tokens) == (5, 6)
+    assert last.timings.total_s >= last.timings.time_to_first_token_s >= last.timings.queue_s >= 0
+    assert runner.sessions == {}  # the ephemeral session was closed
+    assert runner.threads == {"retopk-engine"}  # only the engine thread touched the runner
+
+
+def test_eos_stops_and_is_not_in_text(engine_runner):
+    engine, _ = engine_runner
+    events, error = asyncio.run(generate(engine, text="ab.", max_new_tokens=5))
+    assert error is None and tokens(events) == [EOS]
+    assert events[-1].finish_reason is FinishReason.EOS_TOKEN and events[-1].text == ""
+    events, _ = asyncio.run(generate(engine, text="ab.", max_new_tokens=3, ignore_eos=True))
+    assert tokens(events) == greedy_reference(enc("ab."), 3, stop_at_eos=False)
+    assert events[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_and_stop_string(engine_runner):
+    engine, _ = engine_runner
+    ref = greedy_reference(enc("xyz"), 8)
+    events, _ = asyncio.run(generate(engine, text="xyz", max_new_tokens=8, stop_token_ids=[ref[2]]))
+    assert tokens(events) == ref[:3] and events[-1].finish_reason is FinishReason.STOP_TOKEN
+    stop = chr(ref[3]) + chr(ref[4])
+    events, _ = asyncio.run(generate(engine, text="xyz", max_new_tokens=8, stop=[stop]))
+    text = "".join(map(chr, ref))
+    assert events[-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert "".join(e.text for e in events) == text[:text.find(stop)]
+
+
+def test_concurrent_requests_are_batched_and_each_equals_the_request_alone():
+    engine, runner = make_engine(FakeRunner(step_delay_s=0.002), max_running=8)
+    prompts = [f"prompt number {i} " * (i + 1) for i in range(10)]
+
+    async def main():
+        return await asyncio.gather(*(generate(engine, text=p, max_new_tokens=12 + i, request_id=str(i))
+                                      for i, p in enumerate(prompts)))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    for i, (events, error) in enumerate(results):
+        assert error is None
+        assert tokens(events) == greedy_reference(enc(prompts[i]), 12 + i)
+    assert max(runner.batch_sizes) == 8  # batch capped at max_running, and actually filled
+    assert runner.sessions == {}
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(text="x" * 5000), "text: too long"),
+    (dict(token_ids=[1, 200]), "token_ids"),
+    (dict(chat=[{"role": "robot", "content": "x"}]), "chat"),
+    (dict(text="a", method=MethodSpec.of("retopk", top_k=0)), "method: top_k"),
+    (dict(text="a", max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_requests_are_invalid_argument_and_leak_nothing(engine_runner, fields, needle):
+    engine, runner = engine_runner
+
+    async def main():
+        try:
+            return await generate(engine, **fields)
+        except EngineError as e:  # refused at submission
+            return [], e
+
+    events, error = asyncio.run(main())
+    assert events == [] and error.code is ErrorCode.INVALID_ARGUMENT and needle in error.message
+    assert runner.sessions == {}
+
+
+def test_context_length_finishes_the_request():
+    engine, _ = make_engine(FakeRunner(max_context=20))
+    try:
+        events, error = asyncio.run(generate(engine, text="x" * 15, max_new_tokens=100))
+    finally:
+        engine.stop()
+    assert error is None and events[-1].finish_reason is FinishReason.CONTEXT_LENGTH
+    assert len(tokens(events)) == 6  # positions 15..19 filled by fed tokens, plus the last unfed one
+
+
+class RecordingObserver(EngineObserver):
+    wants_step_stats = True
+
+    def __init__(self):
+        self.calls: dict[str, list] = {}
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            return lambda *args: self.calls.setdefault(name, []).append(args)
+        return object.__getattribute__(self, name)
+
+
+def test_observer_hooks_and_step_stats():
+    observer = RecordingObserver()
+    engine, _ = make_engine(observer=observer)
+    try:
+        events, _ = asyncio.run(generate(engine, text="abc", max_new_tokens=4, return_step_stats=True))
+    finally:
+        engine.stop()
+    calls = observer.calls
+    assert len(calls["on_token"]) == 4 and len(calls["on_first_token"]) == 1 and len(calls["on_prefill"]) == 1
+    assert len(calls["on_step"]) == 3 and all(len(stats) == 1 for _, _, stats in calls["on_step"])
+    assert calls["on_finish"][0][1] == "LENGTH"
+    assert calls["on_session_opened"][0][1] is True and calls["on_session_closed"][0][1] is True
+    # the first token comes from prefill (no step stats), the other three from decode steps
+    assert events[0].step_stats is None and all(e.step_stats is not None for e in events[1:])
+
+
+def test_seeded_sampling_is_reproducible(engine_runner):
+    engine, _ = engine_runner
+    # temperature 5 flattens the fake model's one-hot logits: the argmax keeps only ~5% of the mass
+    params = SamplingParams(temperature=5.0, seed=1234)
+    a, _ = asyncio.run(generate(engine, text="abc", max_new_tokens=8, sampling=params, ignore_eos=True))
+    b, _ = asyncio.run(generate(engine, text="abc", max_new_tokens=8, sampling=params, ignore_eos=True))
+    c, _ = asyncio.run(generate(engine, text="abc", max_new_tokens=8, ignore_eos=True,
+                                sampling=SamplingParams(temperature=5.0, seed=99)))
+    assert tokens(a) == tokens(b) and tokens(a) != tokens(c)
