@@ -1,6 +1,6 @@
 """retopk_core: ReTopK training-free sparse attention and its baselines, free of gRPC.
 
-Public entry points (see docs/architecture.md):
+Public entry points (see docs/core.md):
     retopk_core.config.ReTopKConfig          the paper's K, C, W, R, tau, T_r
     retopk_core.kv.PagedKV                   the paged key/value cache of a batch of sequences
     retopk_core.methods.registry.make_method every attention method by name
