@@ -76,10 +76,10 @@ enable_transparent_hugepages()  # before torch allocates anything: see retopk_co
 
 import torch
 
-from retopk_core.config import GQA_POLICIES, ReTopKConfig
 from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method, method_names
 from retopk_core.methods.base import FULL_READ_PATHS, group_reads
+from retopk_core.retopk_config import GQA_POLICIES, ReTopKConfig
 from retopk_server.cli import parse_params  # the server's key=value grammar
 
 PATTERNS = {"per-head": "each head alone gets an unrelated query with probability --head-p",

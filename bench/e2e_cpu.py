@@ -34,7 +34,7 @@ from bench.eval.common import load_corpus, prefill_all, progress_bar
 from retopk_server.cli import parse_params, parse_rope_scaling
 from retopk_server.config import ServerConfig
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
-from retopk_server.runtime.config import KV_DTYPES, WEIGHTS
+from retopk_server.runtime.runtime_config import KV_DTYPES, WEIGHTS
 
 DEFAULT_METHODS = ["full", "exact_topk:top_k=64", "retopk:top_k=64", "default"]
 

@@ -1,7 +1,7 @@
 """Record ReTopK's per-head decisions on a real model, for the replay pattern of bench.attention_cpu.
 
 Runs the model (default the embedded SmolLM2-135M: 30 layers, 9 query heads in 3 KV groups of 3)
-with the server's default method (``retopk_server.runtime.config.DEFAULT_METHOD_PARAMS``) and the
+with the server's default method (``retopk_server.runtime.runtime_config.DEFAULT_METHOD_PARAMS``) and the
 paper's per-head policy (gqa_policy = "head"), ``--params`` on top, over a passage of text: the first
 --context tokens are prefilled densely, then --steps decode steps are fed the passage's next tokens
 (teacher forcing: the model reads natural text, as in the perplexity evaluation; ``--greedy`` feeds its

@@ -25,7 +25,7 @@ from bench.eval import corpora
 from retopk_client.params import parse_params
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
-from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
+from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
 
 KJV = corpora.KJV  # the default corpus
 

@@ -84,7 +84,7 @@ def describe(run) -> dict:
     """The ReTopK hyperparameters of a run with the core's defaults filled in (empty for other methods)."""
     if run.name != "retopk":
         return {}
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
 
     params = dict(run.spec.params)
     fields = ReTopKConfig.__dataclass_fields__
@@ -97,7 +97,7 @@ def short_label(run) -> str:
     d = describe(run)
     if not d:
         return run.label
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
 
     base = ReTopKConfig(top_k=d["top_k"])
     parts = [d["gqa_policy"], f"tau={d['tau']:g}"]
@@ -354,7 +354,7 @@ def plot_pareto(rows: list[dict], lengths: list[int], args, path: Path, named: s
     """One panel per length: ΔPPL against Exact Top-K over the group-read rate, one marker per method,
     the Pareto front as a line, the targets as dashed lines. Front points, the references and ``named``
     labels carry their label; a reference below the ReTopK points' range is drawn at the lower edge."""
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
 
     plt = common.pyplot()
     base = ReTopKConfig()

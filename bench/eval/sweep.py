@@ -53,7 +53,7 @@ def parse_args(argv=None):
 
 def configurations(args, head_dim: int) -> tuple[list, list[dict]]:
     """-> (method runs, one dict per run: group, value, k, label). Default first, then sweeps, ablations."""
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
 
     K0 = args.top_k
     defaults = {**ReTopKConfig().__dict__, "top_k": K0}
@@ -118,7 +118,7 @@ def plot_sweeps(rows: list[dict], path: Path) -> str:
     """One panel per swept hyperparameter: ΔPPL (left axis) and exact-path rate (right axis)."""
     plt = common.pyplot()
     default = next(r for r in rows if r["group"] == "default")
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
 
     base = {**ReTopKConfig().__dict__, "top_k": default["k"]}
     fig, axes = plt.subplots(2, 3, figsize=(10, 5.5))

@@ -1,7 +1,7 @@
 """Triton kernels of the core (the GPU path, ``backend="triton"``).
 
 Nothing here imports triton at package import time: the method modules import
-``retopk_core.kernels.launch`` lazily inside ``decode``, and ``launch`` imports the kernel modules,
+``retopk_core.kernels.triton_launch`` lazily inside ``decode``, and ``launch`` imports the kernel modules,
 so ``TRITON_INTERPRET=1`` can still be set before the first kernel is defined (CPU tests).
 
 Kernel files (each holds ``@triton.jit`` code and a thin launcher that checks its inputs):
@@ -14,7 +14,7 @@ Kernel files (each holds ``@triton.jit`` code and a thin launcher that checks it
                       recalled supports only; the window is appended)
     indexed_qk.py     ReTopK stage 2: exact scores of the packed candidates, keys read by index
     select_attend.py  stage 3: Top-K of the path's scores, softmax, indexed value sum, FIFO write + counters
-    workspace.py      grow-only scratch buffers per state / device (no allocation in the decode loop)
-    launch.py         the three entry points the methods call (dense, exact Top-K, ReTopK)
+    workspace_cache.py which Workspace (retopk_core/workspace.py) a launcher takes its scratch from
+    triton_launch.py  the three entry points the methods call (dense, exact Top-K, ReTopK)
     compile_check.py  compiles every kernel for a CUDA target without a GPU (catches compiler-only errors)
 """

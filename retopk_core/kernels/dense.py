@@ -21,7 +21,7 @@ import triton.language as tl
 
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kernels.paged import pool_rows
-from retopk_core.kernels.workspace import Workspace
+from retopk_core.kernels.workspace_cache import Workspace
 from retopk_core.kv import PagedKV
 
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from retopk_core.kernels.bitonic import EMPTY, bitonic_topk, next_pow2, pack_key, sorted_run_index
 from retopk_core.kernels.paged import pool_rows
-from retopk_core.kernels.workspace import Workspace
+from retopk_core.kernels.workspace_cache import Workspace
 from retopk_core.kv import PagedKV
 
 

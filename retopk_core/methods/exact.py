@@ -41,7 +41,7 @@ class ExactTopK(AttentionMethod):
         B, H, d = q.shape
         scale = resolve_scale(scale, d)
         if self.backend == "triton":
-            from retopk_core.kernels.launch import exact_topk_decode
+            from retopk_core.kernels.triton_launch import exact_topk_decode
             out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
         elif self.backend == "cpu" and cpu_launch.usable(q):
             out, sel_pos = cpu_launch.dense_decode(q, kv, scale, self.top_k, exact=True)

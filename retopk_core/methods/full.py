@@ -19,7 +19,7 @@ class FullAttention(AttentionMethod):
         B, H, d = q.shape
         scale = resolve_scale(scale, d)
         if self.backend == "triton":
-            from retopk_core.kernels.launch import dense_decode
+            from retopk_core.kernels.triton_launch import dense_decode
             out = dense_decode(q, kv, scale)
         elif self.backend == "cpu" and cpu_launch.usable(q):
             out, _ = cpu_launch.dense_decode(q, kv, scale)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from retopk_core.config import ReTopKConfig
 from retopk_core.cpu import launch as cpu_launch
 from retopk_core.fidelity import support_recall
 from retopk_core.kv import PagedKV
@@ -59,6 +58,7 @@ from retopk_core.methods.sparse import (
     sparse_attend,
     topk_select,
 )
+from retopk_core.retopk_config import ReTopKConfig
 
 
 class QuerySupportCache(SlotPool):
@@ -217,7 +217,7 @@ class ReTopK(AttentionMethod):
                scale: float | None = None) -> StepOutput:
         scale = resolve_scale(scale, q.shape[-1])
         if self.backend == "triton":  # the whole step on the device, tau_calibration included
-            from retopk_core.kernels.launch import retopk_decode
+            from retopk_core.kernels.triton_launch import retopk_decode
             return retopk_decode(self, q, kv, state, slots, scale)
         if self.config.dense_below:
             dense = kv.lengths < self.config.dense_below  # (B,) below the floor: attend to everything

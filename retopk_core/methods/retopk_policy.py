@@ -2,7 +2,7 @@
 them into per-KV-group reads, which steps below the dense floor are plain dense, and the online threshold
 calibration and refresh guard. Pure functions of tensors and a ``ReTopKConfig``: the torch code
 (``methods/retopk.py``), the fused CPU kernel's launcher (``cpu/launch.py``) and the Triton launcher
-(``kernels/launch.py``) all take them from here, so each decision is written once and no launcher imports the
+(``kernels/triton_launch.py``) all take them from here, so each decision is written once and no launcher imports the
 method that calls it.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from retopk_core.config import TAU_CALIBRATION_SPAN, ReTopKConfig
 from retopk_core.methods.step_output import Path
+from retopk_core.retopk_config import TAU_CALIBRATION_SPAN, ReTopKConfig
 
 
 def plain_dense(lengths: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
@@ -89,7 +89,7 @@ def gqa_paths(path: torch.Tensor, max_sim: torch.Tensor, num_kv_heads: int, cfg:
 
 
 # calibrate_tau's constants: observations within BAND of tau move it by RATE x (target - recall); tau stays
-# within [tau0 - TAU_CALIBRATION_SPAN, tau0] (config.py): calibration only relaxes the configured tau where
+# within [tau0 - TAU_CALIBRATION_SPAN, tau0] (retopk_config.py): calibration only relaxes the configured tau where
 # exact steps show it needless (raising it above tau0 made the embedded model read more groups for no
 # measurable quality).
 _CAL_RATE, _CAL_BAND = 0.1, 0.05

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from retopk_core.methods.registry import serving_method_names
 from retopk_core.params import ParamError, check_int, check_number
 from retopk_server.engine.requests import EngineConfig
-from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS, RuntimeConfig
 from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, RuntimeConfig
 
 
 def _default_method_params() -> dict:
-    # the runtime's default ReTopK (see retopk_server.runtime.config); other methods start from their own
+    # the runtime's default ReTopK (see retopk_server.runtime.runtime_config); other methods start from their own
     return dict(DEFAULT_METHOD_PARAMS)
 
 

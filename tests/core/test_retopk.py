@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from retopk_core.config import ReTopKConfig
 from retopk_core.kv import PagedKV
 from retopk_core.methods import Path, make_method
+from retopk_core.retopk_config import ReTopKConfig
 from tests.core._reference import RefHead, group_paths, stagger_phase
 from tests.core._scenario import make_trace, paged
 from tests.kernels._helpers import assert_rows_by_position

@@ -1,7 +1,7 @@
 """Kernel tests: on a machine without CUDA the Triton kernels run under the CPU interpreter.
 
 TRITON_INTERPRET must be set before triton is imported (kernels are defined when
-retopk_core.kernels.launch is first imported), so it is set here at module import, and only when no
+retopk_core.kernels.triton_launch is first imported), so it is set here at module import, and only when no
 GPU is present: on a GPU machine the same tests run compiled.
 """
 

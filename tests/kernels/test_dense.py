@@ -22,7 +22,7 @@ CASES = [  # (B, H_kv, G, d, lengths, block, dtype)
 
 @pytest.mark.parametrize("B,H_kv,G,d,lengths,block,dtype", CASES)
 def test_dense_decode_matches_softmax_attention(B, H_kv, G, d, lengths, block, dtype):
-    from retopk_core.kernels.launch import dense_decode
+    from retopk_core.kernels.triton_launch import dense_decode
 
     kv, k, v = make_kv(B, H_kv, max(lengths) + 5, d, lengths, dtype, block, seed=B * d + G)
     q = torch.randn(B, H_kv * G, d, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -46,7 +46,7 @@ def test_full_attention_method_triton_equals_torch_backend():
 def test_dense_decode_many_splits_merge():
     """Force many splits (each a short range, some past a sequence's end) to exercise the LSE merge."""
     from retopk_core.kernels.dense import dense_attention
-    from retopk_core.kernels.workspace import Workspace
+    from retopk_core.kernels.workspace_cache import Workspace
 
     kv, k, v = make_kv(2, 1, 600, 64, [600, 70], torch.float32, None, seed=5)
     q = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4))
@@ -58,7 +58,7 @@ def test_dense_decode_below_a_length_limit_computes_only_the_short_rows():
     """below = L_lim (ReTopK's dense floor): the splits cover positions < L_lim only, rows with L_b < L_lim
     equal softmax attention, rows at or above it are left alone (not written)."""
     from retopk_core.kernels.dense import dense_attention
-    from retopk_core.kernels.workspace import Workspace
+    from retopk_core.kernels.workspace_cache import Workspace
 
     kv, k, v = make_kv(3, 1, 600, 64, [600, 70, 99], torch.float32, 16, seed=6)
     q = torch.randn(3, 3, 64, generator=torch.Generator().manual_seed(5))

@@ -23,7 +23,7 @@ CASES = [  # (B, H_kv, G, d, lengths, block, K, chunk, fan)
 
 @pytest.mark.parametrize("B,H_kv,G,d,lengths,block,K,chunk,fan", CASES)
 def test_exact_topk_decode_selects_topk_and_attends(B, H_kv, G, d, lengths, block, K, chunk, fan):
-    from retopk_core.kernels.launch import exact_topk_decode
+    from retopk_core.kernels.triton_launch import exact_topk_decode
 
     kv, k, v = make_kv(B, H_kv, max(lengths) + 3, d, lengths, torch.float32, block, seed=K + d)
     q = torch.randn(B, H_kv * G, d, generator=torch.Generator().manual_seed(K))
@@ -48,7 +48,7 @@ def test_exact_method_triton_equals_torch_backend(dtype):
 
 
 def test_exact_rejects_bad_inputs():
-    from retopk_core.kernels.launch import exact_topk_decode
+    from retopk_core.kernels.triton_launch import exact_topk_decode
 
     kv, _, _ = make_kv(1, 1, 32, 64, [32], torch.float32, None)
     with pytest.raises(ValueError, match="head dim"):
@@ -63,7 +63,7 @@ def test_exact_keys_for_heads_off_reuse_only_from_a_device_work_list():
     every head reuses writes nothing."""
     from retopk_core.kernels.bitonic import EMPTY
     from retopk_core.kernels.exact import exact_topk_keys
-    from retopk_core.kernels.workspace import Workspace
+    from retopk_core.kernels.workspace_cache import Workspace
 
     B, H_kv, G, d, K, lengths = 2, 2, 2, 64, 8, [300, 70]
     kv, k, _ = make_kv(B, H_kv, 300, d, lengths, torch.float32, 16, seed=5)

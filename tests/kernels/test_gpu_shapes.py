@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from retopk_core.config import ReTopKConfig
-from retopk_core.kernels.workspace import WORKSPACES
+from retopk_core.kernels.workspace_cache import WORKSPACES
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path
 from retopk_core.methods.exact import ExactTopK, ExactTopKConfig
 from retopk_core.methods.full import FullAttention
 from retopk_core.methods.retopk import ReTopK
+from retopk_core.retopk_config import ReTopKConfig
 from tests.kernels._helpers import assert_rows_by_position, assert_topk_support, paged_from_dense, ref_scores
 
 pytestmark = pytest.mark.gpu

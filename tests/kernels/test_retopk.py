@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from retopk_core.config import ReTopKConfig
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path
 from retopk_core.methods.retopk import ReTopK, by_position
+from retopk_core.retopk_config import ReTopKConfig
 from tests.kernels._helpers import DEVICE, assert_rows_by_position, make_kv
 
 CASES = [  # (H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows)
@@ -227,7 +227,7 @@ def test_selector_candidates_equal_torch_candidates(order, K):
     from the merge stages alone when every recalled run is sorted (the prefill's and the kernel's rows;
     K a power of two), from the full sort when some run is not (a state with unsorted supports: every
     entry at the first step) or K is not a power of two; ``cand_merged`` says which ran."""
-    from retopk_core.kernels.workspace import WORKSPACES
+    from retopk_core.kernels.workspace_cache import WORKSPACES
 
     H_kv, G, d, C, W, R = 1, 3, 64, 8, 6, 3
     edit = _score_order if order == "score order" else None
@@ -259,7 +259,7 @@ def test_selector_candidates_equal_torch_candidates(order, K):
 
 
 def test_retopk_decode_allocates_no_scratch_after_first_step():
-    from retopk_core.kernels.workspace import WORKSPACES
+    from retopk_core.kernels.workspace_cache import WORKSPACES
 
     WORKSPACES.clear()
     counts = []
@@ -276,7 +276,7 @@ def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order):
     crafted the rows are unsorted (full sort) except where the window covers every entry (L = 4: every
     entry maps to w0, a sorted run); by position every run is sorted (merge stages only), the stale
     position and the window's entries included."""
-    from retopk_core.kernels.workspace import WORKSPACES
+    from retopk_core.kernels.workspace_cache import WORKSPACES
 
     K, C, W, R, d, H = 8, 4, 6, 3, 16, 2
     ref = ReTopK(ReTopKConfig(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0))

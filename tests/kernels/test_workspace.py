@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from retopk_core.kernels.workspace import Workspace, WorkspaceCache
+from retopk_core.kernels.workspace_cache import Workspace, WorkspaceCache
 
 
 def test_views_reuse_buffers_and_grow_geometrically():

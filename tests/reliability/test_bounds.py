@@ -19,7 +19,6 @@ import pytest
 from retopk_core.params import ParamError, check_context
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.config import ServerConfig
-from retopk_server.runtime.config import default_method_spec
 from retopk_server.runtime.method_limits import (
     check_method,
     check_server_method,
@@ -28,6 +27,7 @@ from retopk_server.runtime.method_limits import (
     state_cap_bytes,
 )
 from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.runtime_config import default_method_spec
 from retopk_server.runtime.sampling import MIN_TEMPERATURE, Sampler, SamplingParams
 from retopk_server.service.limits import CHARS_PER_TOKEN, MAX_CHAT_MESSAGES, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 from retopk_server.service.server import EXIT_USAGE, serve
@@ -127,7 +127,7 @@ def test_serve_refuses_method_params_past_the_models_bounds(caplog):
 
 
 def test_check_context_reads_the_declarations():
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
 
     declared = {f.name for f in dataclasses.fields(ReTopKConfig) if f.metadata.get("context")}
     assert declared == {"top_k", "cache_size", "window", "refresh_every", "dense_below"}

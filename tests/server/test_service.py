@@ -20,7 +20,7 @@ from retopk_client.types import StepStats as ClientStepStats
 from retopk_core.methods.base import PATH_NAMES
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.cli import config_from
-from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
+from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS
 from retopk_server.runtime.stats import StepStats
 from retopk_server.service.convert import step_stats_message
 from tests.server.fake_runner import EOS, FakeRunner, greedy_reference
@@ -441,7 +441,7 @@ def test_session_idle_timeout_reaches_the_engine():
 
 
 def test_wire_field_names_come_from_the_proto_and_the_config():
-    from retopk_core.config import ReTopKConfig
+    from retopk_core.retopk_config import ReTopKConfig
     from retopk_server.runtime.sampling import SamplingParams
     from retopk_server.service.convert import NAMED_PARAMS, SAMPLING_FIELDS
 
@@ -453,7 +453,7 @@ def test_wire_field_names_come_from_the_proto_and_the_config():
                          "method.recall"), (_method(params={"bogus": pb.ParamValue(int_value=1)}),
                          "method.params['bogus']"), (_method(name="magic"), "method.name")])
 def test_a_bad_method_names_its_field(method, field):
-    from retopk_server.runtime.config import default_method_spec
+    from retopk_server.runtime.runtime_config import default_method_spec
     from retopk_server.service.convert import InvalidArgument, method_spec
 
     with pytest.raises(InvalidArgument) as info:

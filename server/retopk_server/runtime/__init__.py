@@ -7,7 +7,7 @@
     token = sampler.sample(logits, [], session.token_ids)
     logits, stats = runner.decode([session], [token], with_stats=True)   # (1, vocab), [StepStats]
 
-Files: config.py (RuntimeConfig), method_spec.py (MethodSpec), runner.py (ModelRunner, ModelInfo,
+Files: runtime_config.py (RuntimeConfig), method_spec.py (MethodSpec), runner.py (ModelRunner, ModelInfo,
 ContextTooLong), decoder/ (the forward over weights in their served format: linear.py, llama.py, load.py),
 session.py, kv_pool.py (per-layer KV block pools), attention.py (each layer's attention: k/v into the pool,
 dense prefill or the rows' methods, a batch grouped by method), sampling.py (SamplingParams, Sampler,
@@ -18,9 +18,9 @@ Contexts longer than the model's trained positions are refused (ContextTooLong) 
 RuntimeConfig.rope_scaling is set, e.g. {"rope_type": "linear", "factor": 4.0} for 4x the positions.
 """
 
-from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.runner import ContextTooLong, ModelInfo, ModelRunner
+from retopk_server.runtime.runtime_config import RuntimeConfig
 from retopk_server.runtime.sampling import Sampler, SamplingParams, StopChecker
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.stats import StepStats

@@ -18,7 +18,7 @@ uses it too).
 
 ``check_server_method`` holds the server's own default method (--method, --method-params) to the same
 bounds at startup, where only a field at the method's declared default or at the value the server ships
-(runtime/config.py's DEFAULT_METHOD_PARAMS) passes the context bound unchecked.
+(runtime/runtime_config.py's DEFAULT_METHOD_PARAMS) passes the context bound unchecked.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 from retopk_core.methods.base import AttentionMethod
 from retopk_core.params import ParamError, check_context
-from retopk_server.runtime.config import default_method_spec
 from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.runtime_config import default_method_spec
 
 STATE_CAP_FACTOR = 4  # per-session method state <= this x one full-context sequence's dense KV cache
 

@@ -22,7 +22,6 @@ from retopk_server.runtime import session_state
 from retopk_server.runtime.attention import DecodeContext, DecodeGroup, MethodGroup, PrefillContext, StepKV
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
 from retopk_server.runtime.chat_tools import template_messages
-from retopk_server.runtime.config import RuntimeConfig
 from retopk_server.runtime.decoder.llama import forward
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.loading import from_model, load
@@ -31,6 +30,7 @@ from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob
 from retopk_server.runtime.prefix_cache import PrefixCache, block_hashes
+from retopk_server.runtime.runtime_config import RuntimeConfig
 from retopk_server.runtime.sampling_defaults import model_defaults
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import SessionState

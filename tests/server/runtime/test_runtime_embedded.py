@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig, Sampler, SamplingParams, StopChecker
-from retopk_server.runtime.config import DEFAULT_METHOD_PARAMS
+from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS
 
 pytestmark = pytest.mark.slow
 

@@ -33,5 +33,5 @@ class WorkspaceCache:
         self._by_device.clear()
 
 
-# The process's scratch cache used by launch.py (explicit, inspectable, clear()-able).
+# The process's scratch cache used by triton_launch.py (explicit, inspectable, clear()-able).
 WORKSPACES = WorkspaceCache()

@@ -33,7 +33,7 @@ from retopk_core.kernels.exact import exact_topk_keys
 from retopk_core.kernels.indexed_qk import indexed_qk_kernel
 from retopk_core.kernels.select_attend import select_attend_kernel
 from retopk_core.kernels.selector import selector_kernel
-from retopk_core.kernels.workspace import WORKSPACES, Workspace
+from retopk_core.kernels.workspace_cache import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
 from retopk_core.methods.retopk_policy import calibration_constants, gqa_paths, guard_constants, plain_dense
 from retopk_core.methods.step_output import Path, StepOutput
