@@ -19,8 +19,9 @@ import grpc.aio
 
 from retopk_client import _requests
 from retopk_client.channel import DEFAULT, ClientConfig
+from retopk_client.connection import HEALTH, Connection
 from retopk_client.errors import NotFound, RetopkError, from_rpc_error
-from retopk_client.health import HealthCheckRequest, check_method, status_name
+from retopk_client.health import HealthCheckRequest, status_name
 from retopk_client.retry import Attempts, RetryPolicy, acall_with_retry
 from retopk_client.transcript import REPLAYABLE, Transcript, materialized
 from retopk_client.types import (
@@ -34,17 +35,16 @@ from retopk_client.types import (
     completions_of,
 )
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 
 
 class AsyncGenerateStream:
     """The chunks of one Generate call as an async iterator; retried only before its first chunk."""
 
     def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=asyncio.sleep, choices: int = 1,
-                 ) -> None:
+                 follow=None) -> None:
         self._choices = max(1, choices)  # the request's n: the stream ends after that many final chunks
         self._start = start  # start(timeout_left) -> grpc.aio.UnaryStreamCall
-        self._attempts = Attempts(policy, timeout)
+        self._attempts = Attempts(policy, timeout, follow)  # follow: a handoff notice (connection.py)
         self._sleep = sleep
         self._received = 0
         self._done = False
@@ -199,17 +199,22 @@ class AsyncClient:
         ca: str | os.PathLike | None = None,
         cert: str | os.PathLike | None = None,
         key: str | os.PathLike | None = None,
+        handoff_addresses=(),
+        follow_any_handoff: bool = False,
     ) -> None:
-        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry,
-                                                         tls=tls, ca=ca, cert=cert, key=key)
-        self._owns_channel = channel is None
-        self._channel = config.open_channel(grpc.aio) if channel is None else channel
-        self._stub = pb_grpc.ReTopKServiceStub(self._channel)
-        self._health = check_method(self._channel)
+        config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry, tls=tls, ca=ca,
+                                           cert=cert, key=key, handoff_addresses=handoff_addresses,
+                                           follow_any_handoff=follow_any_handoff)
+        self._conn = Connection(config, grpc.aio, channel)
+
+    @property
+    def config(self) -> ClientConfig:
+        """See ``Client.config``."""
+        return self._conn.config
 
     async def close(self) -> None:
-        if self._owns_channel:
-            await self._channel.close()
+        for channel in self._conn.owned:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -217,11 +222,13 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _unary(self, method, request, timeout, idempotent: bool = True, session_id: str | None = None):
+    async def _unary(self, rpc: str, request, timeout, idempotent: bool = True, session_id: str | None = None):
+        """See ``Client._unary``."""
         timeout = self.config.call_timeout(timeout)
         policy = self.config.retry if idempotent else RetryPolicy(max_attempts=1)
         metadata = self.config.metadata(session_id)
-        return await acall_with_retry(lambda left: method(request, timeout=left, metadata=metadata), policy, timeout)
+        return await acall_with_retry(lambda left: self._conn.rpc(rpc)(request, timeout=left, metadata=metadata),
+                                      policy, timeout, follow=self._conn.follow if session_id else None)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None | object = DEFAULT,
                  **kwargs: Any) -> AsyncGenerateStream:
@@ -230,10 +237,11 @@ class AsyncClient:
         request = _requests.generate_request(prompt, **kwargs)
         metadata = self.config.metadata(kwargs.get("session_id"), prefix_key)
         return AsyncGenerateStream(
-            lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
+            lambda left: self._conn.rpc("Generate")(request, timeout=left, metadata=metadata),
             self.config.retry,
             self.config.call_timeout(timeout),
             choices=request.n or 1,
+            follow=self._conn.follow if kwargs.get("session_id") else None,
         )
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
@@ -244,7 +252,7 @@ class AsyncClient:
                              timeout: float | None | object = DEFAULT) -> SessionInfo:
         session_id = _requests.new_session_id() if session_id is None else session_id  # see Client.create_session
         req = _requests.create_session_request(method, session_id)
-        return SessionInfo.from_proto(await self._unary(self._stub.CreateSession, req, timeout, idempotent=False,
+        return SessionInfo.from_proto(await self._unary("CreateSession", req, timeout, idempotent=False,
                                                         session_id=session_id))
 
     def session(self, method=None, *, session_id: str | None = None, replay: bool = False) -> AsyncSession:
@@ -253,15 +261,15 @@ class AsyncClient:
 
     async def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.GetSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto(await self._unary(self._stub.GetSession, req, timeout, session_id=session_id))
+        return SessionInfo.from_proto(await self._unary("GetSession", req, timeout, session_id=session_id))
 
     async def list_sessions(self, *, timeout: float | None | object = DEFAULT) -> list[SessionInfo]:
-        resp = await self._unary(self._stub.ListSessions, pb.ListSessionsRequest(), timeout)
+        resp = await self._unary("ListSessions", pb.ListSessionsRequest(), timeout)
         return [SessionInfo.from_proto(s) for s in resp.sessions]
 
     async def close_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.CloseSessionRequest(session_id=session_id)
-        reply = await self._unary(self._stub.CloseSession, req, timeout, session_id=session_id)
+        reply = await self._unary("CloseSession", req, timeout, session_id=session_id)
         return SessionInfo.from_proto(reply.session)
 
     async def export_session(self, session_id: str, *, close: bool = False,
@@ -269,7 +277,7 @@ class AsyncClient:
         """See ``Client.export_session``."""
         req = pb.ExportSessionRequest(session_id=session_id, close=close)
         try:
-            call = self._stub.ExportSession(req, timeout=self.config.call_timeout(timeout),
+            call = self._conn.rpc("ExportSession")(req, timeout=self.config.call_timeout(timeout),
                                             metadata=self.config.metadata(session_id))
             return b"".join([chunk.data async for chunk in call])
         except grpc.RpcError as e:
@@ -279,7 +287,7 @@ class AsyncClient:
                              timeout: float | None | object = DEFAULT) -> SessionInfo:
         """See ``Client.import_session``."""
         try:
-            reply = await self._stub.ImportSession(iter(_requests.import_session_requests(artifact, session_id)),
+            reply = await self._conn.rpc("ImportSession")(iter(_requests.import_session_requests(artifact, session_id)),
                                                    timeout=self.config.call_timeout(timeout),
                                                    metadata=self.config.metadata(session_id))
         except grpc.RpcError as e:
@@ -289,19 +297,19 @@ class AsyncClient:
     async def tokenize(self, text: str | None = None, *, messages=None,
                        timeout: float | None | object = DEFAULT) -> Tokenized:
         req = _requests.tokenize_request(text, messages)
-        return Tokenized.from_proto(await self._unary(self._stub.Tokenize, req, timeout))
+        return Tokenized.from_proto(await self._unary("Tokenize", req, timeout))
 
     async def detokenize(self, token_ids, *, skip_special_tokens: bool = False,
                          timeout: float | None | object = DEFAULT) -> str:
         req = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
-        return (await self._unary(self._stub.Detokenize, req, timeout)).text
+        return (await self._unary("Detokenize", req, timeout)).text
 
     async def model_info(self, *, timeout: float | None | object = DEFAULT) -> ModelInfo:
-        return ModelInfo.from_proto(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+        return ModelInfo.from_proto(await self._unary("GetModelInfo", pb.GetModelInfoRequest(), timeout))
 
     async def server_status(self, *, timeout: float | None | object = DEFAULT) -> ServerStatus:
-        msg = await self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest(), timeout)
+        msg = await self._unary("GetServerStatus", pb.GetServerStatusRequest(), timeout)
         return ServerStatus.from_proto(msg)
 
     async def health(self, service: str = "", *, timeout: float | None | object = DEFAULT) -> str:
-        return status_name(await self._unary(self._health, HealthCheckRequest(service=service), timeout))
+        return status_name(await self._unary(HEALTH, HealthCheckRequest(service=service), timeout))

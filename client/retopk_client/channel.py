@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from retopk_client.addresses import DEFAULT_ADDRESS
+from retopk_client.errors import RetopkError
 from retopk_client.retry import RetryPolicy
 
 # gRPC metadata naming the session a call acts on: the affinity key routers hash to keep a session on the
@@ -16,6 +17,9 @@ SESSION_METADATA = "x-session-id"
 # gRPC metadata naming the shared start of a sessionless request's prompt (a document, a system prompt): routers
 # hash it so that such requests reach the replica whose prefix cache holds that start (docs/deploy.md).
 PREFIX_METADATA = "x-prefix-key"
+
+# The statuses a draining server's handoff notice comes with (errors.HANDOFF_METADATA).
+HANDOFF_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND})
 
 # Step statistics of long generations can be large; the gRPC default receive limit is 4 MiB.
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -36,6 +40,11 @@ class ClientConfig:
     server_name  the name the server's certificate must carry when it is not the address's host
     credentials  explicit ``grpc.ChannelCredentials`` (overrides tls, ca, cert, key)
     options      extra channel options as (name, value) pairs
+    handoff_addresses  the other replicas this client may move to: a draining server's handoff notice
+                 (UNAVAILABLE or NOT_FOUND on a session call, naming the session's new home) naming one of them
+                 moves the client there, and the call goes on with the same session id, without replay
+    follow_any_handoff  follow a notice to any address (only against servers you trust: a notice decides
+                 where the client's key and prompts go next)
     """
 
     address: str = DEFAULT_ADDRESS
@@ -49,6 +58,8 @@ class ClientConfig:
     server_name: str | None = None
     credentials: grpc.ChannelCredentials | None = None
     options: tuple[tuple[str, object], ...] = ()
+    handoff_addresses: tuple[str, ...] = ()
+    follow_any_handoff: bool = False
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -59,14 +70,27 @@ class ClientConfig:
             object.__setattr__(self, "tls", True)
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds or None, got {self.timeout!r}")
+        if isinstance(self.handoff_addresses, str):
+            raise ValueError("handoff_addresses must be a sequence of addresses, not one string")
+        object.__setattr__(self, "handoff_addresses", tuple(self.handoff_addresses))
+
+    def handoff_target(self, err: RetopkError) -> str | None:
+        """Where ``err``'s handoff notice says to continue, when this client may follow it (an address of
+        ``handoff_addresses``, or any with ``follow_any_handoff``, and not the one it calls now), else None."""
+        target = err.handoff
+        if target is None or err.code not in HANDOFF_CODES or target == self.address:
+            return None
+        return target if self.follow_any_handoff or target in self.handoff_addresses else None
 
     @classmethod
     def of(cls, address: str | None = None, *, api_key: str | None = None, timeout: float | None = None,
-           retry: RetryPolicy | None = None, tls: bool = False, ca=None, cert=None, key=None) -> ClientConfig:
+           retry: RetryPolicy | None = None, tls: bool = False, ca=None, cert=None, key=None,
+           handoff_addresses=(), follow_any_handoff: bool = False) -> ClientConfig:
         """A config from the clients' keyword arguments (None: the default)."""
         return cls(
             address=address or DEFAULT_ADDRESS, api_key=api_key, timeout=timeout, retry=retry or RetryPolicy(),
-            tls=tls, ca=ca, cert=cert, key=key,
+            tls=tls, ca=ca, cert=cert, key=key, handoff_addresses=tuple(handoff_addresses),
+            follow_any_handoff=follow_any_handoff,
         )
 
     def metadata(self, session_id: str | None = None, prefix_key: str | None = None) -> tuple[tuple[str, str], ...]:

@@ -22,8 +22,9 @@ import grpc
 
 from retopk_client import _requests
 from retopk_client.channel import DEFAULT, ClientConfig
+from retopk_client.connection import HEALTH, Connection
 from retopk_client.errors import NotFound, RetopkError, from_rpc_error
-from retopk_client.health import HealthCheckRequest, check_method, status_name
+from retopk_client.health import HealthCheckRequest, status_name
 from retopk_client.retry import Attempts, RetryPolicy, call_with_retry
 from retopk_client.transcript import REPLAYABLE, Transcript, materialized
 from retopk_client.types import (
@@ -37,7 +38,6 @@ from retopk_client.types import (
     completions_of,
 )
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 
 
 class GenerateStream:
@@ -48,10 +48,10 @@ class GenerateStream:
     """
 
     def __init__(self, start, policy: RetryPolicy, timeout: float | None, sleep=time.sleep, choices: int = 1,
-                 ) -> None:
+                 follow=None) -> None:
         self._choices = max(1, choices)  # the request's n: the stream ends after that many final chunks
         self._start = start  # start(timeout_left) -> grpc response iterator (also a grpc.Call)
-        self._attempts = Attempts(policy, timeout)
+        self._attempts = Attempts(policy, timeout, follow)  # follow: a handoff notice (connection.py)
         self._sleep = sleep
         self._received = 0
         self._done = False
@@ -208,19 +208,24 @@ class Client:
         ca: str | os.PathLike | None = None,
         cert: str | os.PathLike | None = None,
         key: str | os.PathLike | None = None,
+        handoff_addresses=(),
+        follow_any_handoff: bool = False,
     ) -> None:
-        config = self.config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry,
-                                                         tls=tls, ca=ca, cert=cert, key=key)
-        self._owns_channel = channel is None
-        self._channel = config.open_channel(grpc) if channel is None else channel
-        self._stub = pb_grpc.ReTopKServiceStub(self._channel)
-        self._health = check_method(self._channel)
+        config = config or ClientConfig.of(address, api_key=api_key, timeout=timeout, retry=retry, tls=tls, ca=ca,
+                                           cert=cert, key=key, handoff_addresses=handoff_addresses,
+                                           follow_any_handoff=follow_any_handoff)
+        self._conn = Connection(config, grpc, channel)
 
     # ---- plumbing -------------------------------------------------------------------------
 
+    @property
+    def config(self) -> ClientConfig:
+        """The client's settings; ``address`` is where calls go now (a followed handoff notice moves it)."""
+        return self._conn.config
+
     def close(self) -> None:
-        if self._owns_channel:
-            self._channel.close()
+        for channel in self._conn.owned:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -228,13 +233,14 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _unary(self, method, request, timeout, idempotent: bool = True, session_id: str | None = None):
-        """Call a unary rpc with the key's (and the session's) metadata, the deadline and (when idempotent)
-        retries."""
+    def _unary(self, rpc: str, request, timeout, idempotent: bool = True, session_id: str | None = None):
+        """Call the unary rpc named ``rpc`` with the key's (and the session's) metadata, the deadline, (when
+        idempotent) retries and (on a session) a handoff notice followed (connection.py)."""
         timeout = self.config.call_timeout(timeout)
         policy = self.config.retry if idempotent else RetryPolicy(max_attempts=1)
         metadata = self.config.metadata(session_id)
-        return call_with_retry(lambda left: method(request, timeout=left, metadata=metadata), policy, timeout)
+        return call_with_retry(lambda left: self._conn.rpc(rpc)(request, timeout=left, metadata=metadata), policy,
+                               timeout, follow=self._conn.follow if session_id else None)
 
     # ---- generation -----------------------------------------------------------------------
 
@@ -263,10 +269,11 @@ class Client:
         request = _requests.generate_request(prompt, **kwargs)
         metadata = self.config.metadata(kwargs.get("session_id"), prefix_key)
         return GenerateStream(
-            lambda left: self._stub.Generate(request, timeout=left, metadata=metadata),
+            lambda left: self._conn.rpc("Generate")(request, timeout=left, metadata=metadata),
             self.config.retry,
             self.config.call_timeout(timeout),
             choices=request.n or 1,
+            follow=self._conn.follow if kwargs.get("session_id") else None,
         )
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
@@ -282,7 +289,7 @@ class Client:
         client picks a random one, so that a router sees the session's affinity key from its first call."""
         session_id = _requests.new_session_id() if session_id is None else session_id
         req = _requests.create_session_request(method, session_id)
-        return SessionInfo.from_proto(self._unary(self._stub.CreateSession, req, timeout, idempotent=False,
+        return SessionInfo.from_proto(self._unary("CreateSession", req, timeout, idempotent=False,
                                                   session_id=session_id))
 
     def session(self, method=None, *, session_id: str | None = None, replay: bool = False,
@@ -293,15 +300,15 @@ class Client:
 
     def get_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.GetSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto(self._unary(self._stub.GetSession, req, timeout, session_id=session_id))
+        return SessionInfo.from_proto(self._unary("GetSession", req, timeout, session_id=session_id))
 
     def list_sessions(self, *, timeout: float | None | object = DEFAULT) -> list[SessionInfo]:
-        resp = self._unary(self._stub.ListSessions, pb.ListSessionsRequest(), timeout)
+        resp = self._unary("ListSessions", pb.ListSessionsRequest(), timeout)
         return [SessionInfo.from_proto(s) for s in resp.sessions]
 
     def close_session(self, session_id: str, *, timeout: float | None | object = DEFAULT) -> SessionInfo:
         req = pb.CloseSessionRequest(session_id=session_id)
-        return SessionInfo.from_proto(self._unary(self._stub.CloseSession, req, timeout, session_id=session_id).session)
+        return SessionInfo.from_proto(self._unary("CloseSession", req, timeout, session_id=session_id).session)
 
     def export_session(self, session_id: str, *, close: bool = False, timeout: float | None | object = DEFAULT,
                        progress: Callable[[int], None] | None = None) -> bytes:
@@ -311,7 +318,7 @@ class Client:
         would lose the session."""
         req = pb.ExportSessionRequest(session_id=session_id, close=close)
         try:
-            chunks = self._stub.ExportSession(req, timeout=self.config.call_timeout(timeout),
+            chunks = self._conn.rpc("ExportSession")(req, timeout=self.config.call_timeout(timeout),
                                               metadata=self.config.metadata(session_id))
             parts, done = [], 0
             for chunk in chunks:
@@ -342,7 +349,7 @@ class Client:
                     progress(done, len(artifact))
 
         try:
-            return SessionInfo.from_proto(self._stub.ImportSession(
+            return SessionInfo.from_proto(self._conn.rpc("ImportSession")(
                 sent(), timeout=self.config.call_timeout(timeout), metadata=metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -352,19 +359,19 @@ class Client:
     def tokenize(self, text: str | None = None, *, messages=None,
                  timeout: float | None | object = DEFAULT) -> Tokenized:
         req = _requests.tokenize_request(text, messages)
-        return Tokenized.from_proto(self._unary(self._stub.Tokenize, req, timeout))
+        return Tokenized.from_proto(self._unary("Tokenize", req, timeout))
 
     def detokenize(self, token_ids, *, skip_special_tokens: bool = False,
                    timeout: float | None | object = DEFAULT) -> str:
         req = pb.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
-        return self._unary(self._stub.Detokenize, req, timeout).text
+        return self._unary("Detokenize", req, timeout).text
 
     def model_info(self, *, timeout: float | None | object = DEFAULT) -> ModelInfo:
-        return ModelInfo.from_proto(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+        return ModelInfo.from_proto(self._unary("GetModelInfo", pb.GetModelInfoRequest(), timeout))
 
     def server_status(self, *, timeout: float | None | object = DEFAULT) -> ServerStatus:
-        return ServerStatus.from_proto(self._unary(self._stub.GetServerStatus, pb.GetServerStatusRequest(), timeout))
+        return ServerStatus.from_proto(self._unary("GetServerStatus", pb.GetServerStatusRequest(), timeout))
 
     def health(self, service: str = "", *, timeout: float | None | object = DEFAULT) -> str:
         """The standard health check: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN"."""
-        return status_name(self._unary(self._health, HealthCheckRequest(service=service), timeout))
+        return status_name(self._unary(HEALTH, HealthCheckRequest(service=service), timeout))

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import grpc
 
+# Trailer of a draining server's answer on a session it handed over: the address where the session continues.
+HANDOFF_METADATA = "x-retopk-handoff"
+
 
 class RetopkError(Exception):
-    """A failed call: ``code`` is the gRPC status code, ``message`` the server's explanation."""
+    """A failed call: ``code`` is the gRPC status code, ``message`` the server's explanation; ``handoff`` the
+    address a draining server's notice names as the session's new home (HANDOFF_METADATA), else None."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    handoff: str | None = None
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
@@ -101,4 +106,9 @@ def from_rpc_error(err: grpc.RpcError) -> RetopkError:
     """Translate a ``grpc.RpcError`` (sync or asyncio) into the matching ``RetopkError``."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    return error_for(code or grpc.StatusCode.UNKNOWN, details or "")
+    error = error_for(code or grpc.StatusCode.UNKNOWN, details or "")
+    trailers = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    notices = [v for k, v in (trailers or ()) if k == HANDOFF_METADATA]
+    if len(notices) == 1 and isinstance(notices[0], str) and notices[0]:
+        error.handoff = notices[0]
+    return error

@@ -57,12 +57,16 @@ class RetryPolicy:
 
 
 class Attempts:
-    """The retry state of one call: its deadline and how many attempts have failed so far."""
+    """The retry state of one call: its deadline and how many attempts have failed so far. ``follow(err)``, when
+    given, moves the client to the new home a handoff notice names (True when it did): the call then goes again
+    at once, once per call, whatever the policy (the server refused it before running anything)."""
 
-    def __init__(self, policy: RetryPolicy, timeout: float | None) -> None:
+    def __init__(self, policy: RetryPolicy, timeout: float | None,
+                 follow: Callable[[RetopkError], bool] | None = None) -> None:
         self.policy = policy
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.failed = 0
+        self.follow = follow
 
     def left(self) -> float | None:
         """Seconds left before the deadline, or None for no deadline."""
@@ -70,6 +74,9 @@ class Attempts:
 
     def delay_after(self, err: RetopkError) -> float | None:
         """Seconds to wait before retrying after ``err``, or None when it must be raised instead."""
+        if self.follow is not None and self.follow(err):
+            self.follow = None  # once
+            return 0.0
         delay = self.policy.backoff(self.failed)
         left = self.left()
         if not self.policy.should_retry(err, self.failed) or (left is not None and left <= delay):
@@ -83,12 +90,14 @@ def call_with_retry(
     policy: RetryPolicy,
     timeout: float | None,
     sleep: Callable[[float], None] = time.sleep,
+    follow: Callable[[RetopkError], bool] | None = None,
 ) -> T:
-    """Run ``fn(timeout_left)``; on a retryable ``grpc.RpcError`` back off and retry.
+    """Run ``fn(timeout_left)``; on a retryable ``grpc.RpcError`` back off and retry (on a handoff notice that
+    ``follow`` takes: at once, see ``Attempts``).
 
     Every failure leaves as a typed ``RetopkError``; the last attempt's error is the one raised.
     """
-    attempts = Attempts(policy, timeout)
+    attempts = Attempts(policy, timeout, follow)
     while True:
         try:
             return fn(attempts.left())
@@ -105,9 +114,10 @@ async def acall_with_retry(
     policy: RetryPolicy,
     timeout: float | None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    follow: Callable[[RetopkError], bool] | None = None,
 ) -> T:
     """The asyncio twin of ``call_with_retry``."""
-    attempts = Attempts(policy, timeout)
+    attempts = Attempts(policy, timeout, follow)
     while True:
         try:
             return await fn(attempts.left())

@@ -181,6 +181,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("handoff_peer", parse_optional_str, "at a drain, send every idle session to this address (the router's, "
                                                "so that each lands where its next call goes, or a replica's)",
            "ADDRESS"),
+    Option("handoff_linger_s", float, "with --handoff-peer a replica clients can reach: keep listening while "
+                                      "handing over and this many seconds after, telling each moved session's "
+                                      "owner its new home (trailer x-retopk-handoff; the SDK follows it); 0 = "
+                                      "stop listening first (a router peer)", "S"),
+    Option("handoff_address", parse_optional_str, "the address the handoff notice names (default "
+                                                  "--handoff-peer): the peer as clients reach it", "ADDRESS"),
     Option("peer_key", parse_optional_str, "secret shared by the replicas for handing sessions over on behalf of "
                                            "their owners (prefer the environment variable)", "KEY"),
     Option("log_level", str, "debug, info, warning or error"),

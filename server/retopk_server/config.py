@@ -16,6 +16,8 @@ from retopk_server.engine.requests import EngineConfig
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, RuntimeConfig
 
+MAX_HANDOFF_LINGER_S = 600.0  # a drain's linger (handoff_linger_s) is bounded: the process must end
+
 
 def _default_method_params() -> dict:
     # the runtime's default ReTopK (see retopk_server.runtime.runtime_config); other methods start from their own
@@ -68,6 +70,12 @@ class ServerConfig:
     handoff_peer          at a drain, send every idle session there (ImportSession) once this server stopped
                           listening: the router's address (docs/deploy.md: the router's consistent hash then
                           places each session on the replica that receives its next call) or a replica's
+    handoff_linger_s      with handoff_peer a replica's address that clients can reach: the drain keeps listening
+                          while it hands the sessions over and this many seconds after, answering a call on a moved
+                          session, for its owner only, UNAVAILABLE with the trailer x-retopk-handoff naming its new
+                          home, which the SDK follows without replay (service/handoff.py). 0: stop listening
+                          first, for a router peer whose ring finds each session's new home (docs/deploy.md)
+    handoff_address       the address that trailer names (default handoff_peer): the peer as clients reach it
     peer_key              the secret replicas share to import each other's sessions on behalf of their owners
                           (metadata x-retopk-peer-key; needed when the servers have API keys)
     log_level             Python logging level name
@@ -116,6 +124,8 @@ class ServerConfig:
     session_dir: str | None = None
     session_dir_bytes: int = 8 << 30
     handoff_peer: str | None = None
+    handoff_linger_s: float = 0.0
+    handoff_address: str | None = None
     peer_key: str | None = None
     log_level: str = "info"
 
@@ -164,11 +174,15 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key: set both (the certificate chain and its private key) or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca: mutual TLS needs the server's own tls_cert and tls_key")
-        for name in ("session_dir", "handoff_peer", "peer_key"):
+        for name in ("session_dir", "handoff_peer", "handoff_address", "peer_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
         check_int("session_dir_bytes", self.session_dir_bytes, low=1)
+        check_number("handoff_linger_s", self.handoff_linger_s, low=0, high=MAX_HANDOFF_LINGER_S)
+        if (self.handoff_linger_s or self.handoff_address) and self.handoff_peer is None:
+            raise ParamError("handoff_linger_s", "handoff_linger_s and handoff_address need handoff_peer (where the "
+                                                 "sessions go)")
 
     def key_limits(self) -> tuple[int | None, int | None]:
         """(max_streams, max_sessions) of a key whose keys-file line sets none, and of the anonymous owner:

@@ -27,6 +27,7 @@ class RequestStream:
         self.closed = False  # set by the engine once it sent the last event
         self.choices = 1  # the request's n: the stream ends with the n-th event that has a finish_reason
         self.on_cancel: Callable[[], None] | None = None
+        self.cut_error: EngineError | None = None  # set with ``cut``, before ``cancelled``
 
     # --- engine thread -------------------------------------------------------------------------
     def _send(self, item) -> None:
@@ -56,6 +57,13 @@ class RequestStream:
                 callback()
             except Exception:  # the engine drops the request at its next step anyway
                 log.exception("withdrawing a cancelled request failed")
+
+    def cut(self, error: EngineError) -> None:
+        """End the request with ``error`` (a drain whose grace is over while the server still listens): the engine
+        drops it at its next step as a cancelled one, but fails it with ``error``, after every token it streamed,
+        so that the session holds exactly what the reader was sent."""
+        self.cut_error = error
+        self.cancel()
 
     def __aiter__(self):
         return self

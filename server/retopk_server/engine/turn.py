@@ -85,6 +85,8 @@ class ActiveRequest:
         """
         if self.expired(now):
             return EngineError(ErrorCode.DEADLINE_EXCEEDED, f"deadline exceeded{where}")
+        if self.stream.cut_error is not None:  # the server ended it (RequestStream.cut)
+            return self.stream.cut_error
         if self.stream.cancelled:
             return EngineError(ErrorCode.CANCELLED, f"request cancelled by the client{where}")
         if self.stream.closed and not self.done:  # another choice of the request failed and ended the stream

@@ -1,8 +1,7 @@
 """At a drain, the sessions left go on elsewhere: to a peer (--handoff-peer) and/or to --session-dir.
 
-``keep_sessions`` runs after the server stopped listening and its last requests ended (service/server.py), on
-the still running engine: every idle named session, most recently used first, is exported (the artifact of
-engine/session_artifact.py) and
+``keep_sessions`` runs once the server's last requests ended (service/server.py), on the still running engine:
+every idle named session, most recently used first, is exported (the artifact of engine/session_artifact.py) and
 
 - sent to the peer with ImportSession, carrying its own ``x-session-id`` and the servers' shared peer key
   (``x-retopk-peer-key``: the peer opens it for its owner). With the router as the peer, its consistent hash on
@@ -11,6 +10,12 @@ engine/session_artifact.py) and
   as it will for the client's next call (docs/deploy.md). The client's next call then finds its session there,
   prefills nothing again and needs no replay.
 - written to the session directory when there is no peer or the peer refused it (engine/session_store.py).
+
+With --handoff-linger-s (a peer clients reach directly, not a router) the server still listens while it hands
+the sessions over: each moved session is closed here and its (owner, id) recorded in ``HandoffNotices``, so that
+a call on it, by its owner only, ends UNAVAILABLE with the trailer ``x-retopk-handoff: <new home>``
+(service/handoff_notices.py); the SDK follows it to the same session id without replay, when that address is one it was
+configured with. Another key asking for the id gets what an unknown id gets: no notice tells it the id exists.
 
 It stops at ``deadline`` (what is left of the drain grace); sessions not kept by then end with the process,
 as before (logged).
@@ -29,6 +34,7 @@ from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.engine import Engine
 from retopk_server.engine.session_artifact import chunks, encode_parts
 from retopk_server.engine.session_store import SessionStore
+from retopk_server.service.handoff_notices import HandoffNotices
 from retopk_server.service.limits import SESSION_CHUNK_BYTES
 from retopk_server.service.servicer import PEER_METADATA, SESSION_METADATA
 
@@ -42,9 +48,11 @@ def import_requests(parts: tuple[bytes, ...]):
 
 
 async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_key: str | None,
-                        store: SessionStore | None) -> tuple[int, int, int]:
+                        store: SessionStore | None, notices: HandoffNotices | None = None,
+                        address: str | None = None) -> tuple[int, int, int]:
     """Hand every idle session to ``peer`` or save it in ``store`` before ``deadline`` (time.monotonic()) ->
-    (handed over, saved, lost)."""
+    (handed over, saved, lost). With ``notices`` (the server still listens) a session handed over is closed here
+    and recorded as moved to ``address`` (default ``peer``)."""
     keys = await asyncio.wrap_future(engine.commands.idle_sessions())
     moved = saved = 0
     channel = grpc.aio.insecure_channel(peer, options=[("grpc.max_send_message_length", 2 * SESSION_CHUNK_BYTES)]) \
@@ -62,6 +70,9 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
                 try:
                     await stub.ImportSession(import_requests(parts), metadata=metadata, timeout=left)
                     moved += 1
+                    if notices is not None:  # recorded first: a call from now on is told where it went
+                        notices.record(owner, session_id, address or peer)
+                        await asyncio.wrap_future(engine.commands.close_session(session_id, owner))
                     continue
                 except grpc.RpcError as e:
                     log.warning("handing session %s/%s to %s failed: %s: %s", owner or "anonymous", session_id, peer,

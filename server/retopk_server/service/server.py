@@ -13,7 +13,9 @@ Lifecycle of ``serve``:
      Generate / CreateSession calls UNAVAILABLE, queued and running requests get ``drain_grace_s`` to
      finish, then what is left is cut with UNAVAILABLE, the server stops listening; with --handoff-peer or
      --session-dir the sessions left are then handed over or saved (service/handoff.py; at least
-     KEEP_SESSIONS_MIN_S, past the grace), the engine stops and ``serve`` returns 0.
+     KEEP_SESSIONS_MIN_S, past the grace), the engine stops and ``serve`` returns 0. With
+     --handoff-linger-s the server still listens while it hands them over and lingers that long after, so that
+     a call on a moved session gets the notice naming its new home; then it stops listening.
   4. when the engine dies or hangs (engine/faults.py, engine/supervision.py) health turns NOT_SERVING, the
      server stops and ``serve`` returns EXIT_ENGINE_FAILED (70), so that an orchestrator restarts the
      process; during a drain too.
@@ -105,8 +107,10 @@ class RunningServer:
     supervisor: Supervisor | None = None  # keeps health in step with the engine (``start`` sets it)
 
     def __init__(self, config: ServerConfig, server: grpc.aio.Server, engine: Engine,
-                 health_servicer, port: int, keys: KeyRing | None = None, store: SessionStore | None = None) -> None:
+                 health_servicer, port: int, keys: KeyRing | None = None, store: SessionStore | None = None,
+                 servicer: ReTopKServicer | None = None) -> None:
         self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
+        self.servicer = servicer
         self.keys = keys
         self.http = None  # the OpenAI-compatible HTTP front (retopk_server.http.serve.HttpFront) when on
         self.store = store  # --session-dir
@@ -126,8 +130,35 @@ class RunningServer:
             log.warning("drain grace over; cutting %d requests", self.engine.in_flight())
             if not keep:
                 await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
-        await self._stop(keep_until=max(deadline, time.monotonic() + KEEP_SESSIONS_MIN_S) if keep else None)
+        keep_until = max(deadline, time.monotonic() + KEEP_SESSIONS_MIN_S) if keep else None
+        if keep and self.config.handoff_linger_s > 0:
+            await self._hand_over_listening(keep_until)
+            keep_until = None
+        await self._stop(keep_until=keep_until)
         log.info("stopped")
+
+    async def _hand_over_listening(self, keep_until: float) -> None:
+        """--handoff-linger-s: hand the sessions over while still listening, then linger, so that a call on a moved
+        session gets the notice naming its new home (service/handoff.py) rather than a refused connection."""
+        self.servicer.cut_streams()
+        if self.saved is not None:
+            await self.saved.stop()  # as _stop does: a preload under way ends before the sessions are kept
+        await self._kept_sessions(keep_until, self.servicer.notices)
+        log.info("drain: answering calls on moved sessions with their new home for %.1f s",
+                 self.config.handoff_linger_s)
+        await asyncio.sleep(self.config.handoff_linger_s)
+
+    async def _kept_sessions(self, keep_until: float, notices=None) -> None:
+        """Once the requests cut have left the engine, hand over or save the sessions left (service/handoff.py)."""
+        while self.engine.in_flight() and self.engine.failure is None and time.monotonic() < keep_until:
+            await asyncio.sleep(0.05)  # a cut stream ends at the engine's next step, its session then idle
+        if self.engine.failure is not None:
+            return
+        try:
+            await keep_sessions(self.engine, keep_until, self.config.handoff_peer, self.config.peer_key, self.store,
+                                notices, self.config.handoff_address)
+        except Exception:  # noqa: BLE001 - the shutdown goes on; the sessions end with the process
+            log.exception("handing over or saving the sessions failed")
 
     @property
     def keeps_sessions(self) -> bool:
@@ -152,14 +183,7 @@ class RunningServer:
         if self.saved is not None:
             await self.saved.stop()  # before the sessions are kept: a preload under way ends first
         if keep_until is not None:
-            while self.engine.in_flight() and self.engine.failure is None and time.monotonic() < keep_until:
-                await asyncio.sleep(0.05)  # a cut stream ends at the engine's next step, its session then idle
-            if self.engine.failure is None:
-                try:
-                    await keep_sessions(self.engine, keep_until, self.config.handoff_peer, self.config.peer_key,
-                                        self.store)
-                except Exception:  # noqa: BLE001 - the shutdown goes on; the sessions end with the process
-                    log.exception("handing over or saving the sessions failed")
+            await self._kept_sessions(keep_until)
         await asyncio.to_thread(self.engine.stop)
 
 
@@ -182,7 +206,7 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    running = RunningServer(config, server, engine, health_servicer, port, keys, store)
+    running = RunningServer(config, server, engine, health_servicer, port, keys, store, servicer)
     running.supervisor = await Supervisor(engine, health_servicer).start()  # liveness and readiness SERVING
     if servicer.saved is not None:
         running.saved = servicer.saved

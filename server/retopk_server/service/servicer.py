@@ -30,13 +30,14 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineError, EngineObserver, RequestStream, describe_method, session_artifact
-from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS
+from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS, ErrorCode
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.constraints import ConstraintError
 from retopk_server.runtime.prefix_cache import MAX_CACHE_SALT_CHARS
 from retopk_server.service import convert
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
 from retopk_server.service.convert import InvalidArgument
+from retopk_server.service.handoff_notices import NOTICE_METADATA, HandoffNotices
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.quota import StreamQuota, TooManyStreams
 from retopk_server.service.saved_sessions import SavedSessions
@@ -49,11 +50,11 @@ PEER = Caller("")  # such a replica: ImportSession then opens the session as its
 
 
 class Fail(Exception):
-    """End the rpc with this status."""
+    """End the rpc with this status (and these trailing metadata)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.trailers = code, message, trailers
 
 
 def _fail_from(exc: Exception) -> Fail:
@@ -107,7 +108,7 @@ def _unary(method, peer: bool = False):
             fail = _fail_from(exc)
             code = fail.code.name
             self._hook("on_error", None, code)
-            await context.abort(fail.code, fail.message)
+            await context.abort(fail.code, fail.message, fail.trailers)
         finally:
             self._hook("on_rpc", name, code, time.monotonic() - t0)
 
@@ -125,6 +126,24 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         self.streams = StreamQuota()
         self.store = store  # --session-dir (engine/session_store.py) or None
         self.saved = SavedSessions(store, engine, self.limits.max_session_artifact_bytes) if store else None
+        self.notices = HandoffNotices()  # sessions a lingering drain handed over (service/handoff.py)
+        self._live: set[RequestStream] = set()  # the Generate streams under way
+
+    def cut_streams(self) -> int:
+        """End every Generate under way with UNAVAILABLE, as a drain's grace ends (the engine drops each as a
+        cancelled request, so its session keeps what the client was sent) -> how many."""
+        cut = list(self._live)
+        for stream in cut:
+            stream.cut(EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; the drain grace is over"))
+        return len(cut)
+
+    def _check_moved(self, caller: Caller, session_id: str | None) -> None:
+        """A session this draining server handed over: UNAVAILABLE, for its owner with the trailer naming its new
+        home (service/handoff.py)."""
+        address = self.notices.where(caller.name, session_id)
+        if address is not None:
+            raise Fail(grpc.StatusCode.UNAVAILABLE, f"session_id: session {session_id!r} moved to {address} (this "
+                       "server is draining); continue there", ((NOTICE_METADATA, address),))
 
     def _hook(self, name: str, *args) -> None:
         try:
@@ -200,6 +219,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             await context.abort(fail.code, fail.message)
         try:
             self._check_affinity(context, request.session_id if request.HasField("session_id") else None)
+            self._check_moved(caller, request.session_id if request.HasField("session_id") else None)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             info = self.engine.info
@@ -214,13 +234,14 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                 spec.grammar = await self._compile(spec.constraint, convert.tool_constraints(spec))
             stream = RequestStream()
             self.engine.submit(spec, stream)
+            self._live.add(stream)
         except Exception as exc:  # noqa: BLE001 - refused before the engine took it
             self.streams.release(caller)
             fail = _fail_from(exc)
             code = fail.code.name
             self._hook("on_error", None, code)
             self._hook("on_rpc", "Generate", code, time.monotonic() - t0)
-            await context.abort(fail.code, fail.message)
+            await context.abort(fail.code, fail.message, fail.trailers)
         final_sent = False
         try:
             async for event in stream:
@@ -238,6 +259,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise
         finally:
             stream.cancel()  # no-op when finished; otherwise the engine drops it at the next step
+            self._live.discard(stream)
             self.streams.release(caller)
             self._hook("on_rpc", "Generate", code, time.monotonic() - t0)
 
@@ -256,6 +278,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def GetSession(self, request: pb.GetSessionRequest, context, caller: Caller) -> pb.SessionInfo:
         session_id = convert.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
+        self._check_moved(caller, session_id)
         await self._restore_saved(caller, session_id)
         return convert.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
 
@@ -268,6 +291,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
         session_id = convert.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
+        self._check_moved(caller, session_id)
         await self._restore_saved(caller, session_id)
         snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
         return pb.CloseSessionResponse(session=convert.session_info(snapshot))
@@ -280,6 +304,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             caller = self.authenticate(context)
             session_id = convert.identifier("session_id", request.session_id)
             self._check_affinity(context, session_id)
+            self._check_moved(caller, session_id)
             await self._restore_saved(caller, session_id)
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
                                                                               request.close))
@@ -289,7 +314,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             code = fail.code.name
             self._hook("on_error", None, code)
             self._hook("on_rpc", "ExportSession", code, time.monotonic() - t0)
-            await context.abort(fail.code, fail.message)
+            await context.abort(fail.code, fail.message, fail.trailers)
         try:
             for chunk in session_artifact.chunks(parts, self.limits.max_session_chunk_bytes):
                 yield pb.SessionChunk(data=chunk)
