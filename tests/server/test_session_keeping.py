@@ -10,6 +10,7 @@ tests/deploy/test_nginx_handoff.py.
 
 from __future__ import annotations
 
+import logging
 import stat
 import time
 
@@ -17,6 +18,8 @@ import pytest
 
 from retopk_client import Client, NotFound
 from retopk_server.cli import config_from
+from retopk_server.engine.session_store import SessionStore
+from retopk_server.service import handoff
 from tests.server.fake_runner import BLOCK, FakeRunner, greedy_reference
 from tests.server.test_tenancy import KEYS, line
 
@@ -91,6 +94,61 @@ def test_the_preload_stops_before_evicting_and_the_rest_come_back_on_first_use(f
         assert turn(client, "alpha", " four") == greedy_reference(contexts["alpha"] + enc(" four"), 5,
                                                                    stop_at_eos=False)
         assert list(directory.iterdir()) == []
+
+
+def test_the_preload_keeps_each_key_within_its_session_limit_and_goes_on_for_the_others(fake_server, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(line("alice") + "\n" + line("bob") + "\n")
+    directory = tmp_path / "sessions"
+    first = fake_server(api_keys_file=str(keys), session_dir=str(directory))
+    with Client(first.address, api_key=KEYS["bob"], timeout=30) as bob:
+        conversation(bob, "b1", ["one"])
+    with Client(first.address, api_key=KEYS["alice"], timeout=30) as alice:
+        conversation(alice, "a1", ["one"])
+        conversation(alice, "a2", ["two"])  # most recently used: a2, a1 (past her coming limit), b1
+    first.drain(0.0)
+    assert len(list(directory.iterdir())) == 3
+
+    keys.write_text(line("alice", "max_sessions=1") + "\n" + line("bob") + "\n")
+    second = fake_server(api_keys_file=str(keys), session_dir=str(directory))
+    with Client(second.address, api_key=KEYS["alice"], timeout=30) as alice, \
+            Client(second.address, api_key=KEYS["bob"], timeout=30) as bob:
+        assert listed(bob, 1) == {"b1"}  # the preload went on past alice's limit, to bob's session
+        time.sleep(0.3)
+        assert {s.session_id for s in alice.list_sessions()} == {"a2"}  # her limit: 1
+        assert len(list(directory.iterdir())) == 1  # a1 waits on disk for its first use
+
+
+def test_a_peer_imports_a_handed_over_session_within_its_owners_session_limit(fake_server, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(line("alice", "max_sessions=1") + "\n")
+    peer = fake_server(api_keys_file=str(keys), peer_key="replicas-secret")
+    draining = fake_server(api_keys_file=str(keys), peer_key="replicas-secret", handoff_peer=peer.address,
+                           session_dir=str(tmp_path / "sessions"))
+    with Client(peer.address, api_key=KEYS["alice"], timeout=30) as alice:
+        conversation(alice, "there", ["Hello"])  # her one session on the peer
+    with Client(draining.address, api_key=KEYS["alice"], timeout=30) as alice:
+        conversation(alice, "here", ["Hello"])
+    draining.drain(0.0)
+    with Client(peer.address, api_key=KEYS["alice"], timeout=30) as alice:
+        assert {s.session_id for s in alice.list_sessions()} == {"there"}
+    assert len(list((tmp_path / "sessions").iterdir())) == 1  # refused by the peer: kept on disk
+
+
+def test_the_drain_gives_keeping_the_sessions_the_time_their_bytes_need_and_names_what_it_drops(
+        fake_server, tmp_path, monkeypatch, caplog):
+    server = fake_server()
+    with Client(server.address, timeout=30) as client:
+        for sid in ("old", "new"):
+            conversation(client, sid, ["Hello"])
+    store = SessionStore(tmp_path / "sessions", 1 << 30)
+    past = time.monotonic() - 1  # no time left of the grace: the work's own time decides
+    monkeypatch.setattr(handoff, "KEEP_BYTES_PER_S", 1e-6)  # ages: every session is kept
+    assert server._run(handoff.keep_sessions(server.engine, past, None, None, store)) == (0, 2, 0)
+    monkeypatch.setattr(handoff, "KEEP_BYTES_PER_S", 1e18)  # no time at all: both dropped, each named
+    with caplog.at_level(logging.WARNING, logger="retopk_server"):
+        assert server._run(handoff.keep_sessions(server.engine, past, None, None, store)) == (0, 0, 2)
+    assert "session anonymous/old lost" in caplog.text and "session anonymous/new lost" in caplog.text
 
 
 def test_the_session_dir_keeps_the_most_recently_used_within_its_budget(fake_server, tmp_path):

@@ -119,8 +119,8 @@ class EngineCommands:
         return self._call(lambda: self._engine.sessions.close(session_id, owner))
 
     def idle_sessions(self) -> concurrent.futures.Future:
-        """(owner, id) of every named session no request holds, most recently used first (to save or hand
-        them over at a drain: service/handoff.py)."""
+        """(owner, id, bytes held) of every named session no request holds, most recently used first (to save or
+        hand them over at a drain: service/handoff.py)."""
         return self._call(self._engine.sessions.idle_keys)
 
     def export_session(self, session_id: str, owner: str = "", close: bool = False) -> concurrent.futures.Future:

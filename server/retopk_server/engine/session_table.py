@@ -135,6 +135,7 @@ def _not_found(session_id: str) -> EngineError:
 
 
 EVICTED_REMEMBERED = 4096
+KEY_LIMIT = "too many sessions for key"  # how a refusal for a key's own session limit begins
 
 
 def _evicted(session_id: str) -> EngineError:
@@ -237,7 +238,7 @@ class SessionTable:
         if session_id is not None and (owner, session_id) in self._named:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"session_id: session {session_id!r} already exists")
         if max_owned is not None and self.owned(owner) >= max_owned:
-            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"too many sessions for key {owner or 'anonymous'!r} "
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{KEY_LIMIT} {owner or 'anonymous'!r} "
                                                             f"(max_sessions {max_owned} per key); close one first")
         if len(self._named) >= self.config.max_sessions:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
@@ -251,11 +252,12 @@ class SessionTable:
         self._hook("on_session_opened", record.id, False)
         return self.snapshot(record)
 
-    def idle_keys(self) -> list[tuple[str, str]]:
-        """(owner, id) of every named session nobody holds, most recently used first (the likeliest to go on)."""
+    def idle_keys(self) -> list[tuple[str, str, int]]:
+        """(owner, id, bytes held) of every named session nobody holds, most recently used first (the likeliest to
+        go on)."""
         with self._lock:
             idle = sorted((r for r in self._named.values() if not r.busy), key=lambda r: -r.last_used_unix)
-            return [r.key for r in idle]
+            return [(*r.key, sum(r.session.nbytes().values())) for r in idle]
 
     def idle_record(self, session_id: str, owner: str = "") -> SessionRecord:
         """``owner``'s named session nobody holds (to export it); NOT_FOUND or FAILED_PRECONDITION."""

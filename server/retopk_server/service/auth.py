@@ -178,6 +178,15 @@ class KeyRing:
     def names(self) -> list[str]:
         return [e.caller.name for e in self._entries]
 
+    def caller(self, name: str) -> Caller | None:
+        """The caller (and its limits) of the key named ``name``; the anonymous caller for "" on a server without
+        keys; None when no key has that name (any longer)."""
+        self.maybe_reload()
+        entries = self._entries
+        if not entries:
+            return self.anonymous if name == "" else None
+        return next((e.caller for e in entries if e.caller.name == name), None)
+
     # ---- identify ---------------------------------------------------------------------------------
     def identify(self, authorization: str | bytes | None) -> Caller:
         """The caller presenting ``authorization`` ("Bearer <key>"); raises Unauthenticated.

@@ -17,8 +17,10 @@ a call on it, by its owner only, ends UNAVAILABLE with the trailer ``x-retopk-ha
 (service/handoff_notices.py); the SDK follows it to the same session id without replay, when that address is one it was
 configured with. Another key asking for the id gets what an unknown id gets: no notice tells it the id exists.
 
-It stops at ``deadline`` (what is left of the drain grace); sessions not kept by then end with the process,
-as before (logged).
+It gets at least until ``deadline`` (what is left of the drain grace, at least service/server.py's
+KEEP_SESSIONS_MIN_S) and as long as the sessions' bytes take at KEEP_BYTES_PER_S, a rate slower than a loaded
+machine exports, encodes and writes them (the orchestrator's stop grace must cover it: the drain logs the time it
+allows). Sessions not kept by then end with the process, the least recently used ones, each logged by name.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from retopk_server.service.servicer import PEER_METADATA, SESSION_METADATA
 
 log = logging.getLogger("retopk_server")
 
+KEEP_BYTES_PER_S = 16 << 20  # the drain allows the sessions' bytes this rate at least (module docstring)
+
 
 def import_requests(parts: tuple[bytes, ...]):
     """The ImportSession stream of an artifact's parts (session_artifact.encode_parts)."""
@@ -53,15 +57,21 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
     """Hand every idle session to ``peer`` or save it in ``store`` before ``deadline`` (time.monotonic()) ->
     (handed over, saved, lost). With ``notices`` (the server still listens) a session handed over is closed here
     and recorded as moved to ``address`` (default ``peer``)."""
-    keys = await asyncio.wrap_future(engine.commands.idle_sessions())
-    moved = saved = 0
+    idle = await asyncio.wrap_future(engine.commands.idle_sessions())
+    total = sum(nbytes for *_, nbytes in idle)
+    deadline = max(deadline, time.monotonic() + total / KEEP_BYTES_PER_S)  # sized to the work
+    log.info("drain: keeping %d idle sessions (%.1f MiB) within %.1f s", len(idle), total / 2**20,
+             deadline - time.monotonic())
+    moved, saved, lost = 0, 0, []
     channel = grpc.aio.insecure_channel(peer, options=[("grpc.max_send_message_length", 2 * SESSION_CHUNK_BYTES)]) \
         if peer else None
     try:
         stub = pb_grpc.ReTopKServiceStub(channel) if channel is not None else None
-        for owner, session_id in keys:
+        for i, (owner, session_id, _) in enumerate(idle):
             left = deadline - time.monotonic()
             if left <= 0:
+                lost += [(o, s) for o, s, _ in idle[i:]]
+                log.warning("drain: out of time, %d sessions not kept (the least recently used)", len(idle) - i)
                 break
             artifact = await asyncio.wrap_future(engine.commands.export_session(session_id, owner))
             parts = await asyncio.to_thread(encode_parts, artifact)
@@ -80,10 +90,13 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
             if store is not None and await asyncio.to_thread(store.save, owner, session_id, parts,
                                                              artifact.last_used_unix):
                 saved += 1
+            else:
+                lost.append((owner, session_id))
     finally:
         if channel is not None:
             await channel.close()
-    lost = len(keys) - moved - saved
     log.info("drain: %d sessions handed over to %s, %d saved in %s, %d lost", moved, peer or "no peer", saved,
-             store.directory if store is not None else "no session dir", lost)
-    return moved, saved, lost
+             store.directory if store is not None else "no session dir", len(lost))
+    for owner, session_id in lost:
+        log.warning("drain: session %s/%s lost", owner or "anonymous", session_id)
+    return moved, saved, len(lost)

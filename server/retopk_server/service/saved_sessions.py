@@ -12,18 +12,23 @@ Each file is loaded once: a call naming a session whose load is under way (a pre
 waits for it. A file that does not parse is dropped; one this server cannot import now (limits, model setup)
 goes back into the directory for a later try, and the call that asked for it gets the status. A session of
 that id already open here makes the file stale: it is dropped. A preload opens each session for the owner its
-artifact names (the key that saved it), only from a file stored under that owner and id.
+artifact names (the key that saved it), only from a file stored under that owner and id, within that key's
+session limit (a key at its limit keeps its other files on disk for their first use; a key no longer configured
+keeps them too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from retopk_server.engine import Engine, EngineError, session_artifact
 from retopk_server.engine.requests import ErrorCode
 from retopk_server.engine.session_store import SUFFIX, SessionStore
+from retopk_server.engine.session_table import KEY_LIMIT
+from retopk_server.service.auth import Caller
 
 log = logging.getLogger("retopk_server")
 
@@ -31,10 +36,12 @@ QUIET_S = 0.25  # idle time before each preloaded file: a client's next call in 
 
 
 class SavedSessions:
-    """See the module docstring. ``limit``: the largest artifact read (ModelInfo.limits.max_session_artifact_bytes)."""
+    """See the module docstring. ``limit``: the largest artifact read (ModelInfo.limits.max_session_artifact_bytes);
+    ``callers(name)``: the key of that name with its limits, None when there is none (KeyRing.caller)."""
 
-    def __init__(self, store: SessionStore, engine: Engine, limit: int) -> None:
-        self.store, self.engine, self.limit = store, engine, limit
+    def __init__(self, store: SessionStore, engine: Engine, limit: int,
+                 callers: Callable[[str], Caller | None]) -> None:
+        self.store, self.engine, self.limit, self.callers = store, engine, limit, callers
         self._loads: dict[Path, asyncio.Future] = {}  # the file being loaded -> done when it is
         self._preload: asyncio.Task | None = None
         self.preloaded = 0
@@ -93,10 +100,10 @@ class SavedSessions:
                 if not await asyncio.shield(self._load(path, None, None, None, evict=False)):
                     continue
             except EngineError as e:
-                if e.code == ErrorCode.RESOURCE_EXHAUSTED:
+                if e.code == ErrorCode.RESOURCE_EXHAUSTED and not e.message.startswith(KEY_LIMIT):
                     log.info("preloading saved sessions stopped: %s", e)
                     break
-                continue
+                continue  # a key at its session limit (KEY_LIMIT; a full server ends the preload), or another refusal
             self.preloaded += 1
         log.info("%d saved sessions preloaded from %s", self.preloaded, self.store.directory)
         return self.preloaded
@@ -127,6 +134,11 @@ class SavedSessions:
             if self.store.path(owner, session_id) != path:  # not where this server saves that session
                 log.warning("dropped the saved session file %s: it holds another session", path.name)
                 return False
+            caller = self.callers(owner)
+            if caller is None:  # its key is gone (for now): the file stays
+                await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
+                return False
+            max_owned = caller.max_sessions
         try:
             await asyncio.wrap_future(self.engine.commands.import_session(artifact, owner, session_id, max_owned,
                                                                           evict))

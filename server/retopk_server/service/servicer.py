@@ -125,7 +125,8 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         self.keys = keys if keys is not None else KeyRing.from_config(config)
         self.streams = StreamQuota()
         self.store = store  # --session-dir (engine/session_store.py) or None
-        self.saved = SavedSessions(store, engine, self.limits.max_session_artifact_bytes) if store else None
+        self.saved = SavedSessions(store, engine, self.limits.max_session_artifact_bytes,
+                                   self.keys.caller) if store else None
         self.notices = HandoffNotices()  # sessions a lingering drain handed over (service/handoff.py)
         self._live: set[RequestStream] = set()  # the Generate streams under way
 
@@ -353,9 +354,12 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise InvalidArgument(e.field, str(e).removeprefix(f"{e.field}: ")) from None
         session_id = session_id or convert.identifier("session_id", artifact.session_id)
         self._check_affinity(context, session_id)
-        owner = artifact.owner if caller is PEER else caller.name  # a replica hands it over for its owner
-        snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id,
-                                                                          caller.max_sessions))
+        owner, max_owned = caller.name, caller.max_sessions
+        if caller is PEER:  # a replica hands it over for its owner, within the owner's session limit
+            owner = artifact.owner
+            known = self.keys.caller(owner)
+            max_owned = known.max_sessions if known is not None else None
+        snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id, max_owned))
         return convert.session_info(snapshot)
 
     # ------------------------------------------------------------------------------------ tokenizer
