@@ -9,6 +9,9 @@ ms per layer-step and ReTopK's speedup over Full at each L, and the recommended 
 smallest measured L from which ReTopK stays faster at every longer measured length. Dense attention is
 also the better quality below it, so the floor costs nothing there.
 
+Both methods run on ``--backend``: by default the one the server picks for them on this machine (the fused
+CPU kernel when it is built), since a floor measured on another implementation says nothing about the server's.
+
     python -m bench.dense_floor --lengths 256 512 1024 2048 4096 8192 --threads 2
 """
 
@@ -24,6 +27,7 @@ import torch
 from retopk_core.kv import PagedKV
 from retopk_core.methods import make_method
 from retopk_server.cli import parse_params  # the server's own key=value grammar
+from retopk_server.runtime import RuntimeConfig
 
 
 def parse_args(argv=None):
@@ -39,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps per method, length and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--backend", choices=["auto", "cpu", "torch"], default="auto",
+                   help="implementation of both methods; auto: what the server runs here (default)")
     p.add_argument("--out", type=FsPath, default=None, help="write <out>.json")
     return p.parse_args(argv)
 
@@ -54,10 +60,17 @@ def _queries(n: int, B: int, H: int, d: int, fallback: float, gen: torch.Generat
     return torch.where(unrelated.unsqueeze(-1), 3 * torch.randn(n, B, H, d, generator=gen), q)
 
 
-def measure(L: int, args, params: dict, gen: torch.Generator) -> dict:
+def backends(choice: str) -> dict[str, str]:
+    """Each method's implementation for ``--backend``, resolved as the server resolves it on a CPU."""
+    config = RuntimeConfig(backend=choice, device="cpu")
+    return {name: config.method_backend(name) for name in ("full", "retopk")}
+
+
+def measure(L: int, args, params: dict, gen: torch.Generator, impl: dict[str, str]) -> dict:
     B, H, H_kv, d = args.batch, args.heads, args.kv_heads, args.head_dim
     kv = PagedKV.contiguous(torch.randn(B, H_kv, L, d, generator=gen), torch.randn(B, H_kv, L, d, generator=gen))
-    full, retopk = make_method("full"), make_method("retopk", **{**params, "dense_below": 0})
+    full = make_method("full", backend=impl["full"])
+    retopk = make_method("retopk", backend=impl["retopk"], **{**params, "dense_below": 0})
     state = retopk.init_state(H, H_kv, d, capacity=B)
     slots = torch.tensor([state.alloc() for _ in range(B)])
     warm = retopk.config.cache_size
@@ -97,18 +110,21 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     params = parse_params(args.method)
     gen = torch.Generator().manual_seed(0)
+    impl = backends(args.backend)
     rows = []
     print(f"{'L':>7} {'full ms':>9} {'retopk ms':>10} {'speedup':>8}", flush=True)
     for L in sorted(args.lengths):
-        row = measure(L, args, params, gen)
+        row = measure(L, args, params, gen, impl)
         rows.append(row)
         print(f"{L:>7} {row['full_ms']:>9.3f} {row['retopk_ms']:>10.3f} {row['speedup']:>7.2f}x", flush=True)
     floor = recommend(rows)
-    print(f"recommended dense_below = {floor} (threads {torch.get_num_threads()}, batch {args.batch})")
+    print(f"recommended dense_below = {floor} (threads {torch.get_num_threads()}, batch {args.batch}, "
+          f"backends {impl})")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(
-            {"rows": rows, "dense_below": floor, "threads": torch.get_num_threads(), "args": vars(args)},
+            {"rows": rows, "dense_below": floor, "threads": torch.get_num_threads(), "args": vars(args),
+             "backends": impl},
             indent=1, default=str))
     return 0
 

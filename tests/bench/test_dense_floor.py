@@ -24,3 +24,11 @@ def test_runs_and_writes_json(tmp_path, capsys):
     assert all(r["full_ms"] > 0 and r["retopk_ms"] > 0 for r in data["rows"])
     assert data["dense_below"] == dense_floor.recommend(data["rows"])
     assert "recommended dense_below" in capsys.readouterr().out
+
+
+def test_backend_defaults_to_what_the_server_runs():
+    from retopk_core.cpu import launch
+
+    fused = "cpu" if launch.available() else "torch"
+    assert dense_floor.backends("auto") == {"full": fused, "retopk": fused}
+    assert dense_floor.backends("torch") == {"full": "torch", "retopk": "torch"}
