@@ -61,10 +61,10 @@ class ReTopKConfig(MethodConfig):
                                         "exact support (0 = the paper's fixed tau; see retopk_policy.calibrate_tau)",
                                    low=0.0, high=1.0)
 
-    refresh_guard: float = param(0.0, "r_g: staleness guard: each head's refresh period starts at T_r / 8; on its "
-                                      "refreshes where it would have reused (rho_max >= its tau) the recall reuse "
-                                      "would have had is measured: below r_g the period halves (to T_r / 8 at least), "
-                                      "at r_g + 0.1 or more it doubles (to T_r at most); 0 = the fixed T_r (see "
+    refresh_guard: float = param(0.0, "r_g: staleness guard: each head's refresh period starts at its shortest; "
+                                      "on its refreshes where it would have reused (rho_max >= its tau) the recall "
+                                      "reuse would have had is measured: below r_g the period halves, well above it "
+                                      "it doubles (to T_r at most); 0 = the fixed T_r (the floor and the margin: "
                                       "retopk_policy.guard_period)",
                                  low=0.0, high=1.0)
 

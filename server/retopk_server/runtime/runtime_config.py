@@ -17,18 +17,15 @@ FUSED_CPU = ("retopk", "full", "exact_topk")  # methods with a step in retopk_co
 ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 
 
-# The default method of a server, sized for the embedded 8K-position model and chosen by measurement
-# (docs/evaluation.md "GQA policies" and "Per-head thresholds calibrated online", BENCHMARKS.md): K = 64
-# rather than the paper's 512 (the paper's K is sized for 32K-128K contexts; 64 keeps its ~1-2% support
-# ratio at 4K-8K); the paper's per-head rule at tau = 0.85 with a 128-entry FIFO and a 128-token window,
-# each head's threshold calibrated online towards a would-be reuse recall of 0.8 (tau_calibration): the
-# setting measured to keep Exact Top-K's perplexity AND its needle retrieval at 8K at ~20% group reads
-# (every per-KV-group rule at <= 25% group reads loses deep needles there; the uncalibrated rule reads
-# ~42%); dense attention below 1K tokens. "gqa_policy=group, tau=0.8" (~6% group reads) is a per-request
-# choice for workloads without long-range retrieval. The core's ReTopKConfig() keeps the paper's defaults.
-# Kept after issue 35's cross-corpus runs (docs/evaluation.md "Quality across corpora"): the default misses
-# ΔPPL <= 1% on technical documentation at 4K and group reads <= 25% on modern prose; refresh_every=32 and
-# the online refresh_guard were measured and meet neither target everywhere, so neither is the default.
+# The default method of a server, sized for the embedded 8K-position model and chosen by measurement; the
+# figures behind each choice are in docs/evaluation.md ("GQA policies", "Per-head thresholds calibrated
+# online", "Quality across corpora") and BENCHMARKS.md. K = 64 rather than the paper's 512 (the paper sizes K
+# for 32K-128K contexts; 64 keeps a similar support ratio at 4K-8K); the paper's per-head rule at tau = 0.85
+# with a 128-entry FIFO and a 128-token window, each head's threshold calibrated online towards a would-be
+# reuse recall of 0.8 (the setting that kept Exact Top-K's perplexity and needle retrieval at 8K; the
+# per-KV-group rules that read fewer groups lost deep needles); dense attention below 1K tokens. The core's
+# ReTopKConfig() keeps the paper's defaults. Issue 35's cross-corpus runs kept it: the alternatives measured
+# there (refresh_every=32, refresh_guard) did not meet the targets on every corpus either.
 DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "tau_calibration": 0.8, "cache_size": 128,
                          "window": 128, "dense_below": 1024}
 
