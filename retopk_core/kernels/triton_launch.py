@@ -35,7 +35,13 @@ from retopk_core.kernels.select_attend import select_attend_kernel
 from retopk_core.kernels.selector import selector_kernel
 from retopk_core.kernels.workspace_cache import WORKSPACES, Workspace
 from retopk_core.kv import PagedKV
-from retopk_core.methods.retopk_policy import calibration_constants, gqa_paths, guard_constants, plain_dense
+from retopk_core.methods.retopk_policy import (
+    below_floor,
+    calibration_constants,
+    gqa_paths,
+    guard_constants,
+    plain_dense,
+)
 from retopk_core.methods.step_output import Path, StepOutput
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,7 +158,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         n_scored = torch.where(path == Path.REUSE, count, kv.lengths.to(torch.int32).view(B, 1))
     dense, exact_path = None, path
     if cfg.dense_below:  # the dense floor, decided on the device: rows with L < L_min take path DENSE
-        dense = (kv.lengths < cfg.dense_below).view(B, 1)  # (B, 1)
+        dense = below_floor(kv.lengths, cfg).view(B, 1)  # (B, 1)
         path = torch.where(dense, torch.tensor(Path.DENSE, dtype=torch.int8, device=dev), path)
         count.masked_fill_(dense, 0)  # no candidates: the exact kernels give the FIFO its exact Top-K
         n_scored = torch.where(dense, kv.lengths.to(torch.int32).view(B, 1), n_scored)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from retopk_core.cpu import launch as cpu_launch
 from retopk_core.kv import PagedKV
+from retopk_core.methods.backend_steps import steps_for
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput, uniform_output
-from retopk_core.methods.sparse import Workspace, exact_select, resolve_scale, sparse_attend
+from retopk_core.methods.sparse import Workspace, resolve_scale
 from retopk_core.params import MethodConfig, param
 
 
@@ -31,6 +31,7 @@ class ExactTopK(AttentionMethod):
     def __init__(self, config: ExactTopKConfig | None = None, backend: str = "torch") -> None:
         super().__init__(config, backend)
         self._ws = Workspace()  # score rows and selected values, reused across steps
+        self.steps = steps_for(self.backend)  # methods/backend_steps.py
 
     @property
     def top_k(self) -> int:
@@ -40,16 +41,6 @@ class ExactTopK(AttentionMethod):
                scale: float | None = None) -> StepOutput:
         B, H, d = q.shape
         scale = resolve_scale(scale, d)
-        if self.backend == "triton":
-            from retopk_core.kernels.triton_launch import exact_topk_decode
-            out, sel_pos = exact_topk_decode(q, kv, self.top_k, scale)
-        elif self.backend == "cpu" and cpu_launch.usable(q):
-            out, sel_pos = cpu_launch.dense_decode(q, kv, scale, self.top_k, exact=True)
-        else:
-            sel_pos, sel_scores = exact_select(q, kv, self.top_k, scale, ws=self._ws)  # (B, H, K)
-            if self.on_stage:
-                self.on_stage("full QK + top-K")
-            out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
-            if self.on_stage:
-                self.on_stage("sparse attend")
+        # (B, H, d_v), (B, H, K)
+        out, sel_pos = self.steps.exact_topk(q, kv, self.top_k, scale, self._ws, self.on_stage)
         return uniform_output(out, Path.EXACT, kv.lengths, sel_pos)

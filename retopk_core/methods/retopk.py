@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from retopk_core.cpu import launch as cpu_launch
 from retopk_core.fidelity import support_recall
 from retopk_core.kv import PagedKV
 from retopk_core.methods import state_bounds
+from retopk_core.methods.backend_steps import steps_for
 from retopk_core.methods.base import AttentionMethod, Path, SlotPool, StepOutput, constant, uniform_output
 from retopk_core.methods.retopk_policy import (
+    below_floor,
     calibrate_tau,
     gqa_paths,
     guard_floor,
@@ -48,8 +49,6 @@ from retopk_core.methods.sparse import (
     NEG_INF,
     SHORT_BATCH_KEYS,
     Workspace,
-    dense_attend,
-    dense_attend_topk,
     exact_select,
     group_scores,
     indexed_scores,
@@ -138,6 +137,7 @@ class ReTopK(AttentionMethod):
         super().__init__(config, backend)
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
+        self.steps = steps_for(self.backend)  # methods/backend_steps.py
         self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
@@ -200,27 +200,24 @@ class ReTopK(AttentionMethod):
             scores = group_scores(qs, kv, 0, L, group=g)[0].view(G, T, L)  # (G, T, L)
             scores[..., seen:].masked_fill_(~causal[:, seen:], NEG_INF)
             support[g * G:(g + 1) * G] = self._seed_topk(scores.view(G * T, L), K).view(G, T, K)
-        if L > K and self.backend == "triton":  # Top-K rows come in score order (the causal masks are sorted)
+        if L > K and self.steps.sorted_seeds:  # Top-K rows come in score order (the causal masks are sorted)
             support = by_position(support)  # for the selector's merge-only path; a sort a layer, so not for
             # the torch and CPU steps, which read supports as sets
         state.push_many(slot, _unit(q), support)
 
     def _seed_topk(self, scores: torch.Tensor, K: int) -> torch.Tensor:
-        """Each row's Top-K positions (N, L) -> (N, K) int64: the fused CPU kernel's one pass per row on the cpu
-        backend (torch.topk's partial sort of every row was most of a seeding's cost), else torch.topk."""
-        if self.backend == "cpu" and cpu_launch.usable(scores) and scores.stride(-1) == 1:
-            return cpu_launch.topk_rows(scores, K)
-        return topk_select(scores, None, K)[0]
+        """Each row's Top-K positions (N, L) -> (N, K) int64 (the fused CPU kernel's one pass per row on the cpu
+        backend: torch.topk's partial sort of every row was most of a seeding's cost)."""
+        return self.steps.seed_topk(scores, K)
 
     # -- decode ----------------------------------------------------------------------------------
     def decode(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                scale: float | None = None) -> StepOutput:
         scale = resolve_scale(scale, q.shape[-1])
-        if self.backend == "triton":  # the whole step on the device, tau_calibration included
-            from retopk_core.kernels.triton_launch import retopk_decode
-            return retopk_decode(self, q, kv, state, slots, scale)
+        if self.steps.retopk_floor:  # the whole step on the device, the floor and tau_calibration included
+            return self.steps.retopk(self, q, kv, state, slots, scale)
         if self.config.dense_below:
-            dense = kv.lengths < self.config.dense_below  # (B,) below the floor: attend to everything
+            dense = below_floor(kv.lengths, self.config)  # (B,) below the floor: attend to everything
             if bool(dense.any()):
                 return self._split_dense(q, kv, state, slots, scale, dense)
         return self._sparse_step(q, kv, state, slots, scale)
@@ -254,12 +251,8 @@ class ReTopK(AttentionMethod):
         B, H, _ = q.shape
         K = self.config.top_k
         push = ~plain_dense(kv.lengths, self.config)  # (B,)
-        fused = self.backend == "cpu" and cpu_launch.usable(q)
         if bool(push.any()):
-            if fused:
-                out, sel_pos = cpu_launch.dense_decode(q, kv, scale, K)  # (B, H, d_v), (B, H, K)
-            else:
-                out, sel_pos = dense_attend_topk(q, kv, scale, K)
+            out, sel_pos = self.steps.dense_topk(q, kv, scale, K)  # (B, H, d_v), (B, H, K)
             if bool(push.all()):
                 state.push(slots, _unit(q), sel_pos)
             else:
@@ -267,17 +260,18 @@ class ReTopK(AttentionMethod):
                 sel_pos.masked_fill_(~push.view(B, 1, 1), -1)
                 state.push(slots.index_select(0, rows), _unit(q.index_select(0, rows)), sel_pos.index_select(0, rows))
         else:
-            out = cpu_launch.dense_decode(q, kv, scale)[0] if fused else dense_attend(q, kv, scale)  # Full's step
+            out = self.steps.dense(q, kv, scale)  # Full's step
             sel_pos = constant((B, H, K), -1, torch.long, q.device)
         state.step[slots] += 1
         return uniform_output(out, Path.DENSE, kv.lengths, sel_pos)
 
     def _sparse_step(self, q: torch.Tensor, kv: PagedKV, state: QuerySupportCache, slots: torch.Tensor,
                      scale: float) -> StepOutput:
-        """ReTopK's step proper (eq. 6-13) on the backend's implementation (triton: see ``decode``)."""
+        """ReTopK's step proper (eq. 6-13): the backend's kernel where it has one (triton: see ``decode``), else the
+        torch code below."""
         cfg = self.config
-        if self.backend == "cpu" and cpu_launch.usable(q):
-            return cpu_launch.retopk_decode(self, q, kv, state, slots, scale)
+        if (fused := self.steps.retopk(self, q, kv, state, slots, scale)) is not None:
+            return fused
         B, H, d = q.shape
         qn = _unit(q)  # (B, H, d) float32
 

@@ -14,6 +14,12 @@ from retopk_core.methods.step_output import Path
 from retopk_core.retopk_config import TAU_CALIBRATION_SPAN, ReTopKConfig
 
 
+def below_floor(lengths: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
+    """The dense floor: lengths (B,) L_t (the current token included) -> (B,) bool, L_t < dense_below: these
+    rows attend to every position (path DENSE), in every backend."""
+    return lengths < cfg.dense_below
+
+
 def plain_dense(lengths: torch.Tensor, cfg: ReTopKConfig) -> torch.Tensor:
     """Rows on plain dense-floor steps: lengths (B,) L_t (the current token included) -> (B,) bool,
     L_t + C < dense_below. The FIFO keeps only its last C entries, so these steps' entries would be
