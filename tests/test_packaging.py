@@ -217,7 +217,8 @@ def test_console_scripts_answer_help(command):
 
 
 def test_client_imports_without_torch():
-    """Every retopk_client module imports with torch, transformers, triton, numpy and the server blocked."""
+    """Every retopk_client and retopk_shared module imports with torch, transformers, triton, numpy and the server
+    blocked."""
     script = textwrap.dedent(
         """
         import importlib, pkgutil, sys
@@ -227,8 +228,9 @@ def test_client_imports_without_torch():
                 if name.split(".")[0] in BLOCKED:
                     raise ImportError(f"{name} must not be imported by the client")
         sys.meta_path.insert(0, Block())
-        import retopk_client, retopk_proto
+        import retopk_client, retopk_proto, retopk_shared
         names = [m.name for m in pkgutil.walk_packages(retopk_client.__path__, "retopk_client.")]
+        names += [m.name for m in pkgutil.walk_packages(retopk_shared.__path__, "retopk_shared.")]
         names += [m.name for m in pkgutil.walk_packages(retopk_proto.__path__, "retopk_proto.")]
         for name in names:
             if not name.endswith(".__main__"):  # running it is the command, not an import
@@ -253,6 +255,18 @@ def test_nothing_imports_a_private_module_of_the_client():
         for folder in ("server", "retopk_core", "bench")
         for path in (REPO / folder).rglob("*.py")
         if re.search(r"^\s*(from|import) retopk_client\._", path.read_text(), re.M)
+    ]
+    assert not offenders, offenders
+
+
+def test_server_and_shared_never_import_the_client():
+    """The server, the core and the package both sides share import no retopk_client: what the server needs of
+    the client's conventions lives in retopk_shared, so the server runs without the client distribution."""
+    offenders = [
+        path.relative_to(REPO).as_posix()
+        for folder in ("server", "retopk_core", "client/retopk_shared")
+        for path in (REPO / folder).rglob("*.py")
+        if re.search(r"^\s*(from|import) retopk_client\b", path.read_text(), re.M)
     ]
     assert not offenders, offenders
 
@@ -297,7 +311,8 @@ def test_client_wheel_generates_stubs_and_holds_only_the_client(tmp_path):
     assert not (src / "client" / "retopk_proto").exists()
     wheel = _build_wheel(src / "client", tmp_path / "wheel")
     names = wheel.namelist()
-    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"retopk_client", "retopk_proto"}
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"retopk_client", "retopk_shared",
+                                                                           "retopk_proto"}
     for proto in gen_proto.find_protos(PROTO_DIR):
         stem = "retopk_proto/" + proto.relative_to(PROTO_DIR).with_suffix("").as_posix()
         for suffix in ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi"):
@@ -315,8 +330,9 @@ def test_root_wheel_holds_core_server_and_client(tmp_path):
     wheel = _build_wheel(src, tmp_path / "wheel")
     names = wheel.namelist()
     top_level = {n.split("/")[0] for n in names if ".dist-info/" not in n}
-    assert top_level == {"retopk_core", "retopk_server", "retopk_client", "retopk_proto"}
-    for folder, package in [(".", "retopk_core"), ("server", "retopk_server"), ("client", "retopk_client")]:
+    assert top_level == {"retopk_core", "retopk_server", "retopk_client", "retopk_shared", "retopk_proto"}
+    for folder, package in [(".", "retopk_core"), ("server", "retopk_server"), ("client", "retopk_client"),
+                            ("client", "retopk_shared")]:
         for path in (REPO / folder / package).rglob("*.py"):
             rel = path.relative_to(REPO / folder).as_posix()
             if "__pycache__" not in rel:

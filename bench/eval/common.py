@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from bench.eval import corpora
-from retopk_client.params import parse_params
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
 from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
+from retopk_shared.params import parse_params
 
 KJV = corpora.KJV  # the default corpus
 

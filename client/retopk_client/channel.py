@@ -10,10 +10,8 @@ import grpc
 from retopk_client.addresses import DEFAULT_ADDRESS
 from retopk_client.errors import RetopkError
 from retopk_client.retry import RetryPolicy
+from retopk_shared.metadata import AUTHORIZATION, SESSION_METADATA
 
-# gRPC metadata naming the session a call acts on: the affinity key routers hash to keep a session on the
-# replica holding its caches (docs/deploy.md). Sent on every rpc that names a session, on no other.
-SESSION_METADATA = "x-session-id"
 # gRPC metadata naming the shared start of a sessionless request's prompt (a document, a system prompt): routers
 # hash it so that such requests reach the replica whose prefix cache holds that start (docs/deploy.md).
 PREFIX_METADATA = "x-prefix-key"
@@ -96,7 +94,7 @@ class ClientConfig:
     def metadata(self, session_id: str | None = None, prefix_key: str | None = None) -> tuple[tuple[str, str], ...]:
         """The call's metadata: the API key when set, and ``x-session-id`` when the call names a session, else
         ``x-prefix-key`` when it names a shared prompt start (a session routes by its id alone)."""
-        auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        auth = ((AUTHORIZATION, f"Bearer {self.api_key}"),) if self.api_key else ()
         if session_id:
             return (*auth, (SESSION_METADATA, session_id))
         return (*auth, (PREFIX_METADATA, prefix_key)) if prefix_key else auth

@@ -16,50 +16,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_shared.fields import (  # noqa: F401 - FieldValueError: part of the SDK's types too
+    RETOPK_FIELDS,
+    FieldValueError,
+    ParamValue,
+    method_message,
+    set_field,
+    split_method,
+)
 
-# From the proto's descriptors (the wire contract defines them once): the named ReTopK fields of
-# AttentionMethod in proto order (K, C, W, R, tau, T_r), and the fields of SamplingParameters.
-RETOPK_FIELDS = tuple(f.name for f in pb.AttentionMethod.DESCRIPTOR.fields if f.name not in ("name", "params"))
+# The fields of SamplingParameters, from the proto's descriptors (the wire contract defines them once).
 SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParameters.DESCRIPTOR.fields)
-
-
-class FieldValueError(TypeError, ValueError):
-    """A value the wire field cannot hold (a string for an integer, a float for an int32, a number past its
-    range); ``field`` names it ("top_k", "sampling.seed", "params['sink']"). Raised before anything is sent."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.reason = field, message
-
-    def within(self, prefix: str) -> FieldValueError:
-        """The same error naming the field inside ``prefix`` ("sampling" -> "sampling.top_k")."""
-        return FieldValueError(f"{prefix}.{self.field}", self.reason)
-
-
-_FD = pb.SamplingParameters.DESCRIPTOR.fields[0].__class__
-_INTS = {_FD.CPPTYPE_INT32: 31, _FD.CPPTYPE_INT64: 63, _FD.CPPTYPE_UINT32: 32, _FD.CPPTYPE_UINT64: 64}
-_FLOATS = (_FD.CPPTYPE_FLOAT, _FD.CPPTYPE_DOUBLE)
-
-
-def set_field(message, name: str, value, field: str) -> None:
-    """``message.name = value`` after checking that the field's wire type holds it (FieldValueError naming
-    ``field`` otherwise): protobuf's own TypeError names neither the field nor what was expected."""
-    fd = message.DESCRIPTOR.fields_by_name[name]
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if fd.cpp_type in _INTS:
-        bits, unsigned = _INTS[fd.cpp_type], fd.cpp_type in (_FD.CPPTYPE_UINT32, _FD.CPPTYPE_UINT64)
-        if not number or not isinstance(value, int):
-            raise FieldValueError(field, f"must be an integer, got {value!r:.60}")
-        low, high = (0, 2 ** bits - 1) if unsigned else (-(2 ** bits), 2 ** bits - 1)
-        if not low <= value <= high:
-            raise FieldValueError(field, f"must lie in [{low}, {high}], got {value}")
-    elif fd.cpp_type in _FLOATS and not number:
-        raise FieldValueError(field, f"must be a number, got {value!r:.60}")
-    elif fd.cpp_type == _FD.CPPTYPE_BOOL and not isinstance(value, bool):
-        raise FieldValueError(field, f"must be true or false, got {value!r:.60}")
-    elif fd.cpp_type == _FD.CPPTYPE_STRING and not isinstance(value, str):
-        raise FieldValueError(field, f"must be a string, got {value!r:.60}")
-    setattr(message, name, value)
 
 
 def _jsonable(value):
@@ -248,9 +215,6 @@ class Sampling(_Dictable):
         return cls(**{k: float(f"{v:.7g}") if isinstance(v, float) else v for k, v in values.items()})
 
 
-ParamValue = int | float | str | bool
-
-
 @dataclass(frozen=True)
 class Method(_Dictable):
     """An attention method and its hyperparameters (``name=""``: the server's default method).
@@ -291,22 +255,12 @@ class Method(_Dictable):
             return value
         if isinstance(value, str):
             return cls(value)
-        known = {f.name for f in fields(cls)} - {"params"}
-        kwargs = {k: v for k, v in value.items() if k in known}
-        params = dict(value.get("params", {}))
-        params.update({k: v for k, v in value.items() if k not in known and k != "params"})
-        return cls(**kwargs, params=params)
+        named, params = split_method(value)
+        return cls(**named, params=params)
 
     def to_proto(self) -> pb.AttentionMethod:
         """The wire message; FieldValueError naming the hyperparameter its type cannot hold."""
-        msg = pb.AttentionMethod()
-        set_field(msg, "name", self.name, "name")
-        for f in RETOPK_FIELDS:
-            if getattr(self, f) is not None:
-                set_field(msg, f, getattr(self, f), f)
-        for key, value in self.params.items():
-            msg.params[key].CopyFrom(_param_to_proto(key, value))
-        return msg
+        return method_message(self.name, {f: getattr(self, f) for f in RETOPK_FIELDS}, self.params)
 
     @classmethod
     def from_proto(cls, msg: pb.AttentionMethod) -> Method:
@@ -321,20 +275,6 @@ class Method(_Dictable):
         parts = [f"{f}={getattr(self, f)}" for f in RETOPK_FIELDS if getattr(self, f) is not None]
         parts += [f"{k}={v}" for k, v in self.params.items()]
         return f"{self.name or '<default>'}({', '.join(parts)})"
-
-
-def _param_to_proto(key: str, value: ParamValue) -> pb.ParamValue:
-    if isinstance(value, bool):  # before int: bool is an int subclass
-        return pb.ParamValue(bool_value=value)
-    if isinstance(value, int):
-        if not -(2 ** 63) <= value < 2 ** 63:
-            raise FieldValueError(key, f"must lie in [{-(2 ** 63)}, {2 ** 63 - 1}], got {value}")
-        return pb.ParamValue(int_value=value)
-    if isinstance(value, float):
-        return pb.ParamValue(float_value=value)
-    if isinstance(value, str):
-        return pb.ParamValue(string_value=value)
-    raise FieldValueError(key, f"must be an integer, a number, a string or true/false, got {type(value).__name__}")
 
 
 def _param_from_proto(value: pb.ParamValue) -> ParamValue | None:

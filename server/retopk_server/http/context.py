@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import grpc
 
-from retopk_server.service.servicer import SESSION_METADATA
+from retopk_shared.metadata import AUTHORIZATION, SESSION_METADATA
 
-METADATA_HEADERS = ("authorization", SESSION_METADATA)
+METADATA_HEADERS = (AUTHORIZATION, SESSION_METADATA)
 
 
 class Aborted(Exception):

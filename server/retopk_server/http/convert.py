@@ -22,12 +22,12 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from retopk_client.types import FieldValueError, Method, set_field  # the SDK's reading of a method
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.requests import MAX_TOP_LOGPROBS
 from retopk_server.http.errors import ApiError
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
 from retopk_server.service import convert as service
+from retopk_shared.fields import FieldValueError, method_message, set_field, split_method
 
 Body = CompletionRequest | ChatCompletionRequest
 
@@ -274,9 +274,13 @@ def _tools(body: ChatCompletionRequest, message: pb.GenerateRequest) -> None:
     message.tool_choice.function = fn["name"]
 
 
-def _method(value) -> pb.AttentionMethod:
+def _method(value: str | dict) -> pb.AttentionMethod:
+    """The body's method, a name or {"name": ..., hyperparameters by name} (as the SDK's Method.coerce reads it)."""
     try:
-        return Method.coerce(value).to_proto()
+        if isinstance(value, str):
+            return method_message(value, {}, {})
+        named, params = split_method(value)
+        return method_message(named.pop("name", ""), named, params)
     except FieldValueError as e:  # a value of the wrong type for its field: named as the body names it
         raise _bad(f"retopk.method.{e.field}", e.reason) from None
     except (TypeError, ValueError) as e:

@@ -38,7 +38,8 @@ from retopk_server.engine.session_artifact import chunks, encode_parts
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.service.handoff_notices import HandoffNotices
 from retopk_server.service.limits import SESSION_CHUNK_BYTES
-from retopk_server.service.servicer import PEER_METADATA, SESSION_METADATA
+from retopk_server.service.servicer import PEER_METADATA
+from retopk_shared.metadata import SESSION_METADATA
 
 log = logging.getLogger("retopk_server")
 

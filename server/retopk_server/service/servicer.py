@@ -41,10 +41,10 @@ from retopk_server.service.handoff_notices import NOTICE_METADATA, HandoffNotice
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.quota import StreamQuota, TooManyStreams
 from retopk_server.service.saved_sessions import SavedSessions
+from retopk_shared.metadata import AUTHORIZATION, SESSION_METADATA
 
 log = logging.getLogger("retopk_server.service")
 
-SESSION_METADATA = "x-session-id"  # the affinity key routers hash (docs/deploy.md)
 PEER_METADATA = "x-retopk-peer-key"  # a replica handing a session over presents the servers' shared peer_key
 PEER = Caller("")  # such a replica: ImportSession then opens the session as its artifact's owner
 
@@ -161,7 +161,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             sent = [v for k, v in metadata if k == PEER_METADATA]
             if len(sent) == 1 and hmac.compare_digest(sent[0].encode(), self.config.peer_key.encode()):
                 return PEER
-        sent = [v for k, v in metadata if k == "authorization"]
+        sent = [v for k, v in metadata if k == AUTHORIZATION]
         return self.keys.identify(sent[0] if len(sent) == 1 else None)
 
     async def _restore_saved(self, caller: Caller, session_id: str | None) -> None:
