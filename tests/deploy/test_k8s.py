@@ -75,7 +75,7 @@ def test_probes_use_grpc_health_on_the_grpc_port():
         assert container()[probe]["grpc"]["port"] == DEFAULTS["port"], probe
     # readiness asks for the service itself, NOT_SERVING from the first moment of a drain
     assert container()["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
-    # liveness asks for "" (service/supervision.py): the engine alive, SERVING while a drain finishes
+    # liveness asks for "" (service/health.py): the engine alive, SERVING while a drain finishes
     assert "service" not in container()["livenessProbe"]["grpc"]
 
 

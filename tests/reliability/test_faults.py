@@ -28,8 +28,8 @@ from retopk_server.engine import EngineError, EngineObserver, ErrorCode, Generat
 from retopk_server.engine.faults import EngineHung, RunnerBroken
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import Sampler, SamplingParams
+from retopk_server.service.health import EXIT_ENGINE_FAILED, READINESS
 from retopk_server.service.server import serve
-from retopk_server.service.supervision import EXIT_ENGINE_FAILED, READINESS
 from tests._live_server import free_port
 from tests.server.conftest import FakeServer
 from tests.server.engine.engine_helpers import collect, enc, make_engine, tokens

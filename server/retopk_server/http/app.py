@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes (one APIRouter), answered by the gRPC servicer's own methods (see
-``context.HttpContext``).
+"""The OpenAI-compatible routes (one APIRouter), answered through the same Gateway as the gRPC servicer
+(service/gateway.py): the same key check, affinity check, validation, limits and metrics.
 
     POST /v1/completions        prompt -> text (streaming as server-sent events with ``stream: true``)
     POST /v1/chat/completions   messages -> the assistant's reply (streaming likewise)
@@ -7,7 +7,9 @@
     GET  /health                readiness: 200 while gRPC health says SERVING for retopk.v1.ReTopKService
                                 (model loaded, engine alive, not draining), else 503; no key needed
 
-Every /v1 route needs ``Authorization: Bearer <key>`` when the server has a key, checked by the servicer.
+Every /v1 route needs ``Authorization: Bearer <key>`` when the server has a key; the headers ``authorization``
+and ``x-session-id`` are what gRPC's metadata of those names is. HTTP has no deadline (a client that goes away
+cancels the request instead).
 A body is read up to ``body_bytes`` (413 beyond), parsed as strict JSON (NaN / Infinity refused) and
 validated by ``schemas``; every refusal is an OpenAI error object with a 4xx status naming the field.
 A streamed request answers its errors as JSON with the matching status until the first token (prefill
@@ -25,17 +27,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from grpc_health.v1 import health_pb2
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.http import convert
-from retopk_server.http.context import Aborted, HttpContext
-from retopk_server.http.errors import ApiError, from_status
+from retopk_server.http.errors import ApiError, from_call_error
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
-from retopk_server.service.auth import Unauthenticated
-from retopk_server.service.supervision import READINESS
+from retopk_server.service.auth import Caller, Unauthenticated
+from retopk_server.service.gateway import Call, CallError, Gateway, Generation, Metadata
+from retopk_server.service.health import Health
+from retopk_shared.metadata import AUTHORIZATION, SESSION_METADATA
 
 log = logging.getLogger("retopk_server.http")
 
@@ -120,78 +122,80 @@ def body_bytes(max_message_bytes: int) -> int:
     return JSON_EXPANSION * max_message_bytes
 
 
-class Served:
-    """What the routes answer with, one per app (``app.state.served``): the server's ReTopKServicer (engine
-    started), its grpc health servicer, the body limit and the time the app was made (the models' ``created``)."""
+def metadata_of(request: Request) -> Metadata:
+    """The request's headers that carry what gRPC's metadata of the same names does."""
+    return tuple((name, value) for name, value in request.headers.items() if name in (AUTHORIZATION, SESSION_METADATA))
 
-    def __init__(self, servicer, health_servicer, max_body_bytes: int) -> None:
-        self.servicer, self.health_servicer, self.max_body_bytes = servicer, health_servicer, max_body_bytes
+
+class Served:
+    """What the routes answer with, one per app (``app.state.served``): the server's Gateway (engine started), its
+    Health, the body limit and the time the app was made (the models' ``created``)."""
+
+    def __init__(self, gateway: Gateway, health: Health, max_body_bytes: int) -> None:
+        self.gateway, self.health, self.max_body_bytes = gateway, health, max_body_bytes
         self.created = int(time.time())
 
-    def hook(self, name: str, *args) -> None:
+    def authenticate(self, metadata: Metadata) -> Caller:
+        """The gateway's key check, first: a caller without a key learns nothing from its body's checks."""
         try:
-            getattr(self.servicer.observer, name)(*args)
-        except Exception:
-            log.exception("observer hook %s failed", name)
-
-    def refused(self, error: ApiError, t0: float) -> None:
-        """Metrics of a Generate the HTTP front refused before the servicer saw it (as the servicer counts)."""
-        self.hook("on_error", None, error.code)
-        self.hook("on_rpc", "Generate", error.code, time.monotonic() - t0)
-
-    def authenticate(self, context: HttpContext) -> None:
-        """The servicer's key check, first: a caller without a key learns nothing from its body's checks."""
-        try:
-            self.servicer.authenticate(context)
-        except Unauthenticated:
+            return self.gateway.authenticate(metadata)
+        except Unauthenticated:  # HTTP's wording of a missing key (the header), not gRPC's (metadata)
             raise ApiError("UNAUTHENTICATED", "missing or wrong API key: send the header "
                                               "'Authorization: Bearer <key>'") from None
 
-    async def model_info(self, request: Request) -> pb.ModelInfo:
-        context = HttpContext(request.headers, request.client)
-        self.authenticate(context)  # HTTP's wording of a missing key (the header), not gRPC's (metadata)
+    def model_info(self, request: Request) -> pb.ModelInfo:
+        call = self.gateway.call("GetModelInfo")
         try:
-            return await self.servicer.GetModelInfo(pb.GetModelInfoRequest(), context)
-        except Aborted as a:
-            raise from_status(a.code, a.message) from None
+            self.authenticate(metadata_of(request))
+            return self.gateway.model_info()
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            raise from_call_error(call.fail(exc)) from None
+        finally:
+            call.end()
 
     def model_card(self, info: pb.ModelInfo) -> dict:
         return {"id": info.name, "object": "model", "created": self.created, "owned_by": "retopk",
                 "max_model_len": info.max_context}
 
     async def start(self, request: Request, schema):
-        """Check, parse and submit a request -> (body, its Generate stream, the first response, the renamer)."""
-        t0 = time.monotonic()
-        context = HttpContext(request.headers, request.client)
-        servicer = self.servicer
+        """Check, parse and submit a request -> (body, its Generation, the first response, the renamer)."""
+        call: Call = self.gateway.call("Generate")
+        rename = None
         try:
-            self.authenticate(context)
+            metadata = metadata_of(request)
+            caller = self.authenticate(metadata)
             try:
                 raw = convert.drop_neutral(await read_json(request, self.max_body_bytes),
                                            schema is ChatCompletionRequest)
                 body = schema.model_validate(raw)
             except ValidationError as e:
                 raise convert.validation_error(e) from None
-            info = servicer.engine.info
+            info = self.gateway.engine.info
             if body.model != info.name:
                 raise ApiError("NOT_FOUND", f"model: the model {body.model!r} does not exist; this server serves "
                                             f"{info.name!r} (GET /v1/models)", "model")
-            message = convert.generate_message(body, info.vocab_size, servicer.config.max_new_tokens)
-        except ApiError as e:
-            self.refused(e, t0)
+            message = convert.generate_message(body, info.vocab_size, self.gateway.config.max_new_tokens)
+            rename = convert.field_renamer(body)
+            if body.user is not None:
+                log.debug("request from user %r", body.user[:64])
+            generation = await self.gateway.generate(call, caller, message, metadata, deadline=None)
+        except asyncio.CancelledError:
+            call.code = "CANCELLED"
+            call.end()
             raise
-        if body.user is not None:
-            log.debug("request from user %r", body.user[:64])
-        rename = convert.field_renamer(body)
-        stream = servicer.Generate(message, context)
+        except Exception as exc:  # noqa: BLE001 - refused before the engine took it
+            error = call.fail(exc)
+            call.end()
+            raise from_call_error(error, rename) from None
         try:
-            first = await _unless_disconnected(request, anext(stream))
-        except Aborted as a:
-            raise from_status(a.code, a.message, rename) from None
+            first = await _unless_disconnected(request, anext(generation))
+        except CallError as error:
+            generation.close()
+            raise from_call_error(error, rename) from None
         except BaseException:
-            await stream.aclose()
+            generation.close()
             raise
-        return body, stream, first, rename
+        return body, generation, first, rename
 
 
 def served_of(request: Request) -> Served:
@@ -201,16 +205,16 @@ def served_of(request: Request) -> Served:
 ServedDep = Annotated[Served, Depends(served_of)]  # a route's parameter: this app's Served
 
 
-async def rest(stream, rename) -> list[pb.GenerateResponse]:
+async def rest(generation: Generation, rename) -> list[pb.GenerateResponse]:
     try:
-        return [r async for r in stream]
-    except Aborted as a:
-        raise from_status(a.code, a.message, rename) from None
+        return [r async for r in generation]
+    except CallError as error:
+        raise from_call_error(error, rename) from None
     finally:
-        await stream.aclose()
+        generation.close()
 
 
-def sse_stream(body, stream, first, rename, envelope: dict, chunks):
+def sse_stream(body, generation: Generation, first, rename, envelope: dict, chunks):
     """The server-sent events of a streamed request: ``chunks(response, opening)`` yields the chunks of one
     GenerateResponse; with include_usage every chunk has ``usage: null`` and a last one the usage."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -226,16 +230,16 @@ def sse_stream(body, stream, first, rename, envelope: dict, chunks):
                 if response.finish_reason:
                     finals.append(response)
                 try:
-                    response = await anext(stream)
+                    response = await anext(generation)
                 except StopAsyncIteration:
                     break
-        except Aborted as a:  # after the first token: the status line is long sent
-            yield _sse(from_status(a.code, a.message, rename).body())
+        except CallError as error:  # after the first token: the status line is long sent
+            yield _sse(from_call_error(error, rename).body())
         else:
             if include_usage:
                 yield _sse({**envelope, "choices": [], "usage": convert.usage(*finals)})
         finally:
-            await stream.aclose()
+            generation.close()
         yield "data: [DONE]\n\n"
 
     return _ClosingStream(events(), media_type="text/event-stream", headers=SSE_HEADERS)
@@ -245,24 +249,19 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(request: Request, served: ServedDep):
-    try:
-        answer = await served.health_servicer.Check(health_pb2.HealthCheckRequest(service=READINESS),
-                                                    HttpContext(request.headers, request.client))
-        serving = answer.status == health_pb2.HealthCheckResponse.SERVING
-    except Aborted:
-        serving = False
+async def health(served: ServedDep):
+    serving = served.health.serving()  # readiness, as gRPC health answers it for retopk.v1.ReTopKService
     return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request, served: ServedDep):
-    return {"object": "list", "data": [served.model_card(await served.model_info(request))]}
+    return {"object": "list", "data": [served.model_card(served.model_info(request))]}
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request, served: ServedDep):
-    info = await served.model_info(request)
+    info = served.model_info(request)
     if model != info.name:
         raise ApiError("NOT_FOUND", f"model: the model {model!r} does not exist; this server serves "
                                     f"{info.name!r}", "model")
@@ -271,7 +270,7 @@ async def get_model(model: str, request: Request, served: ServedDep):
 
 @router.post("/v1/completions")
 async def completions(request: Request, served: ServedDep):
-    body, stream, first, rename = await served.start(request, CompletionRequest)
+    body, generation, first, rename = await served.start(request, CompletionRequest)
     envelope = convert.envelope("text_completion", first.request_id, body.model)
 
     offsets: dict[int, convert.CompletionLogprobs] = {}  # per choice: its tokens' text offsets
@@ -285,8 +284,8 @@ async def completions(request: Request, served: ServedDep):
             if r.text or r.logprobs or r.finish_reason:
                 yield {**envelope, "choices": [choice(r)]}
 
-        return sse_stream(body, stream, first, rename, envelope, chunks)
-    responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
+        return sse_stream(body, generation, first, rename, envelope, chunks)
+    responses = [first, *await _unless_disconnected(request, rest(generation, rename))]
     choices = []
     for group in convert.by_choice(responses):
         merged, logprobs = None, convert.CompletionLogprobs()
@@ -300,7 +299,7 @@ async def completions(request: Request, served: ServedDep):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, served: ServedDep):
-    body, stream, first, rename = await served.start(request, ChatCompletionRequest)
+    body, generation, first, rename = await served.start(request, ChatCompletionRequest)
     if body.stream:
         envelope = convert.envelope("chat.completion.chunk", first.request_id, body.model)
 
@@ -316,9 +315,9 @@ async def chat_completions(request: Request, served: ServedDep):
                                                 "logprobs": convert.chat_logprobs(r),
                                                 "finish_reason": convert.finish_reason(r)}]}
 
-        return sse_stream(body, stream, first, rename, envelope, chunks)
+        return sse_stream(body, generation, first, rename, envelope, chunks)
     envelope = convert.envelope("chat.completion", first.request_id, body.model)
-    responses = [first, *await _unless_disconnected(request, rest(stream, rename))]
+    responses = [first, *await _unless_disconnected(request, rest(generation, rename))]
     choices = []
     for group in convert.by_choice(responses):
         merged = None
@@ -351,13 +350,13 @@ async def internal_error(request: Request, exc: Exception):  # a bug of ours, ne
     return ApiError("INTERNAL", f"internal error: {type(exc).__name__}").response()
 
 
-def create_app(servicer, health_servicer, max_body_bytes: int | None = None) -> FastAPI:
-    """The ASGI app of one server: ``servicer`` its ReTopKServicer (engine started), ``health_servicer`` its grpc
-    health; ``max_body_bytes`` defaults to ``body_bytes`` of the servicer's limits."""
+def create_app(gateway: Gateway, health: Health, max_body_bytes: int | None = None) -> FastAPI:
+    """The ASGI app of one server: ``gateway`` its Gateway (engine started), ``health`` its Health;
+    ``max_body_bytes`` defaults to ``body_bytes`` of the gateway's limits."""
     if max_body_bytes is None:
-        max_body_bytes = body_bytes(servicer.limits.max_message_bytes)
+        max_body_bytes = body_bytes(gateway.limits.max_message_bytes)
     app = FastAPI(title="retopk (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.served = Served(servicer, health_servicer, max_body_bytes)
+    app.state.served = Served(gateway, health, max_body_bytes)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, internal_error)

@@ -1,10 +1,11 @@
-"""Errors of the HTTP front in OpenAI's JSON shape, and the HTTP status of each gRPC status.
+"""Errors of the HTTP front in OpenAI's JSON shape.
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": "invalid_argument"}}
 
-``ApiError`` is what the routes answer; ``code`` is the gRPC status name the gRPC front would have
-answered (INVALID_ARGUMENT -> 400, UNAUTHENTICATED -> 401, NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429,
-UNAVAILABLE -> 503, ...), so the two fronts fail alike. INTERNAL (500) is only ever a bug of ours.
+``ApiError`` is what the routes answer: a gateway CallError (service/gateway.py) whose ``code`` is the gRPC
+status the gRPC front would have answered and whose ``http_status`` comes from the same table (INVALID_ARGUMENT
+-> 400, UNAUTHENTICATED -> 401, NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429, UNAVAILABLE -> 503, ...), so the
+two fronts fail alike. INTERNAL (500) is only ever a bug of ours.
 """
 
 from __future__ import annotations
@@ -14,54 +15,61 @@ from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 
-# gRPC status name -> (HTTP status, OpenAI error type)
-STATUS: dict[str, tuple[int, str]] = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "OUT_OF_RANGE": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "ALREADY_EXISTS": (409, "conflict_error"),
-    "FAILED_PRECONDITION": (409, "conflict_error"),  # e.g. the session is busy with another request
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "CANCELLED": (499, "cancelled"),  # the client went away; nobody reads it
-    "UNAVAILABLE": (503, "service_unavailable"),
-    "DEADLINE_EXCEEDED": (504, "timeout"),
+from retopk_server.service.gateway import HTTP_STATUS, CallError
+
+# gRPC status name -> OpenAI's error type
+ERROR_TYPE: dict[str, str] = {
+    "INVALID_ARGUMENT": "invalid_request_error",
+    "OUT_OF_RANGE": "invalid_request_error",
+    "UNAUTHENTICATED": "authentication_error",
+    "PERMISSION_DENIED": "permission_error",
+    "NOT_FOUND": "not_found_error",
+    "ALREADY_EXISTS": "conflict_error",
+    "FAILED_PRECONDITION": "conflict_error",
+    "RESOURCE_EXHAUSTED": "rate_limit_error",
+    "CANCELLED": "cancelled",
+    "UNAVAILABLE": "service_unavailable",
+    "DEADLINE_EXCEEDED": "timeout",
 }
+# gRPC status name -> (HTTP status, OpenAI error type)
+STATUS: dict[str, tuple[int, str]] = {code: (HTTP_STATUS[code], kind) for code, kind in ERROR_TYPE.items()}
 
 
 FIELD_CODES = ("INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION")
 FIELD = re.compile(r"[A-Za-z_][\w.]*(\[[^\]]*\])*(\.[\w.]+)?")  # "max_new_tokens", "method.params['sink']"
 
 
-class ApiError(Exception):
+class ApiError(CallError):
     """An HTTP error answer: ``code`` a gRPC status name, ``param`` the body's field at fault (or None);
     ``http_status`` overrides the code's HTTP status (413 for a body over the cap, which gRPC answers with
     RESOURCE_EXHAUSTED: the code stays the gRPC status, so that metrics count the one status both fronts know)."""
 
     def __init__(self, code: str, message: str, param: str | None = None, http_status: int | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param, self.http_status = code, message, param, http_status
+        super().__init__(code, message)
+        self.param, self._http_status = param, http_status
 
     @property
-    def status(self) -> int:
-        return self.http_status or STATUS.get(self.code, (500, "server_error"))[0]
+    def http_status(self) -> int:
+        return self._http_status or super().http_status
 
     def body(self) -> dict:
-        kind = STATUS.get(self.code, (500, "server_error"))[1]
+        kind = ERROR_TYPE.get(self.code, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code.lower()}}
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.code == "UNAUTHENTICATED" else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.http_status, headers=headers)
 
 
-def from_status(code: str, message: str, rename: Callable[[str], str] = lambda field: field) -> ApiError:
-    """The ApiError of a gRPC status; a message "<field>: <why>" (INVALID_ARGUMENT, or NOT_FOUND / ALREADY_EXISTS /
-    FAILED_PRECONDITION about a session) has its field renamed from the GenerateRequest's name to the body's
-    (``rename``) and reported as ``param``."""
+def from_call_error(error: CallError, rename: Callable[[str], str] | None = None) -> ApiError:
+    """The ApiError of a gateway CallError (an ApiError as it is); a message "<field>: <why>" (INVALID_ARGUMENT, or
+    NOT_FOUND / ALREADY_EXISTS / FAILED_PRECONDITION about a session) has its field renamed from the
+    GenerateRequest's name to the body's (``rename``) and reported as ``param``."""
+    if isinstance(error, ApiError):
+        return error
+    code, message = error.code, error.message
     head, sep, rest = message.partition(": ")
     if code in FIELD_CODES and sep and FIELD.fullmatch(head):
-        param = rename(head)
+        param = rename(head) if rename else head
         return ApiError(code, f"{param}: {rest}", param)
     return ApiError(code, message)

@@ -29,8 +29,8 @@ class HttpFront:
     """``await start()`` listens on ``config.host:config.http_port`` (0: any free port; ``self.port`` tells
     which); ``url`` is "http(s)://HOST:PORT"."""
 
-    def __init__(self, servicer, health_servicer, config) -> None:
-        self.app = create_app(servicer, health_servicer)
+    def __init__(self, gateway, health, config) -> None:
+        self.app = create_app(gateway, health)
         self.config = config
         self.host, self.port = config.host, config.http_port
         self._server: uvicorn.Server | None = None

@@ -36,9 +36,9 @@ from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.engine import Engine
 from retopk_server.engine.session_artifact import chunks, encode_parts
 from retopk_server.engine.session_store import SessionStore
+from retopk_server.service.gateway import PEER_METADATA
 from retopk_server.service.handoff_notices import HandoffNotices
 from retopk_server.service.limits import SESSION_CHUNK_BYTES
-from retopk_server.service.servicer import PEER_METADATA
 from retopk_shared.metadata import SESSION_METADATA
 
 log = logging.getLogger("retopk_server")

@@ -9,7 +9,7 @@ Lifecycle of ``serve``:
      --tls-client-ca); print "retopk-server listening on HOST:PORT"; SIGHUP reloads the keys file;
      with --http-port also the OpenAI-compatible HTTP front (retopk_server.http) in the same event loop,
      printing "retopk-server HTTP (OpenAI API) on http(s)://HOST:PORT/v1"; the drain below stops both
-  3. on SIGTERM / SIGINT drain: readiness NOT_SERVING (liveness stays SERVING: supervision.py), new
+  3. on SIGTERM / SIGINT drain: readiness NOT_SERVING (liveness stays SERVING: service/health.py), new
      Generate / CreateSession calls UNAVAILABLE, queued and running requests get ``drain_grace_s`` to
      finish, then what is left is cut with UNAVAILABLE, the server stops listening; with --handoff-peer or
      --session-dir the sessions left are then handed over or saved (service/handoff.py; at least
@@ -40,10 +40,11 @@ from retopk_server.engine import Engine, EngineObserver, Runner
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.method_limits import check_server_method
 from retopk_server.service.auth import KeyRing, KeysFileError
+from retopk_server.service.gateway import Gateway
 from retopk_server.service.handoff import keep_sessions
+from retopk_server.service.health import EXIT_ENGINE_FAILED, SERVICE_NAME, Health, Supervisor
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.servicer import ReTopKServicer
-from retopk_server.service.supervision import EXIT_ENGINE_FAILED, SERVICE_NAME, Supervisor
 
 log = logging.getLogger("retopk_server")
 
@@ -107,10 +108,10 @@ class RunningServer:
     supervisor: Supervisor | None = None  # keeps health in step with the engine (``start`` sets it)
 
     def __init__(self, config: ServerConfig, server: grpc.aio.Server, engine: Engine,
-                 health_servicer, port: int, keys: KeyRing | None = None, store: SessionStore | None = None,
-                 servicer: ReTopKServicer | None = None) -> None:
-        self.config, self.server, self.engine, self.health, self.port = config, server, engine, health_servicer, port
-        self.servicer = servicer
+                 health: Health, port: int, keys: KeyRing | None = None, store: SessionStore | None = None,
+                 gateway: Gateway | None = None) -> None:
+        self.config, self.server, self.engine, self.health, self.port = config, server, engine, health, port
+        self.gateway = gateway
         self.keys = keys
         self.http = None  # the OpenAI-compatible HTTP front (retopk_server.http.serve.HttpFront) when on
         self.store = store  # --session-dir
@@ -140,10 +141,10 @@ class RunningServer:
     async def _hand_over_listening(self, keep_until: float) -> None:
         """--handoff-linger-s: hand the sessions over while still listening, then linger, so that a call on a moved
         session gets the notice naming its new home (service/handoff.py) rather than a refused connection."""
-        self.servicer.cut_streams()
+        self.gateway.cut_streams()
         if self.saved is not None:
             await self.saved.stop()  # as _stop does: a preload under way ends before the sessions are kept
-        await self._kept_sessions(keep_until, self.servicer.notices)
+        await self._kept_sessions(keep_until, self.gateway.notices)
         log.info("drain: answering calls on moved sessions with their new home for %.1f s",
                  self.config.handoff_linger_s)
         await asyncio.sleep(self.config.handoff_linger_s)
@@ -175,7 +176,7 @@ class RunningServer:
         once the requests the stop cut have left the engine, then stop the engine."""
         if self.supervisor is not None:
             await self.supervisor.stop()
-        await self.health.enter_graceful_shutdown()  # every name NOT_SERVING
+        await self.health.shutdown()  # every name NOT_SERVING
         # Let the handlers write the last messages (and the statuses of cut requests) out.
         if self.http is not None:  # stops listening; open connections get its graceful timeout
             await self.http.stop()
@@ -197,24 +198,24 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
     credentials = server_credentials(config)
     server = grpc.aio.server(options=grpc_options(InputLimits.of(config, engine.info).max_message_bytes))
     store = SessionStore(config.session_dir, config.session_dir_bytes) if config.session_dir else None
-    servicer = ReTopKServicer(engine, config, version=server_version(), keys=keys, store=store)
-    pb_grpc.add_ReTopKServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    gateway = Gateway(engine, config, version=server_version(), keys=keys, store=store)
+    pb_grpc.add_ReTopKServiceServicer_to_server(ReTopKServicer(gateway), server)
+    health_status = Health()
+    health_pb2_grpc.add_HealthServicer_to_server(health_status.servicer, server)
     if config.reflection:
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
-    running = RunningServer(config, server, engine, health_servicer, port, keys, store, servicer)
-    running.supervisor = await Supervisor(engine, health_servicer).start()  # liveness and readiness SERVING
-    if servicer.saved is not None:
-        running.saved = servicer.saved
+    running = RunningServer(config, server, engine, health_status, port, keys, store, gateway)
+    running.supervisor = await Supervisor(engine, health_status).start()  # liveness and readiness SERVING
+    if gateway.saved is not None:
+        running.saved = gateway.saved
         running.saved.start_preload()
     if config.http_port is not None:
         from retopk_server.http.serve import HttpFront  # fastapi and uvicorn load only when the front is on
 
-        running.http = HttpFront(servicer, health_servicer, config)
+        running.http = HttpFront(gateway, health_status, config)
         try:
             await running.http.start()
         except OSError as e:  # the port is taken or the host is not an address

@@ -1,6 +1,7 @@
 """Health that tells the truth, and the exit of a server whose engine died.
 
-grpc.health.v1 answers for two names, which docker/k8s's probes ask for:
+grpc.health.v1 answers for two names, which docker/k8s's probes ask for (and the HTTP front's /health reads
+readiness from ``Health.serving``):
 
     ""                       liveness: SERVING while the engine thread runs its loop (a drain included),
                              NOT_SERVING once the engine failed or hung
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine import Engine
@@ -34,10 +35,31 @@ EXIT_ENGINE_FAILED = 70  # sysexits' EX_SOFTWARE: the engine died; restart the p
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class Supervisor:
-    """Keeps ``health`` (a grpc_health aio HealthServicer) in step with ``engine``; see the module docstring."""
+class Health:
+    """The server's grpc.health.v1 answers: ``servicer`` (a grpc_health aio HealthServicer, served over gRPC) and
+    the same statuses readable here without an rpc (``serving``)."""
 
-    def __init__(self, engine: Engine, health, interval_s: float = 0.2) -> None:
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._status: dict[str, int] = {}
+
+    async def set(self, name: str, status: int) -> None:
+        self._status[name] = status
+        await self.servicer.set(name, status)
+
+    async def shutdown(self) -> None:
+        """Every name NOT_SERVING, for good (the server stops)."""
+        self._status = dict.fromkeys(self._status, NOT_SERVING)
+        await self.servicer.enter_graceful_shutdown()
+
+    def serving(self, name: str = READINESS) -> bool:
+        return self._status.get(name) == SERVING
+
+
+class Supervisor:
+    """Keeps ``health`` (Health) in step with ``engine``; see the module docstring."""
+
+    def __init__(self, engine: Engine, health: Health, interval_s: float = 0.2) -> None:
         self.engine, self.health, self.interval_s = engine, health, interval_s
         self.failed = asyncio.Event()
         self._task: asyncio.Task | None = None
