@@ -41,7 +41,7 @@ def test_the_error_table_of_docs_http_lists_every_status_the_front_answers():
 
 
 def test_a_message_names_its_field_once():
-    from retopk_server.service.convert import InvalidArgument
+    from retopk_server.service.wire import InvalidArgument
 
     said = "sampling.temperature: must be >= 0"
     assert str(InvalidArgument("sampling.temperature", "temperature must be >= 0")) == said

@@ -22,7 +22,7 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.cli import config_from
 from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS
 from retopk_server.runtime.stats import StepStats
-from retopk_server.service.convert import step_stats_message
+from retopk_server.service.wire import step_stats_message
 from tests.server.fake_runner import EOS, FakeRunner, greedy_reference
 
 pytestmark = pytest.mark.timeout(60)
@@ -443,7 +443,7 @@ def test_session_idle_timeout_reaches_the_engine():
 def test_wire_field_names_come_from_the_proto_and_the_config():
     from retopk_core.retopk_config import ReTopKConfig
     from retopk_server.runtime.sampling import SamplingParams
-    from retopk_server.service.convert import NAMED_PARAMS, SAMPLING_FIELDS
+    from retopk_server.service.wire import NAMED_PARAMS, SAMPLING_FIELDS
 
     assert set(NAMED_PARAMS) <= set(ReTopKConfig.names())  # each named wire field is a ReTopKConfig field
     assert set(SAMPLING_FIELDS) == set(SamplingParams.__dataclass_fields__)
@@ -454,7 +454,7 @@ def test_wire_field_names_come_from_the_proto_and_the_config():
                          "method.params['bogus']"), (_method(name="magic"), "method.name")])
 def test_a_bad_method_names_its_field(method, field):
     from retopk_server.runtime.runtime_config import default_method_spec
-    from retopk_server.service.convert import InvalidArgument, method_spec
+    from retopk_server.service.wire import InvalidArgument, method_spec
 
     with pytest.raises(InvalidArgument) as info:
         method_spec(method, default_method_spec())

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.http import convert
+from retopk_server.http import openai_bodies
 from retopk_server.http.errors import ApiError, from_call_error
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
 from retopk_server.service.auth import Caller, Unauthenticated
@@ -165,17 +165,17 @@ class Served:
             metadata = metadata_of(request)
             caller = self.authenticate(metadata)
             try:
-                raw = convert.drop_neutral(await read_json(request, self.max_body_bytes),
+                raw = openai_bodies.drop_neutral(await read_json(request, self.max_body_bytes),
                                            schema is ChatCompletionRequest)
                 body = schema.model_validate(raw)
             except ValidationError as e:
-                raise convert.validation_error(e) from None
+                raise openai_bodies.validation_error(e) from None
             info = self.gateway.engine.info
             if body.model != info.name:
                 raise ApiError("NOT_FOUND", f"model: the model {body.model!r} does not exist; this server serves "
                                             f"{info.name!r} (GET /v1/models)", "model")
-            message = convert.generate_message(body, info.vocab_size, self.gateway.config.max_new_tokens)
-            rename = convert.field_renamer(body)
+            message = openai_bodies.generate_message(body, info.vocab_size, self.gateway.config.max_new_tokens)
+            rename = openai_bodies.field_renamer(body)
             if body.user is not None:
                 log.debug("request from user %r", body.user[:64])
             generation = await self.gateway.generate(call, caller, message, metadata, deadline=None)
@@ -237,7 +237,7 @@ def sse_stream(body, generation: Generation, first, rename, envelope: dict, chun
             yield _sse(from_call_error(error, rename).body())
         else:
             if include_usage:
-                yield _sse({**envelope, "choices": [], "usage": convert.usage(*finals)})
+                yield _sse({**envelope, "choices": [], "usage": openai_bodies.usage(*finals)})
         finally:
             generation.close()
         yield "data: [DONE]\n\n"
@@ -271,13 +271,13 @@ async def get_model(model: str, request: Request, served: ServedDep):
 @router.post("/v1/completions")
 async def completions(request: Request, served: ServedDep):
     body, generation, first, rename = await served.start(request, CompletionRequest)
-    envelope = convert.envelope("text_completion", first.request_id, body.model)
+    envelope = openai_bodies.envelope("text_completion", first.request_id, body.model)
 
-    offsets: dict[int, convert.CompletionLogprobs] = {}  # per choice: its tokens' text offsets
+    offsets: dict[int, openai_bodies.CompletionLogprobs] = {}  # per choice: its tokens' text offsets
 
     def choice(r: pb.GenerateResponse) -> dict:
-        lp = offsets.setdefault(r.index, convert.CompletionLogprobs()).of(r)
-        return {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": convert.finish_reason(r)}
+        lp = offsets.setdefault(r.index, openai_bodies.CompletionLogprobs()).of(r)
+        return {"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": openai_bodies.finish_reason(r)}
 
     if body.stream:
         def chunks(r: pb.GenerateResponse, opening: bool):
@@ -287,21 +287,21 @@ async def completions(request: Request, served: ServedDep):
         return sse_stream(body, generation, first, rename, envelope, chunks)
     responses = [first, *await _unless_disconnected(request, rest(generation, rename))]
     choices = []
-    for group in convert.by_choice(responses):
-        merged, logprobs = None, convert.CompletionLogprobs()
+    for group in openai_bodies.by_choice(responses):
+        merged, logprobs = None, openai_bodies.CompletionLogprobs()
         for r in group:
-            merged = convert.merge_logprobs(merged, logprobs.of(r))
+            merged = openai_bodies.merge_logprobs(merged, logprobs.of(r))
         choices.append({"index": group[0].index, "text": "".join(r.text for r in group), "logprobs": merged,
-                        "finish_reason": convert.finish_reason(group[-1])})
+                        "finish_reason": openai_bodies.finish_reason(group[-1])})
     finals = [r for r in responses if r.finish_reason]
-    return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
+    return {**envelope, "choices": choices, "usage": openai_bodies.usage(*finals)}
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, served: ServedDep):
     body, generation, first, rename = await served.start(request, ChatCompletionRequest)
     if body.stream:
-        envelope = convert.envelope("chat.completion.chunk", first.request_id, body.model)
+        envelope = openai_bodies.envelope("chat.completion.chunk", first.request_id, body.model)
 
         def chunks(r: pb.GenerateResponse, opening: bool):
             if opening:
@@ -309,28 +309,28 @@ async def chat_completions(request: Request, served: ServedDep):
                                                 "logprobs": None, "finish_reason": None}]}
             if r.text or r.logprobs or r.finish_reason or r.tool_calls:
                 delta = {"content": r.text} if r.text else {}
-                if calls := convert.tool_call_deltas(r):
+                if calls := openai_bodies.tool_call_deltas(r):
                     delta["tool_calls"] = calls
                 yield {**envelope, "choices": [{"index": r.index, "delta": delta,
-                                                "logprobs": convert.chat_logprobs(r),
-                                                "finish_reason": convert.finish_reason(r)}]}
+                                                "logprobs": openai_bodies.chat_logprobs(r),
+                                                "finish_reason": openai_bodies.finish_reason(r)}]}
 
         return sse_stream(body, generation, first, rename, envelope, chunks)
-    envelope = convert.envelope("chat.completion", first.request_id, body.model)
+    envelope = openai_bodies.envelope("chat.completion", first.request_id, body.model)
     responses = [first, *await _unless_disconnected(request, rest(generation, rename))]
     choices = []
-    for group in convert.by_choice(responses):
+    for group in openai_bodies.by_choice(responses):
         merged = None
         for r in group:
-            merged = convert.merge_logprobs(merged, convert.chat_logprobs(r))
+            merged = openai_bodies.merge_logprobs(merged, openai_bodies.chat_logprobs(r))
         message = {"role": "assistant", "content": "".join(r.text for r in group)}
-        if calls := convert.whole_tool_calls(group):
+        if calls := openai_bodies.whole_tool_calls(group):
             message["tool_calls"] = calls
             message["content"] = message["content"] or None
         choices.append({"index": group[0].index, "message": message, "logprobs": merged,
-                        "finish_reason": convert.finish_reason(group[-1])})
+                        "finish_reason": openai_bodies.finish_reason(group[-1])})
     finals = [r for r in responses if r.finish_reason]
-    return {**envelope, "choices": choices, "usage": convert.usage(*finals)}
+    return {**envelope, "choices": choices, "usage": openai_bodies.usage(*finals)}
 
 
 async def api_error(request: Request, exc: ApiError):

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models (types only; bounds live where the
-gRPC service checks them, ``retopk_server.service.convert`` and the engine, so both fronts share them).
+gRPC service checks them, ``retopk_server.service.wire`` and the engine, so both fronts share them).
 
 Unknown fields are refused (400 naming the field) and types are strict: ``"temperature": "0.5"`` or
 ``"max_tokens": true`` is a 400, not a silent conversion. Shapes that take several types (``prompt``, a
-message's ``content``) are checked in ``retopk_server.http.convert`` with messages that name the field.
+message's ``content``) are checked in ``retopk_server.http.openai_bodies`` with messages that name the field.
 
 retopk's own options travel in one extra object, ``retopk`` (``extra_body={"retopk": {...}}`` with the
 openai package); see ``RetopkOptions``.
@@ -68,7 +68,7 @@ class _Generation(_Body):
     frequency_penalty: float | None = None
     n: int | None = None
     # {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name", "schema",
-    # "strict", "description"}}; its shape is checked in http/convert.py, naming the field
+    # "strict", "description"}}; its shape is checked in http/openai_bodies.py, naming the field
     response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -104,7 +104,7 @@ class ChatCompletionRequest(_Generation):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    # [{"type": "function", "function": {"name", "description", "parameters", "strict"}}], checked in convert
+    # [{"type": "function", "function": {"name", "description", "parameters", "strict"}}], checked in openai_bodies
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # accepted; a forced call is one call, "auto" may make several

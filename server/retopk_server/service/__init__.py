@@ -1,1 +1,2 @@
-"""The gRPC front end: servicer (validation, auth, error mapping), conversions, startup and drain."""
+"""The front-end-neutral gateway both fronts call (gateway.py), the gRPC servicer over it, wire conversions
+(wire.py), keys, limits, health, startup and drain."""

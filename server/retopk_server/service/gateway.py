@@ -33,13 +33,13 @@ from retopk_server.engine.requests import MAX_N, MAX_TOOLS, MAX_TOP_LOGPROBS, Er
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.constraints import ConstraintError
 from retopk_server.runtime.prefix_cache import MAX_CACHE_SALT_CHARS
-from retopk_server.service import convert
+from retopk_server.service import wire
 from retopk_server.service.auth import Caller, KeyRing, Unauthenticated
-from retopk_server.service.convert import InvalidArgument
 from retopk_server.service.handoff_notices import NOTICE_METADATA, HandoffNotices
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.quota import StreamQuota, TooManyStreams
 from retopk_server.service.saved_sessions import SavedSessions
+from retopk_server.service.wire import InvalidArgument
 from retopk_shared.metadata import AUTHORIZATION, SESSION_METADATA
 
 log = logging.getLogger("retopk_server.service")
@@ -138,7 +138,7 @@ class Generation:
             self.call.code = exc.code.value
             raise CallError(exc.code.value, exc.message) from None
         self.final_sent = event.finish_reason is not None
-        return convert.generate_response(event, self.spec.request_id)
+        return wire.generate_response(event, self.spec.request_id)
 
     def close(self, cancelled: str = "CANCELLED") -> None:
         """A generation closed before its end was cut by its client (``cancelled``: CANCELLED, or
@@ -246,13 +246,13 @@ class Gateway:
         values, the method against the model, the constraint compiled off the engine thread (cached by content)."""
         info = self.engine.info
         self.limits.generate(message)
-        spec = convert.generation_request(message, info.default_method, info.vocab_size, self.config.max_new_tokens,
+        spec = wire.generation_request(message, info.default_method, info.vocab_size, self.config.max_new_tokens,
                                           deadline, info.sampling_defaults, self.engine.config.constraints)
         spec.owner = caller.name
         await self.restore_saved(caller, spec.session_id)
         self.limits.method(spec.method)
         if spec.constraint is not None:
-            spec.grammar = await self._compile(spec.constraint, convert.tool_constraints(spec))
+            spec.grammar = await self._compile(spec.constraint, wire.tool_constraints(spec))
         return spec
 
     async def generate(self, call: Call, caller: Caller, message: pb.GenerateRequest, metadata: Metadata,
@@ -296,8 +296,8 @@ class Gateway:
                             max_context=info.max_context, vocab_size=info.vocab_size,
                             eos_token_ids=list(info.eos_token_ids), dtype=info.dtype, device=info.device,
                             backend=info.backend,
-                            default_method=convert.method_message(default.name, describe_method(default)),
+                            default_method=wire.method_message(default.name, describe_method(default)),
                             methods=serving_method_names(), limits=limits, server_version=self.version,
-                            default_sampling=convert.sampling_message(info.sampling_defaults),
+                            default_sampling=wire.sampling_message(info.sampling_defaults),
                             default_sampling_source=info.sampling_source, weight_format=info.weight_format,
                             weight_bytes=info.weight_bytes, kv_dtype=info.kv_dtype)

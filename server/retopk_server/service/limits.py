@@ -8,7 +8,7 @@ reported in ModelInfo.limits (``reported``) and bound gRPC's own message size (`
                          CHARS_PER_TOKEN x max_prompt_tokens (no tokenizer packs more into a token; a text
                          longer than that is refused before the tokenizer spends time on it)
     max_chat_messages    messages of one chat input
-    max_stop_strings     stop strings of one request (convert.MAX_STOP); each at most max_stop_chars
+    max_stop_strings     stop strings of one request (wire.MAX_STOP); each at most max_stop_chars
     max_stop_token_ids   stop token ids of one request
     max_detokenize_ids   token ids of one Detokenize: a whole context
     max_message_bytes    gRPC's receive limit: the largest text as UTF-8 (4 bytes a character) plus the
@@ -28,7 +28,7 @@ from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.runtime.method_limits import check_method, dense_kv_bytes, state_cap_bytes
 from retopk_server.runtime.method_spec import MethodSpec
-from retopk_server.service.convert import MAX_STOP, InvalidArgument, method_field
+from retopk_server.service.wire import MAX_STOP, InvalidArgument, method_field
 
 CHARS_PER_TOKEN = 32
 MAX_CHAT_MESSAGES = 1024

@@ -24,10 +24,10 @@ import grpc
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.engine import session_artifact
-from retopk_server.service import convert
+from retopk_server.service import wire
 from retopk_server.service.auth import Caller
-from retopk_server.service.convert import InvalidArgument
 from retopk_server.service.gateway import PEER, CallError, Gateway, Metadata
+from retopk_server.service.wire import InvalidArgument
 
 # A client's own deadline timer may fire (and cancel the stream) a moment before the server's copy of that
 # deadline does: a cancellation this close to the deadline is the deadline's.
@@ -115,35 +115,35 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     # ------------------------------------------------------------------------------------ sessions
     @_unary
     async def CreateSession(self, request: pb.CreateSessionRequest, context, caller: Caller) -> pb.SessionInfo:
-        session_id = convert.identifier("session_id", request.session_id) if request.HasField("session_id") else None
+        session_id = wire.identifier("session_id", request.session_id) if request.HasField("session_id") else None
         self._check_affinity(context, session_id)
-        method = (convert.method_spec(request.method, self.engine.info.default_method)
+        method = (wire.method_spec(request.method, self.engine.info.default_method)
                   if request.HasField("method") else None)
         self.gateway.limits.method(method)
-        return convert.session_info(await self._engine(self.engine.commands.create_session(
+        return wire.session_info(await self._engine(self.engine.commands.create_session(
             session_id, method, caller.name, caller.max_sessions)))
 
     @_unary
     async def GetSession(self, request: pb.GetSessionRequest, context, caller: Caller) -> pb.SessionInfo:
-        session_id = convert.identifier("session_id", request.session_id)
+        session_id = wire.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
         self.gateway.check_moved(caller, session_id)
         await self.gateway.restore_saved(caller, session_id)
-        return convert.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
+        return wire.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
 
     @_unary
     async def ListSessions(self, request: pb.ListSessionsRequest, context, caller: Caller) -> pb.ListSessionsResponse:
         sessions = await self._engine(self.engine.commands.list_sessions(caller.name))
-        return pb.ListSessionsResponse(sessions=[convert.session_info(s) for s in sessions])
+        return pb.ListSessionsResponse(sessions=[wire.session_info(s) for s in sessions])
 
     @_unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
-        session_id = convert.identifier("session_id", request.session_id)
+        session_id = wire.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
         self.gateway.check_moved(caller, session_id)
         await self.gateway.restore_saved(caller, session_id)
         snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
-        return pb.CloseSessionResponse(session=convert.session_info(snapshot))
+        return pb.CloseSessionResponse(session=wire.session_info(snapshot))
 
     # ------------------------------------------------------------------------------------ session artifacts
     async def ExportSession(self, request: pb.ExportSessionRequest, context: grpc.aio.ServicerContext):
@@ -151,7 +151,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         call = self.gateway.call("ExportSession")
         try:
             caller = self.gateway.authenticate(_metadata(context))
-            session_id = convert.identifier("session_id", request.session_id)
+            session_id = wire.identifier("session_id", request.session_id)
             self._check_affinity(context, session_id)
             self.gateway.check_moved(caller, session_id)
             await self.gateway.restore_saved(caller, session_id)
@@ -186,7 +186,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
                 if message.HasField("session_id"):
                     if not first:
                         raise InvalidArgument("session_id", "set it in the first message only")
-                    session_id = convert.identifier("session_id", message.session_id)
+                    session_id = wire.identifier("session_id", message.session_id)
                 first = False
                 total += len(message.data)
                 if total > limit:
@@ -198,7 +198,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             raise CallError("FAILED_PRECONDITION", str(e)) from None
         except session_artifact.ArtifactError as e:
             raise InvalidArgument(e.field, str(e).removeprefix(f"{e.field}: ")) from None
-        session_id = session_id or convert.identifier("session_id", artifact.session_id)
+        session_id = session_id or wire.identifier("session_id", artifact.session_id)
         self._check_affinity(context, session_id)
         owner, max_owned = caller.name, caller.max_sessions
         if caller is PEER:  # a replica hands it over for its owner, within the owner's session limit
@@ -206,7 +206,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             known = self.gateway.keys.caller(owner)
             max_owned = known.max_sessions if known is not None else None
         snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id, max_owned))
-        return convert.session_info(snapshot)
+        return wire.session_info(snapshot)
 
     # ------------------------------------------------------------------------------------ tokenizer
     @_unary
@@ -218,14 +218,14 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
         if which == "text":
             ids = await self._engine(self.engine.commands.encode(request.text))
         else:
-            ids = await self._engine(self.engine.commands.encode_chat(convert.chat_messages(request.chat)))
+            ids = await self._engine(self.engine.commands.encode_chat(wire.chat_messages(request.chat)))
         pieces = await self._engine(self.engine.commands.token_pieces(ids))
         return pb.TokenizeResponse(token_ids=ids, tokens=[str(p) for p in pieces])
 
     @_unary
     async def Detokenize(self, request: pb.DetokenizeRequest, context, _caller: Caller) -> pb.DetokenizeResponse:
         self.gateway.limits.detokenize(request)
-        ids = convert.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
+        ids = wire.check_token_ids("token_ids", request.token_ids, self.engine.info.vocab_size)
         text = await self._engine(self.engine.commands.detokenize(ids, request.skip_special_tokens))
         return pb.DetokenizeResponse(text=text)
 
@@ -236,4 +236,4 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
 
     @_unary
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context, _caller: Caller) -> pb.ServerStatus:
-        return convert.server_status(await self._engine(self.engine.commands.status()))
+        return wire.server_status(await self._engine(self.engine.commands.status()))

@@ -1,7 +1,7 @@
 """Wire messages <-> engine objects, with the input checks that need no model.
 
-Every check raises ``InvalidArgument(field, message)``; the servicer answers INVALID_ARGUMENT with
-"<field>: <message>". Checks that need the tokenizer (prompt length) run in the engine.
+Every check raises ``InvalidArgument(field, message)``; the gateway's CallError answers INVALID_ARGUMENT
+(HTTP 400) with "<field>: <message>". Checks that need the tokenizer (prompt length) run in the engine.
 """
 
 from __future__ import annotations

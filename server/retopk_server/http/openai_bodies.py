@@ -1,6 +1,6 @@
 """OpenAI request bodies -> the gRPC GenerateRequest they mean; GenerateResponses -> OpenAI response objects.
 
-The HTTP front hands that GenerateRequest to the gRPC servicer's own Generate, so both fronts accept and
+The HTTP front hands that GenerateRequest to the gateway the gRPC servicer calls too, so both fronts accept and
 refuse the same values with the same limits, keys and metrics; a refusal's field is renamed back to the
 body's (``field_renamer``: ``max_new_tokens`` -> ``max_tokens``, ``sampling.temperature`` ->
 ``temperature``, ``method.top_k`` -> ``retopk.method.top_k``). This module checks only what the gRPC
@@ -26,7 +26,7 @@ from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine.requests import MAX_TOP_LOGPROBS
 from retopk_server.http.errors import ApiError
 from retopk_server.http.schemas import ChatCompletionRequest, CompletionRequest
-from retopk_server.service import convert as service
+from retopk_server.service import wire
 from retopk_shared.fields import FieldValueError, method_message, set_field, split_method
 
 Body = CompletionRequest | ChatCompletionRequest
@@ -134,8 +134,8 @@ def _bad(param: str, why: str) -> ApiError:
 
 def _token_ids(param: str, ids: list, vocab_size: int) -> list[int]:
     try:
-        return service.check_token_ids(param, ids, vocab_size)
-    except service.InvalidArgument as e:
+        return wire.check_token_ids(param, ids, vocab_size)
+    except wire.InvalidArgument as e:
         raise _bad(e.field, str(e).removeprefix(e.field + ": ")) from None
 
 
@@ -143,7 +143,7 @@ def _set(message, name: str, value, param: str, bounds: tuple[int, int] | None =
     """Set a proto field; a value outside ``bounds`` (the gRPC front's own range of the field) or that its type
     cannot hold (a negative uint, an int past 64 bits) is the client's, worded as the gRPC front words a range."""
     if bounds is not None and not bounds[0] <= value <= bounds[1]:
-        raise _bad(param, service.range_message(value, *bounds))
+        raise _bad(param, wire.range_message(value, *bounds))
     try:
         set_field(message, name, value, param)
     except FieldValueError as e:
