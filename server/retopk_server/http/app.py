@@ -166,7 +166,7 @@ class Served:
             caller = self.authenticate(metadata)
             try:
                 raw = openai_bodies.drop_neutral(await read_json(request, self.max_body_bytes),
-                                           schema is ChatCompletionRequest)
+                                                 schema is ChatCompletionRequest)
                 body = schema.model_validate(raw)
             except ValidationError as e:
                 raise openai_bodies.validation_error(e) from None

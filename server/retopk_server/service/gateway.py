@@ -243,14 +243,14 @@ class Gateway:
     async def checked(self, caller: Caller, message: pb.GenerateRequest, deadline: float | None) \
             -> GenerationRequest:
         """The engine's GenerationRequest of ``message``, every field checked (InvalidArgument naming it): sizes,
-        values, the method against the model, the constraint compiled off the engine thread (cached by content)."""
+        values, the method against the model (built once), the constraint compiled off the engine thread (cached
+        by content)."""
         info = self.engine.info
         self.limits.generate(message)
-        spec = wire.generation_request(message, info.default_method, info.vocab_size, self.config.max_new_tokens,
-                                          deadline, info.sampling_defaults, self.engine.config.constraints)
+        spec = wire.generation_request(message, info, self.config.max_new_tokens, deadline,
+                                       self.engine.config.constraints)
         spec.owner = caller.name
         await self.restore_saved(caller, spec.session_id)
-        self.limits.method(spec.method)
         if spec.constraint is not None:
             spec.grammar = await self._compile(spec.constraint, wire.tool_constraints(spec))
         return spec

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retopk_core.params import ParamError
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.runtime.method_limits import check_method, dense_kv_bytes, state_cap_bytes
-from retopk_server.runtime.method_spec import MethodSpec
-from retopk_server.service.wire import MAX_STOP, InvalidArgument, method_field
+from retopk_server.runtime.method_limits import dense_kv_bytes, state_cap_bytes
+from retopk_server.service.wire import MAX_STOP, InvalidArgument
 
 CHARS_PER_TOKEN = 32
 MAX_CHAT_MESSAGES = 1024
@@ -128,12 +126,3 @@ class InputLimits:
 
     def detokenize(self, message: pb.DetokenizeRequest) -> None:
         self._ids("token_ids", message.token_ids, self.max_detokenize_ids)
-
-    def method(self, spec: MethodSpec | None) -> None:
-        """A request's or session's method against the model: context-bounded fields, state size."""
-        if spec is None:
-            return
-        try:
-            check_method(spec, self.info)
-        except ParamError as e:
-            raise InvalidArgument(f"method.{method_field(e)}", str(e)) from None

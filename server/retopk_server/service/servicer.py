@@ -117,9 +117,8 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def CreateSession(self, request: pb.CreateSessionRequest, context, caller: Caller) -> pb.SessionInfo:
         session_id = wire.identifier("session_id", request.session_id) if request.HasField("session_id") else None
         self._check_affinity(context, session_id)
-        method = (wire.method_spec(request.method, self.engine.info.default_method)
-                  if request.HasField("method") else None)
-        self.gateway.limits.method(method)
+        info = self.engine.info
+        method = wire.method_spec(request.method, info.default_method, info) if request.HasField("method") else None
         return wire.session_info(await self._engine(self.engine.commands.create_session(
             session_id, method, caller.name, caller.max_sessions)))
 

@@ -27,6 +27,7 @@ from retopk_server.engine.requests import (
 from retopk_server.engine.session_table import SessionSnapshot
 from retopk_server.engine.tools import forced_schema
 from retopk_server.runtime.constraints import ConstraintLimits, ConstraintSpec, json_depth, parse_schema
+from retopk_server.runtime.method_limits import check_method
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefix_cache import MAX_CACHE_SALT_CHARS
 from retopk_server.runtime.sampling import SamplingParams
@@ -113,8 +114,10 @@ def _param_value(key: str, value: pb.ParamValue):
     return getattr(value, kind)
 
 
-def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
-    """The MethodSpec a request or session asks for, checked by building it.
+def method_spec(message: pb.AttentionMethod, default: MethodSpec, info=None) -> MethodSpec:
+    """The MethodSpec a request or session asks for, checked by building it once: its name and hyperparameters,
+    and with the model's ``info`` (a ModelInfo) its bounds against the model too (runtime/method_limits.py:
+    context-bounded fields, state size).
 
     Empty name or the default's name: absent fields take the default's values; any other method
     starts from its own defaults.
@@ -137,7 +140,10 @@ def method_spec(message: pb.AttentionMethod, default: MethodSpec) -> MethodSpec:
     params.update(given)
     try:
         spec = MethodSpec(name, tuple(params.items()))
-        spec.build()
+        if info is None:
+            spec.build()
+        else:
+            check_method(spec, info)
     except ParamError as e:  # names the hyperparameter: a named field of method, or one of its params
         raise InvalidArgument(f"method.{method_field(e)}", str(e)) from None
     except ValueError as e:
@@ -312,12 +318,13 @@ def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, vocab_size: int,
-                       max_new_tokens_limit: int, deadline: float | None, sampling_defaults=(),
+def generation_request(message: pb.GenerateRequest, info, max_new_tokens_limit: int, deadline: float | None,
                        constraint_limits: ConstraintLimits | None = None) -> GenerationRequest:
-    """Check a GenerateRequest and turn it into the engine's GenerationRequest; unset sampling fields take
-    ``sampling_defaults``. The engine checks ``top_logprobs`` (GenerationRequest.check_logprobs); the
-    constraint is checked for size here and compiled by the servicer."""
+    """Check a GenerateRequest against the model ``info`` (a ModelInfo: its vocabulary, default method and sampling
+    defaults, which unset sampling fields take) and turn it into the engine's GenerationRequest. The engine
+    checks ``top_logprobs`` (GenerationRequest.check_logprobs); the constraint is checked for size here and
+    compiled by the gateway."""
+    vocab_size = info.vocab_size
     constraint_limits = constraint_limits or ConstraintLimits()
     request_id = (identifier("request_id", message.request_id) if message.HasField("request_id")
                   else uuid.uuid4().hex)
@@ -343,8 +350,8 @@ def generation_request(message: pb.GenerateRequest, default_method: MethodSpec, 
         if message.HasField("method"):
             raise InvalidArgument("method", "must be absent when session_id is set (a session keeps its own method)")
     elif message.HasField("method"):
-        spec.method = method_spec(message.method, default_method)
-    spec.sampling = sampling_params(message.sampling, sampling_defaults)
+        spec.method = method_spec(message.method, info.default_method, info)
+    spec.sampling = sampling_params(message.sampling, info.sampling_defaults)
     if message.HasField("max_new_tokens"):
         spec.max_new_tokens = check_range("max_new_tokens", message.max_new_tokens, 1, max_new_tokens_limit)
     if len(message.stop) > MAX_STOP:
