@@ -248,26 +248,23 @@ def test_client_imports_without_torch():
     assert done.returncode == 0, done.stderr
 
 
+def _files_importing(module_pattern: str, folders: tuple[str, ...]) -> list[str]:
+    """The .py files under ``folders`` with an import of a module matching ``module_pattern`` (a regex)."""
+    line = re.compile(rf"^\s*(from|import) {module_pattern}", re.M)
+    return [path.relative_to(REPO).as_posix() for folder in folders for path in (REPO / folder).rglob("*.py")
+            if line.search(path.read_text())]
+
+
 def test_nothing_imports_a_private_module_of_the_client():
     """The wire package is public (retopk_proto); no code outside the client reaches into retopk_client._*."""
-    offenders = [
-        path.relative_to(REPO).as_posix()
-        for folder in ("server", "retopk_core", "bench")
-        for path in (REPO / folder).rglob("*.py")
-        if re.search(r"^\s*(from|import) retopk_client\._", path.read_text(), re.M)
-    ]
+    offenders = _files_importing(r"retopk_client\._", ("server", "retopk_core", "bench"))
     assert not offenders, offenders
 
 
 def test_server_and_shared_never_import_the_client():
     """The server, the core and the package both sides share import no retopk_client: what the server needs of
     the client's conventions lives in retopk_shared, so the server runs without the client distribution."""
-    offenders = [
-        path.relative_to(REPO).as_posix()
-        for folder in ("server", "retopk_core", "client/retopk_shared")
-        for path in (REPO / folder).rglob("*.py")
-        if re.search(r"^\s*(from|import) retopk_client\b", path.read_text(), re.M)
-    ]
+    offenders = _files_importing(r"retopk_client\b", ("server", "retopk_core", "client/retopk_shared"))
     assert not offenders, offenders
 
 
