@@ -29,7 +29,7 @@ INSTALL_HASH := $(shell cat pyproject.toml setup.py client/pyproject.toml client
 SERVE_STAMP := $(VENV)/.retopk-install-serve-$(INSTALL_HASH)
 TEST_STAMP := $(VENV)/.retopk-install-test-$(INSTALL_HASH)
 
-# Compile retopk_core/cpu/retopk_cpu.cpp and decoder_ops.cpp into retopk_core/cpu/_build (see retopk_core/cpu/build.py).
+# Compile retopk_core/cpu/retopk_cpu.cpp, decoder_ops.cpp and decode_layers.cpp into retopk_core/cpu/_build (see retopk_core/cpu/build.py).
 CPU_KERNEL := $(PY) -m retopk_core.cpu.build
 
 .PHONY: help serve test test-full lint proto install install-test system-deps clean bench-llamacpp-deps

@@ -5,11 +5,16 @@ argmax included) after a few warm-up steps, and prints the median and the minimu
 commits, run it in a worktree of each, taking turns (the machine's speed drifts), e.g.
 
     python -m bench.decode_step --length 1024 --methods full default --threads 2
+
+``--compare-layer-loop`` times each method's step both ways in one process, in ``--rounds`` that take turns:
+the layers in one call of the fused CPU library (the runner's default where the step allows it,
+runtime/whole_step.py) and layer by layer in Python, and prints the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from retopk_core.hugepages import enable_transparent_hugepages
@@ -31,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
+    p.add_argument("--compare-layer-loop", action="store_true",
+                   help="time each method with its layers in one call and layer by layer, taking turns")
+    p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop")
     return p.parse_args(argv)
 
 
@@ -57,8 +65,19 @@ def main(argv=None) -> None:
     print(f"# decode_step: L = {len(ids)}, {args.threads} threads, {args.steps} steps")
     with torch.inference_mode():
         for text in args.methods:
-            times = sorted(time_steps(runner, parse_method(text), ids, args.warmup, args.steps))
-            print(f"{text}: median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms")
+            if not args.compare_layer_loop:
+                times = sorted(time_steps(runner, parse_method(text), ids, args.warmup, args.steps))
+                print(f"{text}: median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms")
+                continue
+            ways = {True: [], False: []}  # layers_in_one_call -> step times over every round
+            for _ in range(args.rounds):
+                for one_call in ways:
+                    runner.layers_in_one_call = one_call
+                    ways[one_call] += time_steps(runner, parse_method(text), ids, args.warmup, args.steps)
+            runner.layers_in_one_call = True
+            one, loop = (statistics.median(ways[w]) for w in (True, False))
+            print(f"{text}: one call median {1e3 * one:.2f} ms, layer by layer {1e3 * loop:.2f} ms, "
+                  f"layer by layer / one call {loop / one:.3f}x")
 
 
 if __name__ == "__main__":

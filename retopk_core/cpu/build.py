@@ -1,4 +1,5 @@
-"""Compile the fused CPU kernel (retopk_cpu.cpp, with the decoder's ops of decoder_ops.cpp) beside this file:
+"""Compile the fused CPU kernel (retopk_cpu.cpp, with the decoder's ops of decoder_ops.cpp and the whole-step
+layer loop of decode_layers.cpp) beside this file:
 ``python -m retopk_core.cpu.build``.
 
 ``make install`` / ``make test`` and docker/Dockerfile.cpu run it after installing the project. It needs a
@@ -19,7 +20,7 @@ from pathlib import Path
 
 NAME = "retopk_cpu"
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / f"{NAME}.cpp", HERE / "decoder_ops.cpp")
+SOURCES = (HERE / f"{NAME}.cpp", HERE / "decoder_ops.cpp", HERE / "decode_layers.cpp")
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / f"{NAME}.so"
 STAMP = BUILD_DIR / f"{NAME}.key"

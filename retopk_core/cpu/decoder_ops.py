@@ -7,6 +7,8 @@
     swiglu(gu) -> silu(g) * u for gu = [g, u]
     attn_in(x, w_attn, eps, qkv, cos, sin, rot_heads, d) -> rope(rms_norm(x) W_qkv^T (+ b)) on its first rot_heads heads
     mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
+    decode_layers(x, layer weights, ..., attention) -> every layer of a decode step in one call: attn_in, the
+      step's keys and values stored, the attention (cpu/launch.py's LayerAttention), mlp_out, layer by layer
 
 ``attn_in`` and ``mlp_out`` are a decode layer's two halves around its attention, each the ops above in the
 order the unfused path calls them (so each result equals that path's); their weights are ``Blocks``.
@@ -28,12 +30,12 @@ from typing import NamedTuple
 
 import torch
 
-from retopk_core.cpu.launch import available, extension
+from retopk_core.cpu.launch import PATH_CODES, LayerAttention, available, extension
 
 ISA_NAMES = ("scalar", "avx2", "avx512")
 
-__all__ = ["ISA_NAMES", "Blocks", "attn_in", "available", "best_isa", "block_matmul", "isa", "mlp_out", "rms_norm",
-           "rope_", "store_kv", "swiglu"]
+__all__ = ["ISA_NAMES", "Blocks", "attn_in", "available", "best_isa", "block_matmul", "decode_layers", "isa",
+           "layer_arguments", "mlp_out", "rms_norm", "rope_", "store_kv", "swiglu"]
 
 
 class Blocks(NamedTuple):
@@ -100,3 +102,37 @@ def mlp_out(x: torch.Tensor, a: torch.Tensor, o: Blocks, w_mlp: torch.Tensor, ep
     return extension().mlp_out(x, a.contiguous(), o.qs, o.scales, o.bits, o.bias, w_mlp, float(eps), gate_up.qs,
                                gate_up.scales, gate_up.bits, gate_up.bias, down.qs, down.scales, down.bits, down.bias,
                                isa())
+
+
+_NO_BIAS = torch.empty(0)
+
+
+def layer_arguments(layers: list[tuple]) -> tuple[list[torch.Tensor], list[int]]:
+    """Per layer (attn_norm, qkv, o, mlp_norm, gate_up, down), the products as Blocks -> ``decode_layers``'s
+    weights (14 tensors a layer, an empty tensor for a missing bias) and bits (4 a layer)."""
+    weights, bits = [], []
+    for attn_norm, qkv, o, mlp_norm, gate_up, down in layers:
+        for item in (attn_norm, qkv, o, mlp_norm, gate_up, down):
+            if isinstance(item, Blocks):
+                weights += [item.qs, item.scales, _NO_BIAS if item.bias is None else item.bias]
+                bits.append(item.bits)
+            else:
+                weights.append(item)
+    return weights, bits
+
+
+def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], bits: list[int], eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, shape: tuple[int, int, int], k_pools: list[torch.Tensor],
+                  v_pools: list[torch.Tensor], rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                  attention: LayerAttention) -> tuple[torch.Tensor, float, list[tuple]]:
+    """Every layer of a decode step in one call (decode_layers.cpp), the same kernels in the same order as
+    ``attn_in``, ``store_kv``, the attention step and ``mlp_out`` called layer by layer: x (B, D) float32 ->
+    (x (B, D), seconds spent in the attention, per layer (path, max_sim, n_scored) for ReTopK, else []).
+    shape = (H, H_kv, d); weights, bits from ``layer_arguments``; k_pools, v_pools: each layer's pools;
+    rows (B, H_kv, 1) the pool rows of the step's token; table, lengths the rows' block table and lengths."""
+    H, H_kv, d = shape
+    a = attention
+    res = extension().decode_layers(x, weights, bits, float(eps), cos, sin, H, H_kv, d, k_pools, v_pools, rows, table,
+                                    lengths, a.kind, a.state, _NO_BIAS if a.slots is None else a.slots, a.ints,
+                                    a.retrieval, a.gqa_policy, a.floats, PATH_CODES, a.calibration, a.guard, isa())
+    return res[0], float(res[1]), [tuple(res[i:i + 3]) for i in range(2, len(res), 3)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,7 +42,7 @@ from retopk_core.methods.step_output import Path, StepOutput
 log = logging.getLogger(__name__)
 
 # Path codes the kernel writes, in its argument order (reuse, fallback, refresh, promoted).
-_CODES = [int(Path.REUSE), int(Path.FALLBACK), int(Path.REFRESH), int(Path.PROMOTED)]
+PATH_CODES = [int(Path.REUSE), int(Path.FALLBACK), int(Path.REFRESH), int(Path.PROMOTED)]
 
 
 @functools.cache
@@ -103,6 +104,47 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     out, path, max_sim, n_scored, selected = extension().decode(
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, state.queries, state.support, state.fill, state.ptr,
         state.step, slots, state.tau, state.period, state.phase, cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every,
-        cfg.retrieval, cfg.gqa_policy, float(cfg.group_tau_min), float(scale), _CODES, calibration_constants(cfg),
+        cfg.retrieval, cfg.gqa_policy, float(cfg.group_tau_min), float(scale), PATH_CODES, calibration_constants(cfg),
         guard_constants(cfg))
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=selected)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """A method's attention at every layer of one decode step, as ``decode_layers`` (decode_layers.cpp) runs it:
+    kind 0 ReTopK's sparse step on each layer's FIFO state (``state``: 8 tensors a layer, ``slots`` (layers, B)),
+    kind 1 ``dense_decode`` (ints = (top_k, exact)). ``path``: the path code a dense kind reports for every head."""
+
+    kind: int
+    ints: list[int]
+    path: int = int(Path.DENSE)
+    state: list[torch.Tensor] = field(default_factory=list)
+    slots: torch.Tensor | None = None
+    retrieval: str = ""
+    gqa_policy: str = ""
+    floats: list[float] = field(default_factory=list)
+    calibration: list[float] = field(default_factory=list)
+    guard: list[float] = field(default_factory=list)
+
+
+def layer_attention(method, states: list, slots: torch.Tensor, min_length: int) -> LayerAttention | None:
+    """``method``'s attention for ``decode_layers`` on a batch whose shortest row holds ``min_length`` positions
+    with this step's token, or None where its own per-layer step must run: a method without a fused CPU step
+    (or built on another backend), and ReTopK while a row is below its dense floor (that step splits the batch
+    at the floor in Python; ``ReTopK.decode``)."""
+    if getattr(method, "steps", None) is None or method.steps.name != "cpu" or not available():
+        return None
+    if method.name == "full":
+        return LayerAttention(1, [0, 0], int(Path.DENSE))
+    if method.name == "exact_topk":
+        return LayerAttention(1, [method.top_k, 1], int(Path.EXACT))
+    if method.name != "retopk":
+        return None
+    cfg = method.config
+    if cfg.dense_below and min_length < cfg.dense_below:
+        return None
+    state = [t for s in states for t in (s.queries, s.support, s.fill, s.ptr, s.step, s.tau, s.period, s.phase)]
+    return LayerAttention(0, [cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every], int(Path.REUSE), state, slots,
+                          cfg.retrieval, cfg.gqa_policy, [float(cfg.group_tau_min)], calibration_constants(cfg),
+                          guard_constants(cfg))
+

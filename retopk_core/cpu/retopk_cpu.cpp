@@ -1111,6 +1111,17 @@ at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o
                    const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
                    const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
                    int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa);
+// The whole decode step's layers, compiled from decode_layers.cpp.
+std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
+                                      const std::vector<int64_t>& bits, double eps, const at::Tensor& cos,
+                                      const at::Tensor& sin, int64_t H, int64_t H_kv, int64_t d,
+                                      std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
+                                      const at::Tensor& rows, const at::Tensor& block_table, const at::Tensor& lengths,
+                                      int64_t kind, const std::vector<at::Tensor>& state, const at::Tensor& slots,
+                                      std::vector<int64_t> ints, const std::string& retrieval,
+                                      const std::string& gqa_policy, std::vector<double> floats,
+                                      std::vector<int64_t> path_codes, std::vector<double> calibration,
+                                      std::vector<double> guard, int64_t isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ReTopK's fused CPU decode step and the decoder's CPU ops (see retopk_core/cpu/launch.py)";
@@ -1125,4 +1136,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu, "g / (1 + exp(-g)) * u for gu = [g, u]");
   m.def("attn_in", &attn_in, "rms_norm, the QKV product and RoPE of a decode layer in one call");
   m.def("mlp_out", &mlp_out, "the o product, residual, rms_norm, gate-up, swiglu, down and residual in one call");
+  m.def("decode_layers", &decode_layers, "every layer of a decode step (attn_in, store_kv, attention, mlp_out) in one call");
 }

@@ -19,3 +19,11 @@ def test_time_steps_times_each_step_after_the_warmup_and_closes_its_session():
         times = decode_step.time_steps(runner, spec, list(range(3, 40)), warmup=2, steps=5)
     assert len(times) == 5 and all(t > 0 for t in times)
     assert runner.memory().kv_used == 0  # the session closed: none of its blocks held
+
+
+def test_compare_layer_loop_prints_both_ways(capsys):
+    """--compare-layer-loop times each way in turns and prints the ratio (on the embedded model, a short prompt)."""
+    decode_step.main(["--length", "40", "--methods", "full", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                      "--threads", "1", "--compare-layer-loop"])
+    out = capsys.readouterr().out
+    assert "one call median" in out and "layer by layer / one call" in out

@@ -22,7 +22,7 @@ from retopk_server.runtime import session_state
 from retopk_server.runtime.attention import DecodeContext, DecodeGroup, MethodGroup, PrefillContext, StepKV
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget, default_cache_bytes
 from retopk_server.runtime.chat_tools import template_messages
-from retopk_server.runtime.decoder.llama import forward
+from retopk_server.runtime.decoder.llama import Layers, forward
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.loading import from_model, load
 from retopk_server.runtime.memory import MemoryUsage, release_freed_memory
@@ -36,6 +36,7 @@ from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import SessionState
 from retopk_server.runtime.stats import StepStats
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
+from retopk_server.runtime.whole_step import whole_step
 
 
 class ContextTooLong(ValueError):
@@ -81,6 +82,9 @@ class ModelRunner:
         weights are copied into the decoder in ``config.weights``; "as-stored" keeps its dtype)."""
         self.config = config
         self.device = torch.device(config.device)
+        # a decode step's layers in one call where the step allows it (whole_step.py); False: always layer by
+        # layer, the baseline of the tests and benchmarks that compare the two
+        self.layers_in_one_call = True
         fmt = config.weight_format()
         if model is None:
             loaded = load(config.model, fmt, config.rope_scaling)
@@ -400,10 +404,11 @@ class ModelRunner:
         return self._groups[spec]
 
     def forward(self, ctx: PrefillContext | DecodeContext, input_ids: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:
+                position_ids: torch.Tensor, layers: Layers | None = None) -> torch.Tensor:
         """One forward of the decoder whose attention runs from ``ctx`` (a prefill chunk or a decode step):
-        input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token."""
-        return forward(self.decoder, input_ids, position_ids, ctx.attend)
+        input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token. ``layers``: the
+        step's layers in one call (whole_step.py), else layer by layer."""
+        return forward(self.decoder, input_ids, position_ids, ctx.attend, layers)
 
     def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
         """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).
@@ -507,7 +512,8 @@ class ModelRunner:
         kv = StepKV(self.pool, self.pool.block_table([s.blocks for s in sessions], dev), start, start + 1)
         ctx = DecodeContext(kv, groups, with_stats)
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
-        logits = self.forward(ctx, ids, start.view(-1, 1))
+        layers = whole_step(self.decoder, ctx, min(s.length for s in sessions) + 1) if self.layers_in_one_call else None
+        logits = self.forward(ctx, ids, start.view(-1, 1), layers)
         for s, t in zip(sessions, token_ids, strict=True):
             s.token_ids.append(int(t))
         return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)

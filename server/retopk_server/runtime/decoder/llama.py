@@ -31,6 +31,8 @@ from retopk_server.runtime.decoder.linear import Linear, blocks_path, is_blocks
 
 # attend(layer, q (B, H, T, d), k (B, H_kv, T, d), v (B, H_kv, T, d), scale) -> (B, H, T, d)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# layers(x (B*T, D), cos, sin) -> x: every layer in one call, in place of the loop (runtime/whole_step.py)
+Layers = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -74,6 +76,12 @@ class Decoder:
     def fused(self) -> bool:
         """Whether a decode step's layers run as two fused calls: every layer's matmuls hold GGUF blocks."""
         return all(is_blocks(lin) for lin in self.linears()[:-1])
+
+    @functools.cached_property
+    def layer_arguments(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The fused layers' weights as ``decoder_ops.decode_layers`` takes them (only where ``fused``)."""
+        return decoder_ops.layer_arguments([(layer.attn_norm, layer.qkv.blocks, layer.o.blocks, layer.mlp_norm,
+                                             layer.gate_up.blocks, layer.down.blocks) for layer in self.layers])
 
     def set_prefill_dtype(self, dtype: torch.dtype) -> None:
         """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
@@ -142,12 +150,16 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     return layer.down(F.silu(gate).mul_(up), residual=x)
 
 
-def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """ids, positions (B, T) int64 -> float32 logits (B, V) after each row's last token."""
+def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+            layers: Layers | None = None) -> torch.Tensor:
+    """ids, positions (B, T) int64 -> float32 logits (B, V) after each row's last token. ``layers``: the
+    layers in one call (a decode step's whole-step kernel), else one ``layer_step`` each with ``attend``."""
     B, T = ids.shape
     x = dec.embed(ids.reshape(-1))  # (B*T, D) float32
     cos, sin = rope_tables(dec.rotary, x, positions)
-    for index, layer in enumerate(dec.layers):
+    if layers is not None:
+        x = layers(x, cos, sin)
+    for index, layer in enumerate(dec.layers if layers is None else []):
         x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
     last = x.view(B, T, -1)[:, -1].contiguous()  # (B, D)
     return dec.lm_head(rms_norm(last, dec.norm, dec.eps))  # (B, V)

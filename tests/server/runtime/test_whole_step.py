@@ -1,0 +1,95 @@
+"""A decode step's layers in one call (runtime/whole_step.py, decoder_ops.decode_layers) against the same step
+layer by layer: logits, statistics, KV cache and method state equal bit for bit, for every method with a
+fused CPU step, batched; and the steps that must stay layer by layer do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import prompt_ids, runner_for, tiny_model
+
+from retopk_core.cpu import decoder_ops
+from retopk_core.methods import Path
+from retopk_server.runtime import MethodSpec, whole_step
+
+pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
+
+RETOPK = MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=5, dense_below=32, tau=0.3,
+                       tau_calibration=0.8)
+METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_topk", top_k=8), "retopk": RETOPK}
+
+
+def _state(runner, session) -> list[torch.Tensor]:
+    """The session's KV (its blocks, every layer) and method state (its slot, every layer's tensors)."""
+    group = runner.method_group(session.method)
+    blocks = torch.tensor(session.blocks)
+    kv = [t[blocks] for pools in (runner.pool.k, runner.pool.v) for t in pools]
+    state = [v[slot] for pool, slot in zip(group.states, session.slots, strict=True)
+             for v in vars(pool).values() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == pool.capacity]
+    return kv + state
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    """Replace module.name by a wrapper that records each call's result -> the list of results."""
+    real, seen = getattr(module, name), []
+
+    def spy(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_one_call_equals_layer_by_layer(name, monkeypatch):
+    """Two pairs of sessions on the same prompts, decoded as batches of two: one pair in one call per step, the
+    other layer by layer. Every step's logits and statistics, and in the end every KV row and state tensor,
+    are equal; the one-call path really ran (a spy counts its calls)."""
+    runner = runner_for(tiny_model("llama", layers=3), METHODS[name], weights="int4", kv_dtype="bfloat16")
+    assert runner.decoder.fused
+    prompts = [prompt_ids(40, 1), prompt_ids(45, 2)]
+    pairs = []
+    for _ in range(2):
+        sessions = [runner.open_session(METHODS[name]) for _ in prompts]
+        tokens = [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts, strict=True)]
+        pairs.append((sessions, tokens))
+    calls = _spy(monkeypatch, decoder_ops, "decode_layers")
+    paths = set()
+    for _ in range(12):
+        out = []
+        for one_call, (sessions, tokens) in zip((True, False), pairs, strict=True):
+            runner.layers_in_one_call = one_call
+            logits, stats = runner.decode(sessions, tokens, with_stats=True)
+            tokens[:] = logits.argmax(-1).tolist()
+            out.append((logits, stats))
+        (a, sa), (b, sb) = out
+        assert torch.equal(a, b)
+        for x, y in zip(sa, sb, strict=True):
+            assert torch.equal(x.path, y.path) and torch.equal(x.n_scored, y.n_scored)
+            assert torch.equal(x.max_sim.nan_to_num(-9), y.max_sim.nan_to_num(-9))
+            assert x.attention_s > 0
+            paths |= set(x.path.flatten().tolist())
+    assert len(calls) == 12
+    for s, t in zip(*(pair[0] for pair in pairs), strict=True):
+        for x, y in zip(_state(runner, s), _state(runner, t), strict=True):
+            assert torch.equal(x, y)
+    expected = {"full": {Path.DENSE}, "exact_topk": {Path.EXACT},
+                "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}}[name]
+    assert {int(p) for p in expected} <= paths
+
+
+def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
+    """ReTopK below its dense floor, a method without a fused CPU step, and a batch of two methods decode
+    layer by layer (whole_step declines), and still decode."""
+    runner = runner_for(tiny_model("llama", layers=2), RETOPK, weights="int4", kv_dtype="bfloat16")
+    short = runner.open_session(RETOPK)
+    quest = runner.open_session(MethodSpec.of("quest", top_k=8, page_size=8))
+    full = runner.open_session(MethodSpec.of("full"))
+    for s in (short, quest, full):
+        runner.prefill(s, prompt_ids(20, 3))
+    seen = _spy(monkeypatch, whole_step, "layer_attention")
+    for batch in ([short], [quest], [short, full]):
+        logits, _ = runner.decode(batch, [1] * len(batch))
+        assert torch.isfinite(logits).all()
+    assert seen == [None, None]  # the floor and quest declined; the mixed batch never asked
