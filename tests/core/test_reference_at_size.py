@@ -32,11 +32,11 @@ BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_launch
 def test_matches_reference_at_model_size(case, backend):
     H, H_kv, d, K, C, W, R, T_r, prompt_lens, extra = case
     cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.85, refresh_every=T_r, gqa_policy="head",
-               dense_below=0, **extra)
+               dense_below=0, backend=backend, **extra)
     trace = make_trace(B=len(prompt_lens), H=H, H_kv=H_kv, d=d, prompt_lens=prompt_lens, steps=8, T=C + 2,
                        seed=1)
     seen, partial = set(), 0
-    for t, (out, rows) in enumerate(run_both(cfg, trace, H, H_kv, backend=backend)):
+    for t, (out, rows) in enumerate(run_both(cfg, trace, H, H_kv)):
         seen |= assert_step_matches_reference(out, rows)
         lengths = trace.lengths_at(t)
         partial += sum(path == Path.REUSE and len(cand) < int(lengths[b])

@@ -15,16 +15,15 @@ from tests.core._scenario import make_trace, paged
 from tests.kernels._helpers import assert_rows_by_position
 
 
-def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None,
-             backend="torch"):
+def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None):
     """Drive core and reference through the same trace; yield per step (core output, reference rows).
     ``layer``: the state is the method's layer-th (the refresh phases under refresh_stagger depend on it).
     ``keep``: a dict that receives the core's state, its slots and the reference heads.
-    ``backend``: the core's implementation ("torch", "cpu": the fused CPU kernel)."""
+    ``cfg`` may name the core's ``backend`` ("torch", "cpu": the fused CPU kernel)."""
     B = len(trace.prompt_lens)
     d = trace.keys.shape[-1]
     scale = 1 / math.sqrt(d)
-    method = make_method("retopk", backend=backend, **cfg)
+    method = make_method("retopk", **cfg)
     for _ in range(layer):  # the states of the layers before
         method.init_state(H, H_kv, d)
     state = method.init_state(H, H_kv, d, capacity=1)  # grows while allocating B slots
