@@ -10,7 +10,6 @@ from __future__ import annotations
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 METHOD = "/grpc.health.v1.Health/Check"
-SERVICE_NAME = "retopk.v1.ReTopKService"
 # HealthCheckResponse.ServingStatus
 STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 

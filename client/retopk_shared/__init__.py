@@ -1,6 +1,7 @@
 """What the client SDK and the server both follow beyond the generated messages (retopk_proto), so that
-neither imports the other: the metadata names (``metadata``), the checked setting of a wire field and the
-reading of an attention method (``fields``), and the NAME=VALUE grammar of command lines (``params``).
+neither imports the other: the metadata names (``metadata``), the service's name (``service_names``), the checked
+setting of a wire field and the reading of an attention method (``fields``), and the NAME=VALUE grammar of
+command lines (``params``).
 
 Needs only protobuf and the generated stubs (no grpcio, no torch); both distributions ship it.
 """

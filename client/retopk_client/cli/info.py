@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from retopk_client.cli import common
-from retopk_client.health import SERVICE_NAME
+from retopk_shared.service_names import SERVICE_NAME
 
 
 def register(sub, parents) -> None:

@@ -24,12 +24,11 @@ import logging
 
 from grpc_health.v1 import health, health_pb2
 
-from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine import Engine
+from retopk_shared.service_names import SERVICE_NAME
 
 log = logging.getLogger("retopk_server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ReTopKService"].full_name  # "retopk.v1.ReTopKService"
 LIVENESS, READINESS = "", SERVICE_NAME
 EXIT_ENGINE_FAILED = 70  # sysexits' EX_SOFTWARE: the engine died; restart the process
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -42,9 +42,10 @@ from retopk_server.runtime.method_limits import check_server_method
 from retopk_server.service.auth import KeyRing, KeysFileError
 from retopk_server.service.gateway import Gateway
 from retopk_server.service.handoff import keep_sessions
-from retopk_server.service.health import EXIT_ENGINE_FAILED, SERVICE_NAME, Health, Supervisor
+from retopk_server.service.health import EXIT_ENGINE_FAILED, Health, Supervisor
 from retopk_server.service.limits import InputLimits
 from retopk_server.service.servicer import ReTopKServicer
+from retopk_shared.service_names import SERVICE_NAME
 
 log = logging.getLogger("retopk_server")
 
