@@ -28,6 +28,7 @@ import grpc
 from bench.server_scaling import start_server
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
+from retopk_shared.metadata import AUTHORIZATION, SESSION_METADATA
 
 
 def parse_args(argv=None):
@@ -40,7 +41,7 @@ def parse_args(argv=None):
 
 
 def probe(stub, rpc: str, sid: str, key: str) -> tuple[float, str, str]:
-    md = (("authorization", f"Bearer {key}"), ("x-session-id", sid))
+    md = ((AUTHORIZATION, f"Bearer {key}"), (SESSION_METADATA, sid))
     t0 = time.perf_counter()
     try:
         if rpc == "GetSession":
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
         try:
             with grpc.insecure_channel(address) as channel:
                 stub = pb_grpc.ReTopKServiceStub(channel)
-                alice = (("authorization", f"Bearer {keys['alice']}"),)
+                alice = ((AUTHORIZATION, f"Bearer {keys['alice']}"),)
                 real = [stub.CreateSession(pb.CreateSessionRequest(), metadata=alice).session_id
                         for _ in range(args.sessions)]
                 plan = [(rpc, kind) for rpc in ("GetSession", "Generate") for kind in ("other key's", "random")
