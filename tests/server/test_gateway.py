@@ -1,0 +1,40 @@
+"""service/gateway.py's CallError: one error type, whose code is the gRPC status and gives the HTTP status, for
+whatever a call raised (the fronts' status tables, docs/http.md's included, are held to it elsewhere)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from retopk_server.engine.requests import EngineError, ErrorCode
+from retopk_server.service.auth import Unauthenticated
+from retopk_server.service.gateway import HTTP_STATUS, CallError
+from retopk_server.service.quota import TooManyStreams
+from retopk_server.service.wire import InvalidArgument
+
+
+@pytest.mark.parametrize("raised, code, http", [
+    (InvalidArgument("max_new_tokens", "must lie in [1, 8], got 0"), "INVALID_ARGUMENT", 400),
+    (Unauthenticated(), "UNAUTHENTICATED", 401),
+    (TooManyStreams("alice has 4 streams open"), "RESOURCE_EXHAUSTED", 429),
+    (EngineError(ErrorCode.NOT_FOUND, "session_id: no session 'a'"), "NOT_FOUND", 404),
+    (EngineError(ErrorCode.FAILED_PRECONDITION, "session_id: busy"), "FAILED_PRECONDITION", 409),
+    (EngineError(ErrorCode.UNAVAILABLE, "draining"), "UNAVAILABLE", 503),
+    (CallError("UNAVAILABLE", "moved", (("x-retopk-handoff", "b:1"),)), "UNAVAILABLE", 503),
+])
+def test_every_refusal_is_one_call_error_with_both_statuses(raised, code, http):
+    error = CallError.of(raised)
+    assert (error.code, error.grpc_status, error.http_status) == (code, grpc.StatusCode[code], http)
+    assert error.message == (raised.message if isinstance(raised, (EngineError, CallError)) else str(raised))
+
+
+def test_a_bug_is_internal_and_logged_without_its_text(caplog):
+    error = CallError.of(KeyError("secret detail"))
+    assert (error.code, error.grpc_status, error.http_status) == ("INTERNAL", grpc.StatusCode.INTERNAL, 500)
+    assert "secret detail" not in error.message and "KeyError" in error.message
+    assert "internal error" in caplog.text
+
+
+def test_the_http_table_knows_only_grpc_status_names():
+    assert set(HTTP_STATUS) <= {s.name for s in grpc.StatusCode}
+    assert CallError("ALREADY_EXISTS", "x").trailers == ()
