@@ -335,6 +335,9 @@ def test_root_wheel_holds_core_server_and_client(tmp_path):
             if "__pycache__" not in rel:
                 assert rel in names, rel
     assert "retopk_proto/retopk/v1/retopk_pb2_grpc.py" in names
+    from retopk_core.cpu import build  # the fused CPU library compiles from the installed package's files
+    for path in (*build.SOURCES, *build.HEADERS):
+        assert path.relative_to(REPO).as_posix() in names, path
     entry_points = _metadata(wheel, "entry_points.txt")
     assert "retopk-server = retopk_server.cli:main" in entry_points
     assert "retopk = retopk_client.cli:main" in entry_points

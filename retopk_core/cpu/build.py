@@ -21,6 +21,7 @@ from pathlib import Path
 NAME = "retopk_cpu"
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / f"{NAME}.cpp", HERE / "decoder_ops.cpp", HERE / "decode_layers.cpp")
+HEADERS = (HERE / "library_ops.h",)  # the entries one source calls in another
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / f"{NAME}.so"
 STAMP = BUILD_DIR / f"{NAME}.key"
@@ -31,8 +32,8 @@ LDFLAGS = ("-fopenmp",)
 
 
 def build_key() -> str:
-    """Hash of the sources, the flags, the installed torch and the Python version it compiles against."""
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    """Hash of the sources and headers, the flags, the installed torch and the Python version it compiles against."""
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)))
     h.update(repr((CFLAGS, LDFLAGS, importlib.metadata.version("torch"), sys.version_info[:2])).encode())
     return h.hexdigest()
 

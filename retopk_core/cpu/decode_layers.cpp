@@ -18,32 +18,12 @@
 
 #include <torch/extension.h>
 
+#include "library_ops.h"
+
 #include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
-
-// The ops this loop composes, compiled from decoder_ops.cpp and retopk_cpu.cpp into the same library.
-void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
-at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
-                   const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
-                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa);
-at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
-                   int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
-                   const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
-                   const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
-                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa);
-std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                               const at::Tensor& block_table, const at::Tensor& lengths, at::Tensor queries,
-                               at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
-                               const at::Tensor& slots, at::Tensor tau, at::Tensor period, const at::Tensor& phase,
-                               int64_t top_k, int64_t recall, int64_t window, int64_t refresh_every,
-                               const std::string& retrieval, const std::string& gqa_policy, double group_tau_min,
-                               double scale, std::vector<int64_t> path_codes, std::vector<double> calibration,
-                               std::vector<double> guard);
-std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                     const at::Tensor& block_table, const at::Tensor& lengths, double scale,
-                                     int64_t top_k, bool exact);
 
 namespace {
 

@@ -33,6 +33,8 @@
 
 #include <torch/extension.h>
 
+#include "library_ops.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -31,6 +31,8 @@
 
 #include <torch/extension.h>
 
+#include "library_ops.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -1094,34 +1096,6 @@ at::Tensor topk_rows(const at::Tensor& scores, int64_t k) {
   });
   return out;
 }
-
-// The decoder's ops, compiled from decoder_ops.cpp into the same library.
-int64_t best_isa();
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
-at::Tensor swiglu(const at::Tensor& gu);
-at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
-                   const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
-                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa);
-at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
-                   int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
-                   const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
-                   const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
-                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa);
-// The whole decode step's layers, compiled from decode_layers.cpp.
-std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
-                                      const std::vector<int64_t>& bits, double eps, const at::Tensor& cos,
-                                      const at::Tensor& sin, int64_t H, int64_t H_kv, int64_t d,
-                                      std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
-                                      const at::Tensor& rows, const at::Tensor& block_table, const at::Tensor& lengths,
-                                      int64_t kind, const std::vector<at::Tensor>& state, const at::Tensor& slots,
-                                      std::vector<int64_t> ints, const std::string& retrieval,
-                                      const std::string& gqa_policy, std::vector<double> floats,
-                                      std::vector<int64_t> path_codes, std::vector<double> calibration,
-                                      std::vector<double> guard, int64_t isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ReTopK's fused CPU decode step and the decoder's CPU ops (see retopk_core/cpu/launch.py)";
