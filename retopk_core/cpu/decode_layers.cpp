@@ -6,8 +6,9 @@
 //   a   = attention_l(q)                                   (B, H, d) -> (B, H d)
 //   x   = mlp_out(x, a, ...)                               the o product, residual, MLP and residual
 //
-// where attention_l is ReTopK's sparse step (``decode``, on layer l's FIFO state) or ``dense_decode`` (Full
-// attention, Exact Top-K). These are the calls runtime/decoder/llama.py's layer_step and runtime/attention.py's
+// where attention_l is ReTopK's sparse step (``decode``, on layer l's FIFO state), ``dense_decode`` (Full
+// attention, Exact Top-K), or ReTopK's plain dense-floor step: ``dense_decode`` and step[slots[l]] += 1 on
+// layer l's step counter (``ReTopK._dense_step`` for rows more than C steps below the floor). These are the calls runtime/decoder/llama.py's layer_step and runtime/attention.py's
 // attend make for such a step, on the same tensors in the same order, so the result is that loop's bit for
 // bit; what goes is the Python between them (a few hundred interpreter operations a layer).
 //
@@ -28,7 +29,7 @@
 namespace {
 
 constexpr int64_t kWeightsPerLayer = 14, kBitsPerLayer = 4, kStatePerLayer = 8;
-enum Kind : int64_t { kReTopK = 0, kDense = 1 };
+enum Kind : int64_t { kReTopK = 0, kDense = 1, kDenseFloor = 2 };
 
 c10::optional<at::Tensor> bias_of(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
@@ -53,13 +54,27 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
                         static_cast<int64_t>(bits.size()) == kBitsPerLayer * layers,
                     "decode_layers: ", layers, " layers need as many pools, ", kWeightsPerLayer, " weights and ",
                     kBitsPerLayer, " bits each");
-  TORCH_CHECK_VALUE(kind == kDense || kind == kReTopK, "decode_layers: unknown attention kind ", kind);
-  TORCH_CHECK_VALUE(kind == kDense || (static_cast<int64_t>(state.size()) == kStatePerLayer * layers &&
+  TORCH_CHECK_VALUE(kind == kDense || kind == kReTopK || kind == kDenseFloor, "decode_layers: unknown attention kind ",
+                    kind);
+  TORCH_CHECK_VALUE(kind != kDenseFloor ||
+                        (static_cast<int64_t>(state.size()) == layers && slots.dim() == 2 && slots.size(0) == layers &&
+                         slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                         slots.size(1) == x_in.size(0)),
+                    "decode_layers: the dense floor needs each layer's step counter and a row of slots per layer");
+  TORCH_CHECK_VALUE(kind != kReTopK || (static_cast<int64_t>(state.size()) == kStatePerLayer * layers &&
                                        slots.dim() == 2 && slots.size(0) == layers && ints.size() == 4 &&
                                        floats.size() == 1),
                     "decode_layers: ReTopK needs ", kStatePerLayer, " state tensors and a row of slots per layer, "
                     "4 integer and 1 float parameters");
   TORCH_CHECK_VALUE(kind == kReTopK || (ints.size() == 2), "decode_layers: dense attention needs (top_k, exact)");
+  for (int64_t l = 0; kind == kDenseFloor && l < layers; ++l) {
+    const at::Tensor& step = state[l];
+    TORCH_CHECK_VALUE(step.scalar_type() == at::kLong && step.dim() == 1 && step.is_contiguous(),
+                      "decode_layers: layer ", l, "'s step counter must be a contiguous int64 vector");
+    const int64_t* slot = slots.data_ptr<int64_t>() + l * slots.size(1);
+    for (int64_t b = 0; b < slots.size(1); ++b)
+      TORCH_CHECK_VALUE(slot[b] >= 0 && slot[b] < step.size(0), "decode_layers: slot ", slot[b], " out of range");
+  }
   const int64_t B = x_in.size(0), width = (H + 2 * H_kv) * d;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));  // what the Python layer passes: 1.0 / math.sqrt(d)
   std::vector<at::Tensor> result{at::Tensor(), at::Tensor()};
@@ -87,6 +102,11 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
       result.push_back(r[3]);  // n_scored
     } else {
       out = dense_decode(q, k_pools[l], v_pools[l], block_table, lengths, scale, ints[0], ints[1] != 0)[0];
+      if (kind == kDenseFloor) {  // the rows' steps count on the floor too (t_dec drives the refresh schedule)
+        int64_t* step = state[l].data_ptr<int64_t>();
+        const int64_t* slot = slots.data_ptr<int64_t>() + l * slots.size(1);
+        for (int64_t b = 0; b < B; ++b) ++step[slot[b]];
+      }
     }
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     x = mlp_out(x, out.view({B, H * d}), w[4], w[5], b[1], bias_of(w[6]), w[7], eps, w[8], w[9], b[2], bias_of(w[10]),

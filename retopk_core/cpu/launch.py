@@ -113,7 +113,9 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
 class LayerAttention:
     """A method's attention at every layer of one decode step, as ``decode_layers`` (decode_layers.cpp) runs it:
     kind 0 ReTopK's sparse step on each layer's FIFO state (``state``: 8 tensors a layer, ``slots`` (layers, B)),
-    kind 1 ``dense_decode`` (ints = (top_k, exact)). ``path``: the path code a dense kind reports for every head."""
+    kind 1 ``dense_decode`` (ints = (top_k, exact)), kind 2 ReTopK's plain dense-floor step: Full attention and
+    each row's step counter advanced (``state``: each layer's step tensor). ``path``: the path code a dense kind
+    reports for every head."""
 
     kind: int
     ints: list[int]
@@ -127,11 +129,13 @@ class LayerAttention:
     guard: list[float] = field(default_factory=list)
 
 
-def layer_attention(method, states: list, slots: torch.Tensor, min_length: int) -> LayerAttention | None:
-    """``method``'s attention for ``decode_layers`` on a batch whose shortest row holds ``min_length`` positions
-    with this step's token, or None where its own per-layer step must run: a method without a fused CPU step
-    (or built on another backend), and ReTopK while a row is below its dense floor (that step splits the batch
-    at the floor in Python; ``ReTopK.decode``)."""
+def layer_attention(method, states: list, slots: torch.Tensor, min_length: int,
+                    max_length: int) -> LayerAttention | None:
+    """``method``'s attention for ``decode_layers`` on a batch whose rows hold ``min_length`` to ``max_length``
+    positions with this step's token, or None where its own per-layer step must run: a method without a fused
+    CPU step (or built on another backend), and ReTopK on a batch that is not all past its dense floor or all
+    on plain dense-floor steps (the floor's last C steps push exact supports, and a batch across the floor is
+    split; ``ReTopK.decode``)."""
     if getattr(method, "steps", None) is None or method.steps.name != "cpu" or not available():
         return None
     if method.name == "full":
@@ -141,6 +145,8 @@ def layer_attention(method, states: list, slots: torch.Tensor, min_length: int) 
     if method.name != "retopk":
         return None
     cfg = method.config
+    if cfg.dense_below and max_length + cfg.cache_size < cfg.dense_below:  # retopk_policy.plain_dense, every row
+        return LayerAttention(2, [0, 0], int(Path.DENSE), [s.step for s in states], slots)
     if cfg.dense_below and min_length < cfg.dense_below:
         return None
     state = [t for s in states for t in (s.queries, s.support, s.fill, s.ptr, s.step, s.tau, s.period, s.phase)]

@@ -512,7 +512,7 @@ class ModelRunner:
         kv = StepKV(self.pool, self.pool.block_table([s.blocks for s in sessions], dev), start, start + 1)
         ctx = DecodeContext(kv, groups, with_stats)
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
-        layers = whole_step(self.decoder, ctx, min(s.length for s in sessions) + 1) if self.layers_in_one_call else None
+        layers = whole_step(self.decoder, ctx, [s.length + 1 for s in sessions]) if self.layers_in_one_call else None
         logits = self.forward(ctx, ids, start.view(-1, 1), layers)
         for s, t in zip(sessions, token_ids, strict=True):
             s.token_ids.append(int(t))

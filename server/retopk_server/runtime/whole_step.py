@@ -4,7 +4,7 @@
 attention.py's ``DecodeContext.attend``): per layer two fused decoder calls, the KV store and the method's
 step, and the interpreter's work between them. When every matmul holds GGUF blocks (``Decoder.fused``), the
 batch is one method group and that method has a fused CPU step for every row (cpu/launch.py's
-``layer_attention``: Full attention, Exact Top-K, ReTopK past its dense floor), the same calls on the same
+``layer_attention``: Full attention, Exact Top-K, ReTopK past its dense floor or on its plain floor steps), the same calls on the same
 tensors in the same order run in one call instead (decoder_ops.decode_layers), so the logits, the KV cache,
 the method state and the step's statistics equal the layer-by-layer loop's bit for bit.
 """
@@ -21,16 +21,16 @@ from retopk_server.runtime.decoder.linear import blocks_path
 from retopk_server.runtime.decoder.llama import Decoder, Layers
 
 
-def whole_step(dec: Decoder, ctx: DecodeContext, min_length: int) -> Layers | None:
+def whole_step(dec: Decoder, ctx: DecodeContext, lengths: list[int]) -> Layers | None:
     """The layers of the step ``ctx`` as one call -> ``forward``'s ``layers``, or None where the step must run
-    layer by layer. ``min_length``: the shortest row's positions with this step's token."""
+    layer by layer. ``lengths``: each row's positions with this step's token."""
     kv = ctx.kv
     B = kv.table.shape[0]
     if not (dec.fused and blocks_path(B) and kv.table.device.type == "cpu" and len(ctx.groups) == 1
             and ctx.groups[0].rows is None):
         return None
     dg = ctx.groups[0]
-    attention = layer_attention(dg.group.method, dg.group.states, dg.slots, min_length)
+    attention = layer_attention(dg.group.method, dg.group.states, dg.slots, min(lengths), max(lengths))
     if attention is None:
         return None
     weights, bits = dec.layer_arguments

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused C
 
 RETOPK = MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=5, dense_below=32, tau=0.3,
                        tau_calibration=0.8)
-METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_topk", top_k=8), "retopk": RETOPK}
+METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_topk", top_k=8), "retopk": RETOPK,
+           "retopk-floor": MethodSpec.of("retopk", top_k=8, cache_size=8, dense_below=200)}  # plain floor steps
 
 
 def _state(runner, session) -> list[torch.Tensor]:
@@ -74,22 +75,22 @@ def test_one_call_equals_layer_by_layer(name, monkeypatch):
     for s, t in zip(*(pair[0] for pair in pairs), strict=True):
         for x, y in zip(_state(runner, s), _state(runner, t), strict=True):
             assert torch.equal(x, y)
-    expected = {"full": {Path.DENSE}, "exact_topk": {Path.EXACT},
+    expected = {"full": {Path.DENSE}, "exact_topk": {Path.EXACT}, "retopk-floor": {Path.DENSE},
                 "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}}[name]
     assert {int(p) for p in expected} <= paths
 
 
 def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
-    """ReTopK below its dense floor, a method without a fused CPU step, and a batch of two methods decode
-    layer by layer (whole_step declines), and still decode."""
+    """ReTopK within C steps below its dense floor (where it pushes exact supports), a method without a fused
+    CPU step, and a batch of two methods decode layer by layer (whole_step declines), and still decode."""
     runner = runner_for(tiny_model("llama", layers=2), RETOPK, weights="int4", kv_dtype="bfloat16")
     short = runner.open_session(RETOPK)
     quest = runner.open_session(MethodSpec.of("quest", top_k=8, page_size=8))
     full = runner.open_session(MethodSpec.of("full"))
     for s in (short, quest, full):
-        runner.prefill(s, prompt_ids(20, 3))
+        runner.prefill(s, prompt_ids(25, 3))  # L_t = 26: 26 + C >= dense_below = 32 > 26
     seen = _spy(monkeypatch, whole_step, "layer_attention")
     for batch in ([short], [quest], [short, full]):
         logits, _ = runner.decode(batch, [1] * len(batch))
         assert torch.isfinite(logits).all()
-    assert seen == [None, None]  # the floor and quest declined; the mixed batch never asked
+    assert seen == [None, None]  # the floor's pushing steps and quest declined; the mixed batch never asked
