@@ -4,9 +4,10 @@
 attention.py's ``DecodeContext.attend``): per layer two fused decoder calls, the KV store and the method's
 step, and the interpreter's work between them. When every matmul holds GGUF blocks (``Decoder.fused``), the
 batch is one method group and that method has a fused CPU step for every row (cpu/launch.py's
-``layer_attention``: Full attention, Exact Top-K, ReTopK past its dense floor or on its plain floor steps), the same calls on the same
-tensors in the same order run in one call instead (decoder_ops.decode_layers), so the logits, the KV cache,
-the method state and the step's statistics equal the layer-by-layer loop's bit for bit.
+``layer_attention``: Full attention, Exact Top-K, ReTopK past its dense floor or on its plain floor steps),
+the same calls on the same tensors in the same order run in one call instead (decoder_ops.decode_layers), so
+the logits, the KV cache, the method state and the step's statistics equal the layer-by-layer loop's bit for
+bit.
 """
 
 from __future__ import annotations
