@@ -94,3 +94,42 @@ def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
         logits, _ = runner.decode(batch, [1] * len(batch))
         assert torch.isfinite(logits).all()
     assert seen == [None, None]  # the floor's pushing steps and quest declined; the mixed batch never asked
+
+
+def test_other_threads_run_during_a_whole_step(monkeypatch):
+    """The one-call step releases the GIL: a Python thread spinning beside it runs during the call. Each of 50
+    calls counts the spinner's ticks from just before it to its return; with the GIL held the spinner could
+    tick only in the few bytecodes between the count and the call, so most counts would be 0."""
+    import threading
+
+    runner = runner_for(tiny_model("llama", layers=3), METHODS["full"], weights="int4", kv_dtype="bfloat16")
+    session = runner.open_session(METHODS["full"])
+    runner.prefill(session, prompt_ids(200, 4))
+    lib = decoder_ops.extension()
+    ticks, stop, deltas = [0], threading.Event(), []
+
+    class Counted:  # the library, with each decode_layers call repeated and the spinner's ticks counted
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def decode_layers(self, *args):
+            for _ in range(50):
+                before = ticks[0]
+                out = lib.decode_layers(*args)
+                deltas.append(ticks[0] - before)
+            return out
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    monkeypatch.setattr(decoder_ops, "extension", Counted)
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        runner.decode([session], [1])
+    finally:
+        stop.set()
+        thread.join()
+    assert len(deltas) == 50
+    assert sum(d > 0 for d in deltas) > 25, deltas
