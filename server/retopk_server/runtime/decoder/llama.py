@@ -159,7 +159,8 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     cos, sin = rope_tables(dec.rotary, x, positions)
     if layers is not None:
         x = layers(x, cos, sin)
-    for index, layer in enumerate(dec.layers if layers is None else []):
-        x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
+    else:
+        for index, layer in enumerate(dec.layers):
+            x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
     last = x.view(B, T, -1)[:, -1].contiguous()  # (B, D)
     return dec.lm_head(rms_norm(last, dec.norm, dec.eps))  # (B, V)
