@@ -210,7 +210,7 @@ def test_engine_with_fake_runner_reports_paths_tokens_latencies_and_load():
                  {"text": "abc", "max_new_tokens": 7, "ignore_eos": True},
                  {"text": "xyz.", "max_new_tokens": 3}]
         results = asyncio.run(_run_requests(engine, specs))
-        bad = asyncio.run(_run_requests(engine, [{"token_ids": [999], "max_new_tokens": 2}]))
+        bad = asyncio.run(_run_requests(engine, [{"chat": [{"role": "robot", "content": "x"}], "max_new_tokens": 2}]))
         session = engine.commands.create_session("named-1", None).result(5)
         assert session.session_id == "named-1"
         samples = scrape(observer.metrics)

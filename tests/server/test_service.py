@@ -173,6 +173,8 @@ INVALID = [
     ("session id too long", pb.GenerateRequest(text="a", session_id="s" * 129), "session_id: must be"),
     ("top_logprobs above the limit", pb.GenerateRequest(text="a", logprobs=True, top_logprobs=21), "top_logprobs"),
     ("top_logprobs without logprobs", pb.GenerateRequest(text="a", top_logprobs=2), "top_logprobs"),
+    ("n above the limit", pb.GenerateRequest(text="a", n=17), "n: must lie in [1, 16]"),
+    ("n with session", pb.GenerateRequest(text="a", n=2, session_id="s"), "n: must be 1 with session_id"),
     ("prompt too long", pb.GenerateRequest(text="x" * 101), "text: too long"),
 ]
 

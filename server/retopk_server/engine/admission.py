@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from retopk_server.engine.delivery import Delivery
 from retopk_server.engine.faults import check_runner, request_error
-from retopk_server.engine.requests import EngineConfig, EngineError, ErrorCode
+from retopk_server.engine.requests import EngineConfig, EngineError
 from retopk_server.engine.runner_protocol import Runner
 from retopk_server.engine.scheduler import Scheduler
 from retopk_server.engine.session_table import SessionTable
@@ -70,10 +70,8 @@ class Admission:
             r.method = r.record.session.method
         feed = r.feed(runner, self.config.max_prompt_tokens)
         key = namespace(r.spec.owner, r.spec.cache_salt, self.config.prefix_cache_shared)
-        try:
-            r.job = self.sessions.with_room(r.spec.input_field, runner.start_prefill, r.record.session, feed, key)
-        except ValueError as e:  # ContextTooLong and friends, raised before the cache is touched
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{r.spec.input_field}: {e}") from None
+        # feed() refused what a client could get wrong (length, context); the runner's own checks are invariants
+        r.job = self.sessions.with_room(r.spec.input_field, runner.start_prefill, r.record.session, feed, key)
         r.cached_tokens = r.job.cached
         if r.job.looked_up:
             self.hook("on_prefix_lookup", r, r.job.looked_up, r.job.cached)

@@ -145,16 +145,11 @@ class Engine:
 
     # ------------------------------------------------------------------ requests (asyncio thread)
     def submit(self, spec: GenerationRequest, stream: RequestStream) -> None:
-        """Queue a request; raises EngineError (UNAVAILABLE, RESOURCE_EXHAUSTED, NOT_FOUND, FAILED_PRECONDITION)."""
+        """Queue a request the boundary checked (GenerationRequest.assert_checked, an AssertionError otherwise);
+        raises EngineError (UNAVAILABLE, RESOURCE_EXHAUSTED, NOT_FOUND, FAILED_PRECONDITION)."""
         cfg = self.config
+        spec.assert_checked(cfg.max_new_tokens)  # the boundary refused bad input; here only a bug can fail
         max_new = cfg.default_max_new_tokens if spec.max_new_tokens is None else spec.max_new_tokens
-        if not 0 < max_new <= cfg.max_new_tokens:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"max_new_tokens must lie in [1, {cfg.max_new_tokens}], got {max_new}")
-        spec.check_logprobs()
-        spec.check_n()
-        if spec.constraint is not None and spec.grammar is None:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "constraint: not compiled (Engine.constraints().compile)")
         with self.scheduler.lock:
             self.scheduler.check_open()
             if spec.session_id is not None:

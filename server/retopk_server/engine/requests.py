@@ -156,7 +156,7 @@ class TokenLogprob:
 
 @dataclass
 class GenerationRequest:
-    """One Generate call, already checked for well-formedness by the service.
+    """One Generate call, already checked by the boundary (service/wire.py; ``assert_checked`` holds).
 
     Exactly one of ``text``, ``token_ids``, ``chat`` is set. ``max_new_tokens`` None means the
     engine's default. ``deadline`` is a ``time.monotonic()`` instant or None. ``logprobs`` asks for
@@ -192,22 +192,18 @@ class GenerationRequest:
     tool_function: str | None = None  # with tool_choice "function": the function's name
     cache_salt: str = ""  # separates this request's cached prefixes from those of other salts (prefix_cache.py)
 
-    def check_n(self) -> None:
-        """INVALID_ARGUMENT naming ``n`` when it is out of range or above 1 in a named session."""
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"n: must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.n > 1 and self.session_id is not None:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "n: must be 1 with session_id (a session continues "
-                                                          "one conversation)")
-
-    def check_logprobs(self) -> None:
-        """INVALID_ARGUMENT naming ``top_logprobs`` when it is out of range or set without ``logprobs``."""
-        n = self.top_logprobs
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"top_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
-        if n and not self.logprobs:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "top_logprobs: needs logprobs to be set")
+    def assert_checked(self, max_new_tokens: int) -> None:
+        """The invariants the boundary (service/wire.py, which refuses a client's request naming the field)
+        establishes, for requests built in-process too: a failure is a caller's bug (INTERNAL over the wire),
+        never a client's input. ``max_new_tokens`` is the engine's limit (EngineConfig.max_new_tokens)."""
+        assert self.max_new_tokens is None or 1 <= self.max_new_tokens <= max_new_tokens, \
+            f"unchecked request: max_new_tokens {self.max_new_tokens!r} outside [1, {max_new_tokens}]"
+        assert 1 <= self.n <= MAX_N and (self.n == 1 or self.session_id is None), \
+            f"unchecked request: n {self.n!r} (in [1, {MAX_N}], 1 with a session_id)"
+        assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS and (self.logprobs or not self.top_logprobs), \
+            f"unchecked request: top_logprobs {self.top_logprobs!r} (in [0, {MAX_TOP_LOGPROBS}], needs logprobs)"
+        assert self.constraint is None or self.grammar is not None, \
+            "unchecked request: constraint not compiled (Engine.constraints().compile)"
 
     @property
     def input_field(self) -> str:

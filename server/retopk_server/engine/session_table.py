@@ -339,10 +339,9 @@ class SessionTable:
         return record
 
     def _open(self, method: MethodSpec, session_id: str) -> Session:
-        try:
-            return self.with_room("method", self.runner.open_session, method, session_id)
-        except ValueError as e:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"method: {e}") from None
+        """A runner session of ``method``, which the boundary checked against the model (service/wire.py's
+        method_spec, or an import's session_transfer): a ValueError from the runner here is a bug, not input."""
+        return self.with_room("method", self.runner.open_session, method, session_id)
 
     # ---- memory pressure (engine thread) -----------------------------------------------------------
     def with_room(self, what: str, fn: Callable, *args):

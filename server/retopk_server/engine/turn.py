@@ -1,9 +1,11 @@
 """One request's turn inside the engine: its state, the tokens it feeds, and how it ends.
 
-Input: text is encoded (special tokens only at the start of a conversation), token ids are range
-checked, and chat input of a named session re-renders the whole conversation and feeds only what the
-cache lacks. The feed is the session's pending token (the previous turn's last sample) plus the new
-tokens. Finish: a stop token / string, max_new_tokens or the context length ends the turn; the turn's
+Input: text is encoded (special tokens only at the start of a conversation), token ids are taken as the
+boundary checked them (service/wire.py; the runner asserts they are in the vocabulary), and chat input of a
+named session re-renders the whole conversation and feeds only what the cache lacks. The feed is the
+session's pending token (the previous turn's last sample) plus the new tokens; what only the tokenizer and
+the session can tell (no tokens, too long) is refused here, naming the input field. Finish: a stop token /
+string, max_new_tokens or the context length ends the turn; the turn's
 tokens and reply are remembered in the session for the next one.
 
 Constraints and tools: a request with a compiled grammar samples through a RowConstraint
@@ -35,7 +37,6 @@ from retopk_server.engine.tools import parser_for
 from retopk_server.runtime.constraints import RowConstraint
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import Sampler, StopChecker
-from retopk_server.runtime.vocab import first_bad_token, not_a_token
 
 
 class ActiveRequest:
@@ -134,10 +135,7 @@ class ActiveRequest:
         if spec.text is not None:  # special tokens (a BOS) only at the start of a conversation
             return list(runner.encode(spec.text, add_special_tokens=record.num_tokens == 0)), None, None
         if spec.token_ids is not None:
-            ids, vocab = list(spec.token_ids), runner.info.vocab_size
-            if (bad := first_bad_token(ids, vocab)) is not None:
-                raise EngineError(ErrorCode.INVALID_ARGUMENT, f"token_ids: {not_a_token(ids, bad, vocab)}")
-            return ids, None, None
+            return list(spec.token_ids), None, None
         if record.ephemeral:
             return encode_chat(runner, spec.chat, spec.tools), None, None
         # The session remembers the conversation: render all of it and feed what the cache lacks. Chat templates

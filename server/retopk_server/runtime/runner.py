@@ -417,14 +417,16 @@ class ModelRunner:
         the session's first prefill: the prompt's cached blocks are mapped into the session and only the rest
         is prefilled (``job.cached`` says how many tokens came from the cache), and its full blocks are cached
         once it is in. None, a later turn, or a runner without a prefix cache: neither.
-        ValueError (ContextTooLong past max_context) or BudgetExceeded, before anything changes.
+        ContextTooLong past max_context or BudgetExceeded, before anything changes; AssertionError for an empty
+        list or an id outside the vocabulary (the caller's bug).
         """
         self._check_open(session)
         token_ids = [int(t) for t in token_ids]
-        if not token_ids:
-            raise ValueError("token_ids must not be empty")
-        if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
-            raise ValueError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
+        # Invariants, not a client's refusal (service/wire.py refuses bad ids naming the field): an id out of
+        # range would index past the embedding table (a negative one silently from its end).
+        assert token_ids, "token_ids must not be empty"
+        assert (i := first_bad_token(token_ids, self.info.vocab_size)) is None, \
+            f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}"
         begin, hashes, tail = session.length, None, None
         if prefix_key is not None and self.prefix_cache is not None and begin == 0:
             # mapped first: held by the session, these blocks are safe from the evictions that room may need

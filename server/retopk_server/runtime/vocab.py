@@ -1,4 +1,5 @@
-"""The one check that token ids belong to the model's vocabulary (the servicer, the runner and the engine)."""
+"""The one rule that token ids belong to the model's vocabulary: service/wire.py refuses ids that break it
+(INVALID_ARGUMENT naming the field), the runner asserts it (runtime/runner.py), session imports check it."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from retopk_server.engine.commands import EngineStatus
 from retopk_server.engine.requests import (
     MAX_N,
     MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
     TOOL_CHOICES,
     EngineError,
     FinishReason,
@@ -321,9 +322,10 @@ def check_token_ids(field: str, ids, vocab_size: int) -> list[int]:
 def generation_request(message: pb.GenerateRequest, info, max_new_tokens_limit: int, deadline: float | None,
                        constraint_limits: ConstraintLimits | None = None) -> GenerationRequest:
     """Check a GenerateRequest against the model ``info`` (a ModelInfo: its vocabulary, default method and sampling
-    defaults, which unset sampling fields take) and turn it into the engine's GenerationRequest. The engine
-    checks ``top_logprobs`` (GenerationRequest.check_logprobs); the constraint is checked for size here and
-    compiled by the gateway."""
+    defaults, which unset sampling fields take) and turn it into the engine's GenerationRequest: every field is
+    checked here (the constraint for size; the gateway compiles it), and the engine only asserts what this
+    establishes (GenerationRequest.assert_checked). What needs the tokenizer or the session (the prompt's length,
+    the chat template) is the engine's to refuse."""
     vocab_size = info.vocab_size
     constraint_limits = constraint_limits or ConstraintLimits()
     request_id = (identifier("request_id", message.request_id) if message.HasField("request_id")
@@ -363,7 +365,10 @@ def generation_request(message: pb.GenerateRequest, info, max_new_tokens_limit: 
     spec.stop_token_ids = check_token_ids("stop_token_ids", message.stop_token_ids, vocab_size)
     spec.ignore_eos = message.ignore_eos
     spec.return_step_stats = message.return_step_stats
-    spec.logprobs, spec.top_logprobs = message.logprobs, message.top_logprobs
+    spec.logprobs = message.logprobs
+    spec.top_logprobs = check_range("top_logprobs", message.top_logprobs, 0, MAX_TOP_LOGPROBS)
+    if spec.top_logprobs and not spec.logprobs:
+        raise InvalidArgument("top_logprobs", "needs logprobs to be set")
     if message.HasField("constraint"):
         spec.constraint = constraint_spec(message.constraint, constraint_limits)
     _tools(message, spec, constraint_limits)

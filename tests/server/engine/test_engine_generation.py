@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from retopk_server.engine import EngineError, EngineObserver, ErrorCode, FinishReason
+from retopk_server.engine import EngineObserver, ErrorCode, FinishReason
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling import SamplingParams
 from tests.server.engine.engine_helpers import enc, generate, make_engine, tokens
@@ -74,23 +74,44 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone():
 
 @pytest.mark.parametrize("fields, needle", [
     (dict(text="x" * 5000), "text: too long"),
-    (dict(token_ids=[1, 200]), "token_ids"),
     (dict(chat=[{"role": "robot", "content": "x"}]), "chat"),
-    (dict(text="a", method=MethodSpec.of("retopk", top_k=0)), "method: top_k"),
-    (dict(text="a", max_new_tokens=0), "max_new_tokens"),
 ])
-def test_bad_requests_are_invalid_argument_and_leak_nothing(engine_runner, fields, needle):
+def test_input_only_the_tokenizer_can_judge_is_invalid_argument_and_leaks_nothing(engine_runner, fields, needle):
+    """The engine refuses only what needs the tokenizer or the session (the wire checks the rest: tests/server/
+    test_service.py's INVALID list over gRPC, tests/http/ over HTTP)."""
     engine, runner = engine_runner
-
-    async def main():
-        try:
-            return await generate(engine, **fields)
-        except EngineError as e:  # refused at submission
-            return [], e
-
-    events, error = asyncio.run(main())
+    events, error = asyncio.run(generate(engine, **fields))
     assert events == [] and error.code is ErrorCode.INVALID_ARGUMENT and needle in error.message
     assert runner.sessions == {}
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(text="a", max_new_tokens=0), "max_new_tokens"),
+    (dict(text="a", max_new_tokens=10**6), "max_new_tokens"),
+    (dict(text="a", n=0), "n"),
+    (dict(text="a", n=2, session_id="s"), "n"),
+    (dict(text="a", top_logprobs=21, logprobs=True), "top_logprobs"),
+    (dict(text="a", top_logprobs=2), "top_logprobs"),
+    (dict(text="a", constraint=object()), "constraint"),
+])
+def test_an_unchecked_request_breaks_an_invariant_not_a_client_refusal(engine_runner, fields, needle):
+    """Below the boundary a request the wire would have refused is a caller's bug: an AssertionError at submission
+    (INTERNAL over the wire), never an EngineError a client could read as its own fault; nothing is queued."""
+    engine, runner = engine_runner
+    with pytest.raises(AssertionError, match=f"unchecked request: {needle}"):
+        asyncio.run(generate(engine, **fields))
+    assert engine.load() == (0, 0) and runner.sessions == {}
+
+
+def test_a_method_the_runner_refuses_fails_the_request_as_internal(engine_runner):
+    """The wire checks a method against the model (wire.method_spec); one the runner still refuses is a bug: the
+    request ends INTERNAL, alone, and leaks no session."""
+    engine, runner = engine_runner
+    events, error = asyncio.run(generate(engine, text="a", method=MethodSpec.of("retopk", top_k=0)))
+    assert events == [] and error.code is ErrorCode.INTERNAL and "top_k" in error.message
+    assert runner.sessions == {}
+    events, error = asyncio.run(generate(engine, text="hi", max_new_tokens=2))
+    assert error is None and len(tokens(events)) == 2  # the engine goes on
 
 
 def test_context_length_finishes_the_request():

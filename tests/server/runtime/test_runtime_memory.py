@@ -140,10 +140,13 @@ def test_bad_sessions_and_batches_are_refused():
         runner.decode([s, s], [1, 2])
     with pytest.raises(ValueError, match="equal length"):
         runner.decode([s], [1, 2])
-    with pytest.raises(ValueError, match="empty"):
+    # invariants: the wire refuses such ids naming the field; reaching the runner they are a caller's bug
+    with pytest.raises(AssertionError, match="empty"):
         runner.prefill(s, [])
-    with pytest.raises(ValueError, match="256 is not a token id"):
+    with pytest.raises(AssertionError, match="256 is not a token id"):
         runner.prefill(s, [5, 256])
+    with pytest.raises(AssertionError, match="-1 is not a token id"):  # would index the table from its end
+        runner.prefill(s, [-1])
     assert s.length == 2
 
 
