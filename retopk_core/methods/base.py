@@ -211,6 +211,9 @@ class AttentionMethod:
     config: MethodConfig | None = None
     backends: tuple[str, ...] = ("torch", "triton")
     backend: str = "torch"
+    # The step object of the backend it runs on (methods/backend_steps.py: its ``name`` says which), chosen once
+    # when built; None for a method without one (the baselines run their own torch code).
+    steps = None
     # How many of the prompt's last queries ``prefill`` wants (ReTopK: C); 0 = none.
     prefill_queries: int = 0
     # Timing hook: when set, the torch code of a sparse ``decode`` step calls it with each stage's name as the
@@ -258,10 +261,9 @@ class AttentionMethod:
             raise NotImplementedError(f"method {self.name!r}: its state cannot be imported")
 
     def describe(self) -> dict:
-        """Name, every config field and the backend, for logs, model info, session info and result tables."""
-        backend = self.backend
-        if backend == "cpu":
-            from retopk_core.cpu import launch  # the launcher imports this module
-
-            backend = "cpu" if launch.available() else "torch (cpu kernel not built)"
+        """Name, every config field and the backend its steps run on, for logs, model info, session info and result
+        tables: a "cpu" method whose fused kernel is not built runs the torch steps, and says so."""
+        backend = self.backend if self.steps is None else self.steps.name
+        if backend != self.backend:
+            backend = f"{backend} ({self.backend} kernel not built)"
         return {"method": self.name, **(self.config.as_dict() if self.config is not None else {}), "backend": backend}

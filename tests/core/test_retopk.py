@@ -463,3 +463,20 @@ def test_describe_lists_the_config_fields():
     method = make_method("retopk", top_k=8)
     assert method.describe() == {"method": "retopk", **ReTopKConfig(top_k=8).as_dict(), "backend": "torch"}
     assert ReTopKConfig() == ReTopKConfig(top_k=512, cache_size=32, window=32, recall=4, tau=0.85, refresh_every=128)
+
+
+@pytest.mark.parametrize("name", ["full", "exact_topk", "retopk"])
+def test_describe_names_the_backend_its_steps_run_on(name, monkeypatch):
+    """describe() reads the step object chosen at construction, not the launcher at describe time: a "cpu" method
+    built where the fused kernel did not load runs (and says it runs) the torch steps, whatever loads later."""
+    from retopk_core.cpu import launch
+    from retopk_core.methods import backend_steps
+
+    monkeypatch.setattr(launch, "available", lambda: False)
+    fallback = make_method(name, backend="cpu")
+    assert type(fallback.steps) is backend_steps.TorchSteps
+    monkeypatch.setattr(launch, "available", lambda: True)
+    assert fallback.describe()["backend"] == "torch (cpu kernel not built)"
+    fused = make_method(name, backend="cpu")
+    monkeypatch.setattr(launch, "available", lambda: False)
+    assert fused.describe()["backend"] == "cpu" and make_method(name).describe()["backend"] == "torch"
