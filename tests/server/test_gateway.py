@@ -3,12 +3,14 @@ whatever a call raised (the fronts' status tables, docs/http.md's included, are 
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from retopk_server.engine.requests import EngineError, ErrorCode
 from retopk_server.service.auth import Unauthenticated
-from retopk_server.service.gateway import HTTP_STATUS, CallError
+from retopk_server.service.gateway import HTTP_STATUS, Call, CallError
 from retopk_server.service.quota import TooManyStreams
 from retopk_server.service.wire import InvalidArgument
 
@@ -38,3 +40,19 @@ def test_a_bug_is_internal_and_logged_without_its_text(caplog):
 def test_the_http_table_knows_only_grpc_status_names():
     assert set(HTTP_STATUS) <= {s.name for s in grpc.StatusCode}
     assert CallError("ALREADY_EXISTS", "x").trailers == ()
+
+
+@pytest.mark.parametrize("raised, answer, code", [
+    (InvalidArgument("n", "must lie in [1, 16], got 17"), "INVALID_ARGUMENT", "INVALID_ARGUMENT"),
+    (asyncio.CancelledError(), None, "DEADLINE_EXCEEDED"),
+])
+def test_a_stopped_call_is_reported_once_whichever_front_ends_it(raised, answer, code):
+    """Call.stopped, the one ending of a call that raised: a refusal reports on_error and gives its CallError, a
+    cancellation gives None (the front raises it on) with the code its client saw; on_rpc once either way."""
+    seen = []
+    call = Call(lambda name, *args: seen.append((name, *args[:2])), "Generate")
+    error = call.stopped(raised, cancelled="DEADLINE_EXCEEDED")
+    call.end()
+    assert (error.code if error else None) == answer and call.code == code
+    errors = [("on_error", None, code)] if answer else []
+    assert seen == errors + [("on_rpc", "Generate", code)]

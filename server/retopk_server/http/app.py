@@ -149,7 +149,7 @@ class Served:
             self.authenticate(metadata_of(request))
             return self.gateway.model_info()
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            raise from_call_error(call.fail(exc)) from None
+            raise from_call_error(call.stopped(exc)) from None
         finally:
             call.end()
 
@@ -179,13 +179,9 @@ class Served:
             if body.user is not None:
                 log.debug("request from user %r", body.user[:64])
             generation = await self.gateway.generate(call, caller, message, metadata, deadline=None)
-        except asyncio.CancelledError:
-            call.code = "CANCELLED"
-            call.end()
-            raise
-        except Exception as exc:  # noqa: BLE001 - refused before the engine took it
-            error = call.fail(exc)
-            call.end()
+        except BaseException as exc:  # refused before the engine took it, or the client went away meanwhile
+            if (error := call.stopped(exc)) is None:
+                raise
             raise from_call_error(error, rename) from None
         try:
             first = await _unless_disconnected(request, anext(generation))

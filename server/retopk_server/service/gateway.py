@@ -98,8 +98,9 @@ class CallError(Exception):
 
 
 class Call:
-    """One call's metrics: ``fail`` reports on_error and takes the error's code; ``end`` reports on_rpc once.
-    ``hook`` is the observer's (engine/observer.py's hook_of)."""
+    """One call's metrics: ``fail`` reports on_error and takes the error's code; ``end`` reports on_rpc once;
+    ``stopped`` is both fronts' one way to end a call that raised. ``hook`` is the observer's (engine/observer.py's
+    hook_of, which logs and swallows a failing hook)."""
 
     def __init__(self, hook: Callable[..., None], name: str) -> None:
         self.hook, self.name = hook, name
@@ -109,6 +110,16 @@ class Call:
         error = CallError.of(exc)
         self.code = error.code
         self.hook("on_error", None, error.code)
+        return error
+
+    def stopped(self, exc: BaseException, cancelled: str = "CANCELLED") -> CallError | None:
+        """End the call that ``exc`` stopped: an Exception is reported (``fail``) and gives the CallError to answer
+        with; a cancellation (asyncio.CancelledError, any other BaseException) takes the code ``cancelled`` (what
+        its client saw) and gives None, for the front to raise it on."""
+        error = self.fail(exc) if isinstance(exc, Exception) else None
+        if error is None:
+            self.code = cancelled
+        self.end()
         return error
 
     def end(self) -> None:

@@ -59,11 +59,9 @@ def _unary(method, peer: bool = False):
         try:
             caller = self.gateway.authenticate(_metadata(context), peer)
             return await method(self, request, context, caller)
-        except asyncio.CancelledError:
-            call.code = _cancelled_code(context)
-            raise
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            error = call.fail(exc)
+        except BaseException as exc:  # every error becomes a status; a cancellation goes on
+            if (error := call.stopped(exc, _cancelled_code(context))) is None:
+                raise
             await context.abort(error.grpc_status, error.message, error.trailers)
         finally:
             call.end()
@@ -91,13 +89,9 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             generation = await self.gateway.generate(call, caller, request, metadata, deadline)
-        except asyncio.CancelledError:  # the client went away while the request was checked
-            call.code = _cancelled_code(context)
-            call.end()
-            raise
-        except Exception as exc:  # noqa: BLE001 - refused before the engine took it
-            error = call.fail(exc)
-            call.end()
+        except BaseException as exc:  # refused before the engine took it, or the client went away meanwhile
+            if (error := call.stopped(exc, _cancelled_code(context))) is None:
+                raise
             await context.abort(error.grpc_status, error.message, error.trailers)
         cancelled = "CANCELLED"
         try:
@@ -157,9 +151,9 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
                                                                               request.close))
             parts = await asyncio.to_thread(session_artifact.encode_parts, artifact)
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            error = call.fail(exc)
-            call.end()
+        except BaseException as exc:  # every error becomes a status; a cancellation goes on
+            if (error := call.stopped(exc, _cancelled_code(context))) is None:
+                raise
             await context.abort(error.grpc_status, error.message, error.trailers)
         try:
             for chunk in session_artifact.chunks(parts, self.gateway.limits.max_session_chunk_bytes):
