@@ -1,8 +1,9 @@
 """The packages' import structure, read statically with ``ast`` (nothing is imported or run).
 
 1. No import cycle among the modules of ``retopk_core``, nor among those of ``retopk_server``: every ``import``
-   and ``from ... import`` counts, at module level or inside a function (an import deferred into a function to
-   dodge a cycle is still one); only imports under ``if TYPE_CHECKING:`` are left out, since they never run.
+   and ``from ... import`` counts, at module level, inside a function (an import deferred into a function to
+   dodge a cycle is still one) or under ``if TYPE_CHECKING:`` (it never runs, but the two modules still know
+   each other: name what is needed in a Protocol instead, as runtime/prefill.py and engine/commands.py do).
    ``from package import name`` is an edge to ``package.name`` where that is a module, else to the package.
 2. No file reaches into another module's private names:
    - ``from M import _name`` and ``import M._private_module`` where M is a module of this project (retopk_core,
@@ -46,15 +47,6 @@ def is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def type_checking_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return out
-
-
 def resolve(name: str, importer: str, level: int) -> str:
     """The absolute module name of an import written ``level`` dots up from ``importer``."""
     if level == 0:
@@ -67,13 +59,9 @@ def resolve(name: str, importer: str, level: int) -> str:
 
 
 def imports(module: str) -> list[tuple[int, str, str | None]]:
-    """(line, imported module, imported name or None) of every import in ``module`` that runs."""
-    tree = ast.parse(MODULES[module].read_text())
-    skip = type_checking_nodes(tree)
+    """(line, imported module, imported name or None) of every import in ``module``, TYPE_CHECKING's included."""
     out = []
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -218,15 +206,17 @@ def test_the_checks_see_what_they_look_for(tmp_path, monkeypatch):
                 "    def same(self, other):\n        return other._rows\n"
                 "def _helper():\n    pass\n",
         "d.py": "from typing import TYPE_CHECKING\nfrom retopk_core import c\n"
-                "if TYPE_CHECKING:\n    from retopk_core import a\n"
+                "if TYPE_CHECKING:\n    from retopk_core import e\n"
                 "def g(runner):\n    return runner._rows, c._helper\n",
+        "e.py": "from retopk_core import d\n",
     }
     for name, text in files.items():
         (pkg / name).write_text(text)
     monkeypatch.setitem(PACKAGES, "retopk_core", pkg)
     planted = {module_name("retopk_core", pkg / name): pkg / name for name in files}
     monkeypatch.setattr(sys.modules[__name__], "MODULES", planted)
-    assert cycles(import_graph("retopk_core")) == [["retopk_core.a", "retopk_core.b"]]  # d's TYPE_CHECKING: none
+    assert cycles(import_graph("retopk_core")) == [["retopk_core.a", "retopk_core.b"],
+                                                   ["retopk_core.d", "retopk_core.e"]]  # d's TYPE_CHECKING counts
     found = sorted(line.split(": ", 1)[1] for line in reach_ins())
     assert found == ["c._helper (private to retopk_core.c)", "from retopk_core.c import _helper",
                      "runner._rows (defined in retopk_core.c)"], found

@@ -14,16 +14,27 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from retopk_server.engine import session_transfer
 from retopk_server.engine.requests import EngineError, ErrorCode
-from retopk_server.engine.session_table import SessionSnapshot
+from retopk_server.engine.runner_protocol import Runner
+from retopk_server.engine.session_table import SessionSnapshot, SessionTable
 from retopk_server.engine.turn import encode_chat
 from retopk_server.runtime.method_spec import MethodSpec
 
-if TYPE_CHECKING:  # the engine builds its commands; only the annotation needs the class
-    from retopk_server.engine.scheduler import Engine
+
+class EngineView(Protocol):
+    """What the commands read of the Engine (engine.py, which builds them with itself: this module names what it
+    needs instead of importing engine.py back)."""
+
+    sessions: SessionTable
+    runner: Runner
+
+    @property
+    def draining(self) -> bool: ...
+
+    def load(self) -> tuple[int, int]: ...
 
 
 class CommandQueue:
@@ -94,7 +105,7 @@ class EngineCommands:
     is queued on ``queue`` and answered through a future. The engine's instance is ``engine.commands``.
     """
 
-    def __init__(self, engine: Engine, queue: CommandQueue) -> None:
+    def __init__(self, engine: EngineView, queue: CommandQueue) -> None:
         self._engine = engine
         self._call = queue.call
 

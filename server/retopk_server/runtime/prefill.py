@@ -1,6 +1,6 @@
 """PrefillJob: one prompt fed into one session in chunks, so a scheduler can interleave it with decode steps.
 
-``ModelRunner.start_prefill`` checks the tokens and reserves every KV block the prompt needs (ValueError
+``ModelRunner.start_prefill`` asserts the tokens and reserves every KV block the prompt needs (ContextTooLong
 or BudgetExceeded before anything changes), then ``step(max_tokens)`` runs dense forwards of at most
 ``prefill_chunk`` tokens each until ``max_tokens`` are fed, and returns the logits after the prompt's last
 token once it is all in. The method observes the prompt (``method.prefill``, with the prompt's last
@@ -19,16 +19,34 @@ in the whole chunk that ends at E (the chunk a full prefill computes them in).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from retopk_server.runtime.attention import PrefillContext, StepKV
+from retopk_server.runtime.attention import MethodGroup, PrefillContext, StepKV
+from retopk_server.runtime.kv_pool import KVPool
+from retopk_server.runtime.method_spec import MethodSpec
+from retopk_server.runtime.prefix_cache import PrefixCache
+from retopk_server.runtime.runtime_config import RuntimeConfig
+from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import truncate
 
-if TYPE_CHECKING:
-    from retopk_server.runtime.runner import ModelRunner
-    from retopk_server.runtime.session import Session
+
+class PrefillRunner(Protocol):
+    """What a PrefillJob uses of its runner (ModelRunner, which starts the jobs: runner.py imports this module, so
+    this one names what it needs instead of importing it back)."""
+
+    config: RuntimeConfig  # prefill_chunk
+    device: torch.device
+    pool: KVPool
+    prefix_cache: PrefixCache | None
+
+    @property
+    def prefill_grid(self) -> int: ...
+
+    def method_group(self, spec: MethodSpec) -> MethodGroup: ...
+
+    def forward(self, ctx: PrefillContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class PrefillJob:
@@ -39,7 +57,7 @@ class PrefillJob:
     tail: the cached queries (layers, H, n, d) of positions pos - n .. pos - 1, the last n of which the method
     observes with the ones the job computes (None: the job computes all it observes)."""
 
-    def __init__(self, runner: ModelRunner, session: Session, token_ids: list[int], begin: int | None = None,
+    def __init__(self, runner: PrefillRunner, session: Session, token_ids: list[int], begin: int | None = None,
                  hashes: list[bytes] | None = None, tail: torch.Tensor | None = None) -> None:
         self.runner, self.session, self.token_ids, self.hashes = runner, session, token_ids, hashes
         self.begin = session.length if begin is None else begin
