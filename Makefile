@@ -79,11 +79,16 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects no test; make treats that as the failure it is.
+# Idle OpenMP threads sleep instead of spinning (unless the caller set OMP_WAIT_POLICY), as the live test servers'
+# do (tests/_live_server.py): on a shared 2-core machine a thread spinning at a barrier holds the core its partner
+# waits for. It changes how threads wait, never what they compute.
+TEST_ENV = OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE}
+
 test: install-test proto system-deps lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(TEST_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 test-full: install-test proto system-deps lint
-	RETOPK_TEST_FULL=1 RETOPK_RELIABILITY_FULL=1 RETOPK_FUZZ_REQUESTS=10000 $(PY) -m pytest $(PYTEST_ARGS)
+	$(TEST_ENV) RETOPK_TEST_FULL=1 RETOPK_RELIABILITY_FULL=1 RETOPK_FUZZ_REQUESTS=10000 $(PY) -m pytest $(PYTEST_ARGS)
 
 # llama.cpp as the yardstick (bench/vs_llamacpp.py): llama-cpp-python built from source with the machine's
 # own SIMD (GGML_NATIVE), so it runs as fast as a user's own build would. --no-deps keeps torch and the
