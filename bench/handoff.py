@@ -20,56 +20,28 @@ Medians are printed with the ratio handoff / re-prefill and written as JSON with
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
-import threading
 import time
-from pathlib import Path as FsPath
 
-from retopk_core.hugepages import enable_transparent_hugepages
+from bench import local_server
+from bench.local_server import LocalServer, server_config, write_result
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+def own_options(p) -> None:
     p.add_argument("--tokens", type=int, default=8000, help="prompt tokens of the session (default %(default)s)")
     p.add_argument("--method", default=None, help="the session's method name (default: the server's ReTopK)")
     p.add_argument("--rounds", type=int, default=3, help="timed handoffs and re-prefills (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed handoffs first (the process's first large "
                                                          "allocations fault their pages in; default %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
-    p.add_argument("--cache-bytes", type=int, default=2 << 30, help="each server's --kv-cache-bytes")
-    p.add_argument("--out", type=FsPath, default=None, help="write the result as JSON there")
-    return p.parse_args(argv)
 
 
-class LocalServer:
-    """The real server (retopk_server.service.server.start) around a runner, on an event loop thread."""
-
-    def __init__(self, runner, config) -> None:
-        from retopk_server.engine import Engine
-        from retopk_server.service.server import start
-
-        self.engine = Engine(lambda: runner, config.engine_config())
-        self.engine.start()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.running = asyncio.run_coroutine_threadsafe(start(config, self.engine), self.loop).result(60)
-        self.address = f"127.0.0.1:{self.running.port}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.running.drain(0.0), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+def parse_args(argv=None):
+    return local_server.parse_args(__doc__, 2 << 30, own_options, argv)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    enable_transparent_hugepages()
-    from retopk_core.models import load_model
-
-    return measure(args, *load_model(args.model))
+    return local_server.main(parse_args, measure, argv)
 
 
 def measure(args, model, tokenizer) -> dict:
@@ -77,16 +49,11 @@ def measure(args, model, tokenizer) -> dict:
     import torch
 
     from retopk_client import Client
-    from retopk_server.config import ServerConfig
-    from retopk_server.runtime import ModelRunner
     from retopk_server.service.handoff import keep_sessions
 
-    torch.set_num_threads(args.threads)
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
-                          max_prompt_tokens=args.tokens, session_idle_timeout_s=None, watchdog_timeout_s=None,
-                          prefix_cache=False)  # a re-prefill prefills: B's prefix cache would hold the prompt
-    servers = [LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
-               for _ in range(2)]
+    # a re-prefill prefills: B's prefix cache would hold the prompt
+    config = server_config(args, max_prompt_tokens=args.tokens, prefix_cache=False)
+    servers = [LocalServer(config, model, tokenizer) for _ in range(2)]
     a, b = (Client(s.address, timeout=3600) for s in servers)
     vocab = a.model_info().vocab_size
     prompt = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -156,9 +123,7 @@ def measure(args, model, tokenizer) -> dict:
     print(f"  next turn's first token: moved {result['first_token_moved_s']:.3f} s, never moved "
           f"{result['first_token_unmoved_s']:.3f} s (ratio {result['first_token_ratio']:.2f}); same tokens: "
           f"{result['same_tokens']}")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(args, result)
 
 
 if __name__ == "__main__":

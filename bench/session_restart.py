@@ -20,51 +20,39 @@ load, whose time is reported).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path as FsPath
 
-from retopk_core.hugepages import enable_transparent_hugepages
+from bench import local_server
+from bench.local_server import LocalServer, server_config, write_result
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+def own_options(p) -> None:
     p.add_argument("--sessions", type=int, default=16, help="saved sessions (default %(default)s)")
     p.add_argument("--tokens", type=int, default=1000, help="prompt tokens of each session (default %(default)s)")
     p.add_argument("--turn", type=int, default=8, help="new tokens of each timed turn (default %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
-    p.add_argument("--cache-bytes", type=int, default=4 << 30, help="each server's --kv-cache-bytes")
     p.add_argument("--after-preload", action="store_true", help="the turns after B preloaded every session")
-    p.add_argument("--out", type=FsPath, default=None, help="write the result as JSON there")
-    return p.parse_args(argv)
+
+
+def parse_args(argv=None):
+    return local_server.parse_args(__doc__, 4 << 30, own_options, argv)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    enable_transparent_hugepages()
-    from retopk_core.models import load_model
-
-    return measure(args, *load_model(args.model))
+    return local_server.main(parse_args, measure, argv)
 
 
 def measure(args, model, tokenizer) -> dict:
     """The run of ``main`` on a loaded (model, tokenizer) (the tests pass the embedded model they hold)."""
     import torch
 
-    from bench.handoff import LocalServer
     from retopk_client import Client
-    from retopk_server.config import ServerConfig
-    from retopk_server.runtime import ModelRunner
 
-    torch.set_num_threads(args.threads)
     directory = tempfile.mkdtemp(prefix="retopk-sessions-")
-    config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, model=args.model, kv_cache_bytes=args.cache_bytes,
-                          max_sessions=max(64, args.sessions), max_sessions_per_key=args.sessions,
-                          session_idle_timeout_s=None, watchdog_timeout_s=None, session_dir=directory)
+    config = server_config(args, max_sessions=max(64, args.sessions), max_sessions_per_key=args.sessions,
+                           session_dir=directory)
     gen = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
 
@@ -80,7 +68,7 @@ def measure(args, model, tokenizer) -> dict:
             chunks += list(stream)
         return first, chunks[-1].token_ids[-1]
 
-    first = LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
+    first = LocalServer(config, model, tokenizer)
     before, last = [], {}
     with Client(first.address, timeout=3600) as client:
         for i in range(args.sessions):
@@ -95,7 +83,7 @@ def measure(args, model, tokenizer) -> dict:
     drain_s = time.perf_counter() - t0
     saved = sum(p.stat().st_size for p in FsPath(directory).iterdir())
 
-    second = LocalServer(ModelRunner(config.runtime_config(), model=model, tokenizer=tokenizer), config)
+    second = LocalServer(config, model, tokenizer)
     after, preload_s = [], None
     with Client(second.address, timeout=3600) as client:
         if args.after_preload:
@@ -121,9 +109,7 @@ def measure(args, model, tokenizer) -> dict:
     print(f"  first token of a {args.turn}-token turn: uninterrupted median {result['median_uninterrupted_s']:.3f} s, "
           f"after the restart median {result['median_after_restart_s']:.3f} s")
     print(f"  ratio after / uninterrupted: median {result['median_ratio']:.2f}, worst {result['worst_ratio']:.2f}")
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(args, result)
 
 
 if __name__ == "__main__":
