@@ -268,7 +268,8 @@ void check_f32_matrix(const at::Tensor& t, const char* name, int64_t rows, int64
 
 }  // namespace
 
-int64_t best_isa() {
+namespace {
+int64_t detect_isa() {
 #ifdef RETOPK_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
@@ -283,10 +284,18 @@ int64_t best_isa() {
 #endif
   return kScalar;
 }
+}  // namespace
 
-at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                        int64_t isa) {
+// Detected once: cpuid traps to the hypervisor on a VM, and every block_matmul checks its isa against this.
+int64_t best_isa() {
+  static const int64_t isa = detect_isa();
+  return isa;
+}
+
+namespace {
+// y (M, out) <- x W^T (+ bias) (+ residual): block_matmul into a given output.
+void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa) {
   CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   CHECK_VALUE(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not available on this CPU (best ", best_isa(), ")");
   CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
@@ -303,7 +312,7 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (bias) CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
                         "bias must be a contiguous float32 (out,) tensor");
   if (residual) check_f32_matrix(*residual, "residual", M, out);
-  at::Tensor y = at::empty({M, out}, x.options());
+  check_f32_matrix(y, "y", M, out);
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -333,15 +342,15 @@ at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
       }
     }
   });
-  return y;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// y (M, D) <- rms_norm(x): rms_norm into a given output.
+void rms_norm_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& w, double eps) {
   CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
   const int64_t M = x.size(0), D = x.size(1);
   check_f32_matrix(x, "x", M, D);
+  check_f32_matrix(y, "y", M, D);
   CHECK_VALUE(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == D, "w must be float32 (", D, ",)");
-  at::Tensor y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -358,6 +367,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
       for (int64_t j = 0; j < D; ++j) o[j] = r[j] * inv * wp[j];
     }
   });
+}
+
+// The intermediates of attn_in and mlp_out that never leave them, by role.
+enum Temp { kNormed = 0, kResidual1, kGateUp, kHidden, kTemps };
+constexpr int64_t kTempRows = 64;  // decode batches; a prefill chunk's few large allocations cost nothing next to it
+
+// An (M, N) float32 buffer for intermediate `role`, reused from call to call on this thread when M is small. A
+// decode step's layers would otherwise allocate and free a few small aligned buffers each (posix_memalign,
+// which glibc serves through its slow path, under the interpreter lock's serial part of the step).
+at::Tensor temp(Temp role, int64_t M, int64_t N) {
+  if (M > kTempRows) return at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
+  thread_local at::Tensor buffers[kTemps];
+  at::Tensor& b = buffers[role];
+  if (!b.defined() || b.numel() < M * N) b = at::empty({kTempRows * N}, at::TensorOptions().dtype(at::kFloat));
+  return b.narrow(0, 0, M * N).view({M, N});
+}
+}  // namespace
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                        int64_t isa) {
+  CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
+  at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
+  block_matmul_to(y, x, qs, scales, bits, bias, residual, isa);
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
+  at::Tensor y = at::empty_like(x);
+  rms_norm_to(y, x, w, eps);
   return y;
 }
 
@@ -429,11 +469,13 @@ void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, co
   store_rows(vf, rows, v);
 }
 
-at::Tensor swiglu(const at::Tensor& gu) {
+namespace {
+// y (M, F) <- swiglu(gu): swiglu into a given output.
+void swiglu_to(at::Tensor& y, const at::Tensor& gu) {
   CHECK_VALUE(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be (M, 2F)");
   const int64_t M = gu.size(0), F = gu.size(1) / 2;
   check_f32_matrix(gu, "gu", M, 2 * F);
-  at::Tensor y = at::empty({M, F}, gu.options());
+  check_f32_matrix(y, "y", M, F);
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / F), [&](int64_t begin, int64_t end) {
@@ -444,6 +486,13 @@ at::Tensor swiglu(const at::Tensor& gu) {
       for (int64_t j = 0; j < F; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
     }
   });
+}
+}  // namespace
+
+at::Tensor swiglu(const at::Tensor& gu) {
+  CHECK_VALUE(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be (M, 2F)");
+  at::Tensor y = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  swiglu_to(y, gu);
   return y;
 }
 
@@ -452,7 +501,10 @@ at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, co
                    const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa) {
   CHECK_VALUE(d > 0 && rot_heads >= 0 && qs.size(0) % d == 0 && rot_heads * d <= qs.size(0),
               "rot_heads (", rot_heads, ") heads of d (", d, ") values must fit in the ", qs.size(0), " outputs");
-  at::Tensor y = block_matmul(rms_norm(x, w_attn, eps), qs, scales, bits, bias, c10::nullopt, isa);  // (M, out)
+  CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
+  at::Tensor normed = temp(kNormed, x.size(0), x.size(1));
+  rms_norm_to(normed, x, w_attn, eps);
+  at::Tensor y = block_matmul(normed, qs, scales, bits, bias, c10::nullopt, isa);  // (M, out)
   at::Tensor heads = y.view({y.size(0), qs.size(0) / d, d}).narrow(1, 0, rot_heads);
   rope_(heads, cos, sin);
   return y;
@@ -466,7 +518,12 @@ at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o
   CHECK_VALUE(x.dim() == 2 && a.dim() == 2 && a.size(0) == x.size(0), "x must be (M, D) and a (M, H d)");
   check_f32_matrix(x, "x", -1, x.size(1));
   check_f32_matrix(a, "a", x.size(0), a.size(1));
-  at::Tensor x1 = block_matmul(a, o_qs, o_scales, o_bits, o_bias, x, isa);  // (M, D): x + a W_o^T
-  at::Tensor gu = block_matmul(rms_norm(x1, w_mlp, eps), gu_qs, gu_scales, gu_bits, gu_bias, c10::nullopt, isa);
-  return block_matmul(swiglu(gu), dn_qs, dn_scales, dn_bits, dn_bias, x1, isa);  // (M, D)
+  const int64_t M = x.size(0), D = x.size(1), F2 = gu_qs.size(0);
+  at::Tensor x1 = temp(kResidual1, M, D), normed = temp(kNormed, M, D), gu = temp(kGateUp, M, F2),
+             hidden = temp(kHidden, M, F2 / 2);
+  block_matmul_to(x1, a, o_qs, o_scales, o_bits, o_bias, x, isa);  // (M, D): x + a W_o^T
+  rms_norm_to(normed, x1, w_mlp, eps);
+  block_matmul_to(gu, normed, gu_qs, gu_scales, gu_bits, gu_bias, c10::nullopt, isa);  // (M, 2F)
+  swiglu_to(hidden, gu);
+  return block_matmul(hidden, dn_qs, dn_scales, dn_bits, dn_bias, x1, isa);  // (M, D)
 }
