@@ -625,7 +625,12 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
                const int64_t* bt, const int64_t* lengths, const int64_t* slots, at::Tensor& queries,
                at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, float* tau,
                int64_t* period, const int64_t* phase, Outputs& o, int64_t task) {
-  const int64_t b = task / p.H_kv, g = task % p.H_kv, G = p.G, h0 = g * G;
+  // A task is one (sequence, KV group), or one head of it under the "head" policy, whose heads decide alone:
+  // B * H_kv tasks (3 with one sequence of the embedded model) would leave one of two threads idle for a
+  // third of the step. An exact pass reads the group's keys once for the task's heads; a head's scores
+  // do not depend on which heads share the pass (dot_heads), so the split does not change the result.
+  const int64_t per_group = p.policy == 0 ? p.G : 1, G = p.G / per_group;  // G: this task's heads
+  const int64_t b = task / (p.H_kv * per_group), g = task / per_group % p.H_kv, h0 = g * p.G + task % per_group * G;
   const int64_t slot = slots[b];
   Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
              queries.data_ptr<float>(), support.data_ptr<int64_t>(), fill[slot], ptr[slot], step[slot]};
@@ -887,7 +892,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
       }
     }
   };
-  at::parallel_for(0, B * H_kv, 1, body);
+  at::parallel_for(0, B * H_kv * (policy == 0 ? H / H_kv : 1), 1, body);  // run_group's tasks
   int64_t *fw = fill.data_ptr<int64_t>(), *pw = ptr.data_ptr<int64_t>(), *sw = step.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t s = sl[b];
