@@ -99,14 +99,23 @@ def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
 def test_other_threads_run_during_a_whole_step(monkeypatch):
     """The one-call step releases the GIL: a Python thread spinning beside it runs during the call. Each of 50
     calls counts the spinner's ticks from just before it to its return; with the GIL held the spinner could
-    tick only in the few bytecodes between the count and the call, so most counts would be 0."""
+    tick only in the few bytecodes between the count and the call, so most counts would be 0. Each call takes
+    turns with a control of about its length that is known to release the GIL (hashing bytes): where the
+    spinner got into fewer than half of those either (a machine too loaded to wake it in time), the test
+    cannot tell, and skips."""
+    import hashlib
     import threading
+    import time
 
     runner = runner_for(tiny_model("llama", layers=3), METHODS["full"], weights="int4", kv_dtype="bfloat16")
     session = runner.open_session(METHODS["full"])
     runner.prefill(session, prompt_ids(200, 4))
     lib = decoder_ops.extension()
-    ticks, stop, deltas = [0], threading.Event(), []
+    ticks, stop, deltas, control = [0], threading.Event(), [], []
+    block = bytes(1 << 24)
+    start = time.perf_counter()
+    hashlib.sha256(block)
+    hash_rate = len(block) / (time.perf_counter() - start)  # bytes a second
 
     class Counted:  # the library, with each decode_layers call repeated and the spinner's ticks counted
         def __getattr__(self, name):
@@ -114,9 +123,13 @@ def test_other_threads_run_during_a_whole_step(monkeypatch):
 
         def decode_layers(self, *args):
             for _ in range(50):
-                before = ticks[0]
+                before, start = ticks[0], time.perf_counter()
                 out = lib.decode_layers(*args)
+                took = time.perf_counter() - start
                 deltas.append(ticks[0] - before)
+                before = ticks[0]
+                hashlib.sha256(block[:max(4096, int(took * hash_rate))])  # releases the GIL past 2 KiB
+                control.append(ticks[0] - before)
             return out
 
     def spin():
@@ -131,5 +144,7 @@ def test_other_threads_run_during_a_whole_step(monkeypatch):
     finally:
         stop.set()
         thread.join()
-    assert len(deltas) == 50
-    assert sum(d > 0 for d in deltas) > 25, deltas
+    assert len(deltas) == len(control) == 50
+    if sum(c > 0 for c in control) <= 25:
+        pytest.skip(f"the spinner ran in only {sum(c > 0 for c in control)} of 50 controls: too loaded to tell")
+    assert sum(d > 0 for d in deltas) > 25, (deltas, control)
