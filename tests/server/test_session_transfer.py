@@ -100,6 +100,13 @@ def with_header(data: bytes, **changes) -> bytes:
     return MAGIC + json.dumps(header).encode() + data[end:]
 
 
+def resealed(data: bytes, payload: bytes) -> bytes:
+    """The artifact with another payload, its size and checksum in the header made to match (the damage only the
+    safetensors parser sees)."""
+    return with_header(data[:data.index(b"\n", len(MAGIC)) + 1] + payload, payload_bytes=len(payload),
+                       payload_sha256=hashlib.sha256(payload).hexdigest())
+
+
 def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_healthy(pair):
     a, b, data, _ = pair
     flipped = bytearray(data)
@@ -109,6 +116,8 @@ def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_heal
         "corrupted": (bytes(flipped), grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         "wrong checksum": (with_header(data, payload_sha256=hashlib.sha256(b"x").hexdigest()),
                            grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        "tensors cut short, checksum resealed": (resealed(data, data[data.index(b"\n", len(MAGIC)) + 1:-8]),
+                                                 grpc.StatusCode.INVALID_ARGUMENT, "the tensors do not parse"),
         "not an artifact": (b"GARBAGE" * 100, grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
         "empty": (b"", grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
         "future format": (with_header(data, format=2), grpc.StatusCode.FAILED_PRECONDITION, "format 2"),

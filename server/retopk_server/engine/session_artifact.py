@@ -26,7 +26,6 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from retopk_server.engine.safetensors_parts import PayloadError, payload_parts, read_payload
@@ -126,10 +125,11 @@ def decode(data) -> SessionArtifact:
 
 
 def read_file(path, limit: int | None = None) -> SessionArtifact:
-    """``decode`` of a file's artifact, its payload read straight into the buffer the tensors then view."""
+    """``decode`` of a file's artifact, its payload read in one piece."""
     reader = ArtifactReader(limit)
     with open(path, "rb") as f:
-        reader.feed(f.read(len(MAGIC) + MAX_HEADER_BYTES))
+        reader.feed(f.readline(len(MAGIC)))  # the magic, then the header line: no payload byte comes with them
+        reader.feed(f.readline(MAX_HEADER_BYTES + 1))
         reader.read_rest(f)
     return reader.finish()
 
@@ -137,46 +137,42 @@ def read_file(path, limit: int | None = None) -> SessionArtifact:
 class ArtifactReader:
     """An artifact read as its bytes arrive (ImportSession's chunks): ``feed`` each piece in order, then
     ``finish`` -> the SessionArtifact. The header is checked as soon as it is in (an artifact announcing more
-    than ``limit`` payload bytes is refused before its payload arrives); the payload is hashed as it comes and
-    copied once, into the buffer whose views become the artifact's tensors (safetensors_parts.read_payload)."""
+    than ``limit`` payload bytes is refused before its payload arrives); the payload is hashed as it comes, then
+    joined (one copy, none when it came in one piece) for the safetensors library to parse
+    (safetensors_parts.read_payload)."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit
         self._head = b""  # the bytes before the payload, until the header line is complete
         self._digest = ""
         self._hash = hashlib.sha256()
-        self._payload: np.ndarray | None = None  # (payload_bytes,) uint8, allocated once the header is in
+        self._size: int | None = None  # the payload's bytes, once the header is in
+        self._parts: list[bytes] = []  # the payload's pieces so far
         self._received = 0
 
     def feed(self, data) -> None:
-        if self._payload is None:
+        if self._size is None:
             self._head += data
             data = self._header()
-            if self._payload is None:
+            if self._size is None:
                 return
-        n = len(data)
-        if self._received + n > len(self._payload):
-            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {len(self._payload)} the "
-                                            "header says")
-        self._hash.update(data)
-        self._payload[self._received:self._received + n] = np.frombuffer(data, dtype=np.uint8)
-        self._received += n
+        self._take(bytes(data))
+
+    def _take(self, data: bytes) -> None:
+        if self._received + len(data) > self._size:
+            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {self._size} the header says")
+        if data:
+            self._hash.update(data)
+            self._parts.append(data)
+            self._received += len(data)
 
     def read_rest(self, f) -> None:
-        """Feed the rest of the binary file ``f``, read into the payload's buffer without a copy between."""
-        if self._payload is None:
+        """Feed the rest of the binary file ``f`` (the payload in one read)."""
+        if self._size is None:
             return
-        view = memoryview(self._payload)[self._received:]
-        while view:
-            n = f.readinto(view)
-            if not n:
-                return  # truncated: finish says so
-            self._hash.update(view[:n])
-            self._received += n
-            view = view[n:]
+        self._take(f.read(self._size - self._received))  # short when truncated: finish says so
         if f.read(1):
-            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {len(self._payload)} the "
-                                            "header says")
+            raise ArtifactError("artifact", f"corrupted: more payload bytes than the {self._size} the header says")
 
     def _header(self) -> bytes:
         """Parse the header once it is in -> the payload bytes that came with it (b"" before)."""
@@ -201,22 +197,23 @@ class ArtifactReader:
         if self.limit is not None and size > self.limit:
             raise ArtifactError("data", f"the artifact exceeds {self.limit} bytes "
                                         "(ModelInfo.limits.max_session_artifact_bytes)")
-        self._digest = digest
-        self._payload = np.empty(size, dtype=np.uint8)  # not touched (nor committed) before the bytes arrive
+        self._digest, self._size = digest, size
         rest, self._head = head[end + 1:], b""
         return rest
 
     def finish(self) -> SessionArtifact:
-        if self._payload is None:
+        if self._size is None:
             if len(self._head) < len(MAGIC) or not self._head.startswith(MAGIC):
                 raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
             raise ArtifactError("artifact", "truncated or corrupted header")
-        if self._received != len(self._payload):
+        if self._received != self._size:
             raise ArtifactError("artifact", f"truncated: {self._received} payload bytes, the header says "
-                                            f"{len(self._payload)}")
+                                            f"{self._size}")
         if self._hash.hexdigest() != self._digest:
             raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
-        payload, self._payload = self._payload, None
+        parts, self._parts = self._parts, []
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        del parts
         try:
             metadata, tensors = read_payload(payload, MAX_METADATA_BYTES)
         except PayloadError as e:
