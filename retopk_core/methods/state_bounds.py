@@ -1,7 +1,10 @@
 """Bounds of an imported session's method state (``AttentionMethod.check_state``): each check raises ValueError
-naming the field, "method state: <field> ...". Tensors are a field's values over every layer."""
+naming the field, "method state: <field> ...". Tensors are a field's values over every layer. A state's bulk is
+bounded by its extremes (one pass of ``torch.aminmax``, which propagates NaN), not by a mask of every value."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,7 +19,7 @@ def require(tensors: dict[str, torch.Tensor], fields: tuple[str, ...]) -> None:
 def integers_within(tensors: dict[str, torch.Tensor], name: str, lo: int, hi: int, what: str = "") -> None:
     """``tensors[name]`` is int64 with every value in [lo, hi] (``what`` says what the bounds are)."""
     t = tensors[name]
-    if t.dtype != torch.long or (t.numel() and not bool(((t >= lo) & (t <= hi)).all())):
+    if t.dtype != torch.long or (t.numel() and not (lo <= (ends := torch.aminmax(t))[0] and ends[1] <= hi)):
         raise ValueError(f"method state: {name} must be int64 in [{lo}, {hi}]{f' ({what})' if what else ''}")
 
 
@@ -24,7 +27,7 @@ def finite(tensors: dict[str, torch.Tensor], *names: str) -> None:
     """Each of ``names`` holds finite floating-point values."""
     for name in names:
         t = tensors[name]
-        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point() or (t.numel() and not all(map(math.isfinite, torch.aminmax(t)))):
             raise ValueError(f"method state: {name} must be finite floating-point values")
 
 

@@ -151,14 +151,19 @@ class FakeRunner:
         kv = torch.zeros((LAYERS, self.info.num_kv_heads, session.length, self.info.head_dim))
         return SessionState(session.method, torch.tensor(session.token_ids, dtype=torch.long), kv, kv.clone(), None)
 
-    def import_session(self, state: SessionState, session_id: str | None = None) -> Session:
-        """A session holding ``state``'s tokens; StateMismatch for another KV shape, as the real runner."""
-        self._touch()
+    def check_import(self, state: SessionState) -> None:
+        """StateMismatch for another KV shape, as the real runner (any thread)."""
         want = (LAYERS, self.info.num_kv_heads, state.length, self.info.head_dim)
         if tuple(state.k.shape) != want:
             raise StateMismatch(f"KV cache: k has shape {tuple(state.k.shape)}, this model's is {want}")
         if state.length and int(state.token_ids.max()) >= VOCAB:
             raise ValueError(f"token_ids: every id must lie in [0, {VOCAB})")
+
+    def import_session(self, state: SessionState, session_id: str | None = None, checked: bool = False) -> Session:
+        """A session holding ``state``'s tokens."""
+        self._touch()
+        if not checked:
+            self.check_import(state)
         session = self.open_session(state.method, session_id)
         try:
             self.reserve(session, state.length)

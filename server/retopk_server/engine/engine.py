@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from retopk_server.engine import session_transfer
 from retopk_server.engine.commands import CommandQueue, EngineCommands
 from retopk_server.engine.delivery import Delivery
 from retopk_server.engine.faults import EngineHung
@@ -102,6 +103,12 @@ class Engine:
                                       f"drive the grammar compiler ({type(e).__name__}); constraints are "
                                       "unavailable on this server") from None
             return self._constraints
+
+    def check_artifact(self, artifact, owner: str = "") -> None:
+        """The checks of importing a SessionArtifact for ``owner`` that need no session table
+        (session_transfer.check_artifact): any thread, so that a large state's bounds are checked off the engine
+        thread, which then imports it with ``commands.import_session(..., checked=True)``."""
+        session_transfer.check_artifact(self.runner, artifact, owner)
 
     def start_drain(self) -> None:
         """Refuse new requests and sessions (UNAVAILABLE); queued and running ones go on."""

@@ -97,9 +97,14 @@ class Runner(Protocol):
         """A copy of the session's tokens, keys, values and method state (runtime/session_state.py)."""
         ...
 
-    def import_session(self, state: SessionState, session_id: str | None = None) -> Session:
-        """A new session holding ``state``; StateMismatch (what differs from this runner) or ValueError (a value
-        out of bounds) before anything is allocated, BudgetExceeded with nothing kept when it does not fit."""
+    def check_import(self, state: SessionState) -> None:
+        """StateMismatch (what differs from this runner) or ValueError (a value out of bounds) when ``state`` cannot
+        be imported; the one runner call any thread may make."""
+        ...
+
+    def import_session(self, state: SessionState, session_id: str | None = None, checked: bool = False) -> Session:
+        """A new session holding ``state``; ``check_import``'s errors (unless ``checked``: it passed already) before
+        anything is allocated, BudgetExceeded with nothing kept when it does not fit."""
         ...
 
     def rewind(self, session: Session, length: int) -> int:

@@ -124,13 +124,16 @@ def decode(data) -> SessionArtifact:
     return reader.finish()
 
 
-def read_file(path, limit: int | None = None) -> SessionArtifact:
-    """``decode`` of a file's artifact, its payload read in one piece."""
+def read_file(path, limit: int | None = None, pause=None) -> SessionArtifact:
+    """``decode`` of a file's artifact, its payload read in one piece; ``pause()``, when given, runs between the
+    read and the checks (a background load that lets a more urgent one go first)."""
     reader = ArtifactReader(limit)
     with open(path, "rb") as f:
         reader.feed(f.readline(len(MAGIC)))  # the magic, then the header line: no payload byte comes with them
         reader.feed(f.readline(MAX_HEADER_BYTES + 1))
         reader.read_rest(f)
+    if pause is not None:
+        pause()
     return reader.finish()
 
 

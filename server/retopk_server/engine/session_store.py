@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from retopk_server.engine import session_artifact
@@ -78,11 +79,13 @@ class SessionStore:
         """``owner``'s saved session ``session_id`` (``take_file``); None when there is none."""
         return self.take_file(self.path(owner, session_id), limit)
 
-    def take_file(self, path: Path, limit: int | None = None) -> SessionArtifact | None:
+    def take_file(self, path: Path, limit: int | None = None, pause: Callable[[], None] | None = None) \
+            -> SessionArtifact | None:
         """The artifact in ``path`` (read and checked: session_artifact.read_file, whose ArtifactError goes to
-        the caller), the file deleted either way; None when there is none."""
+        the caller, ``pause`` called between the read and the checks), the file deleted either way; None when
+        there is none."""
         try:
-            return session_artifact.read_file(path, limit)
+            return session_artifact.read_file(path, limit, pause)
         except FileNotFoundError:
             return None
         finally:

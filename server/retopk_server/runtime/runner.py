@@ -341,11 +341,18 @@ class ModelRunner:
         self._check_open(session)
         return session_state.capture(self.pool, self._groups.get(session.method), session)
 
-    def import_session(self, state: SessionState, session_id: str | None = None) -> Session:
-        """A new session holding ``state`` (another runner's ``export_session``), which continues exactly as the
-        exported one would. StateMismatch (what differs) or ValueError (a value out of bounds) before anything is
-        allocated; BudgetExceeded with nothing kept when it does not fit."""
+    def check_import(self, state: SessionState) -> None:
+        """StateMismatch (what differs) or ValueError (a value out of bounds) when ``state`` cannot be imported
+        here. Reads only what the runner fixed at its start: any thread may call it (the bounds of a large
+        state are checked off the engine thread)."""
         session_state.check(state, self.pool, self.info.vocab_size, self.max_context)
+
+    def import_session(self, state: SessionState, session_id: str | None = None, checked: bool = False) -> Session:
+        """A new session holding ``state`` (another runner's ``export_session``), which continues exactly as the
+        exported one would. ``check_import``'s errors before anything is allocated (``checked``: it passed
+        already); BudgetExceeded with nothing kept when it does not fit."""
+        if not checked:
+            self.check_import(state)
         session = self.open_session(state.method, session_id)
         try:
             if state.state is not None:

@@ -3,10 +3,16 @@
 A saved session comes back on its first use (``restore``, before the call that names it runs) and, from
 start-up on, in the background (``preload``): the most recently used first, each imported only while it fits
 the cache budget without evicting a session (the first that does not fit ends the preload; the rest wait on
-disk for their first use), and only once the server has been idle (no request running, no call waiting for a
-saved session) for QUIET_S, so that the preload takes the engine and the CPU from no one's turn. A client
-coming back after a restart then finds its session already in memory instead of waiting for the file to be
-read, checked and imported before its turn.
+disk for their first use). A client coming back after a restart then finds its session already in memory instead
+of waiting for the file to be read, checked and imported before its turn.
+
+A call's load goes first, the preload yields to it: the preload starts a file only once the server has been idle
+(no request running, no call waiting for a saved session) for QUIET_S; its read pauses between reading the
+bytes and checking them while a call waits for another file; and it imports what it read only after the same
+quiet, since the import takes the engine thread from the decode steps. A call that waits for the very file the
+preload holds makes the preload go on at once: that load is the call's. Every load reads, hashes, parses and
+bounds the artifact off the event loop and off the engine thread (Engine.check_artifact); the engine thread only
+allocates the session and copies the tensors in.
 
 Each file is loaded once: a call naming a session whose load is under way (a preload's or another call's)
 waits for it. A file that does not parse is dropped; one this server cannot import now (limits, model setup)
@@ -20,7 +26,9 @@ keeps them too).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +53,9 @@ class SavedSessions:
         self._loads: dict[Path, asyncio.Future] = {}  # the file being loaded -> done when it is
         self._preload: asyncio.Task | None = None
         self.preloaded = 0
-        self._demand = 0  # calls waiting for their saved session
+        self._wanted: dict[Path, int] = {}  # the files calls wait for -> how many calls
+        self._turn = threading.Condition()  # guards _wanted and _stopping for the preload's thread
+        self._stopping = False
 
     def start_preload(self) -> None:
         """``preload`` in the background (the server calls it once it accepts calls)."""
@@ -54,6 +64,9 @@ class SavedSessions:
     async def stop(self) -> None:
         """No more preloading (a drain): the loads under way end first (a file is never left half taken; an
         import the draining engine refuses puts its file back)."""
+        with self._turn:
+            self._stopping = True  # a paused or quiet-waiting preload load goes on to its end
+            self._turn.notify_all()
         if self._preload is not None:
             self._preload.cancel()
             await asyncio.gather(self._preload, return_exceptions=True)
@@ -63,22 +76,39 @@ class SavedSessions:
         """Bring ``owner``'s saved session ``session_id`` back before a call uses it (nothing when none is saved);
         the import's EngineError when this server cannot open it now."""
         path = self.store.path(owner, session_id)
-        self._demand += 1
+        self._want(path, 1)
         try:
             if path in self._loads:
-                await asyncio.shield(self._loads[path])  # a preload of it: its result is the file's fate
+                await asyncio.shield(self._loads[path])  # a preload of it (going on at once now): the file's fate
             if path.is_file():  # none under way, or a preload that left it (it did not fit without evicting)
                 await self._load(path, owner, session_id, max_owned, evict=True)
         finally:
-            self._demand -= 1
+            self._want(path, -1)
 
-    async def _quiet(self) -> None:
-        """Return once no request has run and no call has waited for a saved session for QUIET_S."""
+    def _want(self, path: Path, calls: int) -> None:
+        with self._turn:
+            count = self._wanted.get(path, 0) + calls
+            if count:
+                self._wanted[path] = count
+            else:
+                del self._wanted[path]
+            self._turn.notify_all()
+
+    def _yield_to_calls(self, path: Path) -> None:
+        """(The preload's thread, loading ``path``) Wait while calls wait for other files and none for this one."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._stopping or path in self._wanted or not self._wanted)
+
+    async def _quiet(self, path: Path | None = None) -> None:
+        """Return once no request has run and no call has waited for a saved session for QUIET_S; at once when a
+        call waits for ``path`` (the file the preload holds) or the preload stops."""
         loop = asyncio.get_running_loop()
         since = loop.time()
         while loop.time() - since < QUIET_S:
+            if self._stopping or (path is not None and path in self._wanted):
+                return
             await asyncio.sleep(QUIET_S / 10)
-            if self._demand or self.engine.in_flight():
+            if self._wanted or self.engine.in_flight():
                 since = loop.time()
 
     async def preload(self) -> int:
@@ -122,14 +152,16 @@ class SavedSessions:
 
     async def _read_and_import(self, path: Path, owner: str | None, session_id: str | None, max_owned: int | None,
                                evict: bool) -> bool:
+        preload = owner is None
+        pause = functools.partial(self._yield_to_calls, path) if preload else None
         try:
-            artifact = await asyncio.to_thread(self.store.take_file, path, self.limit)
+            artifact = await asyncio.to_thread(self.store.take_file, path, self.limit, pause)
         except session_artifact.ArtifactError as e:
             log.warning("dropped the saved session file %s: %s", path.name, e)
             return False
         if artifact is None:
             return False
-        if owner is None:
+        if preload:
             owner, session_id = artifact.owner, artifact.session_id
             if self.store.path(owner, session_id) != path:  # not where this server saves that session
                 log.warning("dropped the saved session file %s: it holds another session", path.name)
@@ -140,8 +172,11 @@ class SavedSessions:
                 return False
             max_owned = caller.max_sessions
         try:
+            await asyncio.to_thread(self._check, artifact, owner, pause)
+            if preload:
+                await self._quiet(path)  # the import takes the engine thread: not from a request or a call's load
             await asyncio.wrap_future(self.engine.commands.import_session(artifact, owner, session_id, max_owned,
-                                                                          evict))
+                                                                          evict, checked=True))
         except EngineError as e:
             if e.code != ErrorCode.ALREADY_EXISTS:  # else a session of that id is open here: the file is stale
                 await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
@@ -149,3 +184,8 @@ class SavedSessions:
             return False
         log.info("session %s of %s restored from %s", session_id, owner or "anonymous", self.store.directory)
         return True
+
+    def _check(self, artifact: session_artifact.SessionArtifact, owner: str, pause: Callable[[], None] | None) -> None:
+        if pause is not None:
+            pause()
+        self.engine.check_artifact(artifact, owner)

@@ -198,7 +198,9 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             owner = artifact.owner
             known = self.gateway.keys.caller(owner)
             max_owned = known.max_sessions if known is not None else None
-        snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id, max_owned))
+        await asyncio.to_thread(self.engine.check_artifact, artifact, owner)  # not on the engine thread
+        snapshot = await self._engine(self.engine.commands.import_session(artifact, owner, session_id, max_owned,
+                                                                          checked=True))
         return wire.session_info(snapshot)
 
     # ------------------------------------------------------------------------------------ tokenizer

@@ -83,8 +83,12 @@ def test_imported_values_out_of_bounds_or_another_setup_are_refused_before_anyth
 
     support = good.state["support"].clone()
     support[0, 0, 0, 0] = good.length  # a position the session does not hold: a kernel would read past it
+    one_nan, one_inf = good.state["queries"].clone(), good.state["tau"].clone()
+    one_nan[1, 2, 3, 4], one_inf[-1, -1] = float("nan"), float("-inf")  # one value among good ones
     bad = {
         "support past the tokens": (variant(state={"support": support}), ValueError, "support must"),
+        "one NaN query": (variant(state={"queries": one_nan}), ValueError, "queries must be finite"),
+        "one infinite threshold": (variant(state={"tau": one_inf}), ValueError, "tau must be finite"),
         "fill past C": (variant(state={"fill": good.state["fill"] + 100}), ValueError, "fill"),
         "NaN query": (variant(state={"queries": good.state["queries"] * float("nan")}), ValueError, "finite"),
         "refresh period 0": (variant(state={"period": good.state["period"] * 0}), ValueError, "period"),  # a divisor
