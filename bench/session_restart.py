@@ -10,16 +10,20 @@ Both turns feed the same number of new tokens; both times are the client's, from
 token (the server's own timing starts after the load). Medians and the worst ratio are printed, JSON with ``--out``.
 
 B preloads the saved sessions in the background from its start, while no call runs (service/saved_sessions.py).
-By default the turns come at once after the restart, in the order the sessions were made (the least recently
-used first: the preload's last), so that each turn finds its session on disk or being loaded; with
-``--after-preload`` they come once B holds every session (clients returning after the restart's background
-load, whose time is reported).
+By default the turns come right after the restart, in the order the sessions were made (the least recently used
+first: the preload's last), so that each turn finds its session on disk or being loaded; with ``--after-preload``
+they come once B holds every session (clients returning after the restart's background load, whose time is
+reported). Like for like: on both servers the turns come one at a time, each sent once the one before has ended,
+from the same client, feeding as many tokens into a session of the same length; what differs is only whether the
+session had to come back from the directory first. The load average is reported with the result (under load the
+times mean little; their ratios, from one run, compare).
 
     python -m bench.session_restart --sessions 16 --tokens 1000 --threads 2 --out docs/bench/session_restart.json
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -97,13 +101,13 @@ def measure(args, model, tokenizer) -> dict:
 
     ratios = [a / b for a, b in zip(after, before, strict=True)]
     result = {"sessions": args.sessions, "tokens": args.tokens, "turn_tokens": args.turn, "threads": args.threads,
-              "saved_bytes": saved, "drain_s": drain_s,
+              "load_average": os.getloadavg(), "saved_bytes": saved, "drain_s": drain_s,
               "after_preload": args.after_preload, "preload_wait_s": preload_s, "first_token_uninterrupted_s": before,
               "first_token_after_restart_s": after, "median_uninterrupted_s": statistics.median(before),
               "median_after_restart_s": statistics.median(after), "median_ratio": statistics.median(ratios),
               "worst_ratio": max(ratios)}
     print(f"{args.sessions} sessions of {args.tokens} tokens, {saved / 2**20:.0f} MiB saved, drain {drain_s:.2f} s, "
-          f"{args.threads} threads")
+          f"{args.threads} threads, load average {result['load_average'][0]:.1f}")
     if preload_s is not None:
         print(f"  B preloaded every session {preload_s:.2f} s after its start")
     print(f"  first token of a {args.turn}-token turn: uninterrupted median {result['median_uninterrupted_s']:.3f} s, "
