@@ -211,10 +211,11 @@ class Gateway:
             raise InvalidArgument(SESSION_METADATA, f"metadata {', '.join(map(repr, sent))} does not match the "
                                   f"request, which names {body}; send the session's id (or no {SESSION_METADATA})")
 
-    def check_moved(self, caller: Caller, session_id: str | None) -> None:
+    async def check_moved(self, caller: Caller, session_id: str | None) -> None:
         """A session this draining server handed over: UNAVAILABLE, for its owner with the trailer naming its new
-        home (service/handoff.py)."""
-        address = self.notices.where(caller.name, session_id)
+        home (service/handoff.py); a call that comes before its session's turn in the handoff waits for it
+        (service/handoff_notices.py)."""
+        address = await self.notices.wait(caller.name, session_id)
         if address is not None:
             raise CallError("UNAVAILABLE", f"session_id: session {session_id!r} moved to {address} (this server is "
                             "draining); continue there", ((NOTICE_METADATA, address),))
@@ -274,7 +275,7 @@ class Gateway:
         try:
             session_id = message.session_id if message.HasField("session_id") else None
             self.check_affinity(metadata, session_id)
-            self.check_moved(caller, session_id)
+            await self.check_moved(caller, session_id)
             spec = await self.checked(caller, message, deadline)
             stream = RequestStream()
             self.engine.submit(spec, stream)

@@ -64,6 +64,8 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
     log.info("drain: keeping %d idle sessions (%.1f MiB) within %.1f s", len(idle), total / 2**20,
              deadline - time.monotonic())
     moved, saved, lost = 0, 0, []
+    if notices is not None:  # a call on one of them waits for its turn here, then gets the notice
+        notices.expect((owner, session_id) for owner, session_id, _ in idle)
     channel = grpc.aio.insecure_channel(peer, options=[("grpc.max_send_message_length", 2 * SESSION_CHUNK_BYTES)]) \
         if peer else None
     try:
@@ -93,7 +95,11 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
                 saved += 1
             else:
                 lost.append((owner, session_id))
+            if notices is not None:  # not moved: a call waiting for it goes on without a notice
+                notices.settle(owner, session_id)
     finally:
+        if notices is not None:
+            notices.finish()
         if channel is not None:
             await channel.close()
     log.info("drain: %d sessions handed over to %s, %d saved in %s, %d lost", moved, peer or "no peer", saved,

@@ -121,6 +121,9 @@ class RunningServer:
     async def drain(self, grace_s: float | None = None) -> None:
         grace_s = self.config.drain_grace_s if grace_s is None else grace_s
         log.info("draining: not serving, waiting up to %.1f s for %d requests", grace_s, self.engine.in_flight())
+        lingering = self.keeps_sessions and self.config.handoff_linger_s > 0
+        if lingering:  # calls on the sessions about to move wait for their notice (service/handoff_notices.py)
+            self.gateway.notices.begin()
         if self.supervisor is not None:  # readiness NOT_SERVING; liveness SERVING while the engine runs
             await self.supervisor.draining()
         self.engine.start_drain()
@@ -133,9 +136,10 @@ class RunningServer:
             if not keep:
                 await asyncio.to_thread(self.engine.stop)  # they end with UNAVAILABLE
         keep_until = max(deadline, time.monotonic() + KEEP_SESSIONS_MIN_S) if keep else None
-        if keep and self.config.handoff_linger_s > 0:
+        if keep and lingering:
             await self._hand_over_listening(keep_until)
             keep_until = None
+        self.gateway.notices.finish()  # whatever happened (an engine failure: no handoff), no call waits on
         await self._stop(keep_until=keep_until)
         log.info("stopped")
 

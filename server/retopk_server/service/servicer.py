@@ -120,7 +120,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def GetSession(self, request: pb.GetSessionRequest, context, caller: Caller) -> pb.SessionInfo:
         session_id = wire.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
-        self.gateway.check_moved(caller, session_id)
+        await self.gateway.check_moved(caller, session_id)
         await self.gateway.restore_saved(caller, session_id)
         return wire.session_info(await self._engine(self.engine.commands.get_session(session_id, caller.name)))
 
@@ -133,7 +133,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
     async def CloseSession(self, request: pb.CloseSessionRequest, context, caller: Caller) -> pb.CloseSessionResponse:
         session_id = wire.identifier("session_id", request.session_id)
         self._check_affinity(context, session_id)
-        self.gateway.check_moved(caller, session_id)
+        await self.gateway.check_moved(caller, session_id)
         await self.gateway.restore_saved(caller, session_id)
         snapshot = await self._engine(self.engine.commands.close_session(session_id, caller.name))
         return pb.CloseSessionResponse(session=wire.session_info(snapshot))
@@ -146,7 +146,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             caller = self.gateway.authenticate(_metadata(context))
             session_id = wire.identifier("session_id", request.session_id)
             self._check_affinity(context, session_id)
-            self.gateway.check_moved(caller, session_id)
+            await self.gateway.check_moved(caller, session_id)
             await self.gateway.restore_saved(caller, session_id)
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
                                                                               request.close))
