@@ -16,7 +16,9 @@ they come once B holds every session (clients returning after the restart's back
 reported). Like for like: on both servers the turns come one at a time, each sent once the one before has ended,
 from the same client, feeding as many tokens into a session of the same length; what differs is only whether the
 session had to come back from the directory first. The load average is reported with the result (under load the
-times mean little; their ratios, from one run, compare).
+times mean little; their ratios, from one run, compare). Since the two phases lie minutes apart and a shared
+machine's load drifts between them, each restored session's first turn is also compared with that session's next
+turn on B, sent right after it (in memory by then: an uninterrupted turn seconds later, under the same load).
 
     python -m bench.session_restart --sessions 16 --tokens 1000 --threads 2 --out docs/bench/session_restart.json
 """
@@ -88,7 +90,7 @@ def measure(args, model, tokenizer) -> dict:
     saved = sum(p.stat().st_size for p in FsPath(directory).iterdir())
 
     second = LocalServer(config, model, tokenizer)
-    after, preload_s = [], None
+    after, again, preload_s = [], [], None
     with Client(second.address, timeout=3600) as client:
         if args.after_preload:
             t0 = time.perf_counter()
@@ -96,16 +98,20 @@ def measure(args, model, tokenizer) -> dict:
                 time.sleep(0.05)
             preload_s = time.perf_counter() - t0
         for i in range(args.sessions):
-            after.append(short_turn(client, f"s{i}", last[f"s{i}"])[0])
+            first_token, last[f"s{i}"] = short_turn(client, f"s{i}", last[f"s{i}"])
+            after.append(first_token)
+            again.append(short_turn(client, f"s{i}", last[f"s{i}"])[0])  # the same session, in memory now
     second.close()
 
     ratios = [a / b for a, b in zip(after, before, strict=True)]
+    adjacent = [a / b for a, b in zip(after, again, strict=True)]
     result = {"sessions": args.sessions, "tokens": args.tokens, "turn_tokens": args.turn, "threads": args.threads,
               "load_average": os.getloadavg(), "saved_bytes": saved, "drain_s": drain_s,
               "after_preload": args.after_preload, "preload_wait_s": preload_s, "first_token_uninterrupted_s": before,
               "first_token_after_restart_s": after, "median_uninterrupted_s": statistics.median(before),
               "median_after_restart_s": statistics.median(after), "median_ratio": statistics.median(ratios),
-              "worst_ratio": max(ratios)}
+              "worst_ratio": max(ratios), "first_token_next_turn_s": again,
+              "median_ratio_to_next_turn": statistics.median(adjacent), "worst_ratio_to_next_turn": max(adjacent)}
     print(f"{args.sessions} sessions of {args.tokens} tokens, {saved / 2**20:.0f} MiB saved, drain {drain_s:.2f} s, "
           f"{args.threads} threads, load average {result['load_average'][0]:.1f}")
     if preload_s is not None:
@@ -113,6 +119,8 @@ def measure(args, model, tokenizer) -> dict:
     print(f"  first token of a {args.turn}-token turn: uninterrupted median {result['median_uninterrupted_s']:.3f} s, "
           f"after the restart median {result['median_after_restart_s']:.3f} s")
     print(f"  ratio after / uninterrupted: median {result['median_ratio']:.2f}, worst {result['worst_ratio']:.2f}")
+    print(f"  ratio after / the same session's next turn on B: median {result['median_ratio_to_next_turn']:.2f}, "
+          f"worst {result['worst_ratio_to_next_turn']:.2f}")
     return write_result(args, result)
 
 

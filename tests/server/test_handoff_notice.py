@@ -22,6 +22,7 @@ from retopk_client.channel import ClientConfig
 from retopk_client.errors import HANDOFF_METADATA
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.cli import config_from
+from retopk_shared.service_names import SERVICE_NAME
 from tests.server.fake_runner import FakeRunner, greedy_reference
 from tests.server.test_session_keeping import conversation, enc, turn
 from tests.server.test_tenancy import KEYS, auth, line
@@ -112,6 +113,61 @@ def test_a_stream_cut_at_the_grace_moves_with_what_it_sent_and_the_async_sdk_fol
     tokens, address = asyncio.run(next_turn())
     assert address == b.address
     assert tokens == greedy_reference(enc("Go on") + sent + enc(" more"), 5, stop_at_eos=False)
+    drainer.join(LINGER_S + 30)
+
+
+def test_a_call_before_its_sessions_handoff_waits_for_it_and_gets_the_notice(pair):
+    a, b = pair
+    with Client(a.address, api_key=KEYS["alice"], timeout=30) as alice:
+        context = conversation(alice, "chat", ["Hello", " and", " then"])
+        alice.create_session(session_id="long")
+        stream = alice.generate("Go on", session_id="long", temperature=0, max_new_tokens=2000, ignore_eos=True)
+        next(stream)  # under way: the drain waits its grace for it before handing anything over
+        drainer = drain_in_background(a, grace_s=1.0)
+        while alice.health(SERVICE_NAME) == "SERVING":  # readiness: the drain has begun
+            time.sleep(0.02)
+        once = RetryPolicy(max_attempts=1)  # no blind retry: only the notice can bring the call to B
+        with Client(a.address, api_key=KEYS["alice"], timeout=30, retry=once, handoff_addresses=[b.address]) as held:
+            started = time.monotonic()
+            fourth = turn(held, "chat", " four")  # sent during the grace, answered once "chat" has moved
+            assert held.config.address == b.address and time.monotonic() - started >= 0.5
+        assert fourth == greedy_reference(context + enc(" four"), 5, stop_at_eos=False)
+        with pytest.raises(Unavailable):
+            list(stream)
+    with Client(a.address, api_key=KEYS["carol"], timeout=30, retry=RetryPolicy(max_attempts=1)) as carol:
+        with pytest.raises(NotFound):  # not hers: no wait, no notice, as an unknown id
+            carol.get_session("chat")
+    drainer.join(LINGER_S + 30)
+
+
+def test_an_http_call_on_a_moved_session_gets_a_503_naming_its_new_home(fake_server, tmp_path):
+    import httpx
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("\n".join(line(name) for name in KEYS) + "\n")
+    b = fake_server(api_keys_file=str(keys), peer_key="replicas-secret")
+    a = fake_server(api_keys_file=str(keys), peer_key="replicas-secret", handoff_peer=b.address,
+                    handoff_linger_s=LINGER_S, http_port=0)
+    with Client(a.address, api_key=KEYS["alice"], timeout=30) as alice:
+        conversation(alice, "chat", ["Hello"])
+        model = alice.model_info().name
+    drainer = drain_in_background(a)
+    assert notice(a.stub, "alice", "chat")[1] == b.address  # moved; A still listens, both fronts
+
+    def completion(who: str, **retopk) -> httpx.Response:
+        body = {"model": model, "prompt": " more", "max_tokens": 2, "retopk": retopk}
+        return httpx.post(a.running.http.url + "/v1/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEYS[who]}"})
+
+    moved = completion("alice", session_id="chat")
+    assert moved.status_code == 503 and moved.json()["error"]["code"] == "unavailable"
+    assert moved.headers["x-retopk-handoff"] == b.address and moved.headers["retry-after"] == "0"
+    draining = completion("alice")  # no session: the drain's plain 503, retried elsewhere a second later
+    assert draining.status_code == 503 and draining.headers["retry-after"] == "1"
+    assert "x-retopk-handoff" not in draining.headers
+    for foreign in (completion("carol", session_id="chat"), completion("alice", session_id="never")):
+        assert foreign.status_code == 503 and foreign.headers["retry-after"] == "1"  # not hers: as an unknown id
+        assert "x-retopk-handoff" not in foreign.headers
     drainer.join(LINGER_S + 30)
 
 

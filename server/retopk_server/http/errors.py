@@ -6,6 +6,10 @@
 status the gRPC front would have answered and whose ``http_status`` comes from the same table (INVALID_ARGUMENT
 -> 400, UNAUTHENTICATED -> 401, NOT_FOUND -> 404, RESOURCE_EXHAUSTED -> 429, UNAVAILABLE -> 503, ...), so the
 two fronts fail alike. INTERNAL (500) is only ever a bug of ours.
+
+A 503 carries ``Retry-After``: 1 second, the time for a router to send the retry to another replica, or 0 when the
+session the call names has moved (a lingering drain's handoff, service/handoff_notices.py); then the header
+``x-retopk-handoff`` names the session's new home, as gRPC's trailer of that name does, for the session's owner only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Callable
 from fastapi.responses import JSONResponse
 
 from retopk_server.service.gateway import HTTP_STATUS, CallError
+from retopk_server.service.handoff_notices import NOTICE_METADATA
 
 # gRPC status name -> OpenAI's error type
 ERROR_TYPE: dict[str, str] = {
@@ -44,8 +49,9 @@ class ApiError(CallError):
     ``http_status`` overrides the code's HTTP status (413 for a body over the cap, which gRPC answers with
     RESOURCE_EXHAUSTED: the code stays the gRPC status, so that metrics count the one status both fronts know)."""
 
-    def __init__(self, code: str, message: str, param: str | None = None, http_status: int | None = None) -> None:
-        super().__init__(code, message)
+    def __init__(self, code: str, message: str, param: str | None = None, http_status: int | None = None,
+                 trailers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(code, message, trailers)
         self.param, self._http_status = param, http_status
 
     @property
@@ -56,9 +62,17 @@ class ApiError(CallError):
         kind = ERROR_TYPE.get(self.code, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code.lower()}}
 
+    def headers(self) -> dict[str, str]:
+        headers = {"WWW-Authenticate": "Bearer"} if self.code == "UNAUTHENTICATED" else {}
+        moved = [value for name, value in self.trailers if name == NOTICE_METADATA]
+        if moved:
+            headers[NOTICE_METADATA] = moved[0]
+        if self.code == "UNAVAILABLE":
+            headers["Retry-After"] = "0" if moved else "1"
+        return headers
+
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.code == "UNAUTHENTICATED" else None
-        return JSONResponse(self.body(), status_code=self.http_status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.http_status, headers=self.headers())
 
 
 def from_call_error(error: CallError, rename: Callable[[str], str] | None = None) -> ApiError:
@@ -71,5 +85,5 @@ def from_call_error(error: CallError, rename: Callable[[str], str] | None = None
     head, sep, rest = message.partition(": ")
     if code in FIELD_CODES and sep and FIELD.fullmatch(head):
         param = rename(head) if rename else head
-        return ApiError(code, f"{param}: {rest}", param)
-    return ApiError(code, message)
+        return ApiError(code, f"{param}: {rest}", param, trailers=error.trailers)
+    return ApiError(code, message, trailers=error.trailers)
