@@ -54,6 +54,9 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Recall counts up to this pick their entries by one pass over the FIFO's similarities (insertion into a
+// sorted handful); larger ones by nth_element, which a decode step's profile showed costing more at R = 4.
+constexpr int64_t kScanRecall = 16;
 constexpr int64_t kTile = 64;  // key rows per tile of the exact pass (64 x d=128 floats = 32 KiB, L1)
 
 // Hot loops are compiled twice, for x86-64-v3 (AVX2 + FMA + F16C) and the baseline, and picked at load
@@ -443,6 +446,17 @@ struct Task {
       for (int64_t age = 1; age <= std::min(p.R, fill); ++age) recalled.push_back(((ptr - age) % p.C + p.C) % p.C);
     } else if (fill <= p.R) {
       for (int64_t c = 0; c < fill; ++c) recalled.push_back(c);
+    } else if (p.R <= kScanRecall) {  // the R most similar in one pass, kept in order (R is a handful)
+      Scored best[kScanRecall];
+      int64_t n = 0;
+      for (int64_t c = 0; c < fill; ++c) {
+        const float v = sims[c];
+        if (n == p.R && !(v > best[n - 1].first)) continue;
+        int64_t i = n < p.R ? n++ : n - 1;
+        for (; i > 0 && v > best[i - 1].first; --i) best[i] = best[i - 1];
+        best[i] = {v, c};
+      }
+      for (int64_t r = 0; r < n; ++r) recalled.push_back(best[r].second);
     } else {
       std::vector<Scored>& by = s.top;
       by.clear();
