@@ -38,6 +38,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -469,6 +470,10 @@ struct Task {
     uint64_t* seen = s.seen.data();
     std::vector<int64_t>& cand = s.cand;
     cand.clear();
+    for (int64_t pos = std::max<int64_t>(0, L - p.W); pos < L; ++pos) {  // the window first: nothing to test
+      seen[pos >> 6] |= uint64_t(1) << (pos & 63);
+      cand.push_back(pos);
+    }
     auto add = [&](int64_t pos) {
       if (pos < 0 || pos >= L) return;  // -1 padding (and, defensively, positions past the history)
       uint64_t bit = uint64_t(1) << (pos & 63);
@@ -481,7 +486,6 @@ struct Task {
       const int64_t* sup = fifo_s(h, c);
       for (int64_t j = 0; j < p.K; ++j) add(sup[j]);
     }
-    for (int64_t pos = std::max<int64_t>(0, L - p.W); pos < L; ++pos) add(pos);
   }
 
   void unmark() const {
@@ -890,8 +894,13 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   const int64_t* st = step.data_ptr<int64_t>();
   float* tw = tau.data_ptr<float>();
   int64_t* pdw = period.data_ptr<int64_t>();
-  auto body = [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
+  // run_group's tasks, handed out one at a time as threads come free: a head on the exact path (a fallback
+  // or a refresh) costs several reusing heads, so fixed shares of the tasks would leave a thread waiting.
+  // A task's result does not depend on the thread that runs it.
+  const int64_t tasks = B * H_kv * (policy == 0 ? H / H_kv : 1);
+  std::atomic<int64_t> next{0};
+  auto body = [&](int64_t, int64_t) {
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       switch (k_pool.scalar_type()) {
         case at::kFloat:
           run_group<float>(p, q, k_pool, v_pool, bt, len, sl, queries, support, fl, pt, st, tw, pdw, ph, o, task);
@@ -906,7 +915,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
       }
     }
   };
-  at::parallel_for(0, B * H_kv * (policy == 0 ? H / H_kv : 1), 1, body);  // run_group's tasks
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, body);  // one body per thread
   int64_t *fw = fill.data_ptr<int64_t>(), *pw = ptr.data_ptr<int64_t>(), *sw = step.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t s = sl[b];
