@@ -429,11 +429,12 @@ class ModelRunner:
         """
         self._check_open(session)
         token_ids = [int(t) for t in token_ids]
-        # Invariants, not a client's refusal (service/wire.py refuses bad ids naming the field): an id out of
-        # range would index past the embedding table (a negative one silently from its end).
-        assert token_ids, "token_ids must not be empty"
-        assert (i := first_bad_token(token_ids, self.info.vocab_size)) is None, \
-            f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}"
+        # Invariants, not a client's refusal (service/wire.py refuses bad ids naming the field). Raised, not
+        # asserted, so that python -O keeps them: an id out of range would read past the embedding table.
+        if not token_ids:
+            raise AssertionError("token_ids must not be empty")
+        if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
+            raise AssertionError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
         begin, hashes, tail = session.length, None, None
         if prefix_key is not None and self.prefix_cache is not None and begin == 0:
             # mapped first: held by the session, these blocks are safe from the evictions that room may need
