@@ -430,7 +430,8 @@ class ModelRunner:
         self._check_open(session)
         token_ids = [int(t) for t in token_ids]
         # Invariants, not a client's refusal (service/wire.py refuses bad ids naming the field). Raised, not
-        # asserted, so that python -O keeps them: an id out of range would read past the embedding table.
+        # asserted, so that python -O keeps them: the embedding lookup is torch indexing, which would take a
+        # negative id silently from the table's end.
         if not token_ids:
             raise AssertionError("token_ids must not be empty")
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
