@@ -115,7 +115,7 @@ class QuerySupportCache(SlotPool):
         """Insert T <= C consecutive entries into every head of one slot: qn (H, T, d), support (H, T, K)."""
         C, T = self.queries.shape[2], qn.shape[1]
         at = (self.ptr[slot] + torch.arange(T, device=qn.device)) % C  # (T,) FIFO rows, oldest first
-        self.queries[slot].index_copy_(1, at, qn)  # (H, C, d); index_copy_ is ~2x an advanced-index write here
+        self.queries[slot].index_copy_(1, at, qn)  # (H, C, d); a strided copy, not an index scatter
         self.support[slot].index_copy_(1, at, support)  # (H, C, K)
         self.ptr[slot] = (self.ptr[slot] + T) % C
         self.fill[slot] = (self.fill[slot] + T).clamp(max=C)

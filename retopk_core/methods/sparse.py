@@ -212,7 +212,7 @@ def group_scores(qs: torch.Tensor, kv: PagedKV, b: int, L: int, ws: Workspace | 
 
     qs (H_kv, h, d), scale applied -> (H_kv, h, L); with ``group`` = g: qs (1, h, d) against KV head g
     only -> (1, h, L). Reads the keys in place, run by run of consecutive blocks
-    (``PagedKV.block_runs``): copying 8K keys out of 256-token blocks cost 3x the scoring itself.
+    (``PagedKV.block_runs``): copying the keys out of their blocks first cost more than the scoring itself.
     One block: a single (g, h, d) @ (g, d, L) matmul into the workspace's score buffer (when given).
     """
     runs = kv.block_runs(kv.k_pool, b, L)  # [(n_i, H_kv, P, d)]
