@@ -25,6 +25,7 @@ import time
 from pathlib import Path as FsPath
 
 from retopk_core.hugepages import enable_transparent_hugepages
+from retopk_core.models import DEFAULT_MODEL
 
 enable_transparent_hugepages()  # before torch allocates anything: see retopk_core/hugepages.py
 
@@ -50,7 +51,7 @@ def parse_method(text: str) -> MethodSpec:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint path")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
     p.add_argument("--new-tokens", type=int, default=16, help="decoded tokens timed per method, length and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds in which the methods take turns")

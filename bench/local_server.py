@@ -12,13 +12,14 @@ from collections.abc import Callable
 from pathlib import Path as FsPath
 
 from retopk_core.hugepages import enable_transparent_hugepages
+from retopk_core.models import DEFAULT_MODEL
 
 
 def parse_args(doc: str, cache_bytes: int, options: Callable[[argparse.ArgumentParser], None],
                argv=None) -> argparse.Namespace:
     """--model, the bench's own ``options``, --threads, --cache-bytes (default ``cache_bytes``) and --out."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint path")
     options(p)
     p.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
     p.add_argument("--cache-bytes", type=int, default=cache_bytes, help="each server's --kv-cache-bytes")

@@ -27,11 +27,12 @@ import time
 from pathlib import Path as FsPath
 
 from retopk_core.hugepages import enable_transparent_hugepages
+from retopk_core.models import DEFAULT_MODEL
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint path")
     p.add_argument("--corpus", default=None, help="a UTF-8 text file (default: the King James Bible)")
     p.add_argument("--doc-tokens", type=int, default=4096, help="tokens of the document of workload 1")
     p.add_argument("--rounds", type=int, default=3, help="rounds of workload 1 (first and second question each)")

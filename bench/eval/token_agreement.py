@@ -18,6 +18,7 @@ import json
 
 import torch
 
+from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
 TOLERANCE = 1e-3  # nats: a flip within this is a near-tie the criterion allows
@@ -34,7 +35,7 @@ PROMPTS = [
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--formats", nargs="+", default=["as-stored:float32", "as-stored:bfloat16"],
                    help="WEIGHTS:KV_DTYPE pairs of the runtime to compare")
     p.add_argument("--prompts", type=int, default=20, help=f"chat prompts (at most {len(PROMPTS)})")

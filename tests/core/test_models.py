@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +133,17 @@ def test_embedded_model_answers_paris_greedily(embedded_model):
     assert model.config.num_hidden_layers == 30
     assert model.config.num_attention_heads == 9
     assert model.config.num_key_value_heads == 3
+
+
+def test_importing_models_or_a_bench_parser_loads_no_torch():
+    """The benches that enable huge pages before torch (retopk_core/hugepages.py) take DEFAULT_MODEL from here
+    at import time: importing them must not load torch."""
+    code = ("import sys, bench.ttft, bench.vs_llamacpp, bench.prefix_cache, bench.local_server; "
+            "from retopk_core.models import DEFAULT_MODEL; "
+            "assert bench.ttft.parse_args([]).model == DEFAULT_MODEL; "
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": f"{root}:{root / 'server'}:{root / 'client'}"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
