@@ -4,7 +4,7 @@
     python bench/gpu_check.py --interpret --tiny # end to end on the CPU under TRITON_INTERPRET
     PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out-dir "$OUT"   # on the lent H200 box: B = 1 and 8
 
-Stage 1 runs ``pytest tests/kernels`` compiled (one process per test file, in parallel) and, beside
+Stage 1 runs ``pytest tests/core/kernels`` compiled (one process per test file, in parallel) and, beside
 them, one warm-up process per method that compiles the benchmark's kernels into triton's disk cache
 (the large bitonic networks take tens of seconds each to compile; in parallel this hides). Stage 2 times
 one attention layer's decode step (``method.decode`` with ``backend="triton"``) for Full attention,
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_tests(args) -> dict:
-    """pytest tests/kernels, one process per test file in parallel (each compiles its own kernel
+    """pytest tests/core/kernels, one process per test file in parallel (each compiles its own kernel
     variants; triton's disk cache is shared), and on a GPU, alongside them, one warm-up process per
     method that compiles the benchmark's kernels. The tiny mode runs one fast file only."""
     import concurrent.futures as cf
@@ -95,9 +95,9 @@ def run_tests(args) -> dict:
     else:
         env.pop("TRITON_INTERPRET", None)
     if args.tiny:
-        files = ["tests/kernels/test_bitonic.py"]
+        files = ["tests/core/kernels/test_bitonic.py"]
     else:  # the test that runs this script itself under the interpreter is left out
-        files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "kernels").glob("test_*.py")
+        files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "core" / "kernels").glob("test_*.py")
                        if p.name != "test_gpu_check_script.py")
     jobs = {f: [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f] for f in files}
     if not args.interpret:

@@ -52,7 +52,7 @@ def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     # OpenMP threads that sleep at a barrier instead of spinning: the suite's machines are small and shared
     # (2 cores, several processes), and a server whose thread spins while the core it waits for runs someone
-    # else slows each decode step many times over (tests/http/test_openai_structured.py's 20 requests were the
+    # else slows each decode step many times over (tests/server/http/test_openai_structured.py's 20 requests were the
     # suite's slowest test); with free cores both threads still work. A caller's environment may set it.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update(extra or {})

@@ -12,7 +12,7 @@ from retopk_core.methods import Path, make_method
 from retopk_core.retopk_config import ReTopKConfig
 from tests.core._reference import RefHead, group_paths, stagger_phase
 from tests.core._scenario import make_trace, paged
-from tests.kernels._helpers import assert_rows_by_position
+from tests.core.kernels._helpers import assert_rows_by_position
 
 
 def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None):

@@ -81,7 +81,7 @@ def test_the_issue_request_is_refused_cheaply(fuzz_server):
 
 
 def test_wrong_types_in_every_field_are_refused_by_name(fuzz_server):
-    """Wrong types over gRPC, both ways a client can send one (the HTTP front's are tests/http/test_raw_http.py's):
+    """Wrong types over gRPC, both ways a client can send one (HTTP's: tests/server/http/test_raw_http.py):
     - a hyperparameter's ParamValue of another kind, for every hyperparameter of every method: INVALID_ARGUMENT
       naming it (method.top_k or method.params['sinks']);
     - a field's bytes in another wire type, for every scalar field of GenerateRequest and of its sampling and

@@ -78,7 +78,7 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone():
 ])
 def test_input_only_the_tokenizer_can_judge_is_invalid_argument_and_leaks_nothing(engine_runner, fields, needle):
     """The engine refuses only what needs the tokenizer or the session (the wire checks the rest: tests/server/
-    test_service.py's INVALID list over gRPC, tests/http/ over HTTP)."""
+    test_service.py's INVALID list over gRPC, tests/server/http/ over HTTP)."""
     engine, runner = engine_runner
     events, error = asyncio.run(generate(engine, **fields))
     assert events == [] and error.code is ErrorCode.INVALID_ARGUMENT and needle in error.message

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retopk_core.methods.exact import ExactTopK, ExactTopKConfig
-from tests.kernels._helpers import DEVICE, assert_topk_support, make_kv, ref_attend, ref_scores
+from tests.core.kernels._helpers import DEVICE, assert_topk_support, make_kv, ref_attend, ref_scores
 
 CASES = [  # (B, H_kv, G, d, lengths, block, K, chunk, fan)
     (1, 1, 1, 64, [64], None, 4, None, None),

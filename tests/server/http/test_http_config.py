@@ -30,7 +30,7 @@ def test_the_error_table_of_docs_http_lists_every_status_the_front_answers():
 
     from retopk_server.http.errors import STATUS
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "http.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "http.md").read_text()
     rows = dict(re.findall(r"^\| (\d{3}) \| `(\w+)` \|", text, re.M))
     unreachable = {"PERMISSION_DENIED", "CANCELLED", "DEADLINE_EXCEEDED"}  # no HTTP request gets these
     answered = {str(status) for code, (status, _) in STATUS.items() if code not in unreachable} | {"405", "413"}

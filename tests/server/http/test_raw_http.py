@@ -14,7 +14,7 @@ import pytest
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.http.app import body_bytes
-from tests.http.conftest import KEY, TIMEOUT
+from tests.server.http.conftest import KEY, TIMEOUT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -305,7 +305,7 @@ def test_full_queue_is_429_and_going_away_cancels(http_server, raw, grpc_client,
 
 
 def test_drain_finishes_the_stream_and_refuses_new_work(http_server, raw, model):
-    """Last test of tests/http: SIGTERM drains the shared server."""
+    """Last test of tests/server/http: SIGTERM drains the shared server."""
     body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 64, "stream": True,
                        "retopk": {"ignore_eos": True}})
     with raw.stream("POST", "/v1/completions", headers=AUTH, content=body) as response:

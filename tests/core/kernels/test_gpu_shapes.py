@@ -16,7 +16,7 @@ from retopk_core.methods.exact import ExactTopK, ExactTopKConfig
 from retopk_core.methods.full import FullAttention
 from retopk_core.methods.retopk import ReTopK
 from retopk_core.retopk_config import ReTopKConfig
-from tests.kernels._helpers import assert_rows_by_position, assert_topk_support, paged_from_dense, ref_scores
+from tests.core.kernels._helpers import assert_rows_by_position, assert_topk_support, paged_from_dense, ref_scores
 
 pytestmark = pytest.mark.gpu
 

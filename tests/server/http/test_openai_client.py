@@ -13,7 +13,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.http.conftest import KEY
+from tests.server.http.conftest import KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -18,7 +18,7 @@ from retopk_core.kernels.bitonic import (
     unpack_pos,
     unpack_score,
 )
-from tests.kernels._helpers import DEVICE
+from tests.core.kernels._helpers import DEVICE
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from retopk_core.kv import PagedKV
 from retopk_core.methods.base import Path
 from retopk_core.methods.retopk import ReTopK, by_position
 from retopk_core.retopk_config import ReTopKConfig
-from tests.kernels._helpers import DEVICE, assert_rows_by_position, make_kv
+from tests.core.kernels._helpers import DEVICE, assert_rows_by_position, make_kv
 
 CASES = [  # (H_kv, G, d, K, C, W, R, lengths, block, retrieval, prefill_rows)
     (1, 3, 64, 8, 8, 4, 2, [200, 90], 16, "similarity", (0, 1)),

@@ -1,5 +1,5 @@
 """HTTP front fixtures: ONE real `retopk-server` (embedded model, an API key, ``--http-port 0``) for every
-test in tests/http, reached with the official ``openai`` package, raw ``httpx`` and the gRPC SDK.
+test in tests/server/http, reached with the official ``openai`` package, raw ``httpx`` and the gRPC SDK.
 
 http_server   (session) the LiveServer; ``http_server.http_url`` is "http://127.0.0.1:PORT"; the last test
               of test_raw_http.py drains it (SIGTERM); ``http_server.metrics_url`` its Prometheus page

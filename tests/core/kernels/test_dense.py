@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retopk_core.methods.full import FullAttention
-from tests.kernels._helpers import DEVICE, make_kv, ref_attend
+from tests.core.kernels._helpers import DEVICE, make_kv, ref_attend
 
 CASES = [  # (B, H_kv, G, d, lengths, block, dtype)
     (1, 1, 1, 64, [64], None, torch.float32),
