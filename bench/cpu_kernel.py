@@ -7,16 +7,24 @@ Two traces per length: "reuse" (tau = 0, no refresh: every head reuses, the comm
 same prefilled FIFO and decode the same queries in alternation, step by step, so a slow spell of the
 machine hits both; the table gives the median ms per layer-step and the torch / cpu ratio.
 
-    python bench/cpu_kernel.py --lengths 1024 4096 8192 32768 --threads 1
+    python bench/cpu_kernel.py --lengths 1024 4096 8192 32768 --threads 1 --out docs/bench/cpu_kernel_DATE
+
+``--out`` saves what the table shows, every row, with the command, the machine and its load average, as
+<out>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import platform
+import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from retopk_core.hugepages import enable_transparent_hugepages
@@ -45,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=50, help="timed steps per backend, trace and length")
     p.add_argument("--traces", nargs="+", choices=["reuse", "exact"], default=["reuse", "exact"])
     p.add_argument("--threads", type=int, default=1, help="torch (and kernel) threads")
+    p.add_argument("--out", type=Path, default=None, help="also write every row to <out>.json")
     return p.parse_args(argv)
 
 
@@ -130,11 +139,20 @@ def main(argv=None) -> int:
           f"median of {args.steps} steps")
     print("| L | trace | keys scored / head | torch ms | cpu ms | torch / cpu |")
     print("|---|---|---|---|---|---|")
+    load_before, rows = os.getloadavg(), []
     for L in args.lengths:
         for trace in args.traces:
             r = run_trace(args, L, trace)
+            rows.append(r)
             print(f"| {r['L']} | {r['trace']} | {r['scored']:.0f} | {r['torch_ms']:.3f} | {r['cpu_ms']:.3f} | "
                   f"{r['ratio']:.1f}x |", flush=True)
+    if args.out:
+        meta = {"command": "python bench/cpu_kernel.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+                "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0]}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            {"meta": meta, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
     return 0
 
 

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from bench import attention_cpu, attention_stages, record_paths
+from bench import attention_cpu, attention_stages, cpu_kernel, record_paths
 from retopk_core.methods import Path, make_method
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
@@ -180,3 +180,23 @@ def test_attention_cpu_fused_kernel_rows(tmp_path):
     assert same["group_read_rate"] == 1 and same["backend"] == "cpu" and same["speedup_vs_exact_same_kernel"] == 1
     assert by[(128, "retopk", "per-head", "head")]["backend"] == "cpu"
     assert by[(128, "exact_topk", None, None)]["backend"] == "torch"
+
+
+def test_cpu_kernel_saves_every_row_it_prints(tmp_path, capsys):
+    """bench/cpu_kernel.py --out: the JSON holds each (length, trace) row of the printed table, same figures."""
+    from retopk_core.cpu import launch
+
+    if not launch.available():
+        import pytest
+        pytest.skip("the fused CPU kernel is not built (make install builds it)")
+    out = tmp_path / "cpu_kernel"
+    assert cpu_kernel.main(["--lengths", "128", "300", "--heads", "6", "--kv-heads", "2", "--head-dim", "16",
+                            "--top-k", "8", "--cache-size", "8", "--window", "8", "--block", "64", "--steps", "2",
+                            "--out", str(out)]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1") or
+               line.startswith("| 3")]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["L"], r["trace"]) for r in res["rows"]] == [(128, "reuse"), (128, "exact"), (300, "reuse"),
+                                                           (300, "exact")]
+    assert [line.split(" | ")[3] for line in printed] == [f"{r['torch_ms']:.3f}" for r in res["rows"]]
+    assert res["meta"]["command"].startswith("python bench/cpu_kernel.py --lengths 128 300")
