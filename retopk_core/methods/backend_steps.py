@@ -10,7 +10,7 @@ What a method asks of its steps (q (B, H, d) after RoPE, kv a PagedKV, out (B, H
     dense(q, kv, scale)               -> out: softmax over every position (Full attention, the dense floor)
     dense_topk(q, kv, scale, K)       -> out, sel_pos (B, H, K) int64: the same, with each head's exact Top-K
                                          from the same scores (the floor's last C steps, which seed the FIFO)
-    exact_topk(q, kv, K, scale, ws, on_stage) -> out, sel_pos: softmax over each head's Top-K (eq. 1, 12)
+    exact_topk(q, kv, K, scale, ws) -> out, sel_pos: softmax over each head's Top-K (eq. 1, 12)
     seed_topk(scores (N, L), K)       -> (N, K) int64: each row's Top-K positions (ReTopK's prefill)
     retopk(method, q, kv, state, slots, scale) -> StepOutput, or None where ReTopK's own torch code runs it
 
@@ -42,14 +42,10 @@ class TorchSteps:
     def dense_topk(self, q: torch.Tensor, kv: PagedKV, scale: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return dense_attend_topk(q, kv, scale, k)
 
-    def exact_topk(self, q: torch.Tensor, kv: PagedKV, k: int, scale: float, ws, on_stage=None,
+    def exact_topk(self, q: torch.Tensor, kv: PagedKV, k: int, scale: float, ws,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         sel_pos, sel_scores = exact_select(q, kv, k, scale, ws=ws)  # (B, H, K)
-        if on_stage:
-            on_stage("full QK + top-K")
         out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, ws)  # (B, H, d_v)
-        if on_stage:
-            on_stage("sparse attend")
         return out, sel_pos
 
     def seed_topk(self, scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -75,9 +71,9 @@ class CpuSteps(TorchSteps):
             return super().dense_topk(q, kv, scale, k)
         return cpu_launch.dense_decode(q, kv, scale, k)
 
-    def exact_topk(self, q, kv, k, scale, ws, on_stage=None):
+    def exact_topk(self, q, kv, k, scale, ws):
         if q.device.type != "cpu":
-            return super().exact_topk(q, kv, k, scale, ws, on_stage)
+            return super().exact_topk(q, kv, k, scale, ws)
         return cpu_launch.dense_decode(q, kv, scale, k, exact=True)
 
     def seed_topk(self, scores, k):
@@ -102,7 +98,7 @@ class TritonSteps(TorchSteps):
         from retopk_core.kernels.triton_launch import dense_decode
         return dense_decode(q, kv, scale)
 
-    def exact_topk(self, q, kv, k, scale, ws, on_stage=None):
+    def exact_topk(self, q, kv, k, scale, ws):
         from retopk_core.kernels.triton_launch import exact_topk_decode
         return exact_topk_decode(q, kv, k, scale)
 

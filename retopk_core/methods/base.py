@@ -10,8 +10,6 @@ counts it. GQA: query head h reads KV head h // (H // H_kv).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from retopk_core.kv import PagedKV
@@ -216,9 +214,6 @@ class AttentionMethod:
     steps = None
     # How many of the prompt's last queries ``prefill`` wants (ReTopK: C); 0 = none.
     prefill_queries: int = 0
-    # Timing hook: when set, the torch code of a sparse ``decode`` step calls it with each stage's name as the
-    # stage ends (bench/attention_stages.py times the real step so); unset, it costs one test per stage.
-    on_stage: Callable[[str], None] | None = None
 
     def __init__(self, config: MethodConfig | None = None, backend: str = "torch") -> None:
         if config is None:

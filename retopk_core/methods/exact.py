@@ -42,5 +42,5 @@ class ExactTopK(AttentionMethod):
         B, H, d = q.shape
         scale = resolve_scale(scale, d)
         # (B, H, d_v), (B, H, K)
-        out, sel_pos = self.steps.exact_topk(q, kv, self.top_k, scale, self._ws, self.on_stage)
+        out, sel_pos = self.steps.exact_topk(q, kv, self.top_k, scale, self._ws)
         return uniform_output(out, Path.EXACT, kv.lengths, sel_pos)

@@ -280,9 +280,6 @@ class ReTopK(AttentionMethod):
         period = state.period.index_select(0, slots) if cfg.refresh_guard else None  # (B, H); else T_r everywhere
         path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase, tau, period), max_sim,
                          kv.num_kv_heads, cfg, tau)  # (B, H) int8
-        mark = self.on_stage
-        if mark:
-            mark("similarity+path")
 
         reuse = path == Path.REUSE
         n_reuse = int(reuse.sum())
@@ -302,16 +299,10 @@ class ReTopK(AttentionMethod):
             exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores, ws=self._ws)
             if cfg.tau_calibration or cfg.refresh_guard:
                 self._observe_exact(state, slots, sim, max_sim, path, tau, sel_pos, kv)
-            if mark:
-                mark("exact QK + top-K")
 
         out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
-        if mark:
-            mark("sparse attend")
         state.push(slots, qn, sel_pos)
         state.step[slots] += 1
-        if mark:
-            mark("cache update")
         return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=sel_pos)
 
     def _reuse_select(self, q: torch.Tensor, sim: torch.Tensor, kv: PagedKV, state: QuerySupportCache,
@@ -322,17 +313,10 @@ class ReTopK(AttentionMethod):
         q (P, d), sim (P, C), b/h (P,) sequence index into the batch and query head
         ->  Ŝ_t (P, K) int64 -1 padded, its scores (P, K) float32, M_t (P,) int32
         """
-        mark = self.on_stage
         cand = self._candidates(sim, state, slots[b], h, kv.lengths[b])  # (P, M)
-        if mark:
-            mark("recall+candidates")
         g = kv_heads(state.queries.shape[1], kv.num_kv_heads, q.device)[h]  # (P,)
         scores = indexed_scores(q, kv, b, g, cand, scale, self._ws)  # (P, M)
-        if mark:
-            mark("indexed QK")
         sp, ss = topk_select(scores, cand, self.config.top_k)  # (P, K)
-        if mark:
-            mark("top-K rerank")
         return sp, ss, (cand >= 0).sum(-1).to(torch.int32)
 
     def _observe_exact(self, state: QuerySupportCache, slots: torch.Tensor, sim: torch.Tensor, max_sim: torch.Tensor,
