@@ -2,14 +2,16 @@
 
 The step-by-step comparisons in test_retopk.py run at d <= 32, K <= 64, L < 80, where the reference loop
 is cheap. Here a few heads at a model's sizes go through the same comparison (paths, max_sim, selected
-sets, candidate counts, outputs) on the torch core and the fused CPU kernel: the reference shares no code
-with either, so this is what holds the kernels' candidate construction and Top-K at size to the paper
-rather than to the project's own torch code. Slow by design; two cases.
+sets, candidate counts, outputs) on the torch core, the fused CPU kernel and the Triton kernels (under
+Triton's CPU interpreter): the reference shares no code with any of them, so this is what holds the kernels'
+candidate construction and Top-K at size to the paper rather than to the project's own torch code. Slow by
+design; two cases.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from retopk_core.cpu import launch as cpu_launch
 from retopk_core.methods import Path
@@ -24,7 +26,10 @@ SIZES = [
     (4, 2, 128, 512, 8, 128, 2, 4, (1400, 2100), {}),
 ]
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_launch.available(),
-                                                                   reason="the fused CPU library is not built"))]
+                                                                   reason="the fused CPU library is not built")),
+            # the trace's tensors are on the CPU, which only the interpreter runs Triton on (tests/conftest.py)
+            pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                            reason="Triton runs on CPU tensors only interpreted"))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
