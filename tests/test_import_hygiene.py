@@ -1,13 +1,14 @@
 """The packages' import structure, read statically with ``ast`` (nothing is imported or run).
 
-1. No import cycle among the modules of ``retopk_core``, nor among those of ``retopk_server``: every ``import``
-   and ``from ... import`` counts, at module level, inside a function (an import deferred into a function to
-   dodge a cycle is still one) or under ``if TYPE_CHECKING:`` (it never runs, but the two modules still know
-   each other: name what is needed in a Protocol instead, as runtime/prefill.py and engine/commands.py do).
+1. No import cycle among the modules of any one package (``retopk_core``, ``retopk_server``, the client's
+   two): every ``import`` and ``from ... import`` counts, at module level, inside a function (an import
+   deferred into a function to dodge a cycle is still one) or under ``if TYPE_CHECKING:`` (it never runs, but
+   the two modules still know each other: name what is needed in a Protocol instead, as runtime/prefill.py
+   and engine/commands.py do).
    ``from package import name`` is an edge to ``package.name`` where that is a module, else to the package.
 2. No file reaches into another module's private names:
    - ``from M import _name`` and ``import M._private_module`` where M is a module of this project (retopk_core,
-     retopk_server, retopk_client) other than the file itself, except a package's own private modules
+     retopk_server, retopk_client, retopk_shared) other than the file itself, except a package's own private modules
      imported from inside that package (``methods/baselines/_common.py`` from its siblings);
    - ``expr._name`` where ``expr`` is not ``self`` / ``cls`` and ``_name`` is a private attribute or method
      that the project defines (``def _name`` or ``self._name = ...``) in some file but not in this one: a
@@ -26,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"retopk_core": ROOT / "retopk_core", "retopk_server": ROOT / "server" / "retopk_server",
-            "retopk_client": ROOT / "client" / "retopk_client"}
+            "retopk_client": ROOT / "client" / "retopk_client", "retopk_shared": ROOT / "client" / "retopk_shared"}
 
 
 def module_name(package: str, path: Path) -> str:
@@ -181,7 +182,7 @@ def reach_ins() -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("package", ["retopk_core", "retopk_server"])
+@pytest.mark.parametrize("package", list(PACKAGES))
 def test_no_import_cycle(package):
     found = cycles(import_graph(package))
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
