@@ -8,7 +8,7 @@ Kernel files (each holds ``@triton.jit`` code and a thin launcher that checks it
     bitonic.py        in-register bitonic sort / Top-K and the (score, position) -> int64 sort key
     paged.py          pool-row address of (sequence, KV head, position) in the PagedKV block pool
     dense.py          Full attention: split-K decode over the sequence + log-sum-exp merge
-    exact.py          full-history QK scores, per-chunk Top-K, Top-K merge tree (exact/fallback/refresh),
+    exact_support.py  full-history QK scores, per-chunk Top-K, Top-K merge tree (exact/fallback/refresh),
                       persistent grids over a work list of the step's exact heads built on the device
     selector.py       ReTopK stage 1: cosine recall, path decision, sorted unique candidate list (sorts the
                       recalled supports only; the window is appended)

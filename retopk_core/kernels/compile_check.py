@@ -21,7 +21,7 @@ import time
 
 def kernel_specs(small: bool) -> list[tuple]:
     """(kernel, argument types, constexprs, num_warps) for every kernel and constexpr branch."""
-    from retopk_core.kernels import dense, exact, indexed_qk, select_attend, selector
+    from retopk_core.kernels import dense, exact_support, indexed_qk, select_attend, selector
 
     K_pad, n_pad, n_sort, chunk, fan, D = (16, 64, 32, 32, 4, 64) if small else (512, 4096, 2048, 2048, 4, 128)
     p = {"f32": "*fp32", "bf16": "*bf16", "i64": "*i64", "i32": "*i32", "i8": "*i8"}
@@ -31,21 +31,21 @@ def kernel_specs(small: bool) -> list[tuple]:
                       dict(q_ptr=p[dt], k_ptr=p[dt], v_ptr=p[dt], table_ptr=p["i64"], len_ptr=p["i64"],
                            po_ptr=p["f32"], pl_ptr=p["f32"], scale="fp32"),
                       dict(G=7, BLOCK_G=16, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_N=64, DOT_F32=dot_f32), 4))
-        specs.append((exact.exact_qk_kernel,
+        specs.append((exact_support.exact_qk_kernel,
                       dict(q_ptr=p[dt], k_ptr=p[dt], table_ptr=p["i64"], len_ptr=p["i64"], path_ptr=p["i8"],
                            groups_ptr=p["i32"], n_ptr=p["i32"], sc_ptr=p["f32"], scale="fp32"),
                       dict(G=3, BLOCK_G=16, D=D, BLOCK_D=D, BLOCK_N=64, HAS_PATH=not dot_f32, DOT_F32=dot_f32), 4))
     specs.append((dense.lse_merge_kernel, dict(po_ptr=p["f32"], pl_ptr=p["f32"], out_ptr=p["bf16"], len_ptr=p["i64"]),
                   dict(DV=D, BLOCK_DV=D, BLOCK_S=64), 4))
     for has_path in (False, True):
-        specs.append((exact.exact_work_kernel,
+        specs.append((exact_support.exact_work_kernel,
                       dict(path_ptr=p["i8"] if has_path else p["i64"], heads_ptr=p["i32"], groups_ptr=p["i32"],
                            n_ptr=p["i32"]),
                       dict(HAS_PATH=has_path, BLOCK=1024), 4))
-    specs.append((exact.chunk_topk_kernel,
+    specs.append((exact_support.chunk_topk_kernel,
                   dict(sc_ptr=p["f32"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
                   dict(CHUNK=chunk, K_PAD=K_pad), 8))
-    specs.append((exact.merge_topk_kernel,
+    specs.append((exact_support.merge_topk_kernel,
                   dict(in_ptr=p["i64"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
                   dict(FAN=fan, K_PAD=K_pad), 8))
     # run: K when a power of two (merge-only path for sorted supports), 0 otherwise (full sort only)

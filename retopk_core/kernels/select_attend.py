@@ -5,7 +5,7 @@ Selection (eq. 11 on reuse, eq. 1 on exact paths):
                  the head's own M: each tile's keys join the running Top-K_PAD and one bitonic Top-K of
                  those 2 K_PAD keys keeps the best (M ~ 700-900 of N_PAD = 4096 at K = 512: two networks
                  of 1024 keys instead of one of 4096)
-    exact head   Ŝ = the merged exact Top-K list of exact.py (already sorted)
+    exact head   Ŝ = the merged exact Top-K list of exact_support.py (already sorted)
 Attention over Ŝ (eq. 12), keys' scores recomputed by nothing: the selection carries them,
     o = Σ_{i∈Ŝ} exp(e_i - m) v_i / Σ_{i∈Ŝ} exp(e_i - m),   m = max_{i∈Ŝ} e_i,
 with values read from the PagedKV pool by position in blocks of BLOCK_KV. Outputs: o (q's dtype), the

@@ -29,7 +29,7 @@ import triton
 
 from retopk_core.kernels.bitonic import next_pow2
 from retopk_core.kernels.dense import dense_attention
-from retopk_core.kernels.exact import exact_topk_keys
+from retopk_core.kernels.exact_support import exact_topk_keys
 from retopk_core.kernels.indexed_qk import indexed_qk_kernel
 from retopk_core.kernels.select_attend import select_attend_kernel
 from retopk_core.kernels.selector import selector_kernel

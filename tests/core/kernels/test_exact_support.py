@@ -1,4 +1,4 @@
-"""exact.py + select_attend.py (the Exact Top-K method) against Top-K and attention from the definition."""
+"""exact_support.py + select_attend.py (the Exact Top-K method) against Top-K and attention from the definition."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_exact_keys_for_heads_off_reuse_only_from_a_device_work_list():
     groups, those heads get the exact Top-K (four merge levels over persistent grids), and a step where
     every head reuses writes nothing."""
     from retopk_core.kernels.bitonic import EMPTY
-    from retopk_core.kernels.exact import exact_topk_keys
+    from retopk_core.kernels.exact_support import exact_topk_keys
     from retopk_core.kernels.workspace_cache import Workspace
 
     B, H_kv, G, d, K, lengths = 2, 2, 2, 64, 8, [300, 70]
