@@ -111,7 +111,7 @@ def parse_runtime(pairs: list[str]) -> dict:
     """["weights=float32", "backend=cpu"] -> RuntimeConfig keyword arguments (values parsed as the server's
     key=value options). Any field of RuntimeConfig but those this script sets; ValueError otherwise."""
     from retopk_server.runtime import RuntimeConfig
-    from retopk_shared.params import parse_params
+    from retopk_shared.name_value import parse_params
 
     fields = {f.name for f in dataclasses.fields(RuntimeConfig)} - set(OWN_RUNTIME_FIELDS)
     options = {}

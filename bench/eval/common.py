@@ -26,7 +26,7 @@ from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
 from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
-from retopk_shared.params import parse_params
+from retopk_shared.name_value import parse_params
 
 KJV = corpora.KJV  # the default corpus
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from retopk_core.hugepages import enable_transparent_hugepages
 from retopk_core.retopk_config import ReTopKConfig  # torch-free, as the huge pages ask
-from retopk_shared.params import format_params, parse_params, parse_value  # the one NAME=VALUE grammar
+from retopk_shared.name_value import format_params, parse_params, parse_value  # the one NAME=VALUE grammar
 
 __all__ = ["OPTIONS", "build_parser", "config_from", "main", "parse_params", "parse_rope_scaling", "parse_value"]
 

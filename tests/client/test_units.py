@@ -351,7 +351,7 @@ def test_connection_options_go_before_or_after_the_subcommand(argv):
 
 
 def test_one_name_value_grammar():
-    from retopk_shared.params import format_params, parse_params
+    from retopk_shared.name_value import format_params, parse_params
 
     params = parse_params(" top_k=64, tau=0.9 ,retrieval=recent,reallocate=TRUE,")
     assert params == {"top_k": 64, "tau": 0.9, "retrieval": "recent", "reallocate": True}

@@ -12,7 +12,7 @@ from retopk_client.addresses import DEFAULT_ADDRESS
 from retopk_client.client import Client
 from retopk_client.types import SAMPLING_FIELDS, Method
 from retopk_shared.fields import RETOPK_FIELDS
-from retopk_shared.params import parse_params
+from retopk_shared.name_value import parse_params
 
 
 def add_connection_args(p: argparse.ArgumentParser, environ: Mapping[str, str], suppress: bool = False) -> None:
@@ -59,7 +59,7 @@ def connection_parent(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def method_params_arg(text: str) -> dict:
-    """``--method-params`` in the shared NAME=VALUE grammar (retopk_shared.params), as an argparse type."""
+    """``--method-params`` in the shared NAME=VALUE grammar (retopk_shared.name_value), as an argparse type."""
     try:
         return parse_params(text)
     except ValueError as e:
