@@ -105,7 +105,7 @@ def tokenizer_cache(gguf: Path) -> Path:
 
 def gguf_tokenizer(gguf: Path):
     """The tokenizer of a GGUF file. transformers builds it from the file's vocabulary and merges, which takes
-    most of a start (about 10 s for SmolLM2's 49K tokens); the result is saved once and read back after."""
+    most of a start for a large vocabulary (SmolLM2's 49K tokens); the result is saved once and read back after."""
     from transformers import AutoTokenizer
 
     cache = tokenizer_cache(gguf)
