@@ -23,6 +23,21 @@ def support_recall(selected: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return found.sum(-1).float() / valid_exact.sum(-1).clamp_min(1).float()
 
 
+def mass_recall(selected: torch.Tensor, exact: torch.Tensor, exact_scores: torch.Tensor) -> torch.Tensor:
+    """The attention mass of an exact support that ``selected`` keeps:
+
+        Σ_{i ∈ S ∩ Ŝ} w_i,   w = softmax over S of the exact scores (the weights sparse attention gives S)
+
+    selected (..., M), exact (..., K) int64, -1 padded; exact_scores (..., K) float  ->  (...) float32 in [0, 1]
+    (1 for an empty S). ``support_recall`` counts each missed position alike; this counts it by its weight."""
+    valid_exact = exact >= 0  # (..., K)
+    hit = (exact.unsqueeze(-1) == selected.unsqueeze(-2)) & (selected.unsqueeze(-2) >= 0)  # (..., K, M)
+    found = hit.any(-1) & valid_exact  # (..., K)
+    w = torch.softmax(exact_scores.float().masked_fill(~valid_exact, float("-inf")), dim=-1).nan_to_num(0.0)
+    kept = (w * found).sum(-1)
+    return torch.where(valid_exact.any(-1), kept, torch.ones_like(kept))
+
+
 def full_probabilities(q: torch.Tensor, kv: PagedKV, scale: float | None = None) -> torch.Tensor:
     """Full-softmax probabilities over every position: q (B, H, d) -> (B, H, L_max), 0 past lengths."""
     B, H, d = q.shape

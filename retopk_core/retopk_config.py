@@ -68,6 +68,11 @@ class ReTopKConfig(MethodConfig):
                                       "retopk_policy.guard_period)",
                                  low=0.0, high=1.0)
 
+    mass_recall: bool = param(False, "tau_calibration and refresh_guard measure the recall reuse would have had as "
+                                     "attention mass: the share of the exact Top-K's softmax weight on the positions "
+                                     "reuse would have found, instead of the share of its positions (a missed token "
+                                     "counts by its weight; see fidelity.mass_recall)")
+
     def validate(self) -> None:
         if self.refresh_guard and self.refresh_every <= 0:
             raise ParamError("refresh_guard", "refresh_guard needs scheduled refreshes (refresh_every > 0), got "

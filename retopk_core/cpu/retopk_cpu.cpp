@@ -19,7 +19,8 @@
 //   others: e_i for every i < L (the group's keys read once for all its exact heads), Ŝ = TopK e (eq. 1)
 //   o_h    = Σ_{i∈Ŝ} softmax(e_Ŝ)_i v_i (eq. 12); FIFO row ptr of (slot, h) <- (q̄_h, Ŝ -1 padded)
 //   tau_calibration r* > 0, on the exact heads with a non-empty FIFO (calibrate_tau in retopk.py): the
-//           recall reuse would have had, r = |Ŝ ∩ A_h| / |Ŝ|, moves tau_h when |ρ_max - tau_h| < band:
+//           recall reuse would have had, r = |Ŝ ∩ A_h| / |Ŝ| (mass_recall: r = Σ_{i∈Ŝ∩A_h} softmax(e_Ŝ)_i, the
+//           exact support's weight reuse keeps), moves tau_h when |ρ_max - tau_h| < band:
 //           tau_h += rate (r* - r), clamped to [lo, hi]
 //   refresh_guard r_g > 0, on the REFRESH heads with ρ_max >= tau_h (before this step's calibration; guard_period
 //           in retopk.py): the same would-be recall r halves T_h (to lo_T at least) when r < r_g, doubles it (to
@@ -294,6 +295,7 @@ struct Params {
   bool recent;
   int64_t policy;  // 0 head, 1 promote, 2 group
   Codes code;
+  bool mass = false;  // mass_recall: the would-be recall weighs each position of Ŝ by its softmax weight
 };
 
 using Scored = std::pair<float, int64_t>;  // (score, position)
@@ -510,15 +512,23 @@ struct Task {
     return M;
   }
 
-  // |top ∩ A_h| / |top|: the recall the reuse path would have had for this exact support.
+  // |top ∩ A_h| / |top|: the recall the reuse path would have had for this exact support; with mass_recall
+  // Σ_{i ∈ top ∩ A_h} w_i / Σ_{i ∈ top} w_i, w_i = exp(e_i - max e) (the weights eq. 12 gives top).
   float would_be_recall(int64_t h, const float* sims, const std::vector<Scored>& top) const {
     if (top.empty()) return 1.f;
     Scratch& s = scratch();
     candidates(h, sims);
-    int64_t hits = 0;
-    for (const Scored& t : top) hits += (s.seen[t.second >> 6] >> (t.second & 63)) & 1;
+    float mx = kNegInf;
+    if (p.mass)
+      for (const Scored& t : top) mx = std::max(mx, t.first);
+    float hits = 0.f, total = 0.f;
+    for (const Scored& t : top) {
+      const float w = p.mass ? std::exp(t.first - mx) : 1.f;
+      total += w;
+      if ((s.seen[t.second >> 6] >> (t.second & 63)) & 1) hits += w;
+    }
     unmark();
-    return static_cast<float>(hits) / static_cast<float>(top.size());
+    return hits / total;
   }
 
   // Exact Top-K over every position for the heads in `heads` (eq. 1): one pass over the group's keys.
@@ -846,7 +856,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   for (int64_t h = 0; h < H; ++h)
     CHECK_VALUE(ph[h] >= 0 && ph[h] == ph[h - h % (H / H_kv)], "state.phase[", h, "] = ", ph[h],
                 ": phases must be >= 0 and shared by the heads of a KV group");
-  CHECK_VALUE(calibration.size() == 5, "calibration must be (target, rate, band, lo, hi)");
+  CHECK_VALUE(calibration.size() == 6, "calibration must be (target, rate, band, lo, hi, mass)");
   CHECK_VALUE(guard.size() == 3, "guard must be (target, target + margin, lowest period)");
   const int64_t guard_lo = static_cast<int64_t>(guard[2]);
   CHECK_VALUE(guard[0] <= 0.0 || (refresh_every > 0 && guard_lo >= 1 && guard_lo <= refresh_every),
@@ -885,7 +895,8 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
            static_cast<float>(guard[0]), static_cast<float>(guard[1]), guard_lo,
            retrieval == "recent", policy,
            Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
-                 static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])}};
+                 static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])},
+           calibration[5] != 0.0};
   auto i8 = at::TensorOptions().dtype(at::kChar);
   Outputs o{at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous)),
             at::empty({B, H}, i8), at::empty({B, H}, at::TensorOptions().dtype(at::kFloat)),

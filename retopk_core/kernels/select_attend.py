@@ -26,7 +26,8 @@ entry: only its step counter advances (the launcher takes its output from the de
 With CALIBRATE (``tau_calibration``), a head whose path is exact (not REUSE, not DENSE) and whose FIFO
 is not empty (ρ_max > -inf) also moves its threshold as ``calibrate_tau`` does: the recall reuse would
 have had, r = |Ŝ ∩ A_t| / |Ŝ| (``fidelity.support_recall``; A_t the selector's candidate row, sorted
-ascending, of length cal_count: one vectorised binary search per selected position), gives
+ascending, of length cal_count: one vectorised binary search per selected position; with MASS,
+``mass_recall``, r = Σ_{i∈Ŝ∩A_t} p_i with p the attention weights of Ŝ, ``fidelity.mass_recall``), gives
     tau_h <- clamp(tau_h + [|ρ_max - tau_h| < BAND] RATE (TARGET - r), LO, HI)
 (``calibration_constants``; TARGET 0: thresholds untouched), written back to state.tau[slot, h] by the head's
 own program. With GUARD (``refresh_guard``) the same recall, on a REFRESH head whose ρ_max >= tau_h (the
@@ -54,7 +55,8 @@ def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_t
                          K, H, H_KV, P, G, C,
                          K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
-                         RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, LOG_N: tl.constexpr):
+                         RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, MASS: tl.constexpr,
+                         LOG_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * H + h
@@ -81,6 +83,9 @@ def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_t
     valid = (top != EMPTY) & (r < K)
     e = tl.where(valid, unpack_score(top), float("-inf"))
     sel = tl.where(valid, unpack_pos(top), -1)  # (K_PAD,) int64
+    m = tl.max(e, 0)
+    p = tl.where(valid, tl.exp(e - tl.where(m > float("-inf"), m, 0.0)), 0.0)
+    p = p / tl.maximum(tl.sum(p, 0), 1.0)  # the sum is >= 1 (exp(0) at the max) unless nothing is selected (plain)
     if CALIBRATE:  # RETOPK only
         path = tl.load(path_ptr + row)
         rho = tl.load(maxsim_ptr + row)
@@ -98,7 +103,10 @@ def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_t
                 hi = tl.where(go & (v >= x), mid, hi)
             found = valid & (lo < n)
             hit = found & (tl.load(cand_ptr + row * N_PAD + lo, mask=found, other=-1) == x)
-            recall = tl.sum(hit.to(tl.float32), 0) / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
+            if MASS:  # mass_recall: the support's softmax weight on A_t (p sums to 1 over a non-empty support)
+                recall = tl.sum(tl.where(hit, p, 0.0), 0)
+            else:
+                recall = tl.sum(hit.to(tl.float32), 0) / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
             tau_at = tau_ptr + tl.load(slots_ptr + b) * H + h
             th = tl.load(tau_at)
             if TARGET > 0:
@@ -111,9 +119,6 @@ def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_t
                     t_new = tl.where(recall < G_TARGET, tl.maximum(t_h // 2, G_LO),
                                      tl.where(recall >= G_FRESH, tl.minimum(t_h * 2, T_R), t_h))
                     tl.store(per_at, t_new)
-    m = tl.max(e, 0)
-    p = tl.where(valid, tl.exp(e - tl.where(m > float("-inf"), m, 0.0)), 0.0)
-    p = p / tl.maximum(tl.sum(p, 0), 1.0)  # the sum is >= 1 (exp(0) at the max) unless nothing is selected (plain)
     tl.store(sel_ptr + row * K + r, sel, mask=r < K)
     tl.store(w_ptr + row * K_PAD + r, p)
     tl.debug_barrier()  # the value loop below re-reads sel / p in blocks from other threads' writes

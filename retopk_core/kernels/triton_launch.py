@@ -197,7 +197,7 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         path, cand, cand_scores, count, N_pad, slots, at, state, dense_below = retopk
         queries, support, C = state.queries, state.support, state.queries.shape[2]
         ptr, fill, step = state.ptr, state.fill, state.step
-    cal_count, max_sim, tau, (target, rate, band, lo, hi) = cal[:4] if cal else (exact_keys,) * 3 + ((0.0,) * 5,)
+    cal_count, max_sim, tau, (target, rate, band, lo, hi, mass) = cal[:4] if cal else (exact_keys,) * 3 + ((0.0,) * 6,)
     guard = cal is not None and len(cal) > 4
     period, (g_target, g_fresh, g_lo), T_r = cal[4] if guard else (exact_keys, (0.0, 0.0, 1), 0)  # unused: GUARD off
     select_attend_kernel[(B, H)](
@@ -208,6 +208,7 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         cal_count, max_sim, tau, target, rate, band, lo, hi, period, g_target, g_fresh, int(g_lo), T_r,
         K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
         K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
-        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, GUARD=guard, LOG_N=N_pad.bit_length(),
+        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, GUARD=guard, MASS=bool(mass),
+        LOG_N=N_pad.bit_length(),
         num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)
     return out, sel

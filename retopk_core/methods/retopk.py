@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from retopk_core.fidelity import support_recall
+from retopk_core.fidelity import mass_recall, support_recall
 from retopk_core.kv import PagedKV
 from retopk_core.methods import state_bounds
 from retopk_core.methods.backend_steps import steps_for
@@ -298,7 +298,7 @@ class ReTopK(AttentionMethod):
                                                                                      slots, b, h, scale)
             exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores, ws=self._ws)
             if cfg.tau_calibration or cfg.refresh_guard:
-                self._observe_exact(state, slots, sim, max_sim, path, tau, sel_pos, kv)
+                self._observe_exact(state, slots, sim, max_sim, path, tau, sel_pos, sel_scores, kv)
 
         out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
         state.push(slots, qn, sel_pos)
@@ -320,10 +320,12 @@ class ReTopK(AttentionMethod):
         return sp, ss, (cand >= 0).sum(-1).to(torch.int32)
 
     def _observe_exact(self, state: QuerySupportCache, slots: torch.Tensor, sim: torch.Tensor, max_sim: torch.Tensor,
-                       path: torch.Tensor, tau: torch.Tensor | None, sel_pos: torch.Tensor, kv: PagedKV) -> None:
+                       path: torch.Tensor, tau: torch.Tensor | None, sel_pos: torch.Tensor, sel_scores: torch.Tensor,
+                       kv: PagedKV) -> None:
         """On the heads that took an exact support this step, the recall that reuse would have had
         (|Ŝ_exact ∩ A_t| / |Ŝ_exact| with A_t the candidates eq. 8-9 would have built: reuse reranks A_t by exact
-        scores, so that is its recall) moves each head's tau (``tau_calibration``: every exact head with a
+        scores, so that is its recall; with ``mass_recall`` the share of Ŝ_exact's softmax weight on A_t, weights from
+        the exact scores, ``fidelity.mass_recall``) moves each head's tau (``tau_calibration``: every exact head with a
         non-empty FIFO, ``calibrate_tau``) and its refresh period (``refresh_guard``: the REFRESH heads whose
         ρ_max >= tau_h, i.e. that would have reused, ``guard_period``). The keys are read already; the extra
         work is one candidate union per observed head. tau (B, H): the thresholds this step decided with."""
@@ -336,7 +338,10 @@ class ReTopK(AttentionMethod):
         if b.numel() == 0:
             return
         cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M) ascending, -1 padded
-        recall = support_recall(cand, sel_pos[b, h])  # (P,)
+        if cfg.mass_recall:  # the exact support's attention weight reuse would have kept
+            recall = mass_recall(cand, sel_pos[b, h], sel_scores[b, h])  # (P,)
+        else:
+            recall = support_recall(cand, sel_pos[b, h])  # (P,)
         rows = slots[b]
         if cal is not None:
             on = cal[b, h]  # (P,)

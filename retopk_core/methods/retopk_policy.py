@@ -121,13 +121,15 @@ def _tau_bounds(tau0: float) -> tuple[float, float]:
 
 
 def calibration_constants(cfg: ReTopKConfig) -> list[float]:
-    """calibrate_tau's (target, rate, band, lo, hi) for ``cfg``, as the fused CPU kernel takes them."""
-    return [cfg.tau_calibration, _CAL_RATE, _CAL_BAND, *_tau_bounds(cfg.tau)]
+    """calibrate_tau's (target, rate, band, lo, hi) for ``cfg`` and whether the recall it and guard_period
+    observe is ``mass_recall``'s (1.0) or the support's (0.0), as the fused CPU and Triton kernels take them."""
+    return [cfg.tau_calibration, _CAL_RATE, _CAL_BAND, *_tau_bounds(cfg.tau), float(cfg.mass_recall)]
 
 
 # guard_period's constants: a head's refresh period stays within [T_r / 2^LEVELS, T_r]; it lengthens only when
-# the measured recall clears the target by MARGIN (the safety margin: a head near its target keeps refreshing
-# often rather than oscillate into stale supports).
+# the measured recall clears the target by MARGIN, or by half the distance to 1 when that is less (a mass target
+# such as 0.95; ``guard_fresh``) (the safety margin: a head near its target keeps refreshing often rather than
+# oscillate into stale supports).
 _GUARD_LEVELS, _GUARD_MARGIN = 3, 0.1
 
 
@@ -138,7 +140,7 @@ def guard_period(period: torch.Tensor, recall: torch.Tensor, target: float, T_r:
     where the head would have reused: ρ_max >= tau_h). A refresh is the stalest point of a head's reuse run:
     its supports were last anchored up to T_h steps ago. So
         recall <  target            ->  T_h <- max(T_h / 2, T_r / 2^LEVELS)   (stale: re-anchor sooner)
-        recall >= target + MARGIN   ->  T_h <- min(2 T_h, T_r)               (fresh: back towards T_r)
+        recall >= guard_fresh       ->  T_h <- min(2 T_h, T_r)               (fresh: back towards T_r)
     else unchanged. Each head starts at the shortest period (``QuerySupportCache``): a session's first
     refreshes come early, so a head whose supports go stale is caught within T_r / 2^LEVELS steps, and a
     head on stable text earns T_r after LEVELS refreshes (steps T_r / 8, T_r / 4, T_r / 2: three exact steps
@@ -148,13 +150,19 @@ def guard_period(period: torch.Tensor, recall: torch.Tensor, target: float, T_r:
     """
     shorter = torch.clamp(period // 2, min=guard_floor(T_r))
     longer = torch.clamp(period * 2, max=T_r)
-    return torch.where(recall < target, shorter, torch.where(recall >= target + _GUARD_MARGIN, longer, period))
+    return torch.where(recall < target, shorter, torch.where(recall >= guard_fresh(target), longer, period))
+
+
+def guard_fresh(target: float) -> float:
+    """The recall at which ``guard_period`` lengthens a period: target + MARGIN, or target + (1 - target) / 2 when
+    that is less."""
+    return target + (_GUARD_MARGIN if target + 2 * _GUARD_MARGIN <= 1.0 else (1.0 - target) / 2)
 
 
 def guard_constants(cfg: ReTopKConfig) -> list[float]:
     """guard_period's (target, target + margin, lowest period) for ``cfg`` (target 0 = off), as the fused CPU
     kernel takes them (the sum made here, as guard_period makes it, so both round it alike)."""
-    return [cfg.refresh_guard, cfg.refresh_guard + _GUARD_MARGIN, float(guard_floor(cfg.refresh_every))]
+    return [cfg.refresh_guard, guard_fresh(cfg.refresh_guard), float(guard_floor(cfg.refresh_every))]
 
 
 def guard_floor(T_r: int) -> int:

@@ -22,12 +22,13 @@ class RefHead:
     """One query head of one sequence: its FIFO of (unit query, support) and the step counter."""
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
-                 phase: int = 0, calibration: float = 0.0, guard: float = 0.0):
+                 phase: int = 0, calibration: float = 0.0, guard: float = 0.0, mass: bool = False):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
         # refresh_guard: this head's refresh period starts at T_r / 8 (at least 1) and moves (guard_step)
         self.guard, self.period = guard, (max(1, T_r // 8) if guard else T_r)
+        self.mass = mass  # mass_recall: both rules measure the support's softmax weight reuse keeps, not its count
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -50,10 +51,11 @@ class RefHead:
 
     def guard_step(self, recall: float) -> None:
         """refresh_guard's rule, written out, on a refresh where the head would have reused: a recall under
-        the target halves the period (to T_r / 8 at least), one at least 0.1 above it doubles it (to T_r)."""
+        the target halves the period (to T_r / 8 at least), one at least 0.1 above it (or half the way to 1,
+        when that is less) doubles it (to T_r)."""
         if recall < self.guard:
             self.period = max(self.period // 2, max(1, self.T_r // 8))
-        elif recall >= self.guard + 0.1:
+        elif recall >= self.guard + min(0.1, (1 - self.guard) / 2):
             self.period = min(self.period * 2, self.T_r)
 
     def _push(self, q: torch.Tensor, support: list[int]) -> None:
@@ -98,6 +100,10 @@ class RefHead:
         scores = {i: float(q @ keys[i].double()) * scale for i in cand}  # eq. 10 / eq. 4
         support = topk_positions(scores, self.K)  # eq. 11 / eq. 1
         recall = len(set(support) & reuse_cand) / len(support) if support else 1.0
+        if self.mass and support:  # the exact support's weights (eq. 12's softmax), summed over what reuse finds
+            top = max(scores[i] for i in support)
+            weight = {i: math.exp(scores[i] - top) for i in support}
+            recall = sum(weight[i] for i in support if i in reuse_cand) / sum(weight.values())
         would_reuse = max_sim >= self.tau  # the threshold this step decided with (before calibrate moves it)
         if self.calibration and path != REUSE and sims:
             self.calibrate(max_sim, recall)

@@ -93,15 +93,17 @@ def test_matches_torch_path(case, policy, use_paged):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mass", [False, True], ids=["support", "mass"])
 @pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0), ("group", 0.0)], ids=["head", "promote", "group"])
 @pytest.mark.parametrize("case", [0, 1, 2], ids=["mha", "gqa3", "gqa7"])
-def test_calibrated_tau_matches_torch_path(case, policy):
-    """tau_calibration in the kernel: the would-be reuse recall of its exact heads moves state.tau as the
-    torch path's calibrate_tau does, step by step (the thresholds are compared in assert_same_step)."""
+def test_calibrated_tau_matches_torch_path(case, policy, mass):
+    """tau_calibration in the kernel: the would-be reuse recall of its exact heads (``mass_recall``: the
+    support's softmax weight reuse keeps) moves state.tau as the torch path's calibrate_tau does, step by step
+    (the thresholds are compared in assert_same_step)."""
     from tests.core.test_retopk import CASES
 
     case = CASES[case]
-    cfg, _ = case_scenario(case, policy, tau_calibration=0.8)
+    cfg, _ = case_scenario(case, policy, tau_calibration=0.8, mass_recall=mass)
     cfg["tau"] = 0.8
     trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
                        T=case[4] + 2, noise=0.4)
@@ -113,17 +115,18 @@ def test_calibrated_tau_matches_torch_path(case, policy):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mass", [False, True], ids=["support", "mass"])
 @pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
 @pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0), ("group", 0.0)], ids=["head", "promote", "group"])
 @pytest.mark.parametrize("case", [0, 1, 2], ids=["mha", "gqa3", "gqa7"])
-def test_refresh_guard_matches_torch_path(case, policy, calibration):
+def test_refresh_guard_matches_torch_path(case, policy, calibration, mass):
     """refresh_guard in the kernel: per-head refresh periods decide the refreshes and move by the would-be
-    reuse recall of the refreshes that would have reused, as the torch path's guard_period does, step by
-    step (state.period compared in assert_same_step); the periods really moved."""
+    reuse recall (``mass_recall``: weight) of the refreshes that would have reused, as the torch path's
+    guard_period does, step by step (state.period compared in assert_same_step); the periods really moved."""
     from tests.core.test_retopk import CASES
 
     case = CASES[case]
-    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=0.8)
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=0.8, mass_recall=mass)
     cfg.update(tau=0.8, refresh_every=8)
     trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=40,
                        T=case[4] + 2, noise=0.4)

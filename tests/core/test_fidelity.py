@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from retopk_core.fidelity import full_probabilities, output_cosine, retained_mass, support_recall
+from retopk_core.fidelity import full_probabilities, mass_recall, output_cosine, retained_mass, support_recall
 from retopk_core.kv import PagedKV
 
 
@@ -12,6 +12,15 @@ def test_support_recall_counts_shared_positions_and_ignores_padding():
     exact = torch.tensor([[3, 1, 7, -1]])
     selected = torch.tensor([[1, 9, 3, -1]])
     assert abs(support_recall(selected, exact).item() - 2 / 3) < 1e-6
+
+
+def test_mass_recall_weighs_each_found_position_by_its_softmax_weight():
+    exact = torch.tensor([[3, 1, 7, -1], [-1, -1, -1, -1]])  # the second row: an empty exact support
+    scores = torch.tensor([[2.0, 0.0, 1.0, 9.0], [0.0, 0.0, 0.0, 0.0]])  # the padded score is ignored
+    selected = torch.tensor([[1, 9, 3, -1, -1], [4, -1, -1, -1, -1]])  # finds 3 and 1, misses 7
+    z = math.e ** 2 + 1 + math.e
+    torch.testing.assert_close(mass_recall(selected, exact, scores), torch.tensor([(math.e ** 2 + 1) / z, 1.0]))
+    assert abs(support_recall(selected[:1], exact[:1]).item() - 2 / 3) < 1e-6  # the count misses as much for 7 as 1
 
 
 def test_full_probabilities_and_retained_mass():

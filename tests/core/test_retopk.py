@@ -33,7 +33,7 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     phase = [stagger_phase(layer, h // G, H_kv, T_r) if cfg.get("refresh_stagger") and T_r else 0 for h in range(H)]
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
                      T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0),
-                     cfg.get("refresh_guard", 0.0))
+                     cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False))
              for h in range(H)] for _ in range(B)]
     if keep is not None:
         keep.update(state=state, slots=slots, refs=refs)
@@ -152,13 +152,15 @@ def test_staggered_refresh_matches_reference(layer, policy):
     assert len({min(s) for s in refresh_steps.values()}) > 1, refresh_steps  # not all groups on one step
 
 
+@pytest.mark.parametrize("mass", [False, True], ids=["support", "mass"])
 @pytest.mark.parametrize("policy", [("head", 0.0), ("group", 0.0)], ids=["head", "group"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
-def test_calibrated_tau_matches_reference(case, policy):
+def test_calibrated_tau_matches_reference(case, policy, mass):
     """tau_calibration: each head's tau moves on its exact steps by the would-be reuse recall (torch core vs
-    the reference loop's scalar rule): paths, supports and outputs still agree step by step, and the
-    thresholds really moved (both ways: the trace has hits near tau and misses)."""
-    cfg, trace = case_scenario(case, policy, tau_calibration=0.8)
+    the reference loop's scalar rule; ``mass_recall``: the support's softmax weight reuse keeps): paths,
+    supports and outputs still agree step by step, and the thresholds really moved (both ways: the trace has
+    hits near tau and misses)."""
+    cfg, trace = case_scenario(case, policy, tau_calibration=0.8, mass_recall=mass)
     cfg["tau"] = 0.8
     trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
                        T=case[4] + 2, noise=0.4)  # noisy clusters: similarities near tau, hits and misses
@@ -172,14 +174,16 @@ def test_calibrated_tau_matches_reference(case, policy):
     assert (ref_tau < 0.8 - 1e-9).any() and (ref_tau <= 0.8).all(), ref_tau  # relaxed, never above tau0
 
 
+@pytest.mark.parametrize("mass", [False, True], ids=["support", "mass"])
 @pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
 @pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0), ("group", 0.0)], ids=["head", "promote", "group"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
-def test_refresh_guard_matches_reference(case, policy, calibration):
+def test_refresh_guard_matches_reference(case, policy, calibration, mass):
     """refresh_guard: each head's refresh period moves on its scheduled refreshes by the would-be reuse
-    recall (torch core vs the reference loop's scalar rule), so heads of one group refresh on different
-    steps; paths, supports, outputs and the periods agree step by step, and the periods moved both ways."""
-    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=0.8)
+    recall (torch core vs the reference loop's scalar rule; ``mass_recall``: by the support's softmax weight
+    reuse keeps), so heads of one group refresh on different steps; paths, supports, outputs and the periods
+    agree step by step, and the periods moved both ways."""
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=0.8, mass_recall=mass)
     cfg.update(tau=0.8, refresh_every=8)
     trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=40,
                        T=case[4] + 2, noise=0.4)

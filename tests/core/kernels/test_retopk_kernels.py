@@ -135,15 +135,18 @@ def test_dense_floor_on_the_device_matches_torch(policy, calibration):
         assert (st.tau[0] < 0.8).any() and reused_below, st.tau
 
 
+@pytest.mark.parametrize("mass", [False, True], ids=["support", "mass"])
 @pytest.mark.parametrize("policy,calibration", [(("head", 0.0, 0.8), 0.0), (("promote", 0.0, 0.8), 0.8)],
                          ids=["head", "promote-calibrated"])
-def test_refresh_guard_on_the_device_matches_torch(policy, calibration):
+def test_refresh_guard_on_the_device_matches_torch(policy, calibration, mass):
     """refresh_guard in the kernels: the selector decides each head's refresh on its own period, select +
-    attend moves the periods of the refresh heads that would have reused by the recall reuse would have had;
-    paths, supports, outputs, thresholds and periods equal the torch path's, and the periods moved."""
+    attend moves the periods of the refresh heads that would have reused by the recall reuse would have had
+    (``mass_recall``: the support's softmax weight it keeps); paths, supports, outputs, thresholds and periods
+    equal the torch path's, and the periods moved."""
     periods = set()
     for a, b, st, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [40, 20], 16, "similarity", (0, 1), steps=8,
-                                policy=policy, noise=0.75, tau_calibration=calibration, refresh_guard=0.8):
+                                policy=policy, noise=0.75, tau_calibration=calibration, refresh_guard=0.8,
+                                mass_recall=mass):
         _assert_same_step(a, b, st, sk)
         periods |= set(sk.period.flatten().tolist())
     assert len(periods) > 1, periods  # T_r = 3: from the floor 1 to 2 or 3
