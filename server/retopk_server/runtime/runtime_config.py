@@ -25,7 +25,7 @@ ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 # reuse recall of 0.8 (the setting that kept Exact Top-K's perplexity and needle retrieval at 8K; the
 # per-KV-group rules that read fewer groups lost deep needles); dense attention below 1K tokens. The core's
 # ReTopKConfig() keeps the paper's defaults. Issue 35's cross-corpus runs kept it: the alternatives measured
-# there (refresh_every=32, refresh_guard) did not meet the targets on every corpus either.
+# there (refresh_every=32, refresh_guard, mass_recall) did not meet the targets on every corpus either.
 DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "tau_calibration": 0.8, "cache_size": 128,
                          "window": 128, "dense_below": 1024}
 
