@@ -8,9 +8,10 @@
 //
 // where attention_l is ReTopK's sparse step (``decode``, on layer l's FIFO state), ``dense_decode`` (Full
 // attention, Exact Top-K), or ReTopK's plain dense-floor step: ``dense_decode`` and step[slots[l]] += 1 on
-// layer l's step counter (``ReTopK._dense_step`` for rows more than C steps below the floor). These are the calls runtime/decoder/llama.py's layer_step and runtime/attention.py's
-// attend make for such a step, on the same tensors in the same order, so the result is that loop's bit for
-// bit; what goes is the Python between them (a few hundred interpreter operations a layer).
+// layer l's step counter (``ReTopK._dense_step`` for rows more than C steps below the floor). These are the
+// calls runtime/decoder/llama.py's layer_step and runtime/attention.py's attend make for such a step, on the
+// same tensors in the same order, so the result is that loop's bit for bit; what goes is the Python between
+// them (a few hundred interpreter operations a layer).
 //
 // Per layer, ``weights`` holds 14 tensors: attn_norm, qkv (qs, scales, bias), o (qs, scales, bias), mlp_norm,
 // gate_up (qs, scales, bias), down (qs, scales, bias); a bias is an empty tensor when there is none. ``bits``
