@@ -99,7 +99,8 @@ def corpus_rows(rows: dict, labels: list[str], names: list[str], lengths: list[i
             row = {"policy": r.get("policy", label), "corpus": c, "kind": corpora.KINDS.get(c, "file"),
                    "meets": r.get("meets"), "front": "yes" if label in fronts[c] else ""}
             for L in lengths:
-                row.update({k: r.get(k) for k in (f"dppl_{L}", f"dppl_se_{L}", f"group_read_{L}")})
+                row.update({k: r.get(k) for k in (f"dppl_{L}", f"dppl_se_{L}", f"vs_{L}", f"vs_se_{L}",
+                                                  f"group_read_{L}")})
             for L in niah_lengths:
                 row[f"niah_{L}"], row[f"niah_exact_{L}"] = r.get(f"niah_{L}"), exact.get(f"niah_{L}")
             row.update({k: r.get(k) for k in ("fid_recall", "fid_mass", "fid_cosine")})
@@ -121,7 +122,9 @@ def report(args, opts, runner, started: float, names: list[str], rows: dict) -> 
     labels = list(dict.fromkeys(label for c in names for label in rows.get(c, {})))
     settings = [label for label in labels if label not in (policies.EXACT, policies.FULL)]
     cols = [("policy", "setting", ""), ("corpus", "corpus (worst first)", ""), ("kind", "kind", "")]
+    per_corpus = corpus_rows(rows, settings + [policies.FULL], names, Ls, nLs)
     cols += [c for L in Ls for c in ((f"dppl_{L}", f"ΔPPL {L}", "%"), (f"dppl_se_{L}", "±", "%"),
+                                     *policies.versus_columns(per_corpus, L),
                                      (f"group_read_{L}", f"group reads {L}", "%"))]
     cols += [c for L in nLs for c in ((f"niah_{L}", f"NIAH {L}", ".1f"), (f"niah_exact_{L}", "Exact's", ".1f"))]
     cols += [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("meets", "targets met", ""),
@@ -129,9 +132,10 @@ def report(args, opts, runner, started: float, names: list[str], rows: dict) -> 
     per = {corpus_dir(c): n for c, n in args.corpus_docs.items()}
     docs = ", ".join(f"{c}: {per.get(c, opts.docs)}" for c in names)
     tables = [(f"ΔPPL against Exact Top-K (K = {opts.top_k}) ± one standard error over the documents ({docs}), "
-               f"group-read rate, NIAH beside Exact Top-K's on the same cases, fidelity at L = {max(Ls)}; targets: "
+               f"'vs default': the paired change against --versus {opts.versus} on the same documents, group-read "
+               f"rate, NIAH beside Exact Top-K's on the same cases, fidelity at L = {max(Ls)}; targets: "
                f"ΔPPL <= {opts.target_dppl:.0%}, NIAH >= Exact Top-K, group reads <= {opts.target_group_read:.0%}",
-               common.markdown_table(corpus_rows(rows, settings + [policies.FULL], names, Ls, nLs), cols))]
+               common.markdown_table(per_corpus, cols))]
     measured = [c for c in names if all(cross_validation.measured(rows, s, [c], Ls) for s in settings)]
     cv = []
     if len(measured) > 1 and settings:

@@ -19,7 +19,9 @@ Stages (--parts):
 group-read rate at every length. With --resume every (stage, method) already in <out>/policies.json under
 the same settings is kept, so the grid can grow, or the detail stages follow the ppl stage, without
 recomputing. The targets (--target-dppl, --target-group-read, NIAH >= Exact Top-K at every length) are
-checked per row. Writes policies.md, policies.json and policies_pareto.png into --out.
+checked per row. --versus names the setting every row is also compared with on the same documents ("vs
+default": the paired per-document change ``paired_change``; by default the server's default method, when the
+grid holds it). Writes policies.md, policies.json and policies_pareto.png into --out.
 
     python -m bench.eval.policies --lengths 4096 8192 --docs 4 --suffix 128 --parts ppl --out results/policies
     python -m bench.eval.policies --lengths 4096 8192 --docs 4 --suffix 128 --parts ppl,niah,fidelity \\
@@ -29,6 +31,7 @@ checked per row. Writes policies.md, policies.json and policies_pareto.png into 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -41,6 +44,7 @@ GRID = ",".join(
      "retopk:gqa_policy=promote+tau=0.85", "retopk:gqa_policy=promote+tau=0.9"]
     + [f"retopk:gqa_policy=group+tau={t}+group_tau_min={m}" for t in (0.75, 0.8, 0.85) for m in (0, 0.5)])
 NAME = "policies"
+VERSUS_DEFAULT = "default"
 
 
 def parse_args(argv=None):
@@ -55,6 +59,9 @@ def parse_args(argv=None):
                    help="methods of the niah and fidelity stages: 'front' (the ppl stage's Pareto front), 'all', "
                         "or a comma-separated list of grid specs")
     g.add_argument("--resume", action="store_true", help="keep results in <out>/policies.json with the same settings")
+    g.add_argument("--versus", default=VERSUS_DEFAULT,
+                   help="the grid setting every row is also compared with, paired on the same documents: a --methods "
+                        f"spec, '{VERSUS_DEFAULT}' (the server's default method, when --methods holds it) or 'none'")
     g = p.add_argument_group("perplexity")
     g.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192], help="document lengths L")
     g.add_argument("--docs", type=int, default=4, help="documents per length")
@@ -213,9 +220,10 @@ def run_fidelity(args, runner, text: str, runs, store: dict) -> None:
 
 
 # ---- rows, front, targets -----------------------------------------------------------------------
-def table(args, runs, store: dict) -> list[dict]:
-    """One row per method: hyperparameters, PPL and its change per length, the path mix and group-read
-    rate per length, NIAH per length, fidelity, and which targets it meets."""
+def table(args, runs, store: dict, versus: str | None = None) -> list[dict]:
+    """One row per method: hyperparameters, PPL and its change per length (against Exact Top-K, and paired
+    against the ``versus`` label's run: ``vs_<L>`` ± ``vs_se_<L>``), the path mix and group-read rate per
+    length, NIAH per length, fidelity, and which targets it meets."""
     ppl, nia, fid = (store[s]["methods"] for s in ("ppl", "niah", "fidelity"))
     niah_lengths, tasks = args.niah_lengths or args.lengths, [x for x in args.tasks.split(",") if x]
     rows = []
@@ -231,6 +239,9 @@ def table(args, runs, store: dict) -> list[dict]:
             row[f"ppl_{L}"] = per["ppl"]
             row[f"dppl_{L}"] = per["ppl"] / ref["ppl"] - 1.0 if ref else None
             row[f"dppl_se_{L}"] = document_se(per["nll"], ref["nll"], args.suffix) if ref else None
+            base = ppl.get(versus, {}).get(str(L)) if versus else None
+            if base is not None:
+                row[f"vs_{L}"], row[f"vs_se_{L}"] = paired_change(per["nll"], base["nll"], args.suffix)
             row.update({f"{k}_{L}": per["mix"][k] for k in common.MIX_KEYS})
         got = {L: niah_entry(nia, r).get("lengths", {}).get(str(L)) for L in niah_lengths}
         for L, entry in got.items():
@@ -260,6 +271,37 @@ def document_se(nll: list[float], ref: list[float], suffix: int) -> float | None
          / suffix for i in range(n)]
     mean = sum(d) / n
     return (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
+
+
+def paired_change(nll: list[float], base: list[float], suffix: int) -> tuple[float, float | None]:
+    """A setting's PPL change against another on the same documents, paired: with d_i the mean per-token NLL
+    difference on document i (``suffix`` predictions each, both lists in the same order) and d̄ their mean,
+
+        change = exp(d̄) - 1 = PPL / PPL_base - 1,   ± ``document_se`` (the standard error of d̄ over documents).
+
+    Pairing removes the documents' own spread, which dominates each setting's error against Exact Top-K."""
+    if len(nll) != len(base) or not nll:
+        raise ValueError(f"paired runs must score the same predictions, got {len(nll)} and {len(base)}")
+    return math.exp(sum(a - b for a, b in zip(nll, base, strict=True)) / len(nll)) - 1.0, \
+        document_se(nll, base, suffix)
+
+
+def versus_label(args, grid, head_dim: int) -> str | None:
+    """The label of --versus in ``grid``: the server's default method for 'default' (None when the grid does
+    not hold it), None for 'none'; a spec the grid lacks is refused."""
+    if args.versus == "none":
+        return None
+    if args.versus == VERSUS_DEFAULT:
+        from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS
+
+        want = common.method_run("retopk", args.top_k, head_dim, **DEFAULT_METHOD_PARAMS)
+    else:
+        want = common.parse_methods(args.versus, args.top_k, head_dim)[0]
+    found = [r.label for r in grid if r.name == want.name and describe(r) == describe(want)
+             and (describe(r) or r.spec == want.spec)]
+    if not found and args.versus != VERSUS_DEFAULT:
+        raise SystemExit(f"--versus {args.versus!r} is not one of --methods")
+    return found[0] if found else None
 
 
 def _mean(values):
@@ -316,7 +358,7 @@ def detail_runs(args, grid, rows: list[dict]) -> list:
 def write(args, runner, started: float, runs, rows: list[dict], store: dict, details: list) -> None:
     Ls, nLs = args.lengths, args.niah_lengths or args.lengths
     per_length = [c for L in Ls for c in ((f"ppl_{L}", f"PPL {L}", ".3f"), (f"dppl_{L}", f"ΔPPL {L}", "%"),
-                                          (f"dppl_se_{L}", "± (docs)", "%"),
+                                          (f"dppl_se_{L}", "± (docs)", "%"), *versus_columns(rows, L),
                                           (f"group_read_{L}", f"group reads {L}", "%"))]
     main_cols = [("policy", "policy", "")] + per_length + [(f"niah_{L}", f"NIAH {L}", ".1f") for L in nLs] \
         + [("fid_recall", "recall", "%"), ("fid_mass", "mass", "%"), ("fid_cosine", "cosine", "%"),
@@ -324,7 +366,8 @@ def write(args, runner, started: float, runs, rows: list[dict], store: dict, det
     mix_cols = [("policy", "policy", "")] + [c for L in Ls for c in common.mix_columns(f"_{L}", str(L))]
     front = pareto_front(rows, Ls)
     tables = [(f"PPL and its change against Exact Top-K (± one standard error over the documents of the paired "
-               f"per-token NLL difference), group-read rate (teacher-forced decode), NIAH (mean of "
+               f"per-token NLL difference; 'vs default': against --versus {args.versus}, paired the same way), "
+               f"group-read rate (teacher-forced decode), NIAH (mean of "
                f"{args.tasks.replace(',', ' / ')}), fidelity at L={max(Ls)}; targets: ΔPPL <= {args.target_dppl:.0%} "
                f"('ppl'), NIAH >= Exact Top-K ('niah'), group reads <= {args.target_group_read:.0%} ('reads')",
                common.markdown_table(rows, main_cols)),
@@ -346,6 +389,13 @@ def write(args, runner, started: float, runs, rows: list[dict], store: dict, det
                          f"teacher-forced steps at L = {', '.join(map(str, Ls))}", tables, meta,
                          {"rows": rows, "front": [r["method"] for r in front], "stages": store},
                          [plot] if plot else [])
+
+
+def versus_columns(rows: list[dict], L: int) -> list[tuple[str, str, str]]:
+    """The paired 'vs default' columns at length L, when some row has them."""
+    if not any(r.get(f"vs_{L}") is not None for r in rows):
+        return []
+    return [(f"vs_{L}", f"vs default {L}", "%"), (f"vs_se_{L}", "±", "%")]
 
 
 MARKERS = {"head": "o", "promote": "s", "group": "^"}
@@ -419,24 +469,25 @@ def main(argv=None, runner=None) -> dict:
     runs = refs + grid
     if len({r.label for r in runs}) != len(runs):
         raise SystemExit("--methods lists a method twice")
+    versus = versus_label(args, grid, head_dim)
     text = common.load_corpus(args.corpus)
     store = load_store(args, runner)
     details = []
 
     def checkpoint():
-        write(args, runner, started, runs, table(args, runs, store), store, details)
+        write(args, runner, started, runs, table(args, runs, store, versus), store, details)
 
     if "ppl" in parts:
         run_ppl(args, runner, text, runs, store)
         checkpoint()
     if {"niah", "fidelity"} & set(parts):
-        details = detail_runs(args, grid, table(args, runs, store))
+        details = detail_runs(args, grid, table(args, runs, store, versus))
         print(f"   detail methods: {[short_label(r) for r in details]}", flush=True)
     if "niah" in parts:
         run_niah(args, runner, text, refs + details, store, checkpoint)
     if "fidelity" in parts:
         run_fidelity(args, runner, text, [r for r in refs if r.label == EXACT] + details, store)
-    rows = table(args, runs, store)
+    rows = table(args, runs, store, versus)
     write(args, runner, started, runs, rows, store, details)
     return {"rows": rows, "front": [r["method"] for r in pareto_front(rows, args.lengths)], "store": store}
 

@@ -479,3 +479,48 @@ def test_document_standard_error_from_the_definition():
     # per-document mean differences 1 and 2: mean 1.5, sample variance 0.5, standard error sqrt(0.5 / 2)
     assert document_se([1.0, 1.0, 2.5, 1.5], [0.0, 0.0, 0.0, 0.0], 2) == pytest.approx(0.5)
     assert document_se([1.0, 2.0], [0.0, 0.0], 2) is None  # one document: no spread
+
+
+def test_paired_change_against_the_default_from_known_documents():
+    from bench.eval.policies import paired_change
+
+    # 3 documents x 2 predictions; per-document mean NLL differences 0.1, 0.2, 0.6: mean 0.3, sample variance
+    # ((-0.2)^2 + (-0.1)^2 + 0.3^2) / 2 = 0.07, standard error sqrt(0.07 / 3)
+    base = [2.0, 1.0, 3.0, 3.0, 0.5, 0.5]
+    cand = [2.1, 1.1, 3.3, 3.1, 1.0, 1.2]
+    change, se = paired_change(cand, base, 2)
+    assert change == pytest.approx(math.exp(0.3) - 1.0)
+    assert se == pytest.approx(math.sqrt(0.07 / 3))
+    assert paired_change(base, base, 2) == (0.0, 0.0)
+    with pytest.raises(ValueError):
+        paired_change(cand, base[:4], 2)
+
+
+def test_policies_rows_carry_the_paired_change_against_the_server_default(tmp_path):
+    from types import SimpleNamespace
+
+    from bench.eval import common, policies
+    from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS
+
+    spec = "retopk:" + "+".join(f"{k}={v}" for k, v in DEFAULT_METHOD_PARAMS.items())
+    runs = common.parse_methods(f"exact_topk,{spec},{spec}+refresh_every=32", 64, 64)
+    args = policies.parse_args(["--out", str(tmp_path), "--lengths", "7", "--suffix", "2"])
+    default, other = runs[1].label, runs[2].label
+    assert policies.versus_label(args, runs, 64) == default
+    assert policies.versus_label(SimpleNamespace(versus="none"), runs, 64) is None
+    with pytest.raises(SystemExit):
+        policies.versus_label(SimpleNamespace(versus="retopk:tau=0.5", top_k=64), runs, 64)
+    assert policies.versus_label(SimpleNamespace(versus="default", top_k=64), [runs[0], runs[2]], 64) is None
+    mix = {k: 0.0 for k in common.MIX_KEYS}
+    nll = {runs[0].label: [1.0, 1.0, 1.0, 1.0], default: [1.2, 1.0, 1.1, 1.1], other: [1.1, 1.1, 1.0, 1.0]}
+    store = {"ppl": {"methods": {label: {"spec": policies.spec_key(r), "7": {"ppl": common.ppl(nll[label]),
+                                                                              "nll": nll[label], "mix": mix}}
+                                 for r in runs for label in [r.label]}},
+             "niah": {"methods": {}}, "fidelity": {"methods": {}}}
+    rows = {r["method"]: r for r in policies.table(args, runs, store, default)}
+    # against the default: per-document differences 0 and -0.1 -> mean -0.05, sample variance 0.005, se 0.05
+    assert rows[other]["vs_7"] == pytest.approx(math.exp(-0.05) - 1.0)
+    assert rows[other]["vs_se_7"] == pytest.approx(0.05)
+    assert rows[default]["vs_7"] == 0.0
+    # against Exact Top-K, unchanged beside it
+    assert rows[other]["dppl_7"] == pytest.approx(math.exp(0.05) - 1.0)

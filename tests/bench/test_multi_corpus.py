@@ -114,7 +114,8 @@ def test_multi_corpus_runs_every_corpus_and_cross_validates(tiny, tmp_path):  # 
     grid = "retopk:tau=1.0,retopk:tau=0.8"
     argv = ["--model", model, "--top-k", "16", "--lengths", "240", "--docs", "2", "--suffix", "8", "--methods", grid,
             "--parts", "ppl,niah", "--niah-lengths", "400", "--depths", "2", "--needles", "2", "--max-new", "4",
-            "--prefill-question", "--corpora", f"{corpus},{second}", "--out", str(tmp_path / "out")]
+            "--prefill-question", "--versus", "retopk:tau=0.8", "--corpora", f"{corpus},{second}",
+            "--out", str(tmp_path / "out")]
     res = multi_corpus.main(argv)
     data = json.loads((tmp_path / "out" / "multi_corpus.json").read_text())
     assert (tmp_path / "out" / "multi_corpus.md").is_file()
@@ -128,6 +129,12 @@ def test_multi_corpus_runs_every_corpus_and_cross_validates(tiny, tmp_path):  # 
         assert res["rows"][name]["retopk tau=1.0"]["ppl_240"] == pytest.approx(
             res["rows"][name][policies.EXACT]["ppl_240"], rel=1e-6)
     assert res["rows"]["corpus"]["exact_topk"]["ppl_240"] != res["rows"]["other"]["exact_topk"]["ppl_240"]
+    # --versus: every row's paired change against tau = 0.8 on the same documents, the report's column beside ΔPPL
+    for per in res["rows"].values():
+        assert per["retopk tau=0.8"]["vs_240"] == 0.0
+        assert per["retopk tau=1.0"]["vs_240"] == pytest.approx(
+            per["retopk tau=1.0"]["ppl_240"] / per["retopk tau=0.8"]["ppl_240"] - 1.0, rel=1e-6)
+    assert "vs default 240" in (tmp_path / "out" / "multi_corpus.md").read_text()
     cv = data["cross_validation"]
     assert [r["held_out"] for r in cv] == ["corpus", "other"]
     for rec in cv:
