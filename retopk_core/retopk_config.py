@@ -73,6 +73,13 @@ class ReTopKConfig(MethodConfig):
                                      "reuse would have found, instead of the share of its positions (a missed token "
                                      "counts by its weight; see fidelity.mass_recall)")
 
+    tau_guard: float = param(0.0, "r_t: on an exact step where a head would have reused (a refresh or a promotion "
+                                  "with rho_max >= its tau), a recall reuse would have had under r_t raises that "
+                                  "head's tau to rho_max + 0.05 (at most 1), so its similar queries fall back; "
+                                  "tau_calibration may lower it again; the torch code only, which the cpu and triton "
+                                  "backends then run (retopk_policy.guard_tau); 0 = off",
+                             low=0.0, high=1.0)
+
     def validate(self) -> None:
         if self.refresh_guard and self.refresh_every <= 0:
             raise ParamError("refresh_guard", "refresh_guard needs scheduled refreshes (refresh_every > 0), got "

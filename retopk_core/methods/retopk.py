@@ -41,6 +41,7 @@ from retopk_core.methods.retopk_policy import (
     gqa_paths,
     guard_floor,
     guard_period,
+    guard_tau,
     head_paths,
     plain_dense,
     refresh_phases,
@@ -137,7 +138,8 @@ class ReTopK(AttentionMethod):
         super().__init__(config, backend)
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
-        self.steps = steps_for(self.backend)  # methods/backend_steps.py
+        # methods/backend_steps.py; tau_guard is in the torch code only, so such a method runs that on any backend
+        self.steps = steps_for("torch" if self.config.tau_guard else self.backend)
         self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
@@ -276,7 +278,8 @@ class ReTopK(AttentionMethod):
         qn = _unit(q)  # (B, H, d) float32
 
         sim, max_sim = self._similarity(qn, state, slots)  # (B, H, C), (B, H)
-        tau = state.tau.index_select(0, slots) if cfg.tau_calibration else None  # (B, H); else cfg.tau everywhere
+        own_tau = cfg.tau_calibration or cfg.tau_guard  # the heads' thresholds move
+        tau = state.tau.index_select(0, slots) if own_tau else None  # (B, H); else cfg.tau everywhere
         period = state.period.index_select(0, slots) if cfg.refresh_guard else None  # (B, H); else T_r everywhere
         path = gqa_paths(head_paths(max_sim, state.step[slots], cfg, state.phase, tau, period), max_sim,
                          kv.num_kv_heads, cfg, tau)  # (B, H) int8
@@ -297,7 +300,7 @@ class ReTopK(AttentionMethod):
                 sel_pos[b, h], sel_scores[b, h], n_scored[b, h] = self._reuse_select(q[b, h], sim[b, h], kv, state,
                                                                                      slots, b, h, scale)
             exact_select(q, kv, cfg.top_k, scale, need=~reuse, sel_pos=sel_pos, sel_scores=sel_scores, ws=self._ws)
-            if cfg.tau_calibration or cfg.refresh_guard:
+            if cfg.tau_calibration or cfg.refresh_guard or cfg.tau_guard:
                 self._observe_exact(state, slots, sim, max_sim, path, tau, sel_pos, sel_scores, kv)
 
         out = sparse_attend(kv, sel_pos, sel_scores, q.dtype, self._ws)  # (B, H, d_v)
@@ -327,14 +330,19 @@ class ReTopK(AttentionMethod):
         scores, so that is its recall; with ``mass_recall`` the share of Ŝ_exact's softmax weight on A_t, weights from
         the exact scores, ``fidelity.mass_recall``) moves each head's tau (``tau_calibration``: every exact head with a
         non-empty FIFO, ``calibrate_tau``) and its refresh period (``refresh_guard``: the REFRESH heads whose
-        ρ_max >= tau_h, i.e. that would have reused, ``guard_period``). The keys are read already; the extra
-        work is one candidate union per observed head. tau (B, H): the thresholds this step decided with."""
+        ρ_max >= tau_h, i.e. that would have reused, ``guard_period``) and, after calibration, raises the tau of
+        the exact heads that would have reused and missed (``tau_guard``: refreshed or promoted heads with
+        ρ_max >= tau_h, ``guard_tau``). The keys are read already; the extra work is one candidate union per
+        observed head. tau (B, H): the thresholds this step decided with."""
         cfg = self.config
         cal = (path != Path.REUSE) & torch.isfinite(max_sim) if cfg.tau_calibration else None  # (B, H)
-        guard = None
-        if cfg.refresh_guard:
-            guard = (path == Path.REFRESH) & (max_sim >= (cfg.tau if tau is None else tau))  # (B, H)
-        b, h = (guard if cal is None else cal if guard is None else cal | guard).nonzero(as_tuple=True)  # (P,) each
+        would_reuse = max_sim >= (cfg.tau if tau is None else tau)  # (B, H)
+        guard = (path == Path.REFRESH) & would_reuse if cfg.refresh_guard else None  # (B, H)
+        raise_ = (path != Path.REUSE) & would_reuse if cfg.tau_guard else None  # (B, H)
+        seen = torch.zeros_like(would_reuse)
+        for m in (cal, guard, raise_):
+            seen = seen if m is None else seen | m
+        b, h = seen.nonzero(as_tuple=True)  # (P,) each
         if b.numel() == 0:
             return
         cand = self._candidates(sim[b, h], state, slots[b], h, kv.lengths[b])  # (P, M) ascending, -1 padded
@@ -351,6 +359,10 @@ class ReTopK(AttentionMethod):
             on = guard[b, h]  # (P,)
             new = guard_period(state.period[rows, h], recall, cfg.refresh_guard, cfg.refresh_every)
             state.period[rows, h] = torch.where(on, new, state.period[rows, h])
+        if raise_ is not None:
+            on = raise_[b, h]  # (P,)
+            new = guard_tau(state.tau[rows, h], max_sim[b, h], recall, cfg.tau_guard)
+            state.tau[rows, h] = torch.where(on, new, state.tau[rows, h])
 
     def _similarity(self, qn: torch.Tensor, state: QuerySupportCache, slots: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,9 +111,27 @@ def calibrate_tau(tau: torch.Tensor, rho: torch.Tensor, recall: torch.Tensor, ta
     support on average. Heads whose supports outlive their queries' drift (on the embedded model most
     heads of the first third of the layers: reuse would recall 0.9-0.99 of their fallbacks' supports)
     move down until they seldom fall back; heads whose fallbacks are needed move back up, to tau0 at most.
+    A tau that ``guard_tau`` raised above tau0 is kept as the ceiling (calibration alone never raises tau past tau0,
+    and may lower a guarded one).
     """
     near = (rho - tau).abs() < _CAL_BAND
-    return (tau + near * (_CAL_RATE * (target - recall))).clamp(*_tau_bounds(tau0))
+    lo, hi = _tau_bounds(tau0)
+    return torch.minimum((tau + near * (_CAL_RATE * (target - recall))).clamp(min=lo), tau.clamp(min=hi))
+
+
+def guard_tau(tau: torch.Tensor, rho: torch.Tensor, recall: torch.Tensor, target: float) -> torch.Tensor:
+    """One online raise of heads' thresholds from exact steps where they would have reused (P rows; ``tau_guard``).
+
+    tau, rho, recall (P,) float: the head's threshold (after this step's calibration), its ρ_max this step
+    (>= the threshold it decided with), the recall reuse would have had. Such a step shows what reuse would have
+    selected at a similarity the threshold trusts, so a miss there is the stale-support case no lowered
+    threshold sees:
+        recall <  target  ->  tau <- max(tau, min(ρ_max + BAND, 1))   (this similarity no longer trusted)
+    else unchanged. The head then falls back at that similarity; each such fallback lies within BAND of tau,
+    so ``calibrate_tau`` lowers tau again where those fallbacks show reuse would have recalled enough.
+    """
+    raised = torch.maximum(tau, (rho + _CAL_BAND).clamp(max=1.0))
+    return torch.where(recall < target, raised, tau)
 
 
 def _tau_bounds(tau0: float) -> tuple[float, float]:

@@ -22,13 +22,15 @@ class RefHead:
     """One query head of one sequence: its FIFO of (unit query, support) and the step counter."""
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
-                 phase: int = 0, calibration: float = 0.0, guard: float = 0.0, mass: bool = False):
+                 phase: int = 0, calibration: float = 0.0, guard: float = 0.0, mass: bool = False,
+                 tau_guard: float = 0.0):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
         # refresh_guard: this head's refresh period starts at T_r / 8 (at least 1) and moves (guard_step)
         self.guard, self.period = guard, (max(1, T_r // 8) if guard else T_r)
         self.mass = mass  # mass_recall: both rules measure the support's softmax weight reuse keeps, not its count
+        self.tau_guard = tau_guard  # tau_guard: a miss where the head would have reused raises its tau (raise_tau)
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -45,9 +47,17 @@ class RefHead:
 
     def calibrate(self, max_sim: float, recall: float) -> None:
         """tau_calibration's rule, written out: an observation within 0.05 of tau moves it by
-        0.1 x (target - recall); tau stays within [tau0 - 0.35, tau0]."""
+        0.1 x (target - recall); tau stays within [tau0 - 0.35, tau0], or below its own value when tau_guard
+        raised it above tau0."""
         if abs(max_sim - self.tau) < 0.05:
-            self.tau = min(self.tau0, max(self.tau0 - 0.35, self.tau + 0.1 * (self.calibration - recall)))
+            ceiling = max(self.tau0, self.tau)
+            self.tau = min(ceiling, max(self.tau0 - 0.35, self.tau + 0.1 * (self.calibration - recall)))
+
+    def raise_tau(self, max_sim: float, recall: float) -> None:
+        """tau_guard's rule, written out, on an exact step where the head would have reused: a recall under the
+        target raises tau to max_sim + 0.05 (at most 1), never lowering it."""
+        if recall < self.tau_guard:
+            self.tau = max(self.tau, min(1.0, max_sim + 0.05))
 
     def guard_step(self, recall: float) -> None:
         """refresh_guard's rule, written out, on a refresh where the head would have reused: a recall under
@@ -109,6 +119,8 @@ class RefHead:
             self.calibrate(max_sim, recall)
         if self.guard and path == REFRESH and sims and would_reuse:
             self.guard_step(recall)
+        if self.tau_guard and path != REUSE and sims and would_reuse:
+            self.raise_tau(max_sim, recall)
         m = max(scores[i] for i in support)
         w = torch.tensor([math.exp(scores[i] - m) for i in support], dtype=torch.float64)
         out = (w / w.sum()) @ values[support].double()  # eq. 12

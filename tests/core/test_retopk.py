@@ -33,7 +33,7 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     phase = [stagger_phase(layer, h // G, H_kv, T_r) if cfg.get("refresh_stagger") and T_r else 0 for h in range(H)]
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
                      T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0),
-                     cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False))
+                     cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False), cfg.get("tau_guard", 0.0))
              for h in range(H)] for _ in range(B)]
     if keep is not None:
         keep.update(state=state, slots=slots, refs=refs)
@@ -195,6 +195,45 @@ def test_refresh_guard_matches_reference(case, policy, calibration, mass):
         periods |= set(ref_period.flatten().tolist())
     assert {Path.REUSE, Path.FALLBACK, Path.REFRESH} <= seen
     assert {8, 1} <= periods and len(periods) > 2, periods  # shortened to the floor, and back up
+
+
+@pytest.mark.parametrize("refresh_guard", [0.0, 0.8], ids=["fixed-period", "period-guard"])
+@pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
+@pytest.mark.parametrize("policy", [("head", 0.0), ("promote", 0.0)], ids=["head", "promote"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
+def test_tau_guard_matches_reference(case, policy, calibration, refresh_guard):
+    """tau_guard: a head that would have reused, observed on an exact step (a refresh; a promotion), whose
+    would-be reuse recall is under the target has its tau raised above its ρ_max (torch core vs the reference
+    loop's scalar rule): paths, supports, outputs and the thresholds agree step by step, and some threshold rose
+    above tau0 (the guard acted)."""
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=refresh_guard, tau_guard=0.9)
+    cfg.update(tau=0.8, refresh_every=4)
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=40,
+                       T=case[4] + 2, noise=0.4)
+    seen, keep, raised = set(), {}, False
+    for out, rows in run_both(cfg, trace, case[0], case[1], keep=keep):
+        seen |= assert_step_matches_reference(out, rows)
+        ref_tau = torch.tensor([[h.tau for h in heads] for heads in keep["refs"]], dtype=torch.float64)  # (B, H)
+        torch.testing.assert_close(keep["state"].tau[keep["slots"]].double(), ref_tau, atol=1e-5, rtol=0)
+        raised |= bool((ref_tau > 0.8 + 1e-6).any())
+    assert {Path.REUSE, Path.FALLBACK, Path.REFRESH} <= seen
+    assert raised
+
+
+def test_tau_guard_rule_and_backend():
+    """guard_tau by hand: a miss raises tau to ρ + 0.05 (capped at 1, never lowered), a hit keeps it; calibration
+    keeps a raised tau as its ceiling; a tau_guard method runs the torch code on every backend (the kernels
+    lack the rule)."""
+    from retopk_core.methods.retopk_policy import calibrate_tau, guard_tau
+
+    tau = torch.tensor([0.8, 0.8, 0.99, 0.9])
+    rho = torch.tensor([0.9, 0.9, 0.92, 0.98])
+    recall = torch.tensor([0.5, 0.95, 0.1, 0.1])
+    torch.testing.assert_close(guard_tau(tau, rho, recall, 0.9), torch.tensor([0.95, 0.8, 0.99, 1.0]))
+    # calibration from a raised tau 0.95 (tau0 0.85): a good observation lowers it, a bad one cannot raise it
+    up = calibrate_tau(torch.tensor([0.95, 0.95]), torch.tensor([0.93, 0.93]), torch.tensor([1.0, 0.0]), 0.8, 0.85)
+    torch.testing.assert_close(up, torch.tensor([0.93, 0.95]))
+    assert make_method("retopk", top_k=8, tau_guard=0.9, backend="cpu").steps.name == "torch"
 
 
 def test_guard_period_rule():
