@@ -15,8 +15,9 @@
 //
 // Per layer, ``weights`` holds 14 tensors: attn_norm, qkv (qs, scales, bias), o (qs, scales, bias), mlp_norm,
 // gate_up (qs, scales, bias), down (qs, scales, bias); a bias is an empty tensor when there is none. ``bits``
-// holds the four products' formats (4 or 8). ReTopK's state is 8 tensors per layer (queries, support, fill,
-// ptr, step, tau, period, phase) and its slots one row per layer of ``slots`` (layers, B).
+// holds the four products' formats (4 or 8); ``activations`` (float32 or int8, decoder_ops.cpp) applies to all
+// of them. ReTopK's state is 8 tensors per layer (queries, support, fill, ptr, step, tau, period, phase) and its
+// slots one row per layer of ``slots`` (layers, B).
 
 #include <torch/extension.h>
 
@@ -48,7 +49,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
                                       std::vector<int64_t> ints, const std::string& retrieval,
                                       const std::string& gqa_policy, std::vector<double> floats,
                                       std::vector<int64_t> path_codes, std::vector<double> calibration,
-                                      std::vector<double> guard, int64_t isa) {
+                                      std::vector<double> guard, int64_t isa, int64_t activations) {
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK_VALUE(layers > 0 && static_cast<int64_t>(v_pools.size()) == layers &&
                         static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers &&
@@ -84,7 +85,8 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + kWeightsPerLayer * l;
     const int64_t* b = bits.data() + kBitsPerLayer * l;
-    at::Tensor qkv = attn_in(x, w[0], eps, w[1], w[2], b[0], bias_of(w[3]), cos, sin, H + H_kv, d, isa);
+    at::Tensor qkv = attn_in(x, w[0], eps, w[1], w[2], b[0], bias_of(w[3]), cos, sin, H + H_kv, d, isa,
+                             activations);
     TORCH_CHECK_VALUE(qkv.size(1) == width, "decode_layers: the QKV product of layer ", l, " has ", qkv.size(1),
                       " outputs, expected ", width);
     at::Tensor heads = qkv.view({B, 1, H + 2 * H_kv, d}).transpose(1, 2);  // (B, H + 2 H_kv, 1, d)
@@ -111,7 +113,7 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
     }
     attention_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     x = mlp_out(x, out.view({B, H * d}), w[4], w[5], b[1], bias_of(w[6]), w[7], eps, w[8], w[9], b[2], bias_of(w[10]),
-                w[11], w[12], b[3], bias_of(w[13]), isa);
+                w[11], w[12], b[3], bias_of(w[13]), isa, activations);
   }
   result[0] = x;
   result[1] = at::scalar_tensor(attention_s, at::TensorOptions().dtype(at::kDouble));

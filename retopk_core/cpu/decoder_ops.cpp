@@ -3,7 +3,8 @@
 // into the paged KV pool. Everything is float32 but the weights and the pool. Each replaces several
 // small torch ops of a decode step with one call.
 //
-//   block_matmul(x (M, in), qs, scales, bits, bias?, residual?, isa) -> y (M, out) = x W^T (+ bias) (+ residual)
+//   block_matmul(x (M, in), qs, scales, bits, bias?, residual?, isa, activations) -> y (M, out) = x W^T (+ bias)
+//     (+ residual)
 //     bits 4 (Q4_1): qs uint8 (out, in / 2), scales f16 (out, in / 32, 2) = (d, m) per block b, and
 //       W[o, 32 b + j] = d q + m, q = low nibble of qs[o, 16 b + j] (j < 16) or the high nibble of
 //       qs[o, 16 b + j - 16] (j >= 16). GGUF's Q4_0 (w = d (q - 8)) is the same with m = -8 d.
@@ -12,7 +13,16 @@
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
 //   for up to kRows rows of x, which is what makes a batch cheaper than its rows one by one.
+//   With ``activations`` kInt8 (llama.cpp's Q8_0 / Q8_1 activations), x is quantized first, per row and
+//   block of 32 (quantize_activations):
+//     dx = max_j |x_j| / 127, qx_j = nearbyint(x_j * (1 / dx)) in -127..127 (round half to even; 0 where
+//     dx = 0), sx = dx * sum_j qx_j, all float32 ops as written (torch's float32 ops compute the same),
+//   and each block's integer dot is exact (u8 x s8 pairs summed in int16 without saturation, then int32):
+//     Q4_1: y[o] = sum_b (d_b dx_b) sum_j q_bj qx_bj + m_b sx_b,   Q8_0: y[o] = sum_b (d_b dx_b) sum_j q_bj qx_bj
+//   so the loops of every level differ only in the float rounding of that sum over blocks. AVX2 does it with
+//   maddubs (u8 nibbles x s8 activations; Q8_0 as |w| x sign(qx, w)), on AVX-512 machines too.
 //
+//   quantize_activations(x (M, in), isa) -> qx (M, in) int8, xs (M, in / 32, 2) = (dx, sx): the int8 path's x.
 //   rms_norm(x (M, D), w (D,), eps) -> x / sqrt(mean(x^2) + eps) * w, rows in parallel only when large.
 //   rope_(x (N, heads, d) strided, cos, sin (N, d)): in place, x <- x cos + rotate_half(x) sin with
 //     rotate_half(x) = (-x[d/2:], x[:d/2]) (transformers' convention).
@@ -30,6 +40,7 @@
 //
 // The loops exist for AVX-512, AVX2 (both with FMA and F16C) and plain C++, chosen per call by ``isa``
 // (best_isa() unless a caller asks for a lower one, as the tests do to cover every path on one machine).
+// Every product of attn_in, mlp_out (and decode_layers) takes the one ``activations`` setting its call gets.
 
 #include <torch/extension.h>
 
@@ -42,6 +53,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -53,6 +65,7 @@
 namespace {
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Activations : int64_t { kFloat32 = 0, kInt8 = 1 };
 // Rows of x per pass over a weight row. Each row's sums run in the same order whatever the batch (its own
 // accumulators, blocks in file order), so a request's tokens do not depend on what it is batched with.
 constexpr int64_t kRows = 4;
@@ -60,6 +73,12 @@ constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
 using DotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc);
+// The same from x quantized: qx rows of ldx int8 values, xs rows of lds floats holding (dx, sx) per block.
+using QDotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx, const float* xs,
+                        int64_t ldx, int64_t lds, float* acc);
+// Below this max |x| a block's dx = max |x| / 127 would not be a normal float (and 1 / dx not finite): such a
+// block quantizes to zeros with dx = 0.
+constexpr float kMinAmax = 127.f * 1.17549435e-38f;  // 127 FLT_MIN
 
 float half_to_float(uint16_t h) {
   c10::Half v;
@@ -90,6 +109,54 @@ void q8_dot_scalar(const uint8_t* qs, const uint16_t* sc, int64_t nb, const floa
     for (int j = 0; j < 32; ++j) {
       const float w = d * static_cast<float>(q[32 * b + j]);
       for (int r = 0; r < MR; ++r) a[r] += w * x[r * ldx + 32 * b + j];
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+// One block of 32 values of x -> q (32 int8), ds = (dx, sx): the header's rounding, plain C++ (the reference).
+void quantize_block_scalar(const float* x, int8_t* q, float* ds) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float dx = amax >= kMinAmax ? amax / 127.f : 0.f, id = dx > 0.f ? 1.f / dx : 0.f;
+  int32_t sum = 0;
+  for (int j = 0; j < 32; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+    sum += q[j];
+  }
+  ds[0] = dx;
+  ds[1] = dx * static_cast<float>(sum);
+}
+
+template <int MR>
+void q4_q8_dot_scalar(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx, const float* xs,
+                      int64_t ldx, int64_t lds, float* acc) {
+  float a[MR] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = half_to_float(sc[2 * b]), m = half_to_float(sc[2 * b + 1]);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* y = qx + r * ldx + 32 * b;
+      int32_t isum = 0;
+      for (int j = 0; j < 16; ++j) isum += (qs[16 * b + j] & 15) * y[j] + (qs[16 * b + j] >> 4) * y[16 + j];
+      const float* ds = xs + r * lds + 2 * b;
+      a[r] += d * ds[0] * static_cast<float>(isum) + m * ds[1];
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+template <int MR>
+void q8_q8_dot_scalar(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx, const float* xs,
+                      int64_t ldx, int64_t lds, float* acc) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(qs);
+  float a[MR] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = half_to_float(sc[b]);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* y = qx + r * ldx + 32 * b;
+      int32_t isum = 0;
+      for (int j = 0; j < 32; ++j) isum += q[32 * b + j] * y[j];
+      a[r] += d * xs[r * lds + 2 * b] * static_cast<float>(isum);
     }
   }
   for (int r = 0; r < MR; ++r) acc[r] = a[r];
@@ -173,6 +240,115 @@ TARGET_AVX2 void q8_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, 
   for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
 }
 
+// quantize_block_scalar with AVX2: the same float operations (a max, one division, one reciprocal, products
+// rounded half to even), so the same bytes and scales.
+TARGET_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float dx = amax >= kMinAmax ? amax / 127.f : 0.f, id = dx > 0.f ? 1.f / dx : 0.f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k)
+    i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  // packs work per 128-bit lane: the permute puts the four groups of 8 back in order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  ds[0] = dx;
+  ds[1] = dx * static_cast<float>(_mm_cvtsi128_si32(s));
+}
+
+// One Q4_1 block against MR rows of quantized x: the nibbles as 32 unsigned bytes (low nibbles are elements
+// 0..15, high 16..31), maddubs against each row's signed bytes (pairs summed in int16: at most 2 * 15 * 127),
+// madd with ones to int32, one float FMA per row. The minimum's term is a scalar per row.
+template <int MR>
+TARGET_AVX2 __attribute__((always_inline)) inline void q4_q8_block_avx2(const uint8_t* qs, float d, float m,
+                                                                       const int8_t* qx, const float* xs,
+                                                                       int64_t ldx, int64_t lds, __m256* a,
+                                                                       float* mins) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+  for (int r = 0; r < MR; ++r) {
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, y), _mm256_set1_epi16(1));
+    a[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[r * lds]), _mm256_cvtepi32_ps(p), a[r]);
+    mins[r] += m * xs[r * lds + 1];
+  }
+}
+
+// One Q8_0 block against MR rows: maddubs needs one unsigned operand, so |w| x sign(qx, w) (llama.cpp's
+// trick; |-128| reads as the unsigned 128, and pairs stay within int16: 2 * 128 * 127).
+template <int MR>
+TARGET_AVX2 __attribute__((always_inline)) inline void q8_q8_block_avx2(const uint8_t* qs, float d, const int8_t* qx,
+                                                                       const float* xs, int64_t ldx, int64_t lds,
+                                                                       __m256* a) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  for (int r = 0; r < MR; ++r) {
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), _mm256_set1_epi16(1));
+    a[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[r * lds]), _mm256_cvtepi32_ps(p), a[r]);
+  }
+}
+
+// Blocks alternate between two sets of accumulators, to hide the FMA latency of a single row.
+template <int MR>
+TARGET_AVX2 void q4_q8_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx, const float* xs,
+                                int64_t ldx, int64_t lds, float* acc) {
+  __m256 a0[MR], a1[MR];
+  float m0[MR] = {}, m1[MR] = {};
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  float s[2 * kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + 2 * c0, 2 * nc, s);
+    int64_t i = 0;
+    for (; i + 2 <= nc; i += 2) {
+      const int64_t b = c0 + i;
+      q4_q8_block_avx2<MR>(qs + 16 * b, s[2 * i], s[2 * i + 1], qx + 32 * b, xs + 2 * b, ldx, lds, a0, m0);
+      q4_q8_block_avx2<MR>(qs + 16 * b + 16, s[2 * i + 2], s[2 * i + 3], qx + 32 * b + 32, xs + 2 * b + 2, ldx, lds,
+                           a1, m1);
+    }
+    if (i < nc)
+      q4_q8_block_avx2<MR>(qs + 16 * (c0 + i), s[2 * i], s[2 * i + 1], qx + 32 * (c0 + i), xs + 2 * (c0 + i), ldx,
+                           lds, a0, m0);
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r])) + (m0[r] + m1[r]);
+}
+
+template <int MR>
+TARGET_AVX2 void q8_q8_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx, const float* xs,
+                                int64_t ldx, int64_t lds, float* acc) {
+  __m256 a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  float s[kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + c0, nc, s);
+    int64_t i = 0;
+    for (; i + 2 <= nc; i += 2) {
+      const int64_t b = c0 + i;
+      q8_q8_block_avx2<MR>(qs + 32 * b, s[i], qx + 32 * b, xs + 2 * b, ldx, lds, a0);
+      q8_q8_block_avx2<MR>(qs + 32 * b + 32, s[i + 1], qx + 32 * b + 32, xs + 2 * b + 2, ldx, lds, a1);
+    }
+    if (i < nc) q8_q8_block_avx2<MR>(qs + 32 * (c0 + i), s[i], qx + 32 * (c0 + i), xs + 2 * (c0 + i), ldx, lds, a0);
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
+}
+
 // A block's 16 values d j + m (j = 0..15) fill one register; each nibble picks its weight from it with a
 // permute, which reads the low 4 bits of each lane: fewer instructions than widening every nibble. Two
 // blocks go per iteration into separate accumulators, to hide the FMA latency of a single row.
@@ -236,8 +412,7 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
 }
 #endif
 
-// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows).
-DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
+// fn<mr> for 1 <= mr <= kRows
 #define RETOPK_PICK(fn)                                                                              \
   switch (mr) {                                                                                      \
     case 1: return fn<1>;                                                                            \
@@ -245,6 +420,9 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
     case 3: return fn<3>;                                                                            \
     default: return fn<4>;                                                                           \
   }
+
+// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows).
+DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #ifdef RETOPK_X86
   if (isa == kAvx512) {
     if (bits == 4) RETOPK_PICK(q4_dot_avx512) else RETOPK_PICK(q8_dot_avx512)
@@ -254,7 +432,29 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
   }
 #endif
   if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
+}
+
+// The loop for `bits` against quantized x: AVX2's on AVX-512 machines too (no VNNI loop here).
+QDotFn qdot_fn(int64_t isa, int64_t bits, int64_t mr) {
+#ifdef RETOPK_X86
+  if (isa >= kAvx2) {
+    if (bits == 4) RETOPK_PICK(q4_q8_dot_avx2) else RETOPK_PICK(q8_q8_dot_avx2)
+  }
+#endif
+  if (bits == 4) RETOPK_PICK(q4_q8_dot_scalar) else RETOPK_PICK(q8_q8_dot_scalar)
 #undef RETOPK_PICK
+}
+
+// x (M, in) -> qx (M, in) int8 and xs (M, in / 32, 2) = (dx, sx) per block, as the header states.
+void quantize_rows(const float* x, int64_t M, int64_t in, int8_t* qx, float* xs, int64_t isa) {
+  const int64_t blocks = M * (in / 32);
+#ifdef RETOPK_X86
+  if (isa >= kAvx2) {
+    for (int64_t k = 0; k < blocks; ++k) quantize_block_avx2(x + 32 * k, qx + 32 * k, xs + 2 * k);
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < blocks; ++k) quantize_block_scalar(x + 32 * k, qx + 32 * k, xs + 2 * k);
 }
 
 #define CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
@@ -295,9 +495,12 @@ int64_t best_isa() {
 namespace {
 // y (M, out) <- x W^T (+ bias) (+ residual): block_matmul into a given output.
 void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
-                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa) {
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa,
+                     int64_t activations) {
   CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   CHECK_VALUE(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not available on this CPU (best ", best_isa(), ")");
+  CHECK_VALUE(activations == kFloat32 || activations == kInt8, "activations must be 0 (float32) or 1 (int8), got ",
+              activations);
   CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
   const int64_t M = x.size(0), in = x.size(1), out = qs.size(0), nb = in / 32;
   check_f32_matrix(x, "x", -1, in);
@@ -321,6 +524,11 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1), chunk = kRows;
   const DotFn full = dot_fn(isa, bits, std::min(chunk, M)), tail = dot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
+  const QDotFn qfull = qdot_fn(isa, bits, std::min(chunk, M)), qtail = qdot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
+  const bool int8 = activations == kInt8;
+  std::vector<int8_t> qx(int8 ? M * in : 0);  // x quantized once for every output row
+  std::vector<float> xs(int8 ? 2 * M * nb : 0);
+  if (int8) quantize_rows(xp, M, in, qx.data(), xs.data(), isa);
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
     float acc[kRows];
     for (int64_t o = begin; o < end; ++o) {
@@ -332,7 +540,12 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
       }
       for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // every pass over the row after the first reads it from L1
         const int64_t mr = std::min(chunk, M - r0);
-        (mr == chunk || M < chunk ? full : tail)(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
+        const bool whole = mr == chunk || M < chunk;
+        if (int8)
+          (whole ? qfull : qtail)(qp + o * row_bytes, sp + o * row_scales, nb, qx.data() + r0 * in,
+                                  xs.data() + r0 * 2 * nb, in, 2 * nb, acc);
+        else
+          (whole ? full : tail)(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
         for (int64_t r = 0; r < mr; ++r) {
           float v = acc[r];
           if (bp) v += bp[o];
@@ -387,11 +600,22 @@ at::Tensor temp(Temp role, int64_t M, int64_t N) {
 
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                        int64_t isa) {
+                        int64_t isa, int64_t activations) {
   CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
   at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
-  block_matmul_to(y, x, qs, scales, bits, bias, residual, isa);
+  block_matmul_to(y, x, qs, scales, bits, bias, residual, isa, activations);
   return y;
+}
+
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa) {
+  CHECK_VALUE(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not available on this CPU (best ", best_isa(), ")");
+  CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
+  check_f32_matrix(x, "x", -1, x.size(1));
+  CHECK_VALUE(x.size(1) % 32 == 0, "in features must be a multiple of 32, got ", x.size(1));
+  at::Tensor qx = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({x.size(0), x.size(1) / 32, 2}, x.options());
+  quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), qx.data_ptr<int8_t>(), xs.data_ptr<float>(), isa);
+  return {qx, xs};
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -498,13 +722,13 @@ at::Tensor swiglu(const at::Tensor& gu) {
 
 at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
                    const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
-                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa) {
+                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations) {
   CHECK_VALUE(d > 0 && rot_heads >= 0 && qs.size(0) % d == 0 && rot_heads * d <= qs.size(0),
               "rot_heads (", rot_heads, ") heads of d (", d, ") values must fit in the ", qs.size(0), " outputs");
   CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
   at::Tensor normed = temp(kNormed, x.size(0), x.size(1));
   rms_norm_to(normed, x, w_attn, eps);
-  at::Tensor y = block_matmul(normed, qs, scales, bits, bias, c10::nullopt, isa);  // (M, out)
+  at::Tensor y = block_matmul(normed, qs, scales, bits, bias, c10::nullopt, isa, activations);  // (M, out)
   at::Tensor heads = y.view({y.size(0), qs.size(0) / d, d}).narrow(1, 0, rot_heads);
   rope_(heads, cos, sin);
   return y;
@@ -514,16 +738,16 @@ at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o
                    int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
                    const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
                    const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
-                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa) {
+                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa, int64_t activations) {
   CHECK_VALUE(x.dim() == 2 && a.dim() == 2 && a.size(0) == x.size(0), "x must be (M, D) and a (M, H d)");
   check_f32_matrix(x, "x", -1, x.size(1));
   check_f32_matrix(a, "a", x.size(0), a.size(1));
   const int64_t M = x.size(0), D = x.size(1), F2 = gu_qs.size(0);
   at::Tensor x1 = temp(kResidual1, M, D), normed = temp(kNormed, M, D), gu = temp(kGateUp, M, F2),
              hidden = temp(kHidden, M, F2 / 2);
-  block_matmul_to(x1, a, o_qs, o_scales, o_bits, o_bias, x, isa);  // (M, D): x + a W_o^T
+  block_matmul_to(x1, a, o_qs, o_scales, o_bits, o_bias, x, isa, activations);  // (M, D): x + a W_o^T
   rms_norm_to(normed, x1, w_mlp, eps);
-  block_matmul_to(gu, normed, gu_qs, gu_scales, gu_bits, gu_bias, c10::nullopt, isa);  // (M, 2F)
+  block_matmul_to(gu, normed, gu_qs, gu_scales, gu_bits, gu_bias, c10::nullopt, isa, activations);  // (M, 2F)
   swiglu_to(hidden, gu);
-  return block_matmul(hidden, dn_qs, dn_scales, dn_bits, dn_bias, x1, isa);  // (M, D)
+  return block_matmul(hidden, dn_qs, dn_scales, dn_bits, dn_bias, x1, isa, activations);  // (M, D)
 }

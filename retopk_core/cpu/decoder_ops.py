@@ -1,6 +1,7 @@
 """The launcher of the decoder's CPU ops (decoder_ops.cpp, compiled into the fused kernel's library).
 
     block_matmul(x, qs, scales, bits, bias, residual) -> x W^T (+ bias) (+ residual), W in GGUF blocks of 32
+    quantize_activations(x) -> (qx, xs): x per row and block of 32 as int8 values and (dx, sx) per block
     rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
     store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
@@ -14,7 +15,9 @@
 order the unfused path calls them (so each result equals that path's); their weights are ``Blocks``.
 
 They compute in float32; the source's header states the block layouts and the math, and each entry checks
-shapes and dtypes (ValueError naming the argument). ``available()`` says whether the library loads;
+shapes and dtypes (ValueError naming the argument). The block products take ``activations`` (ACTIVATIONS):
+"float32" (x as it is, the default) or "int8" (x quantized per row and block of 32, llama.cpp's Q8_0 / Q8_1
+activations, and integer block dots). ``available()`` says whether the library loads;
 callers fall back to torch when it does not.
 
 The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512) unless ``RETOPK_CPU_ISA``
@@ -33,9 +36,11 @@ import torch
 from retopk_core.cpu.launch import PATH_CODES, LayerAttention, available, extension
 
 ISA_NAMES = ("scalar", "avx2", "avx512")
+ACTIVATIONS = ("float32", "int8")  # what the block products multiply the weights with (the source's codes 0, 1)
 
-__all__ = ["ISA_NAMES", "Blocks", "attn_in", "available", "best_isa", "block_matmul", "decode_layers", "isa",
-           "layer_arguments", "mlp_out", "rms_norm", "rope_", "store_kv", "swiglu"]
+__all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "activation_code", "attn_in", "available", "best_isa", "block_matmul",
+           "decode_layers", "isa", "layer_arguments", "mlp_out", "quantize_activations", "rms_norm", "rope_",
+           "store_kv", "swiglu"]
 
 
 class Blocks(NamedTuple):
@@ -63,10 +68,24 @@ def isa() -> int:
     return min(best, ISA_NAMES.index(asked))
 
 
+def activation_code(activations: str) -> int:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    return ACTIVATIONS.index(activations)
+
+
 def block_matmul(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bits: int, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None, level: int | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, level: int | None = None,
+                 activations: str = "float32") -> torch.Tensor:
     """x (M, in) float32 -> (M, out) float32; qs / scales as decoder_ops.cpp describes for ``bits`` 4 or 8."""
-    return extension().block_matmul(x.contiguous(), qs, scales, bits, bias, residual, isa() if level is None else level)
+    return extension().block_matmul(x.contiguous(), qs, scales, bits, bias, residual, isa() if level is None else level,
+                                    activation_code(activations))
+
+
+def quantize_activations(x: torch.Tensor, level: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, in) float32 -> qx (M, in) int8, xs (M, in / 32, 2) float32 = (dx, sx) per block: the int8 path's x."""
+    qx, xs = extension().quantize_activations(x.contiguous(), isa() if level is None else level)
+    return qx, xs
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,18 +109,18 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
 
 
 def attn_in(x: torch.Tensor, w_attn: torch.Tensor, eps: float, qkv: Blocks, cos: torch.Tensor, sin: torch.Tensor,
-            rot_heads: int, d: int) -> torch.Tensor:
+            rot_heads: int, d: int, activations: str = "float32") -> torch.Tensor:
     """x (M, D) float32 -> qkv (M, out) float32, heads 0..rot_heads-1 (of d values each) rotated; cos, sin (M, d)."""
     return extension().attn_in(x, w_attn, float(eps), qkv.qs, qkv.scales, qkv.bits, qkv.bias, cos, sin, rot_heads, d,
-                               isa())
+                               isa(), activation_code(activations))
 
 
 def mlp_out(x: torch.Tensor, a: torch.Tensor, o: Blocks, w_mlp: torch.Tensor, eps: float, gate_up: Blocks,
-            down: Blocks) -> torch.Tensor:
+            down: Blocks, activations: str = "float32") -> torch.Tensor:
     """x (M, D), a (M, H d) float32 -> the residual stream after the layer's o product and MLP, (M, D)."""
     return extension().mlp_out(x, a.contiguous(), o.qs, o.scales, o.bits, o.bias, w_mlp, float(eps), gate_up.qs,
                                gate_up.scales, gate_up.bits, gate_up.bias, down.qs, down.scales, down.bits, down.bias,
-                               isa())
+                               isa(), activation_code(activations))
 
 
 _NO_BIAS = torch.empty(0)
@@ -124,7 +143,7 @@ def layer_arguments(layers: list[tuple]) -> tuple[list[torch.Tensor], list[int]]
 def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], bits: list[int], eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, shape: tuple[int, int, int], k_pools: list[torch.Tensor],
                   v_pools: list[torch.Tensor], rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-                  attention: LayerAttention) -> tuple[torch.Tensor, float, list[tuple]]:
+                  attention: LayerAttention, activations: str = "float32") -> tuple[torch.Tensor, float, list[tuple]]:
     """Every layer of a decode step in one call (decode_layers.cpp), the same kernels in the same order as
     ``attn_in``, ``store_kv``, the attention step and ``mlp_out`` called layer by layer: x (B, D) float32 ->
     (x (B, D), seconds spent in the attention, per layer (path, max_sim, n_scored) for ReTopK, else []).
@@ -134,5 +153,6 @@ def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], bits: list[int],
     a = attention
     res = extension().decode_layers(x, weights, bits, float(eps), cos, sin, H, H_kv, d, k_pools, v_pools, rows, table,
                                     lengths, a.kind, a.state, _NO_BIAS if a.slots is None else a.slots, a.ints,
-                                    a.retrieval, a.gqa_policy, a.floats, PATH_CODES, a.calibration, a.guard, isa())
+                                    a.retrieval, a.gqa_policy, a.floats, PATH_CODES, a.calibration, a.guard, isa(),
+                                    activation_code(activations))
     return res[0], float(res[1]), [tuple(res[i:i + 3]) for i in range(2, len(res), 3)]

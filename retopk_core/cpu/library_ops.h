@@ -23,19 +23,21 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
 // decoder_ops.cpp: the decoder's ops.
 int64_t best_isa();
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa);
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa,
+                        int64_t activations);
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
 at::Tensor swiglu(const at::Tensor& gu);
 at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
                    const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
-                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa);
+                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations);
 at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
                    int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
                    const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
                    const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
-                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa);
+                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa, int64_t activations);
 // decode_layers.cpp: a whole decode step's layers.
 std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
                                       const std::vector<int64_t>& bits, double eps, const at::Tensor& cos,
@@ -46,4 +48,4 @@ std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<
                                       std::vector<int64_t> ints, const std::string& retrieval,
                                       const std::string& gqa_policy, std::vector<double> floats,
                                       std::vector<int64_t> path_codes, std::vector<double> calibration,
-                                      std::vector<double> guard, int64_t isa);
+                                      std::vector<double> guard, int64_t isa, int64_t activations);

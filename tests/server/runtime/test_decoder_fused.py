@@ -32,15 +32,22 @@ def _rope(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return angle.cos().contiguous(), angle.sin().contiguous()
 
 
+def _set_activations(layer: llama.LayerWeights, activations: str) -> None:
+    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        lin.activations = activations
+
+
+@pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS - 1])
-def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows):
+def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows, activations):
     """attn_in = rms_norm, the QKV product (with its bias) and RoPE on the q and k heads, exactly as called one by one;
     the value heads are not rotated."""
     layer = _layer(fmt, qkv_bias=True)
+    _set_activations(layer, activations)
     x = torch.randn(rows, D) * 2
     cos, sin = _rope(rows)
-    fused = decoder_ops.attn_in(x, layer.attn_norm, 1e-5, layer.qkv.blocks, cos, sin, H + H_KV, D_HEAD)
+    fused = decoder_ops.attn_in(x, layer.attn_norm, 1e-5, layer.qkv.blocks, cos, sin, H + H_KV, D_HEAD, activations)
     ref = layer.qkv(decoder_ops.rms_norm(x, layer.attn_norm, 1e-5))
     unrotated = ref.clone()
     llama.rope_(ref.view(rows, -1, D_HEAD)[:, :H + H_KV], cos, sin)
@@ -48,13 +55,16 @@ def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows):
     assert torch.equal(fused[:, (H + H_KV) * D_HEAD:], unrotated[:, (H + H_KV) * D_HEAD:])
 
 
+@pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS - 1])
-def test_mlp_out_is_o_residual_norm_and_swiglu_mlp_bit_for_bit(fmt, rows):
+def test_mlp_out_is_o_residual_norm_and_swiglu_mlp_bit_for_bit(fmt, rows, activations):
     """mlp_out = x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T with x1 = x + a W_o^T, the same ops one by one."""
     layer = _layer(fmt, qkv_bias=False)
+    _set_activations(layer, activations)
     x, a = torch.randn(rows, D) * 2, torch.randn(rows, H * D_HEAD)
-    fused = decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, 1e-5, layer.gate_up.blocks, layer.down.blocks)
+    fused = decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, 1e-5, layer.gate_up.blocks, layer.down.blocks,
+                                activations)
     x1 = layer.o(a, residual=x)
     ref = layer.down(decoder_ops.swiglu(layer.gate_up(decoder_ops.rms_norm(x1, layer.mlp_norm, 1e-5))), residual=x1)
     assert torch.equal(fused, ref)

@@ -9,7 +9,8 @@ float32.
 
 The quantized formats multiply in the fused CPU library's ``block_matmul`` (retopk_core/cpu/decoder_ops):
 each weight widened exactly to float32, x float32, so a step equals the dequantized model's up to the
-order of the sums. It reads the blocks once for up to 8 rows of x (a decode batch); from ``WIDE_ROWS``
+order of the sums; or, with ``activations`` "int8", x quantized per block of 32 and integer block dots.
+It reads the blocks once for up to 8 rows of x (a decode batch); from ``WIDE_ROWS``
 rows on (prefill chunks) a GEMM through a copy dequantized at load (``wide``: bfloat16 where the CPU has
 bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also the path when
 the library is not built.
@@ -87,6 +88,7 @@ class _BlockLinear:
         self.qs, self.scales = qs.contiguous(), scales.to(torch.float16).contiguous()
         self.bias = None if bias is None else bias.float().contiguous()
         self.blocks = decoder_ops.Blocks(self.qs, self.scales, self.bits, self.bias)  # what the fused layer ops take
+        self.activations = "float32"  # what the block products multiply with (Decoder.set_activations)
         self.wide = self.dequantized().to(wide_dtype())  # (out, in): the prefill GEMM's copy
 
     def set_wide_dtype(self, dtype: torch.dtype) -> None:
@@ -105,7 +107,8 @@ class _BlockLinear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if not blocks_path(x.shape[0]):
             return float_matmul(x, self.wide, self.bias, residual)
-        return decoder_ops.block_matmul(x.float(), self.qs, self.scales, self.bits, self.bias, residual)  # (M, out)
+        return decoder_ops.block_matmul(x.float(), self.qs, self.scales, self.bits, self.bias, residual,
+                                        activations=self.activations)  # (M, out)
 
     def to(self, device: torch.device):
         return _cpu_only(self, device)

@@ -1,0 +1,126 @@
+"""Block products with int8-quantized activations (decoder_ops.cpp's ``activations`` int8): the quantizer against
+its rounding rule written in torch, and the products against the same formula in float64 (x quantized the same
+way, dequantized, multiplied by the float64 weights), the AVX2 loop against the plain C++ one, on shapes whose
+input is not a multiple of 64, one to eight rows and a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retopk_core.cpu import decoder_ops
+from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, from_float
+
+pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
+
+EPS32 = torch.finfo(torch.float32).eps
+MIN_AMAX = 127 * torch.finfo(torch.float32).tiny  # below it a block quantizes to zeros (decoder_ops.cpp)
+
+
+def _levels() -> list[int]:
+    return list(range(decoder_ops.best_isa() + 1))
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule in float32 torch ops: per row and block of 32, dx = max |x| / 127, qx = round_half_even(x * (1 / dx)),
+    sx = dx * sum qx -> qx (M, in) int8, xs (M, in / 32, 2) float32."""
+    b = x.unflatten(1, (-1, 32))  # (M, nb, 32)
+    amax = b.abs().amax(-1)  # (M, nb)
+    dx = torch.where(amax >= MIN_AMAX, amax / 127, torch.zeros_like(amax))
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    q = torch.round(b * inv.unsqueeze(-1))  # (M, nb, 32), torch.round: half to even
+    sx = dx * q.sum(-1)
+    return q.flatten(1).to(torch.int8), torch.stack([dx, sx], dim=-1)
+
+
+def weights64(lin) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block weights in float64: d q + m (Q4_1) or d q (Q8_0), (out, in), without float32 rounding; and the
+    magnitude of the terms the kernel sums, |d q| + |m| per weight."""
+    if isinstance(lin, Int4Linear):
+        blocks = lin.qs.view(lin.qs.shape[0], -1, 16)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).double()  # (out, nb, 32)
+        d, m = lin.scales.double()[..., :1], lin.scales.double()[..., 1:]  # (out, nb, 1) each
+        return (q * d + m).flatten(1), (q * d.abs() + m.abs()).flatten(1)
+    w = (lin.qs.view(lin.qs.shape[0], -1, 32).double() * lin.scales.double().unsqueeze(-1)).flatten(1)
+    return w, w.abs()
+
+
+def test_quantizer_rounds_half_to_even_per_block_at_every_level():
+    """Both levels' bytes and scales equal the torch rule's exactly: random rows over several magnitudes, a block
+    of zeros, a block too small to scale, and ties (max 127: dx = 1, so x.5 rounds to even)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 160) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 0.5]).unsqueeze(1)
+    x[1, 32:64] = 0
+    x[2, 64:96] = 1e-39
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 4)
+    x[3, 96:128] = ties
+    want_q, want_s = quantize(x)
+    assert want_q[3, 96:104].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert (want_q[1, 32:64] == 0).all() and (want_q[2, 64:96] == 0).all() and want_s[2, 2].tolist() == [0, 0]
+    for level in _levels():
+        qx, xs = decoder_ops.quantize_activations(x, level)
+        assert torch.equal(qx, want_q), f"isa level {level}"
+        assert torch.equal(xs, want_s), f"isa level {level}"
+    assert (want_q.abs() <= 127).all()
+    err = (want_q.double().unflatten(1, (-1, 32)) * want_s[..., :1].double() - x.double().unflatten(1, (-1, 32))).abs()
+    # within half a step of the block's grid (a block below MIN_AMAX is all zeros: its values are the error)
+    assert (err <= want_s[..., :1].double() * (0.5 + 2 * EPS32) + MIN_AMAX).all()
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
+@pytest.mark.parametrize("shape", [(1, 96, 40), (2, 160, 72), (3, 576, 64), (4, 224, 33), (5, 96, 80), (8, 288, 48),
+                                   (WIDE_ROWS - 1, 352, 24)])
+def test_int8_block_matmul_equals_the_float64_formula(cls, shape):
+    """y = quantized(x) W^T + b + residual through the block kernel at every SIMD level equals the float64 product
+    of x quantized by the rule and dequantized with the float64 weights, within float32 rounding of its sum over
+    blocks (each block's integer dot is exact); the AVX2 and plain loops agree as tightly."""
+    rows, n_in, n_out = shape
+    torch.manual_seed(n_in + rows)
+    lin = from_float(torch.randn(n_out, n_in) * 0.1, torch.randn(n_out), cls)
+    x, res = torch.randn(rows, n_in) * 3, torch.randn(rows, n_out)
+    qx, xs = quantize(x)
+    xq = (qx.double().unflatten(1, (-1, 32)) * xs[..., :1].double()).flatten(1)  # (M, in): the dequantized activations
+    w, w_abs = weights64(lin)
+    ref = xq @ w.T + lin.bias.double() + res.double()
+    scale = xq.abs() @ w_abs.T + lin.bias.abs().double() + res.abs().double()  # bounds the summed terms' magnitude
+    # a few float32 roundings of the sum's magnitude (as for float32 activations), well below one activation
+    # rounded to the neighbouring step (dx |w|), which this therefore catches
+    tol = 4 * EPS32 * scale
+    ys = []
+    for level in _levels():
+        y = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res, level, activations="int8")
+        assert y.dtype == torch.float32 and y.shape == (rows, n_out)
+        assert ((y.double() - ref).abs() <= tol).all(), f"isa level {level}"
+        ys.append(y.double())
+    for y in ys[1:]:
+        assert ((y - ys[0]).abs() <= tol).all()
+    # and the quantization error itself is bounded: at most half a step of each block's grid per input
+    f32 = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res)
+    step = (xs[..., :1].double() / 2).expand(-1, -1, 32).flatten(1)  # (M, in)
+    assert ((ys[-1] - f32.double()).abs() <= step @ w.abs().T + 2 * tol).all()
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
+def test_int8_rows_do_not_depend_on_their_batch(cls):
+    """Each row of a batch through the int8 path is bit for bit the row alone, at every level (the batch shares
+    each weight block's unpacking, not the sums)."""
+    torch.manual_seed(3)
+    lin = from_float(torch.randn(40, 160), None, cls)
+    x = torch.randn(11, 160)
+    for level in _levels():
+        batch = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, None, None, level, activations="int8")
+        for i in range(x.shape[0]):
+            alone = decoder_ops.block_matmul(x[i:i + 1], lin.qs, lin.scales, lin.bits, None, None, level,
+                                             activations="int8")
+            assert torch.equal(batch[i:i + 1], alone), f"row {i}, isa level {level}"
+
+
+def test_int8_block_matmul_refuses_unknown_activations():
+    lin = from_float(torch.randn(8, 64), None, "int4")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, 4, activations="int4")
+    with pytest.raises(ValueError, match="activations must be 0"):
+        decoder_ops.extension().block_matmul(torch.randn(1, 64), lin.qs, lin.scales, 4, None, None, 0, 2)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        decoder_ops.quantize_activations(torch.randn(1, 48))
+
