@@ -110,6 +110,9 @@ OPTIONS: tuple[Option, ...] = (
                            "float16, int8 or int4 (weight-only, blocks of 32)"),
     Option("kv_dtype", str, "KV cache dtype: auto (bfloat16), float32 (also float32 prefill matmuls: no 16-bit "
                             "rounding anywhere), bfloat16 or float16"),
+    Option("activations", str, "what the block weights' decode products multiply them with: float32 (x as it "
+                               "is) or int8 (x quantized per block of 32 with one scale, llama.cpp's way, and "
+                               "integer block dots); CPU and int4 / int8 / as-stored GGUF weights only"),
     Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
                            "torch (reference code), triton (GPU) or cpu"),
     Option("method", str, "default attention method: full, exact_topk, retopk or a baseline "

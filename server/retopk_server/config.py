@@ -35,8 +35,8 @@ class ServerConfig:
     metrics_per_head      export the metrics built from every step's per-head statistics (path decisions
                           per layer x head, candidates, similarity, exact share, attention time); those
                           statistics cost a GPU a synchronisation per layer, so false turns them off
-    model, device, weights, kv_dtype, backend, max_context, rope_scaling, prefill_chunk, kv_block_size, kv_cache_bytes,
-    kv_cache_fraction, prefix_cache, prefix_cache_bytes
+    model, device, weights, kv_dtype, activations, backend, max_context, rope_scaling, prefill_chunk, kv_block_size,
+    kv_cache_bytes, kv_cache_fraction, prefix_cache, prefix_cache_bytes
                           the model runtime's settings: documented in, and defaulting to, RuntimeConfig
     method, method_params default attention method of requests and sessions that name none
     max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens,
@@ -90,6 +90,7 @@ class ServerConfig:
     device: str = RuntimeConfig.device
     weights: str = RuntimeConfig.weights
     kv_dtype: str = RuntimeConfig.kv_dtype
+    activations: str = RuntimeConfig.activations
     backend: str = RuntimeConfig.backend
     method: str = "retopk"
     method_params: dict = field(default_factory=_default_method_params)
@@ -203,7 +204,7 @@ class ServerConfig:
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(model=self.model, device=self.device, weights=self.weights, kv_dtype=self.kv_dtype,
-                             backend=self.backend,
+                             activations=self.activations, backend=self.backend,
                              default_method=self.method_spec(), max_context=self.max_context,
                              rope_scaling=self.rope_scaling, prefill_chunk=self.prefill_chunk,
                              kv_block_size=self.kv_block_size, kv_cache_bytes=self.kv_cache_bytes,

@@ -92,6 +92,7 @@ class ModelRunner:
             loaded = from_model(model, fmt, config.rope_scaling)
             loaded.tokenizer = tokenizer
         self.decoder = loaded.decoder.to(self.device)
+        self.decoder.set_activations(config.activations)
         if config.kv_torch_dtype == torch.float32:  # the exact configuration: no 16-bit product anywhere
             self.decoder.set_prefill_dtype(torch.float32)
         self.tokenizer = loaded.tokenizer

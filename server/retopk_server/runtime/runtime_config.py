@@ -11,6 +11,7 @@ from retopk_server.runtime.method_spec import MethodSpec
 
 WEIGHTS = ("auto", "as-stored", "float32", "bfloat16", "float16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ACTIVATIONS = ("float32", "int8")  # retopk_core.cpu.decoder_ops.ACTIVATIONS, which the block products take
 BACKENDS = ("auto", "torch", "triton", "cpu")
 FUSED_CPU = ("retopk", "full", "exact_topk")  # methods with a step in retopk_core/cpu
 # "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
@@ -49,6 +50,12 @@ class RuntimeConfig:
                     every exact pass and dense step reads; attention accumulates in float32 either way). With
                     float32 the quantized formats' prefill GEMMs run in float32 too (decoder/linear.py), so that
                     the whole model equals the dequantized float32 one up to the order of its sums
+    activations     what the block formats' decode products (int4 / int8 weights, on a CPU) multiply their
+                    weights with: "float32" (x as it is: the dequantized model's products up to the order of
+                    the sums) or "int8" (x quantized per row and block of 32 to int8 with one float scale, as
+                    llama.cpp does, then integer block dots: retopk_core/cpu/decoder_ops.cpp). Prefill GEMMs
+                    through the dequantized copy, norms and the residual stream stay as they are. Refused for
+                    a device other than the CPU and for a model without block weights
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
                     Exact Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or
                     "auto": "cpu" on a CPU device where that kernel was built and loads, else "torch"; see
@@ -78,6 +85,7 @@ class RuntimeConfig:
     device: str = "cpu"
     weights: str = "auto"
     kv_dtype: str = "auto"
+    activations: str = "float32"
     backend: str = "auto"
     default_method: MethodSpec = field(default_factory=default_method_spec)
     max_context: int | None = None
@@ -96,6 +104,11 @@ class RuntimeConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+        if self.activations != "float32" and not self.device.startswith("cpu"):
+            raise ValueError(f"activations={self.activations} needs device cpu (the block kernels are CPU ones), "
+                             f"got {self.device!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not isinstance(self.default_method, MethodSpec):

@@ -41,7 +41,7 @@ def whole_step(dec: Decoder, ctx: DecodeContext, lengths: list[int]) -> Layers |
             kv.rows = kv.pool.rows(kv.table, kv.start, 1)  # (B, H_kv, 1)
         x, seconds, stats = decoder_ops.decode_layers(
             x, weights, bits, dec.eps, cos, sin, (dec.num_heads, dec.num_kv_heads, dec.head_dim), kv.pool.k,
-            kv.pool.v, kv.rows, kv.table, kv.lengths, attention)
+            kv.pool.v, kv.rows, kv.table, kv.lengths, attention, dec.activations)
         if ctx.with_stats:
             if not stats:  # a dense kind: every head of every layer took its path over all of its keys
                 dense = uniform_output(x.new_empty(B, dec.num_heads, 0), attention.path, kv.lengths)

@@ -250,8 +250,8 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
         log.error("%s", e)
         return 1
     engine = Engine(runner_factory or default_runner_factory(config), config.engine_config(), observer)
-    log.info("loading model %s on %s (weights %s, KV cache %s, backend %s)", config.model, config.device,
-             config.weights, config.kv_dtype, config.backend)
+    log.info("loading model %s on %s (weights %s, KV cache %s, activations %s, backend %s)", config.model,
+             config.device, config.weights, config.kv_dtype, config.activations, config.backend)
     t0 = time.monotonic()
     try:
         await asyncio.to_thread(engine.start)

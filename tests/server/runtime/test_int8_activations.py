@@ -1,14 +1,17 @@
 """Block products with int8-quantized activations (decoder_ops.cpp's ``activations`` int8): the quantizer against
 its rounding rule written in torch, and the products against the same formula in float64 (x quantized the same
 way, dequantized, multiplied by the float64 weights), the AVX2 loop against the plain C++ one, on shapes whose
-input is not a multiple of 64, one to eight rows and a batch."""
+input is not a multiple of 64, one to eight rows and a batch; then the runtime option that selects them
+(RuntimeConfig.activations) and what it refuses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from runtime_helpers import prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
+from retopk_server.runtime import RuntimeConfig
 from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, from_float
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
@@ -124,3 +127,35 @@ def test_int8_block_matmul_refuses_unknown_activations():
     with pytest.raises(ValueError, match="multiple of 32"):
         decoder_ops.quantize_activations(torch.randn(1, 48))
 
+
+def test_runtime_option_reaches_every_block_product_and_is_shown():
+    """activations=int8 on int4 weights: the weight format says so (what info and metrics report), every block
+    linear multiplies with int8 activations, and the logits differ from float32 activations' (the LM head's and
+    the decode step's products) by a little; the prefill's layers (through the wide copy) are unchanged: the
+    same KV rows."""
+    model = tiny_model("llama", layers=2)
+    runners = {a: runner_for(model, weights="int4", activations=a) for a in ("float32", "int8")}
+    assert runners["float32"].info.weight_format.startswith("int4, lm_head")
+    assert runners["int8"].info.weight_format == runners["float32"].info.weight_format + ", activations int8"
+    blocks = [lin for lin in runners["int8"].decoder.linears() if hasattr(lin, "activations")]
+    assert blocks and all(lin.activations == "int8" for lin in blocks)
+    prompt = prompt_ids(20, 1)
+    out = {}
+    for a, runner in runners.items():
+        session = runner.open_session(runner.config.default_method)
+        first = runner.prefill(session, prompt)
+        kv = [t[torch.tensor(session.blocks)] for t in runner.pool.k]
+        out[a] = kv, first, runner.decode([session], [int(first.argmax())])[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out["int8"][0], strict=True))
+    for i in (1, 2):
+        diff = (out["float32"][i] - out["int8"][i]).abs().max()
+        assert 0 < diff < 0.05 * out["float32"][i].abs().max()
+
+
+def test_runtime_option_refuses_what_it_cannot_apply():
+    with pytest.raises(ValueError, match="activations must be one of"):
+        RuntimeConfig(activations="int4")
+    with pytest.raises(ValueError, match="needs device cpu"):
+        RuntimeConfig(device="cuda", activations="int8")
+    with pytest.raises(ValueError, match="needs block weights"):
+        runner_for(tiny_model("llama", layers=1), weights="float32", activations="int8")

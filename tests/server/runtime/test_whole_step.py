@@ -42,12 +42,13 @@ def _spy(monkeypatch, module, name: str) -> list:
     return seen
 
 
-@pytest.mark.parametrize("name", list(METHODS))
-def test_one_call_equals_layer_by_layer(name, monkeypatch):
+@pytest.mark.parametrize(("name", "activations"), [(name, "float32") for name in METHODS] + [("retopk", "int8")])
+def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
     """Two pairs of sessions on the same prompts, decoded as batches of two: one pair in one call per step, the
     other layer by layer. Every step's logits and statistics, and in the end every KV row and state tensor,
-    are equal; the one-call path really ran (a spy counts its calls)."""
-    runner = runner_for(tiny_model("llama", layers=3), METHODS[name], weights="int4", kv_dtype="bfloat16")
+    are equal; the one-call path really ran (a spy counts its calls). With int8 activations as well."""
+    runner = runner_for(tiny_model("llama", layers=3), METHODS[name], weights="int4", kv_dtype="bfloat16",
+                        activations=activations)
     assert runner.decoder.fused
     prompts = [prompt_ids(40, 1), prompt_ids(45, 2)]
     pairs = []

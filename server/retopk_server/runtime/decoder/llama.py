@@ -56,6 +56,7 @@ class Decoder:
     norm: torch.Tensor  # (D,) float32
     lm_head: Linear  # (V, D)
     rotary: torch.nn.Module  # transformers' rotary embedding: (x, positions (B, T)) -> cos, sin (B, T, d)
+    activations: str = "float32"  # what the block products multiply with: decoder_ops.ACTIVATIONS, set_activations
 
     def to(self, device: torch.device) -> Decoder:
         """This decoder with every tensor on ``device`` (itself on the CPU)."""
@@ -83,6 +84,18 @@ class Decoder:
         return decoder_ops.layer_arguments([(layer.attn_norm, layer.qkv.blocks, layer.o.blocks, layer.mlp_norm,
                                              layer.gate_up.blocks, layer.down.blocks) for layer in self.layers])
 
+    def set_activations(self, activations: str) -> None:
+        """Every block product's activations: "float32" or "int8" (x quantized per block of 32, decoder_ops.cpp).
+        int8 needs block weights: a model without any is refused (its products would not change)."""
+        decoder_ops.activation_code(activations)  # refuses an unknown name
+        blocks = [lin for lin in self.linears() if is_blocks(lin)]
+        if activations != "float32" and not blocks:
+            raise ValueError(f"activations={activations} needs block weights (GGUF as-stored, int4 or int8), got "
+                             f"{self.weight_format}")
+        for lin in blocks:
+            lin.activations = activations
+        self.activations = activations
+
     def set_prefill_dtype(self, dtype: torch.dtype) -> None:
         """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
         for lin in self.linears():
@@ -98,9 +111,11 @@ class Decoder:
 
     @property
     def weight_format(self) -> str:
-        """The formats of the layers' matmuls and of the LM head, e.g. "int4, lm_head int8"."""
+        """The formats of the layers' matmuls and of the LM head, e.g. "int4, lm_head int8", and the block
+        products' activations where they are not float32 ("int4, lm_head int8, activations int8")."""
         body = sorted({lin.format for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)})
-        return f"{'+'.join(body)}, lm_head {self.lm_head.format}"
+        act = "" if self.activations == "float32" else f", activations {self.activations}"
+        return f"{'+'.join(body)}, lm_head {self.lm_head.format}{act}"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,7 +150,8 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
     fused = dec.fused and blocks_path(B * T)
     if fused:
-        qkv = decoder_ops.attn_in(x, layer.attn_norm, dec.eps, layer.qkv.blocks, cos, sin, H + H_kv, d)
+        qkv = decoder_ops.attn_in(x, layer.attn_norm, dec.eps, layer.qkv.blocks, cos, sin, H + H_kv, d,
+                                  dec.activations)
     else:
         qkv = layer.qkv(rms_norm(x, layer.attn_norm, dec.eps))
         rope_(qkv.view(B * T, H + 2 * H_kv, d)[:, :H + H_kv], cos, sin)  # q and k rotated together
@@ -144,7 +160,7 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     a = out.transpose(1, 2).reshape(B * T, H * d)
     if fused:
         return decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, dec.eps, layer.gate_up.blocks,
-                                   layer.down.blocks)
+                                   layer.down.blocks, dec.activations)
     x = layer.o(a, residual=x)
     gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps)).chunk(2, dim=-1)  # (B*T, F) each
     return layer.down(F.silu(gate).mul_(up), residual=x)
