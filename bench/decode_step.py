@@ -8,7 +8,9 @@ commits, run it in a worktree of each, taking turns (the machine's speed drifts)
 
 ``--compare-layer-loop`` times each method's step both ways in one process, in ``--rounds`` that take turns:
 the layers in one call of the fused CPU library (the runner's default where the step allows it,
-runtime/whole_step.py) and layer by layer in Python, and prints the ratio.
+runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations`` does the
+same with the block products' activations float32 and int8 (RuntimeConfig.activations), and ``--activations``
+picks them for a plain run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch  # noqa: E402 - after the huge pages
 from bench.e2e_cpu import parse_method  # noqa: E402 - after the huge pages
 from bench.eval.common import load_corpus  # noqa: E402 - after the huge pages
 from retopk_server.runtime import ModelRunner, RuntimeConfig  # noqa: E402 - after the huge pages
+from retopk_server.runtime.runtime_config import ACTIVATIONS  # noqa: E402 - after the huge pages
 
 
 def parse_args(argv=None):
@@ -38,7 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--compare-layer-loop", action="store_true",
                    help="time each method with its layers in one call and layer by layer, taking turns")
-    p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop")
+    p.add_argument("--compare-activations", action="store_true",
+                   help="time each method with float32 and int8 activations into the block products, taking turns")
+    p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
+                   help="the block products' activations (RuntimeConfig.activations) of a plain run")
+    p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop / -activations")
     return p.parse_args(argv)
 
 
@@ -57,27 +64,43 @@ def time_steps(runner: ModelRunner, spec, ids: list[int], warmup: int, steps: in
     return times
 
 
+def taking_turns(runner: ModelRunner, spec, ids: list[int], args, ways: dict) -> dict[str, float]:
+    """Median step seconds of each way (name -> a function that sets the runner up for it), ``args.rounds`` turns
+    each; the first way is left set up."""
+    times = {name: [] for name in ways}
+    for _ in range(args.rounds):
+        for name, setup in ways.items():
+            setup()
+            times[name] += time_steps(runner, spec, ids, args.warmup, args.steps)
+    next(iter(ways.values()))()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(RuntimeConfig())
+    runner = ModelRunner(RuntimeConfig(activations=args.activations))
     ids = runner.encode(load_corpus(args.corpus))[:args.length]
-    print(f"# decode_step: L = {len(ids)}, {args.threads} threads, {args.steps} steps")
+    print(f"# decode_step: L = {len(ids)}, {args.threads} threads, {args.steps} steps, weights "
+          f"{runner.info.weight_format}")
     with torch.inference_mode():
         for text in args.methods:
-            if not args.compare_layer_loop:
-                times = sorted(time_steps(runner, parse_method(text), ids, args.warmup, args.steps))
+            spec = parse_method(text)
+            if args.compare_layer_loop:
+                t = taking_turns(runner, spec, ids, args, {
+                    "one call": lambda: setattr(runner, "layers_in_one_call", True),
+                    "layer by layer": lambda: setattr(runner, "layers_in_one_call", False)})
+                print(f"{text}: one call median {1e3 * t['one call']:.2f} ms, layer by layer "
+                      f"{1e3 * t['layer by layer']:.2f} ms, layer by layer / one call "
+                      f"{t['layer by layer'] / t['one call']:.3f}x")
+            elif args.compare_activations:
+                t = taking_turns(runner, spec, ids, args,
+                                 {a: (lambda a=a: runner.decoder.set_activations(a)) for a in ACTIVATIONS})
+                print(f"{text}: float32 activations median {1e3 * t['float32']:.2f} ms, int8 {1e3 * t['int8']:.2f} ms, "
+                      f"float32 / int8 {t['float32'] / t['int8']:.3f}x")
+            else:
+                times = sorted(time_steps(runner, spec, ids, args.warmup, args.steps))
                 print(f"{text}: median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms")
-                continue
-            ways = {True: [], False: []}  # layers_in_one_call -> step times over every round
-            for _ in range(args.rounds):
-                for one_call in ways:
-                    runner.layers_in_one_call = one_call
-                    ways[one_call] += time_steps(runner, parse_method(text), ids, args.warmup, args.steps)
-            runner.layers_in_one_call = True
-            one, loop = (statistics.median(ways[w]) for w in (True, False))
-            print(f"{text}: one call median {1e3 * one:.2f} ms, layer by layer {1e3 * loop:.2f} ms, "
-                  f"layer by layer / one call {loop / one:.3f}x")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from bench.eval import corpora
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
 from retopk_core.models import DEFAULT_MODEL
-from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
+from retopk_server.runtime.runtime_config import ACTIVATIONS, DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
 from retopk_shared.name_value import parse_params
 
 KJV = corpora.KJV  # the default corpus
@@ -78,6 +78,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the server's auto is as-stored on a CPU)")
     g.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                    help="KV cache dtype (RuntimeConfig.kv_dtype; the server's auto is bfloat16)")
+    g.add_argument("--activations", default="float32", choices=ACTIVATIONS,
+                   help="the block products' activations (RuntimeConfig.activations): float32 or int8")
     g.add_argument("--backend", default="torch", choices=["torch", "triton", "cpu"])
     g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="extend the context past the model's positions, e.g. linear:4 or yarn:8")
@@ -134,7 +136,8 @@ def corpus_documents(args, runner, n_docs: int, lengths: list[int]) -> dict[int,
 
 
 def make_runner(args):
-    """A ModelRunner from the parsed --model/--device/--weights/--kv-dtype/--backend/--rope-scaling options."""
+    """A ModelRunner from the parsed --model/--device/--weights/--kv-dtype/--activations/--backend/--rope-scaling
+    options."""
     from retopk_server.runtime import ModelRunner, RuntimeConfig
 
     if args.threads:
@@ -144,7 +147,8 @@ def make_runner(args):
         kind, _, factor = args.rope_scaling.partition(":")
         rope = {"rope_type": kind, "factor": float(factor or 1)}
     return ModelRunner(RuntimeConfig(model=args.model, device=args.device, weights=args.weights,
-                                     kv_dtype=args.kv_dtype, backend=args.backend, rope_scaling=rope))
+                                     kv_dtype=args.kv_dtype, activations=args.activations, backend=args.backend,
+                                     rope_scaling=rope))
 
 
 # ---- methods -------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def n(value: float, scale: float, low: int = 1) -> int:
 def part_argv(part: str, args) -> list[str]:
     s, Ls, K = args.scale, [str(v) for v in args.lengths], str(args.top_k)
     base = ["--model", args.model, "--device", args.device, "--weights", args.weights, "--kv-dtype", args.kv_dtype,
-            "--backend", args.backend,
+            "--activations", args.activations, "--backend", args.backend,
             "--corpus", args.corpus, "--threads", str(args.threads), "--out", str(args.out / part)]
     if args.rope_scaling:
         base += ["--rope-scaling", args.rope_scaling]

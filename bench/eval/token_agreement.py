@@ -9,6 +9,7 @@ tokens one by one. At every position where its argmax a differs from the referen
 log p(a) - log p(r) under the runtime's own distribution is recorded: a flip with gap <= 1e-3 is a near-tie.
 
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:bfloat16 float32:bfloat16
+    python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int8   # int8 activations
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--formats", nargs="+", default=["as-stored:float32", "as-stored:bfloat16"],
-                   help="WEIGHTS:KV_DTYPE pairs of the runtime to compare")
+                   help="WEIGHTS:KV_DTYPE[:ACTIVATIONS] of the runtime to compare (activations float32 unless given)")
     p.add_argument("--prompts", type=int, default=20, help=f"chat prompts (at most {len(PROMPTS)})")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
@@ -90,15 +91,16 @@ def main(argv=None) -> list[dict]:
         continuations = reference(model, prompts, args.new_tokens)
     del base
     rows = []
-    print(f"{'weights':>10} {'kv':>9} {'tokens':>6} {'flips':>5} {'max gap':>9}  criterion (gap <= {TOLERANCE})")
+    print(f"{'weights':>10} {'kv':>9} {'x':>7} {'tokens':>6} {'flips':>5} {'max gap':>9}  "
+          f"criterion (gap <= {TOLERANCE})")
     for spec in args.formats:
-        weights, kv = spec.split(":")
-        runner = ModelRunner(RuntimeConfig(model=args.model, weights=weights, kv_dtype=kv))
+        weights, kv, activations = (spec.split(":") + ["float32"])[:3]
+        runner = ModelRunner(RuntimeConfig(model=args.model, weights=weights, kv_dtype=kv, activations=activations))
         with torch.inference_mode():
-            r = {"weights": weights, "kv_dtype": kv, "weight_format": runner.info.weight_format,
-                 **agreement(runner, prompts, continuations)}
+            r = {"weights": weights, "kv_dtype": kv, "activations": activations,
+                 "weight_format": runner.info.weight_format, **agreement(runner, prompts, continuations)}
         rows.append(r)
-        print(f"{weights:>10} {kv:>9} {r['tokens']:>6} {r['flips']:>5} {r['max_gap']:>9.2e}  "
+        print(f"{weights:>10} {kv:>9} {activations:>7} {r['tokens']:>6} {r['flips']:>5} {r['max_gap']:>9.2e}  "
               f"{'met' if r['met'] else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:

@@ -27,3 +27,21 @@ def test_compare_layer_loop_prints_both_ways(capsys):
                       "--threads", "1", "--compare-layer-loop"])
     out = capsys.readouterr().out
     assert "one call median" in out and "layer by layer / one call" in out
+
+
+def test_compare_activations_prints_both_ways(capsys):
+    """--compare-activations times float32 and int8 activations in turns and prints the ratio."""
+    decode_step.main(["--length", "40", "--methods", "full", "--steps", "2", "--warmup", "1", "--rounds", "1",
+                      "--threads", "1", "--compare-activations"])
+    out = capsys.readouterr().out
+    assert "int8" in out and "float32 / int8" in out
+
+
+def test_block_products_times_both_activations_per_shape(capsys):
+    from bench import block_products
+
+    rows = block_products.main(["--shapes", "o", "down", "--threads", "1", "--rows", "1", "3", "--reps", "2",
+                                "--rounds", "1"])
+    assert [(r["shape"], r["M"]) for r in rows] == [("o", 1), ("o", 3), ("down", 1), ("down", 3)]
+    assert all(r["float32_s"] > 0 and r["int8_s"] > 0 for r in rows)
+    assert "f32/int8" in capsys.readouterr().out
