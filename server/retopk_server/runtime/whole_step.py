@@ -18,7 +18,6 @@ from retopk_core.cpu import decoder_ops
 from retopk_core.cpu.launch import layer_attention
 from retopk_core.methods.step_output import uniform_output
 from retopk_server.runtime.attention import DecodeContext
-from retopk_server.runtime.decoder.linear import blocks_path
 from retopk_server.runtime.decoder.llama import Decoder, Layers
 
 
@@ -27,7 +26,7 @@ def whole_step(dec: Decoder, ctx: DecodeContext, lengths: list[int]) -> Layers |
     layer by layer. ``lengths``: each row's positions with this step's token."""
     kv = ctx.kv
     B = kv.table.shape[0]
-    if not (dec.fused and blocks_path(B) and kv.table.device.type == "cpu" and len(ctx.groups) == 1
+    if not (dec.fused_rows(B) and kv.table.device.type == "cpu" and len(ctx.groups) == 1
             and ctx.groups[0].rows is None):
         return None
     dg = ctx.groups[0]

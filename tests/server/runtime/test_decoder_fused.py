@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime.decoder import llama
-from retopk_server.runtime.decoder.linear import WIDE_ROWS, from_float
+from retopk_server.runtime.decoder.linear import WIDE_ROWS, from_float, wide_dtype
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -39,7 +39,7 @@ def _set_activations(layer: llama.LayerWeights, activations: str) -> None:
 
 @pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS - 1])
+@pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS[wide_dtype()] - 1])
 def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows, activations):
     """attn_in = rms_norm, the QKV product (with its bias) and RoPE on the q and k heads, exactly as called one by one;
     the value heads are not rotated."""
@@ -57,7 +57,7 @@ def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows, activations):
 
 @pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS - 1])
+@pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS[wide_dtype()] - 1])
 def test_mlp_out_is_o_residual_norm_and_swiglu_mlp_bit_for_bit(fmt, rows, activations):
     """mlp_out = x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T with x1 = x + a W_o^T, the same ops one by one."""
     layer = _layer(fmt, qkv_bias=False)

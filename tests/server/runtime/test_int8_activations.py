@@ -12,7 +12,7 @@ from runtime_helpers import prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import RuntimeConfig
-from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, from_float
+from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, from_float, wide_dtype
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -72,7 +72,7 @@ def test_quantizer_rounds_half_to_even_per_block_at_every_level():
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
 @pytest.mark.parametrize("shape", [(1, 96, 40), (2, 160, 72), (3, 576, 64), (4, 224, 33), (5, 96, 80), (8, 288, 48),
-                                   (WIDE_ROWS - 1, 352, 24)])
+                                   (WIDE_ROWS[wide_dtype()] - 1, 352, 24)])
 def test_int8_block_matmul_equals_the_float64_formula(cls, shape):
     """y = quantized(x) W^T + b + residual through the block kernel at every SIMD level equals the float64 product
     of x quantized by the rule and dequantized with the float64 weights, within float32 rounding of its sum over

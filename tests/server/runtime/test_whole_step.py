@@ -11,6 +11,7 @@ from runtime_helpers import prompt_ids, runner_for, tiny_model
 from retopk_core.cpu import decoder_ops
 from retopk_core.methods import Path
 from retopk_server.runtime import MethodSpec, whole_step
+from retopk_server.runtime.decoder.linear import WIDE_ROWS
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -149,3 +150,26 @@ def test_other_threads_run_during_a_whole_step(monkeypatch):
     if sum(c > 0 for c in control) <= 25:
         pytest.skip(f"the spinner ran in only {sum(c > 0 for c in control)} of 50 controls: too loaded to tell")
     assert sum(d > 0 for d in deltas) > 25, (deltas, control)
+
+
+def test_one_call_up_to_the_wide_rule_and_rows_as_alone(monkeypatch):
+    """A batch of WIDE_ROWS[dtype] - 1 rows (dtype: the layers' wide copies) runs in one call and each row's logits
+    equal the same row decoded alone bit for bit; a batch of WIDE_ROWS[dtype] rows goes layer by layer through
+    the wide copies (decoder/linear.py's rule), and still decodes."""
+    runner = runner_for(tiny_model("llama", layers=2), METHODS["full"], weights="int4", kv_dtype="bfloat16")
+    n = WIDE_ROWS[runner.decoder.layers[0].qkv.wide.dtype]
+    prompts = [prompt_ids(6 + i, i) for i in range(n)]
+
+    def opened(count):
+        sessions = [runner.open_session(METHODS["full"]) for _ in range(count)]
+        return sessions, [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts[:count], strict=True)]
+
+    calls = _spy(monkeypatch, decoder_ops, "decode_layers")
+    (batch, tokens), (alone, alone_tokens) = opened(n - 1), opened(n - 1)
+    logits, _ = runner.decode(batch, tokens)
+    assert len(calls) == 1
+    for i, (s, t) in enumerate(zip(alone, alone_tokens, strict=True)):
+        assert torch.equal(runner.decode([s], [t])[0][0], logits[i]), i
+    wide, wide_tokens = opened(n)
+    logits, _ = runner.decode(wide, wide_tokens)
+    assert len(calls) == 1 + (n - 1) and torch.isfinite(logits).all()

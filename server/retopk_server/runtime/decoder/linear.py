@@ -10,10 +10,10 @@ float32.
 The quantized formats multiply in the fused CPU library's ``block_matmul`` (retopk_core/cpu/decoder_ops):
 each weight widened exactly to float32, x float32, so a step equals the dequantized model's up to the
 order of the sums; or, with ``activations`` "int8", x quantized per block of 32 and integer block dots.
-It reads the blocks once for up to 8 rows of x (a decode batch); from ``WIDE_ROWS``
-rows on (prefill chunks) a GEMM through a copy dequantized at load (``wide``: bfloat16 where the CPU has
-bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also the path when
-the library is not built.
+Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``WIDE_ROWS[dtype]``
+rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load (``wide``: bfloat16
+where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also
+the path when the library is not built.
 Norms, biases and the residual stream stay float32 in every format. ``nbytes`` is what one matmul reads,
 the decode step's weight traffic.
 """
@@ -25,7 +25,12 @@ import torch
 from retopk_core.cpu import decoder_ops
 
 BLOCK = 32  # weights per quantized block along the input
-WIDE_ROWS = 16  # rows of x from which a quantized linear multiplies through its dequantized copy
+# Rows of x from which a quantized linear multiplies through its dequantized copy, per the copy's dtype: the
+# first M at which that GEMM is no slower than the block kernels (float32 activations) over the served model's
+# layers, set by bench/wide_rows.py (figures in docs/bench/history.md). float32 was measured on AVX2 (Zen 3);
+# bfloat16 copies exist only on CPUs with AVX-512 BF16, where the rule measured earlier on the Intel machine
+# stands.
+WIDE_ROWS = {torch.float32: 20, torch.bfloat16: 16, torch.float16: 16}
 
 
 def wide_dtype() -> torch.dtype:
@@ -33,9 +38,9 @@ def wide_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
-def blocks_path(rows: int) -> bool:
-    """Whether a product over ``rows`` rows of x runs on the blocks (a decode step) rather than the wide copy."""
-    return rows < WIDE_ROWS and decoder_ops.available()
+def blocks_path(rows: int, wide: torch.dtype) -> bool:
+    """Whether a product over ``rows`` rows of x runs on the blocks rather than on a wide copy in ``wide``."""
+    return rows < WIDE_ROWS[wide] and decoder_ops.available()
 
 
 def is_blocks(lin) -> bool:
@@ -105,7 +110,7 @@ class _BlockLinear:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if not blocks_path(x.shape[0]):
+        if not blocks_path(x.shape[0], self.wide.dtype):
             return float_matmul(x, self.wide, self.bias, residual)
         return decoder_ops.block_matmul(x.float(), self.qs, self.scales, self.bits, self.bias, residual,
                                         activations=self.activations)  # (M, out)

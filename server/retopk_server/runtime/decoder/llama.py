@@ -96,6 +96,11 @@ class Decoder:
             lin.activations = activations
         self.activations = activations
 
+    def fused_rows(self, rows: int) -> bool:
+        """Whether a forward over ``rows`` rows of x runs its layers as the fused calls on the blocks (linear.py's
+        rule for the layers' wide copies, which share one dtype)."""
+        return self.fused and blocks_path(rows, self.layers[0].qkv.wide.dtype)
+
     def set_prefill_dtype(self, dtype: torch.dtype) -> None:
         """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
         for lin in self.linears():
@@ -148,7 +153,7 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     """One decoder layer on x (B*T, D) -> the new residual stream (B*T, D)."""
     B, T = shape
     H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
-    fused = dec.fused and blocks_path(B * T)
+    fused = dec.fused_rows(B * T)
     if fused:
         qkv = decoder_ops.attn_in(x, layer.attn_norm, dec.eps, layer.qkv.blocks, cos, sin, H + H_kv, d,
                                   dec.activations)
