@@ -38,6 +38,12 @@ class SlotPool:
         self.capacity = max(1, capacity)
         self._free = list(range(self.capacity - 1, -1, -1))
 
+    def _own_mode(self) -> torch.inference_mode:
+        """The mode to update the pool's tensors in: inference mode when any of them is an inference tensor (a
+        pool made, or a field grown, inside inference mode: Loki's ``proj`` grows in a decode step), which only
+        inference mode may update in place; else normal mode, so that a normal pool stays normal."""
+        return torch.inference_mode(any(getattr(self, name).is_inference() for name in self._fields))
+
     def _grow(self) -> None:
         self.commit_grow(self.capacity * 2, self.prepare_grow(self.capacity * 2))
 
@@ -50,9 +56,8 @@ class SlotPool:
         until ``commit_grow`` (so a caller can allocate every layer's before it commits any)."""
         if capacity <= self.capacity:
             raise ValueError(f"capacity must exceed {self.capacity}, got {capacity}")
-        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
         grown = {}
-        with torch.inference_mode(inference):
+        with self._own_mode():
             for name in self._fields:
                 t = getattr(self, name)
                 new = t.new_zeros((capacity, *t.shape[1:]))
@@ -79,18 +84,14 @@ class SlotPool:
         if not 1 <= capacity <= self.capacity or self.highest_used() >= capacity:
             raise ValueError(f"cannot shrink to {capacity} slots: {self.capacity} slots, the highest in use is "
                              f"{self.highest_used()}")
-        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
-        with torch.inference_mode(inference):
+        with self._own_mode():
             for name in self._fields:
                 setattr(self, name, getattr(self, name)[:capacity].clone())
         self.capacity = capacity
         self._free = [s for s in self._free if s < capacity]
 
     def alloc(self) -> int:
-        # A pool made inside inference mode holds inference tensors, which only inference mode may
-        # update in place; a normal pool must stay normal: grow and reset in the tensors' own mode.
-        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
-        with torch.inference_mode(inference):
+        with self._own_mode():
             if not self._free:
                 self._grow()
             slot = self._free.pop()
@@ -108,14 +109,12 @@ class SlotPool:
 
     def clear_slot(self, slot: int) -> None:
         """``reset_slot`` in the tensors' own mode (a session rewound to its start keeps its slot)."""
-        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
-        with torch.inference_mode(inference):
+        with self._own_mode():
             self.reset_slot(slot)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` hold what slot ``src`` holds (a sequence forked into several, the server's n > 1)."""
-        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
-        with torch.inference_mode(inference):
+        with self._own_mode():
             for name in self._fields:
                 t = getattr(self, name)
                 t[dst] = t[src]
@@ -175,8 +174,7 @@ class SlotPool:
         """Slot ``slot`` takes ``tensors`` (``read_slot``'s form), checked first (``check_slot``); a growing
         field's entries past what ``tensors`` brings are a fresh slot's."""
         self.check_slot(tensors)
-        inference = bool(self._fields) and getattr(self, self._fields[0]).is_inference()
-        with torch.inference_mode(inference):
+        with self._own_mode():
             if self._growing:
                 name, dim = next(iter(self._growing.items()))
                 self.ensure_extent(tensors[name].shape[dim])

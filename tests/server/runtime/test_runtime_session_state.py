@@ -131,3 +131,24 @@ def test_a_method_whose_state_has_no_bounds_cannot_be_imported():
     with pytest.raises(NotImplementedError, match="cannot be imported"):
         AttentionMethod().check_state({"anything": torch.zeros(1)}, 1)
     AttentionMethod().check_state({}, 1)  # no state (full, exact_topk): nothing to bound
+
+
+@pytest.mark.parametrize("name", ["retopk", "quest", "loki", "tokenselect"])
+def test_an_import_into_a_slot_another_session_left_holds_exactly_the_imported_state(name):
+    """The slots a closed session left, its FIFOs, pages or selection still in them, take an imported state and
+    hold it and nothing else: every field is written. (Loki's ``proj``, grown in a decode step, is an inference
+    tensor in a pool whose other fields are not: the import updates each in its own mode.)"""
+    model, good = state_of(METHODS[name])
+    b = runner_for(model, METHODS[name], kv_block_size=8, kv_dtype="bfloat16")
+    other = b.open_session()
+    for turn in range(3):  # another conversation than good's (three_turns' prompts with other seeds)
+        greedy(b, other, prompt_ids(17 + turn, seed=40 + turn), 6)
+    left = b.export_session(other).state
+    slots = list(other.slots)
+    b.close_session(other)
+    moved = b.import_session(good)
+    assert moved.slots == slots  # the very slots the closed session left
+    again = b.export_session(moved).state
+    assert any(not torch.equal(left[f], good.state[f]) for f in good.state if left[f].shape == good.state[f].shape)
+    for field, t in good.state.items():
+        assert torch.equal(again[field], t), field
