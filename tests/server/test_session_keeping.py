@@ -81,6 +81,33 @@ def test_sessions_saved_at_a_drain_come_back_after_a_restart(fake_server, tmp_pa
             client.get_session("never")
 
 
+def test_damaged_session_files_are_dropped_and_the_server_stays_healthy(fake_server, tmp_path, caplog):
+    """A file in --session-dir corrupted (one payload byte flipped: its checksum no longer matches) or truncated
+    is refused when it is loaded, by the preload or a call, and dropped with a warning naming why; the call finds
+    no session, and the server goes on serving."""
+    directory = tmp_path / "sessions"
+    saved_pair(fake_server, directory)
+    store = SessionStore(directory, 1 << 30)
+    damaged = bytearray(store.path("", "alpha").read_bytes())
+    damaged[-10] ^= 0xFF
+    store.path("", "alpha").write_bytes(bytes(damaged))
+    cut = store.path("", "beta").read_bytes()
+    store.path("", "beta").write_bytes(cut[:len(cut) // 2])
+    caplog.set_level(logging.WARNING, logger="retopk_server")
+    second = fake_server(session_dir=str(directory))
+    with Client(second.address, timeout=30) as client:
+        for sid in ("alpha", "beta"):
+            with pytest.raises(NotFound):
+                client.get_session(sid)
+        assert client.list_sessions() == [] and list(directory.iterdir()) == []
+        fresh = client.complete("fresh", temperature=0, max_new_tokens=5, ignore_eos=True)
+        assert list(fresh.token_ids) == greedy_reference(enc("fresh"), 5, stop_at_eos=False)
+        assert client.health() == "SERVING"
+    dropped = [r.getMessage() for r in caplog.records if "dropped the saved session file" in r.getMessage()]
+    assert len(dropped) == 2 and any("checksum mismatch" in m for m in dropped) \
+        and any("truncated" in m for m in dropped), dropped
+
+
 def test_the_preload_stops_before_evicting_and_the_rest_come_back_on_first_use(fake_server, tmp_path):
     directory = tmp_path / "sessions"
     contexts = saved_pair(fake_server, directory)
