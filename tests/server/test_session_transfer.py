@@ -17,7 +17,7 @@ import pytest
 
 from retopk_client import Client, FailedPrecondition, InvalidArgument, NotFound
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.engine.session_artifact import MAGIC
+from retopk_server.engine.session_artifact import MAGIC, chunks
 from tests.server.fake_runner import FakeRunner, greedy_reference
 from tests.server.test_tenancy import KEYS, line
 
@@ -146,6 +146,16 @@ def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_heal
         out = alice_b.complete("Fine.", temperature=0, max_new_tokens=4)
         assert list(out.token_ids) == greedy_reference(enc("Fine."), 4)
         assert alice_b.health() == "SERVING"
+
+
+def test_an_export_streams_in_chunks_within_the_bound_without_joining_its_parts():
+    """ExportSession's chunks (session_artifact.chunks over encode_parts): none exceeds the bound, whatever the
+    parts' sizes against it, and together they are the artifact's bytes in order."""
+    parts = (b"head\n", memoryview(bytes(range(256)) * 3), b"", b"x" * 7, memoryview(b"tail"))
+    whole = b"".join(bytes(p) for p in parts)
+    for size in (1, 5, 7, 256, 1000, len(whole)):
+        pieces = list(chunks(parts, size))
+        assert b"".join(pieces) == whole and all(0 < len(c) <= size for c in pieces), size
 
 
 def test_another_key_cannot_export_a_session(pair):
