@@ -17,7 +17,9 @@ import pytest
 
 from retopk_client import Client, FailedPrecondition, InvalidArgument, NotFound
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
+from retopk_server.engine import session_artifact
 from retopk_server.engine.session_artifact import MAGIC, chunks
+from retopk_server.runtime.method_spec import MethodSpec
 from tests.server.fake_runner import FakeRunner, greedy_reference
 from tests.server.test_tenancy import KEYS, line
 
@@ -175,6 +177,19 @@ def test_a_mismatched_model_setup_is_refused_naming_what_differs(fake_server, pa
     assert "kv_dtype: 'bfloat16' here, 'float32' in the artifact" in details and "name: 'other' here" in details
     with Client(other.address, api_key=KEYS["alice"], timeout=30) as alice:
         assert alice.list_sessions() == []
+
+
+def test_a_method_this_server_cannot_run_is_refused_naming_it(pair):
+    """The same model, but the session's method config is out of this server's bounds (a top_k past its
+    context): FAILED_PRECONDITION naming the method and the field, and nothing is opened."""
+    _, b, data, _ = pair
+    artifact = session_artifact.decode(data)
+    artifact.state.method = MethodSpec.of("exact_topk", top_k=1 << 30)
+    code, details = import_status(b, session_artifact.encode(artifact))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert details.startswith("artifact.method: this server cannot run") and "top_k" in details, details
+    with Client(b.address, api_key=KEYS["alice"], timeout=30) as alice:
+        assert alice.list_sessions() == [] and alice.health() == "SERVING"
 
 
 def test_a_busy_session_is_not_exported_and_the_limits_are_reported(fake_server):
