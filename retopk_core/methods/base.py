@@ -90,12 +90,15 @@ class SlotPool:
         self.capacity = capacity
         self._free = [s for s in self._free if s < capacity]
 
-    def alloc(self) -> int:
+    def alloc(self, fresh: bool = True) -> int:
+        """A free slot, reset to a new sequence's state; ``fresh=False`` leaves whatever it held, for a caller
+        that writes every field next (``write_slot``: an imported session), to whom the reset is wasted work."""
         with self._own_mode():
             if not self._free:
                 self._grow()
             slot = self._free.pop()
-            self.reset_slot(slot)
+            if fresh:
+                self.reset_slot(slot)
         return slot
 
     def free(self, slot: int) -> None:

@@ -129,8 +129,8 @@ class ProbeState(SlotPool):
     def shrink(self, capacity: int) -> None:
         self.inner.shrink(capacity)
 
-    def alloc(self) -> int:
-        return self.inner.alloc()
+    def alloc(self, fresh: bool = True) -> int:
+        return self.inner.alloc(fresh)
 
     def free(self, slot: int) -> None:
         self.inner.free(slot)

@@ -59,11 +59,12 @@ class MethodGroup:
         state = self.states[0]
         return state.capacity - state.free_slots
 
-    def alloc(self, session_id: str | None = None) -> list[int]:
-        """One slot in every layer's pool (the same id in each), growing them first when full."""
+    def alloc(self, session_id: str | None = None, fresh: bool = True) -> list[int]:
+        """One slot in every layer's pool (the same id in each), growing them first when full; ``fresh=False``:
+        not reset, for ``write_state`` of a whole state next (SlotPool.alloc)."""
         if any(state.free_slots == 0 for state in self.states):
             self._grow(session_id)
-        return [state.alloc() for state in self.states]
+        return [state.alloc(fresh) for state in self.states]
 
     def _grow(self, session_id: str | None) -> None:
         capacity, per_slot = self.states[0].capacity, self.slot_nbytes()

@@ -207,20 +207,21 @@ class ModelRunner:
         self.sessions[session_id] = session
         return session
 
-    def _ensure_slots(self, session: Session) -> None:
+    def _ensure_slots(self, session: Session, fresh: bool = True) -> None:
         """The session's method-state slots, allocated on its first need; BudgetExceeded (after the KV pool gave
-        back its unused tail) when they do not fit."""
+        back its unused tail) when they do not fit. ``fresh=False``: not reset, the caller writes a whole state
+        into them (an import: resetting first would write the state's bytes twice)."""
         if session.slots is not None:
             return
         try:
-            session.slots = self._alloc_slots(session.method, session.id)
+            session.slots = self._alloc_slots(session.method, session.id, fresh)
         except BudgetExceeded:
             if self.prefix_cache is not None:
                 self.prefix_cache.evict()  # its idle blocks go before the pool is compacted and trimmed
             self._compact()
             if not self.pool.trim():
                 raise
-            session.slots = self._alloc_slots(session.method, session.id)
+            session.slots = self._alloc_slots(session.method, session.id, fresh)
 
     def _compact(self) -> None:
         """Move the KV pool's used blocks to its lowest ids (KVPool.compact) and rename them in every holder: the
@@ -235,9 +236,9 @@ class ModelRunner:
         if self.prefix_cache is not None:
             self.prefix_cache.rename(moved)
 
-    def _alloc_slots(self, spec: MethodSpec, session_id: str) -> list[int]:
+    def _alloc_slots(self, spec: MethodSpec, session_id: str, fresh: bool = True) -> list[int]:
         try:
-            return self._group(spec).alloc(session_id)
+            return self._group(spec).alloc(session_id, fresh)
         except BudgetExceeded as e:
             e.method = spec
             self._drop_if_unused(spec)
@@ -357,7 +358,7 @@ class ModelRunner:
         session = self.open_session(state.method, session_id)
         try:
             if state.state is not None:
-                self._ensure_slots(session)
+                self._ensure_slots(session, fresh=False)  # restore writes every field (write_state checks so)
             self.reserve(session, state.length)
             session_state.restore(self.pool, self._groups[state.method], session, state)
         except BaseException:
