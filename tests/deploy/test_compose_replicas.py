@@ -90,3 +90,12 @@ def test_prometheus_replicas_config_is_valid_for_promtool():
     result = subprocess.run(["promtool", "check", "config", str(DOCKER / "prometheus.replicas.yml")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_replica_saves_sessions_on_the_one_named_volume():
+    """Issue 33: each replica's RETOPK_SESSION_DIR is where the named volume retopk-sessions is mounted, the same
+    volume for all, so a restarted (or another) replica loads what a drained one saved."""
+    for name, service in replicas().items():
+        targets = [v.split(":")[1] for v in service["volumes"] if v.split(":")[0] == "retopk-sessions"]
+        assert targets == [service["environment"]["RETOPK_SESSION_DIR"]], name
+    assert "retopk-sessions" in compose()["volumes"]

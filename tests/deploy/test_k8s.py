@@ -111,3 +111,14 @@ def test_service_pdb_hpa_and_servicemonitor_point_at_the_deployment():
 def test_kustomize_image_names_the_container_image():
     [image] = kustomization()["images"]
     assert image["name"] == container()["image"]
+
+
+def test_the_session_dir_is_the_shared_persistent_volume():
+    """Issue 33: RETOPK_SESSION_DIR lies on a volume of the retopk-sessions claim, which every pod can mount
+    (ReadWriteMany), so a session saved by a draining pod is loaded by whichever pod its next call reaches."""
+    pod = resources()["Deployment"]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in container()["volumeMounts"]}
+    volume = mounts[env()["RETOPK_SESSION_DIR"]]
+    claim = next(v for v in pod["volumes"] if v["name"] == volume)["persistentVolumeClaim"]["claimName"]
+    pvc = resources()["PersistentVolumeClaim"]
+    assert claim == pvc["metadata"]["name"] and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
