@@ -304,9 +304,16 @@ using Scored = std::pair<float, int64_t>;  // (score, position)
 struct Scratch {
   std::vector<uint64_t> seen;  // candidate bitmap over positions, all zero between uses
   std::vector<int64_t> rec, cand, off;
-  std::vector<float> scores, qe, w, acc;
+  std::vector<float> scores, qe, w, acc, bars;
   std::vector<Scored> top;
   std::vector<std::vector<Scored>> heaps;
+  // run_group's own, per task: unit and scaled queries (G, d), FIFO similarities (G, C), their maxima (G,),
+  // paths and refresh flags (G,), the heads taking an exact pass and their Top-K.
+  std::vector<float> qn, qsc, sims, ms;
+  std::vector<int8_t> path;
+  std::vector<char> refresh;
+  std::vector<int64_t> exact_heads;
+  std::vector<std::vector<Scored>> tops;
 };
 
 Scratch& scratch() {
@@ -467,6 +474,9 @@ struct Task {
       std::nth_element(by.begin(), by.begin() + (p.R - 1), by.end(), greater_score);
       for (int64_t r = 0; r < p.R; ++r) recalled.push_back(by[r].second);
     }
+    // The recalled support rows (K positions each, far apart in the FIFO) on their way from memory while
+    // the window is marked.
+    for (int64_t c : recalled) prefetch_row(fifo_s(h, c), p.K);
     const int64_t words = (L + 63) / 64;
     if (static_cast<int64_t>(s.seen.size()) < words) s.seen.resize(words, 0);
     uint64_t* seen = s.seen.data();
@@ -541,7 +551,8 @@ struct Task {
     const int64_t tile = std::min<int64_t>(kTile, p.P);
     s.scores.resize(n * tile);
     s.qe.resize(n * p.d);
-    std::vector<float> kth_of(n, kNegInf);  // per head: a score must beat it to enter (the K-th best kept)
+    std::vector<float>& kth_of = s.bars;  // per head: a score must beat it to enter (the K-th best kept)
+    kth_of.assign(n, kNegInf);
     for (int64_t e = 0; e < n; ++e) {
       std::memcpy(s.qe.data() + e * p.d, qs_all + heads[e] * p.d, p.d * sizeof(float));
       tops[e].clear();
@@ -663,12 +674,18 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
   Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
              queries.data_ptr<float>(), support.data_ptr<int64_t>(), fill[slot], ptr[slot], step[slot]};
   Scratch& s = scratch();
-  std::vector<float> qn(G * p.d), qs(G * p.d), sims(G * p.C), ms(G);
-  std::vector<int8_t> path(G);
+  s.qn.resize(G * p.d);
+  s.qsc.resize(G * p.d);
+  s.sims.resize(G * p.C);
+  s.ms.resize(G);
+  s.path.resize(G);
+  s.refresh.resize(G);
+  std::vector<float> &qn = s.qn, &qs = s.qsc, &sims = s.sims, &ms = s.ms;
+  std::vector<int8_t>& path = s.path;
+  std::vector<char>& refresh = s.refresh;  // one phase per group; under refresh_guard one period per head
   float* tau_h = tau + slot * p.H + h0;  // (G,) this group's thresholds in state.tau
   int64_t* period_h = period + slot * p.H + h0;  // (G,) this group's refresh periods in state.period
   const bool guard = p.guard_target > 0.f;
-  std::vector<char> refresh(G);  // one phase per group; under refresh_guard one period per head
   bool any_refresh = false, all_refresh = true;
   for (int64_t j = 0; j < G; ++j) {
     const int64_t T_h = guard ? period_h[j] : p.T_r;
@@ -714,7 +731,8 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
         path[j] = !read ? p.code.reuse : (path[j] == p.code.fallback ? p.code.fallback : p.code.promoted);
   }
   if (static_cast<int64_t>(s.heaps.size()) < G) s.heaps.resize(G);
-  std::vector<int64_t> exact_heads;
+  std::vector<int64_t>& exact_heads = s.exact_heads;
+  exact_heads.clear();
   int32_t* n_scored = o.n_scored.data_ptr<int32_t>() + b * p.H + h0;
   for (int64_t j = 0; j < G; ++j) {
     if (path[j] == p.code.reuse) {
@@ -725,7 +743,8 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     }
   }
   if (!exact_heads.empty()) {
-    std::vector<std::vector<Scored>> tops(exact_heads.size());
+    std::vector<std::vector<Scored>>& tops = s.tops;
+    if (tops.size() < exact_heads.size()) tops.resize(exact_heads.size());
     t.exact(exact_heads, qs.data(), tops);
     for (size_t e = 0; e < exact_heads.size(); ++e) s.heaps[exact_heads[e]].swap(tops[e]);
     for (int64_t j : exact_heads) {  // tau_calibration and refresh_guard, before this step's entry enters the FIFO
