@@ -115,6 +115,9 @@ OPTIONS: tuple[Option, ...] = (
                                "integer block dots); CPU and int4 / int8 / as-stored GGUF weights only"),
     Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
                            "torch (reference code), triton (GPU) or cpu"),
+    Option("threads", parse_optional_int, "threads of the model's CPU work (none = the CPUs this process may use: "
+                                          "its affinity, capped by a container's CPU quota; torch's own choice "
+                                          "when OMP_NUM_THREADS is set)", "N"),
     Option("method", str, "default attention method: full, exact_topk, retopk or a baseline "
                           "(changing it without --method-params starts from that method's own defaults)"),
     Option("method_params", parse_params, "default method's hyperparameters NAME=VALUE,... (ReTopK's: "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from retopk_core.methods.registry import serving_method_names
 from retopk_core.params import ParamError, check_int, check_number
 from retopk_server.engine.requests import EngineConfig
+from retopk_server.runtime.cpu_threads import MAX_THREADS
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS, RuntimeConfig
 
@@ -38,6 +39,9 @@ class ServerConfig:
     model, device, weights, kv_dtype, activations, backend, max_context, rope_scaling, prefill_chunk, kv_block_size,
     kv_cache_bytes, kv_cache_fraction, prefix_cache, prefix_cache_bytes
                           the model runtime's settings: documented in, and defaulting to, RuntimeConfig
+    threads               threads of the model's CPU work (torch's intra-op pool); None: the CPUs this process
+                          may use (its affinity, capped by the cgroup's CPU quota), or torch's own choice when
+                          OMP_NUM_THREADS is set (runtime/cpu_threads.py)
     method, method_params default attention method of requests and sessions that name none
     max_queue, max_running, max_sessions, max_prompt_tokens, max_new_tokens, default_max_new_tokens,
     max_step_tokens, prefix_cache_shared  the engine's limits: documented in, and defaulting to, EngineConfig
@@ -92,6 +96,7 @@ class ServerConfig:
     kv_dtype: str = RuntimeConfig.kv_dtype
     activations: str = RuntimeConfig.activations
     backend: str = RuntimeConfig.backend
+    threads: int | None = None
     method: str = "retopk"
     method_params: dict = field(default_factory=_default_method_params)
     max_context: int | None = RuntimeConfig.max_context
@@ -145,6 +150,9 @@ class ServerConfig:
         if not isinstance(self.method_params, dict):
             raise ValueError(f"method_params must be a dict, got {self.method_params!r}")
         check_number("drain_grace_s", self.drain_grace_s, low=0)
+        check_int("threads", self.threads, low=1, optional=True)
+        if self.threads is not None and self.threads > MAX_THREADS:
+            raise ParamError("threads", f"threads must be at most {MAX_THREADS}, got {self.threads}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         self._check_security()

@@ -38,6 +38,7 @@ from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
 from retopk_server.config import ServerConfig
 from retopk_server.engine import Engine, EngineObserver, Runner
 from retopk_server.engine.session_store import SessionStore
+from retopk_server.runtime.cpu_threads import apply_threads
 from retopk_server.runtime.method_limits import check_server_method
 from retopk_server.service.auth import KeyRing, KeysFileError
 from retopk_server.service.gateway import Gateway
@@ -250,8 +251,10 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
         log.error("%s", e)
         return 1
     engine = Engine(runner_factory or default_runner_factory(config), config.engine_config(), observer)
-    log.info("loading model %s on %s (weights %s, KV cache %s, activations %s, backend %s)", config.model,
-             config.device, config.weights, config.kv_dtype, config.activations, config.backend)
+    threads = apply_threads(config.threads)
+    log.info("loading model %s on %s (weights %s, KV cache %s, activations %s, backend %s, %d CPU threads)",
+             config.model, config.device, config.weights, config.kv_dtype, config.activations, config.backend,
+             threads)
     t0 = time.monotonic()
     try:
         await asyncio.to_thread(engine.start)
