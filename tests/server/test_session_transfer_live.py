@@ -1,14 +1,17 @@
 """A session of the embedded SmolLM2-135M moves between two servers (the real service, engine and runtime,
 in-process, each its own runner): three greedy chat turns on A, ExportSession, ImportSession on B, and turn 4
 on B equals turn 4 of the same session on A (never moved), for full, Exact Top-K and the default ReTopK; B
-holds exactly A's keys, values and FIFOs."""
+holds exactly A's keys, values and FIFOs. Also on the real model: an edited history, and a turn that ends
+early (cancelled, expired, client gone) leaving what a turn of the tokens it sent leaves."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from retopk_client import Client
+from retopk_client import Client, DeadlineExceeded
 from retopk_server.engine.session_artifact import decode
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 
@@ -97,3 +100,57 @@ def test_a_restart_with_a_session_dir_continues_with_identical_greedy_tokens(fak
     with Client(second.address, timeout=300) as client:
         assert chat_turn(client, "kept", TURNS[3]) == expected
         assert client.get_session("kept").turns == 4
+
+
+def idle_session(client: Client, session_id: str):
+    """The session once no request holds it (a cancelled stream ends at the engine's next step)."""
+    deadline = time.monotonic() + 60
+    while (info := client.get_session(session_id)).busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return info
+
+
+@pytest.mark.parametrize("how", ["cancelled", "expired", "client gone"])
+def test_a_turn_ended_mid_stream_leaves_what_a_turn_of_the_tokens_sent_leaves(fake_server, runners, how):
+    """docs/reliability.md's turn integrity on the embedded model and the default ReTopK with live FIFOs (the
+    fake runner's tests have no method state): a turn cut after k streamed tokens leaves its input and exactly
+    k tokens, so the session equals a never-cut one whose turn asked for k tokens: the same KV, FIFOs and step
+    counters, and the same next turn."""
+    runner = runners[0]
+    first = runner.encode(LONG + TURNS[0])[:1100]  # past dense_below: the FIFOs are live before the cut
+    second, third = runner.encode(" " + TURNS[1], False), runner.encode(" " + TURNS[2], False)
+    server = fake_server(runner)
+    opts = dict(temperature=0, ignore_eos=True)
+    with Client(server.address, timeout=300) as client:
+        for sid in ("cut", "ref"):
+            client.create_session(session_id=sid)
+            client.complete(token_ids=first, session_id=sid, max_new_tokens=4, **opts)
+        before = client.get_session("ref").num_tokens
+        received: list[int] = []
+        other = Client(server.address, timeout=300)
+        stream_opts = dict(token_ids=second, session_id="cut", max_new_tokens=400, **opts)
+        if how == "expired":
+            with pytest.raises(DeadlineExceeded):
+                for chunk in other.generate(timeout=2.0, **stream_opts):
+                    received += chunk.token_ids
+        else:
+            stream = other.generate(**stream_opts)
+            for chunk in stream:
+                received += chunk.token_ids
+                if len(received) >= 3:
+                    break
+            stream.cancel() if how == "cancelled" else other.close()  # gone: its channel closes mid-stream
+        other.close()
+        kept = idle_session(client, "cut").num_tokens - before - len(second)
+        assert kept >= len(received) >= 1, (kept, received)
+        sent = list(client.complete(token_ids=second, session_id="ref", max_new_tokens=kept, **opts).token_ids)
+        assert received == sent[:len(received)]
+        cut, ref = (decode(client.export_session(sid)).state for sid in ("cut", "ref"))
+        for kv in ("k", "v"):
+            assert torch.equal(cut.positions(getattr(cut, kv)), ref.positions(getattr(ref, kv))), kv
+        assert int(ref.state["fill"].min()) > 0 and ref.state.keys() == cut.state.keys()
+        for field, t in ref.state.items():
+            assert torch.equal(cut.state[field], t), field
+        nxt = [list(client.complete(token_ids=third, session_id=sid, max_new_tokens=6, **opts).token_ids)
+               for sid in ("cut", "ref")]
+        assert nxt[0] == nxt[1]
