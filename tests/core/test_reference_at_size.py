@@ -3,9 +3,9 @@
 The step-by-step comparisons in test_retopk.py run at d <= 32, K <= 64, L < 80, where the reference loop
 is cheap. Here a few heads at a model's sizes go through the same comparison (paths, max_sim, selected
 sets, candidate counts, outputs) on the torch core, the fused CPU kernel and the Triton kernels (under
-Triton's CPU interpreter): the reference shares no code with any of them, so this is what holds the kernels'
-candidate construction and Top-K at size to the paper rather than to the project's own torch code. Slow by
-design; two cases.
+Triton's CPU interpreter, in `make test-full`): the reference shares no code with any of them, so this is
+what holds the kernels' candidate construction and Top-K at size to the paper rather than to the project's
+own torch code. Slow by design; two cases.
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ SIZES = [
 ]
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_launch.available(),
                                                                    reason="the fused CPU library is not built")),
-            # the trace's tensors are on the CPU, which only the interpreter runs Triton on (tests/conftest.py)
-            pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(),
-                                                            reason="Triton runs on CPU tensors only interpreted"))]
+            # the trace's tensors are on the CPU, which only the interpreter runs Triton on (tests/conftest.py);
+            # interpreted, these are the suite's slowest cases, so `make test-full` runs them (make test keeps the
+            # Triton kernels against the torch code, tests/core/kernels)
+            pytest.param("triton", marks=[pytest.mark.full,
+                                          pytest.mark.skipif(torch.cuda.is_available(),
+                                                             reason="Triton runs on CPU tensors only interpreted")])]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

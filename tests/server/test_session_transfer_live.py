@@ -154,3 +154,32 @@ def test_a_turn_ended_mid_stream_leaves_what_a_turn_of_the_tokens_sent_leaves(fa
         nxt = [list(client.complete(token_ids=third, session_id=sid, max_new_tokens=6, **opts).token_ids)
                for sid in ("cut", "ref")]
         assert nxt[0] == nxt[1]
+
+
+@pytest.mark.parametrize("method", ["full", "exact_topk", None])  # None: the server's default ReTopK
+def test_a_drained_server_hands_a_live_session_to_its_peer_which_continues_it_as_never_moved(fake_server, runners,
+                                                                                              method):
+    """Issue 33's two-server acceptance through the drain itself (the tests above move a session by export and
+    import): three greedy chat turns on A, A drained with ``handoff_peer`` B, and B holds exactly A's keys,
+    values and FIFOs, and its turn 4 equals turn 4 of the same conversation never moved."""
+    b = fake_server(runners[1])
+    a = fake_server(runners[0], handoff_peer=b.address)
+    sid = f"drained-{method or 'default'}"
+    texts = [(LONG if method is None else "") + TURNS[0], *TURNS[1:]]
+    with Client(a.address, timeout=300) as ca, Client(b.address, timeout=300) as cb:
+        for client, name in ((ca, sid), (cb, "never-moved")):
+            client.create_session(method=method, session_id=name)
+            for text in texts[:3]:
+                chat_turn(client, name, text)
+        sent = decode(ca.export_session(sid)).state  # what A holds before its drain
+        a.drain(0.0)
+        assert cb.get_session(sid).turns == 3
+        held = decode(cb.export_session(sid)).state
+        for kv in ("k", "v"):
+            assert torch.equal(held.positions(getattr(held, kv)), sent.positions(getattr(sent, kv))), kv
+        assert (method is None) == bool(sent.state) and (held.state or {}).keys() == (sent.state or {}).keys()
+        for field, t in (sent.state or {}).items():
+            assert torch.equal(held.state[field], t), field
+        assert chat_turn(cb, sid, texts[3]) == chat_turn(cb, "never-moved", texts[3])
+        for name in (sid, "never-moved"):
+            cb.close_session(name)
