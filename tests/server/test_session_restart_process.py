@@ -1,7 +1,11 @@
 """Real processes (the embedded model, small prompts). A restart with --session-dir: SIGTERM drains the server,
 which writes its idle session to the directory and exits 0; a new process on the same directory continues the
 session, and its greedy turn equals the same conversation's fourth turn on a session that never stopped. A drain
-with --handoff-linger-s: the SDK follows the drained server's notice to the peer, the same session continues."""
+with --handoff-linger-s: the SDK follows the drained server's notice to the peer, the same session continues.
+
+Both start and stop whole server processes, so they run in `make test-full` only; `make test` holds the same
+two behaviours on in-process servers (test_session_transfer_live.py's restart with a session dir,
+test_handoff_notice.py's SDK following the notice)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest
 from retopk_client import Client, RetryPolicy
 from tests._live_server import launch_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(900)]
 
 TURNS = [[101, 2000, 345, 46, 7, 890], [12, 13, 14], [5000, 6000], [77, 78, 79, 80]]
 
