@@ -1,7 +1,7 @@
 # retopk developer entry points.
 #   make serve   create/refresh .venv and run the gRPC server on the embedded model (ports 50051, 9464)
 #   make test    the same install plus test extras and system packages, then ruff and pytest (what CI runs)
-#   make test-full   as make test, plus the long tests CI skips (marker `full`: the nginx replica tests) and the
+#   make test-full   as make test, plus the long tests CI skips (marker `full`: the nginx replica tests, whole-process ones) and the
 #                soak and the rpc fuzzing at their full sizes (RETOPK_RELIABILITY_FULL, RETOPK_FUZZ_REQUESTS)
 #   make lint | make proto | make install | make install-test | make clean
 #   make bench-llamacpp-deps   benchmark only, never part of test: build llama-cpp-python from source
