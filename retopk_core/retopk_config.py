@@ -75,10 +75,14 @@ class ReTopKConfig(MethodConfig):
 
     tau_guard: float = param(0.0, "r_t: on an exact step where a head would have reused (a refresh or a promotion "
                                   "with rho_max >= its tau), a recall reuse would have had under r_t raises that "
-                                  "head's tau to rho_max + 0.05 (at most 1), so its similar queries fall back; "
-                                  "tau_calibration may lower it again; the torch code only, which the cpu and triton "
-                                  "backends then run (retopk_policy.guard_tau); 0 = off",
+                                  "head's tau to rho_max + tau_guard_margin (at most 1), so its similar queries fall "
+                                  "back; tau_calibration may lower it again; the torch code only, which the cpu and "
+                                  "triton backends then run (retopk_policy.guard_tau); 0 = off",
                              low=0.0, high=1.0)
+    tau_guard_margin: float = param(0.05, "tau_guard: how far above the missing step's rho_max the raised tau lies; "
+                                          "under calibration's band (0.05) the fallbacks it causes lie within the "
+                                          "band, so tau_calibration lowers it again where reuse would have recalled "
+                                          "r*", low=0.0, high=0.5)
 
     def validate(self) -> None:
         if self.refresh_guard and self.refresh_every <= 0:

@@ -361,7 +361,7 @@ class ReTopK(AttentionMethod):
             state.period[rows, h] = torch.where(on, new, state.period[rows, h])
         if raise_ is not None:
             on = raise_[b, h]  # (P,)
-            new = guard_tau(state.tau[rows, h], max_sim[b, h], recall, cfg.tau_guard)
+            new = guard_tau(state.tau[rows, h], max_sim[b, h], recall, cfg.tau_guard, cfg.tau_guard_margin)
             state.tau[rows, h] = torch.where(on, new, state.tau[rows, h])
 
     def _similarity(self, qn: torch.Tensor, state: QuerySupportCache, slots: torch.Tensor,

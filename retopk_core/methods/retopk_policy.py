@@ -119,18 +119,20 @@ def calibrate_tau(tau: torch.Tensor, rho: torch.Tensor, recall: torch.Tensor, ta
     return torch.minimum((tau + near * (_CAL_RATE * (target - recall))).clamp(min=lo), tau.clamp(min=hi))
 
 
-def guard_tau(tau: torch.Tensor, rho: torch.Tensor, recall: torch.Tensor, target: float) -> torch.Tensor:
+def guard_tau(tau: torch.Tensor, rho: torch.Tensor, recall: torch.Tensor, target: float,
+              margin: float = _CAL_BAND) -> torch.Tensor:
     """One online raise of heads' thresholds from exact steps where they would have reused (P rows; ``tau_guard``).
 
     tau, rho, recall (P,) float: the head's threshold (after this step's calibration), its ρ_max this step
     (>= the threshold it decided with), the recall reuse would have had. Such a step shows what reuse would have
     selected at a similarity the threshold trusts, so a miss there is the stale-support case no lowered
     threshold sees:
-        recall <  target  ->  tau <- max(tau, min(ρ_max + BAND, 1))   (this similarity no longer trusted)
-    else unchanged. The head then falls back at that similarity; each such fallback lies within BAND of tau,
-    so ``calibrate_tau`` lowers tau again where those fallbacks show reuse would have recalled enough.
+        recall <  target  ->  tau <- max(tau, min(ρ_max + margin, 1))   (this similarity no longer trusted)
+    else unchanged. The head then falls back at that similarity; a fallback within BAND of tau (a query within
+    BAND - margin above ρ_max, or below it) lets ``calibrate_tau`` lower tau again where it shows reuse would have
+    recalled enough, so a smaller margin returns a raised tau sooner.
     """
-    raised = torch.maximum(tau, (rho + _CAL_BAND).clamp(max=1.0))
+    raised = torch.maximum(tau, (rho + margin).clamp(max=1.0))
     return torch.where(recall < target, raised, tau)
 
 

@@ -23,7 +23,7 @@ class RefHead:
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
                  phase: int = 0, calibration: float = 0.0, guard: float = 0.0, mass: bool = False,
-                 tau_guard: float = 0.0):
+                 tau_guard: float = 0.0, tau_guard_margin: float = 0.05):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
@@ -31,6 +31,7 @@ class RefHead:
         self.guard, self.period = guard, (max(1, T_r // 8) if guard else T_r)
         self.mass = mass  # mass_recall: both rules measure the support's softmax weight reuse keeps, not its count
         self.tau_guard = tau_guard  # tau_guard: a miss where the head would have reused raises its tau (raise_tau)
+        self.tau_guard_margin = tau_guard_margin  # ... to max_sim + this margin
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -55,9 +56,9 @@ class RefHead:
 
     def raise_tau(self, max_sim: float, recall: float) -> None:
         """tau_guard's rule, written out, on an exact step where the head would have reused: a recall under the
-        target raises tau to max_sim + 0.05 (at most 1), never lowering it."""
+        target raises tau to max_sim + its margin (at most 1), never lowering it."""
         if recall < self.tau_guard:
-            self.tau = max(self.tau, min(1.0, max_sim + 0.05))
+            self.tau = max(self.tau, min(1.0, max_sim + self.tau_guard_margin))
 
     def guard_step(self, recall: float) -> None:
         """refresh_guard's rule, written out, on a refresh where the head would have reused: a recall under

@@ -33,7 +33,8 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     phase = [stagger_phase(layer, h // G, H_kv, T_r) if cfg.get("refresh_stagger") and T_r else 0 for h in range(H)]
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
                      T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0),
-                     cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False), cfg.get("tau_guard", 0.0))
+                     cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False), cfg.get("tau_guard", 0.0),
+                     cfg.get("tau_guard_margin", 0.05))
              for h in range(H)] for _ in range(B)]
     if keep is not None:
         keep.update(state=state, slots=slots, refs=refs)
@@ -205,8 +206,10 @@ def test_tau_guard_matches_reference(case, policy, calibration, refresh_guard):
     """tau_guard: a head that would have reused, observed on an exact step (a refresh; a promotion), whose
     would-be reuse recall is under the target has its tau raised above its ρ_max (torch core vs the reference
     loop's scalar rule): paths, supports, outputs and the thresholds agree step by step, and some threshold rose
-    above tau0 (the guard acted)."""
-    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=refresh_guard, tau_guard=0.9)
+    above tau0 (the guard acted). The period-guard cases raise by a margin under calibration's band (0.02), the
+    others by the default 0.05."""
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=refresh_guard, tau_guard=0.9,
+                           tau_guard_margin=0.02 if refresh_guard else 0.05)
     cfg.update(tau=0.8, refresh_every=4)
     trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=40,
                        T=case[4] + 2, noise=0.4)
@@ -230,6 +233,7 @@ def test_tau_guard_rule_and_backend():
     rho = torch.tensor([0.9, 0.9, 0.92, 0.98])
     recall = torch.tensor([0.5, 0.95, 0.1, 0.1])
     torch.testing.assert_close(guard_tau(tau, rho, recall, 0.9), torch.tensor([0.95, 0.8, 0.99, 1.0]))
+    torch.testing.assert_close(guard_tau(tau, rho, recall, 0.9, margin=0.02), torch.tensor([0.92, 0.8, 0.99, 1.0]))
     # calibration from a raised tau 0.95 (tau0 0.85): a good observation lowers it, a bad one cannot raise it
     up = calibrate_tau(torch.tensor([0.95, 0.95]), torch.tensor([0.93, 0.93]), torch.tensor([1.0, 0.0]), 0.8, 0.85)
     torch.testing.assert_close(up, torch.tensor([0.93, 0.95]))
