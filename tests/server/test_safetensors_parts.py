@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from retopk_server.engine.safetensors_parts import DTYPES, PayloadError, payload_parts, read_payload
+from retopk_server.engine.safetensors_parts import DTYPES, PayloadError, open_payload_file, payload_parts, read_payload
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -61,10 +61,26 @@ def with_header(data: bytes, change) -> bytes:
     ("metadata not strings", lambda h: h.update(__metadata__={"a": 1}), "expected a string"),
     ("not a tensor entry", lambda h: h.update(extra=5), "expected struct TensorInfo"),
 ])
-def test_malformed_headers_are_refused(name, change, words):
+def test_malformed_headers_are_refused(name, change, words, tmp_path):
     data = save(tensors(), metadata=META)
     with pytest.raises(PayloadError, match=words):
         read_payload(with_header(data, change), 1 << 20)
+    (tmp_path / "f").write_bytes(with_header(data, change))
+    with pytest.raises(PayloadError, match=words):  # the same parser over a file
+        open_payload_file(str(tmp_path / "f"), 1 << 20)
+
+
+def test_open_payload_file_maps_the_file_into_the_same_tensors(tmp_path):
+    t = tensors()
+    (tmp_path / "f").write_bytes(b"".join(payload_parts(t, META)))
+    metadata, got = open_payload_file(str(tmp_path / "f"), 1 << 20)
+    assert metadata == META and set(got) == set(t)
+    for name, want in t.items():
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    for bad, words in ((b"\0" * 5, "truncated"), (save(t)[:-1], "incomplete"), (save(t), "header exceeds 16 bytes")):
+        (tmp_path / "bad").write_bytes(bad)
+        with pytest.raises(PayloadError, match=words):
+            open_payload_file(str(tmp_path / "bad"), 16 if words.startswith("header") else 1 << 20)
 
 
 def test_truncated_or_oversized_payloads_are_refused():

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from retopk_server.engine.session_artifact import SessionArtifact, encode_parts
+from retopk_server.engine.session_artifact import SessionArtifact
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session_state import SessionState
@@ -52,7 +52,7 @@ def save(store: SessionStore, session_id: str, used_unix: float) -> None:
     state = SessionState(MethodSpec("full"), torch.arange(4), torch.zeros(1, 1, 1, 4, 2), torch.zeros(1, 1, 1, 4, 2),
                          None)
     artifact = SessionArtifact(state=state, model={}, owner="", session_id=session_id, last_used_unix=used_unix)
-    store.save("", session_id, encode_parts(artifact), used_unix)
+    store.save("", session_id, artifact)
 
 
 @pytest.fixture

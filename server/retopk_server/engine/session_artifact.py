@@ -18,6 +18,7 @@ The checksum (SHA-256 of the payload) catches a truncated or corrupted artifact 
 ``decode`` then bounds every size and type (ArtifactError, the caller's INVALID_ARGUMENT) and
 ``check_model`` names what differs from the importing server (FAILED_PRECONDITION). A session keeps no
 sampling state between turns (each Generate brings its own sampling and seed), so none is carried.
+This is the wire's format; a file of --session-dir is format 2 (engine/session_file.py), which reads these too.
 """
 
 from __future__ import annotations
@@ -84,9 +85,8 @@ def check_model(artifact: SessionArtifact, info) -> str | None:
     return "; ".join(diffs) or None
 
 
-def encode_parts(artifact: SessionArtifact) -> tuple[bytes | memoryview, ...]:
-    """The artifact's bytes in parts, (magic and header line, the payload's parts: safetensors_parts.payload_parts,
-    which view the artifact's tensors), whose concatenation is ``encode``'s."""
+def contents(artifact: SessionArtifact) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the payload's tensors, contiguous; its "retopk" metadata object) of ``artifact`` (module docstring)."""
     state = artifact.state
     tensors = {"token_ids": state.token_ids.contiguous(), "kv.k": state.k.contiguous(), "kv.v": state.v.contiguous()}
     for name, t in (state.state or {}).items():
@@ -96,6 +96,13 @@ def encode_parts(artifact: SessionArtifact) -> tuple[bytes | memoryview, ...]:
             "owner": artifact.owner, "session_id": artifact.session_id, "pending": list(artifact.pending),
             "messages": artifact.messages, "turns": artifact.turns, "created_unix": artifact.created_unix,
             "last_used_unix": artifact.last_used_unix, "has_state": state.state is not None}
+    return tensors, meta
+
+
+def encode_parts(artifact: SessionArtifact) -> tuple[bytes | memoryview, ...]:
+    """The artifact's bytes in parts, (magic and header line, the payload's parts: safetensors_parts.payload_parts,
+    which view the artifact's tensors), whose concatenation is ``encode``'s."""
+    tensors, meta = contents(artifact)
     payload = payload_parts(tensors, {"retopk": json.dumps(meta)})
     digest = hashlib.sha256()
     for part in payload:
@@ -225,10 +232,12 @@ class ArtifactReader:
             meta = json.loads(metadata["retopk"])
         except (ValueError, KeyError, TypeError):
             raise ArtifactError("artifact", "the payload carries no retopk metadata") from None
-        return _artifact(meta, tensors)
+        return from_contents(meta, tensors)
 
 
-def _artifact(meta: dict, tensors: dict[str, torch.Tensor]) -> SessionArtifact:
+def from_contents(meta: dict, tensors: dict[str, torch.Tensor]) -> SessionArtifact:
+    """The artifact of a parsed payload's "retopk" metadata object and tensors (``contents``' inverse), every field
+    checked: ArtifactError naming the first that is missing or wrong."""
     def need(name: str, kind):
         value = meta.get(name) if isinstance(meta, dict) else None
         if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:

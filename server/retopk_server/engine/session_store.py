@@ -1,12 +1,12 @@
 """--session-dir: session artifacts on disk, so that sessions outlive a restart.
 
-One file per session, ``<sha256(owner NUL id)>.session``, holding its artifact (engine/session_artifact.py,
-which carries the owner and the id again): the name needs no escaping and tells nothing about either. The
+One file per session, ``<sha256(owner NUL id)>.session``, holding its artifact (engine/session_file.py's
+format, which carries the owner and the id again): the name needs no escaping and tells nothing about either. The
 directory is made (or tightened) to mode 0700 and every file is created 0600, written to a temporary name
 and renamed, so a reader never sees half a file. ``budget`` bounds the directory's bytes: after a write the
 oldest files (by modification time, which is the session's last use) are deleted until the rest fit; an
-artifact larger than the whole budget is not written. ``take`` reads a session's file (its payload straight
-into the buffer its tensors view) and deletes it: the session then lives in a server's memory again, and the
+artifact larger than the whole budget is not written. ``take`` reads a session's file (its tensors map it) and
+deletes it: the session then lives in a server's memory again, and the
 next drain writes it anew.
 """
 
@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from retopk_server.engine import session_artifact
+from retopk_server.engine import session_file
 from retopk_server.engine.session_artifact import SessionArtifact
 
 log = logging.getLogger("retopk_server.engine")
@@ -46,13 +46,12 @@ class SessionStore:
     def has(self, owner: str, session_id: str) -> bool:
         return self.path(owner, session_id).is_file()
 
-    def save(self, owner: str, session_id: str, artifact: bytes | tuple[bytes | memoryview, ...],
-             last_used_unix: float | None = None) -> bool:
-        """Write the artifact (its bytes, or their parts in order: session_artifact.encode_parts), replacing an
-        older one, dated ``last_used_unix`` (the session's last use: the oldest files, deleted first past the
-        budget, are the sessions unused the longest) -> whether it was written (False: it alone exceeds the
-        budget)."""
-        parts = (artifact,) if isinstance(artifact, bytes) else artifact
+    def save(self, owner: str, session_id: str, artifact: SessionArtifact) -> bool:
+        """Write the artifact (session_file.py), replacing an older one, dated its ``last_used_unix`` (the
+        session's last use: the oldest files, deleted first past the budget, are the sessions unused the longest)
+        -> whether it was written (False: it alone exceeds the budget)."""
+        parts = session_file.parts(artifact)
+        last_used_unix = artifact.last_used_unix
         size = sum(len(p) for p in parts)
         if size > self.budget:
             log.warning("session %s/%s not saved: %d bytes exceed --session-dir-bytes %d", owner, session_id,
@@ -69,8 +68,7 @@ class SessionStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        if last_used_unix is not None:
-            os.utime(tmp, (last_used_unix, last_used_unix))
+        os.utime(tmp, (last_used_unix, last_used_unix))
         tmp.replace(path)
         self._evict(keep=path)
         return True
@@ -81,11 +79,11 @@ class SessionStore:
 
     def take_file(self, path: Path, limit: int | None = None, pause: Callable[[], None] | None = None) \
             -> SessionArtifact | None:
-        """The artifact in ``path`` (read and checked: session_artifact.read_file, whose ArtifactError goes to
-        the caller, ``pause`` called between the read and the checks), the file deleted either way; None when
-        there is none."""
+        """The artifact in ``path`` (read and checked: session_file.read, whose ArtifactError goes to the caller,
+        ``pause`` called between the checksum and the parse), the file deleted either way; None when there is
+        none."""
         try:
-            return session_artifact.read_file(path, limit, pause)
+            return session_file.read(path, limit, pause)
         except FileNotFoundError:
             return None
         finally:
@@ -93,7 +91,7 @@ class SessionStore:
 
     def put_back(self, owner: str, session_id: str, artifact: SessionArtifact) -> None:
         """Undo a ``take`` whose import failed (the server cannot run it now; a later one may)."""
-        self.save(owner, session_id, session_artifact.encode_parts(artifact), artifact.last_used_unix)
+        self.save(owner, session_id, artifact)
 
     def nbytes(self) -> int:
         return sum(p.stat().st_size for p in self.directory.glob("*" + SUFFIX))

@@ -90,8 +90,7 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
                 except grpc.RpcError as e:
                     log.warning("handing session %s/%s to %s failed: %s: %s", owner or "anonymous", session_id, peer,
                                 e.code().name, e.details())
-            if store is not None and await asyncio.to_thread(store.save, owner, session_id, parts,
-                                                             artifact.last_used_unix):
+            if store is not None and await asyncio.to_thread(store.save, owner, session_id, artifact):
                 saved += 1
             else:
                 lost.append((owner, session_id))

@@ -1,0 +1,135 @@
+"""A session artifact as a file of --session-dir (engine/session_store.py): format 2, which loads without copying.
+
+Format 1 (engine/session_artifact.py: the magic, a header line, then a safetensors payload) is what crosses the
+wire (ExportSession, ImportSession, the drain's handoff). A file is format 2: the safetensors payload alone, so
+that the library opens it where it lies (safetensors_parts.open_payload_file: the tensors map the file, and the
+import's write into the pools is the only copy), its check first in the payload's own metadata:
+
+    8 bytes   N, the safetensors header's length (a multiple of 8: the first byte is never format 1's "R")
+    N bytes   {"__metadata__":{"retopk_check":"<16 hex digits: the file's bytes><8: its CRC-32>",
+              "retopk_format":"2","retopk":"<format 1's metadata object>"},<the tensors' entries>}
+    the rest  the tensors' bytes, as in format 1
+
+The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000": a byte flipped anywhere (the
+header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
+replaces format 1's SHA-256, whose pass took as long as reading the file: the checksum guards against damage, not
+against a forger, who can recompute either. A file of format 1 (an older server's) still loads; one of neither
+format is refused naming why.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Callable
+
+from retopk_server.engine import session_artifact
+from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
+from retopk_server.engine.session_artifact import MAGIC, MAX_METADATA_BYTES, ArtifactError, SessionArtifact
+from retopk_server.runtime.method_spec import MethodSpec
+
+FORMAT = 2
+PREFIX = b'{"__metadata__":{"retopk_check":"'  # at byte 8: the check's digits follow
+CHECK = 8 + len(PREFIX)  # where the 16 + 8 digits start
+BLANK = b"0" * 8
+
+
+def parts(artifact: SessionArtifact) -> list[bytes | memoryview]:
+    """The file's bytes in parts (the header, then views of the artifact's tensors)."""
+    tensors, meta = session_artifact.contents(artifact)
+    metadata = {"retopk_check": "0" * 24, "retopk_format": str(FORMAT), "retopk": json.dumps(meta)}
+    payload = payload_parts(tensors, metadata)
+    head = bytearray(payload[0])
+    if head[8:CHECK] != PREFIX:  # payload_parts writes the metadata first, its keys in order
+        raise AssertionError("the safetensors header does not start with the check")
+    head[CHECK:CHECK + 16] = b"%016x" % sum(len(p) for p in payload)
+    crc = zlib.crc32(head)
+    for part in payload[1:]:
+        crc = zlib.crc32(part, crc)
+    head[CHECK + 16:CHECK + 24] = b"%08x" % crc
+    return [bytes(head), *payload[1:]]
+
+
+def read(path: str | os.PathLike, limit: int | None = None, pause: Callable[[], None] | None = None) \
+        -> SessionArtifact:
+    """The artifact of the file at ``path``, either format (``limit``: its most bytes); ArtifactError naming what
+    is wrong. ``pause()``, when given, runs between the checksum's pass and the parse (a background load that lets
+    a more urgent one go first)."""
+    with open(path, "rb") as f:
+        if f.read(1) == MAGIC[:1]:
+            return session_artifact.read_file(path, limit, pause)
+        size = os.fstat(f.fileno()).st_size
+        if limit is not None and size > limit:
+            raise ArtifactError("data", f"the artifact exceeds {limit} bytes "
+                                        "(ModelInfo.limits.max_session_artifact_bytes)")
+        crc = _checked_crc(f.fileno(), size)
+        if pause is not None:
+            pause()
+        fd_path = f"/proc/self/fd/{f.fileno()}"  # the file checked, even if another replaced it at ``path`` since
+        try:
+            metadata, tensors = open_payload_file(fd_path if os.path.exists(fd_path) else os.fspath(path),
+                                                  MAX_METADATA_BYTES)
+        except PayloadError as e:
+            raise ArtifactError("artifact", f"the tensors do not parse: {e}") from None
+    if metadata.get("retopk_format") != str(FORMAT):
+        raise session_artifact.UnsupportedFormat("artifact", f"file format {metadata.get('retopk_format')!r} is not "
+                                                             f"supported (this server reads 1 and {FORMAT})")
+    if metadata.get("retopk_check", "")[16:] != f"{crc:08x}":  # the digits the library parsed are the ones checked
+        raise ArtifactError("artifact", "corrupted header (the check)")
+    try:
+        meta = json.loads(metadata["retopk"])
+    except (ValueError, KeyError, TypeError):
+        raise ArtifactError("artifact", "the payload carries no retopk metadata") from None
+    return session_artifact.from_contents(meta, tensors)
+
+
+def _checked_crc(fd: int, size: int) -> int:
+    """The file's CRC-32 (module docstring), once its size is the one it states and the checksum matches."""
+    if size < CHECK + 24:
+        raise ArtifactError("artifact", f"truncated, or not a retopk session file ({size} bytes)")
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) as m:
+        if m[8:CHECK] != PREFIX:
+            raise ArtifactError("artifact", "not a retopk session file (neither format 1's magic nor format 2's "
+                                            "check at its start)")
+        digits = m[CHECK:CHECK + 24]
+        try:
+            stated, want = int(digits[:16], 16), int(digits[16:], 16)
+        except ValueError:
+            raise ArtifactError("artifact", "corrupted header (the check)") from None
+        if size != stated:
+            raise ArtifactError("artifact", f"truncated: {size} bytes, the file states {stated}" if size < stated
+                                else f"corrupted: {size} bytes, more than the {stated} the file states")
+        view = memoryview(m)
+        try:
+            crc = zlib.crc32(BLANK, zlib.crc32(view[:CHECK + 16]))
+            crc = zlib.crc32(view[CHECK + 24:], crc)
+        finally:
+            view.release()
+    if crc != want:
+        raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
+    return crc
+
+
+def peek(path: str | os.PathLike) -> tuple[int, MethodSpec | None] | None:
+    """(tokens, the method whose state it holds, None when it holds none) of a format-2 file, from its header alone,
+    unchecked (sizing the pools before its load); None for a file of format 1 or one that does not parse (its load
+    says why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(CHECK)
+            (n,) = struct.unpack("<Q", head[:8])
+            if head[8:] != PREFIX or n > MAX_METADATA_BYTES:
+                return None
+            header = json.loads(head[8:] + f.read(n - len(PREFIX)))
+        meta = json.loads(header["__metadata__"]["retopk"])
+        length = int(header["token_ids"]["shape"][0])
+        method = meta["method"]
+        spec = MethodSpec(method["name"], tuple((str(k), v) for k, v in method["params"])) \
+            if meta["has_state"] is True else None
+        hash(spec)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return None
+    return length, spec
