@@ -173,6 +173,10 @@ class FakeRunner:
         session.token_ids = state.token_ids.tolist()
         return session
 
+    def make_room(self, sessions: list) -> None:
+        """No pools to grow: a session's blocks are counted, not allocated."""
+        self._touch()
+
     def rewind(self, session: Session, length: int) -> int:
         """The fake's model reads only the tokens: nothing to re-observe, so it keeps all ``length``."""
         self._touch()

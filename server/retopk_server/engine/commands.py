@@ -151,6 +151,10 @@ class EngineCommands:
 
         return self._call(run)
 
+    def make_room(self, sessions: list[tuple[int, MethodSpec | None]]) -> concurrent.futures.Future:
+        """Grow the runner's pools once for sessions about to be imported (Runner.make_room)."""
+        return self._call(lambda: self._engine.runner.make_room(sessions))
+
     def status(self) -> concurrent.futures.Future:
         return self._call(self._status)
 

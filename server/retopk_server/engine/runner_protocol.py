@@ -107,6 +107,11 @@ class Runner(Protocol):
         anything is allocated, BudgetExceeded with nothing kept when it does not fit."""
         ...
 
+    def make_room(self, sessions: list[tuple[int, MethodSpec | None]]) -> None:
+        """Grow the pools once for sessions about to be imported, (tokens, method with state or None) each, as far
+        as the budget allows without evicting (ModelRunner.make_room); a runner without such pools does nothing."""
+        ...
+
     def rewind(self, session: Session, length: int) -> int:
         """Keep at most the session's first ``length`` tokens, its method state reset to a fresh session's ->
         how many it kept (fewer when the method must observe the last ones again at the next prefill)."""

@@ -66,9 +66,20 @@ class MethodGroup:
             self._grow(session_id)
         return [state.alloc(fresh) for state in self.states]
 
-    def _grow(self, session_id: str | None) -> None:
+    def make_free(self, need: int) -> None:
+        """At least ``need`` free slots as far as the budget allows, grown once to just that (sessions about to
+        come in, whose slots a doubling per few sessions would copy the pools for)."""
+        state = self.states[0]
+        if need > state.free_slots:
+            try:
+                self._grow(None, state.capacity + need - state.free_slots)
+            except BudgetExceeded:  # not one more slot fits: the sessions' own imports say so, if they come
+                pass
+
+    def _grow(self, session_id: str | None, want: int | None = None) -> None:
+        """Every layer's pools to ``want`` slots (default: twice as many), capped by the budget."""
         capacity, per_slot = self.states[0].capacity, self.slot_nbytes()
-        new = 2 * capacity
+        new = want or 2 * capacity
         if self.budget is not None:
             new = min(new, capacity + self.budget.free // max(1, per_slot))
             if new <= capacity:

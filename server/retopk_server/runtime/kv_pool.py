@@ -78,10 +78,19 @@ class KVPool:
     def used_blocks(self) -> int:
         return self.capacity - len(self._free)
 
-    def _grow(self, need: int, session_id: str | None) -> None:
-        """At least ``need`` free blocks: double the block count (capped by the budget), all layers or none."""
+    def make_free(self, need: int) -> None:
+        """At least ``need`` free blocks as far as the budget allows, grown once to just that (sessions about to
+        come in, whose blocks a doubling per session would copy the pool for)."""
+        if self.budget is not None:
+            need = min(need, len(self._free) + self.budget.free // self.block_nbytes)
+        if need > len(self._free):
+            self._grow(need, None, exact=True)
+
+    def _grow(self, need: int, session_id: str | None, exact: bool = False) -> None:
+        """At least ``need`` free blocks: double the block count (``exact``: just enough; capped by the budget),
+        all layers or none."""
         old = self.capacity
-        new = old
+        new = old + need - len(self._free) if exact else old
         while new - old + len(self._free) < need:
             new *= 2
         if self.budget is not None:

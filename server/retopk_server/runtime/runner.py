@@ -366,6 +366,24 @@ class ModelRunner:
             raise
         return session
 
+    def make_room(self, sessions: list[tuple[int, MethodSpec | None]]) -> None:
+        """Room for sessions about to be imported, (tokens, the method whose state comes with them or None) each:
+        the KV pool and each method's pools grown once to hold them all, as far as the budget allows without
+        evicting anything (a restart's saved sessions: else their imports double the pools one after another,
+        each doubling a copy of everything before it, in some session's first turn). A method this runner
+        cannot build is skipped (that session's import says why)."""
+        self.pool.make_free(sum(self.pool.blocks_for(length) for length, _ in sessions))
+        wanted: dict[MethodSpec, int] = {}
+        for _, spec in sessions:
+            if spec is not None:
+                wanted[spec] = wanted.get(spec, 0) + 1
+        for spec, count in wanted.items():
+            try:
+                group = self._group(spec)
+            except (BudgetExceeded, ValueError):
+                continue
+            group.make_free(count)
+
     def rewind(self, session: Session, length: int) -> int:
         """Keep at most the session's first ``length`` tokens, its method state reset to a fresh session's ->
         how many it kept: ``length`` less the method's ``prefill_queries``, so that the next prefill, which

@@ -1,7 +1,8 @@
 """--session-dir's sessions back in memory after a restart (engine/session_store.py holds the files).
 
-A saved session comes back on its first use (``restore``, before the call that names it runs) and, from
-start-up on, in the background (``preload``): the most recently used first, each imported only while it fits
+Before the server takes calls, the engine's pools are grown once to hold the saved sessions (``make_room``). A
+saved session comes back on its first use (``restore``, before the call that names it runs) and, from start-up
+on, in the background (``preload``): the most recently used first, each imported only while it fits
 the cache budget without evicting a session (the first that does not fit ends the preload; the rest wait on
 disk for their first use). A client coming back after a restart then finds its session already in memory instead
 of waiting for the file to be read, checked and imported before its turn.
@@ -32,10 +33,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from retopk_server.engine import Engine, EngineError, session_artifact
+from retopk_server.engine import Engine, EngineError, session_artifact, session_file
 from retopk_server.engine.requests import ErrorCode
 from retopk_server.engine.session_store import SUFFIX, SessionStore
 from retopk_server.engine.session_table import KEY_LIMIT
+from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.service.auth import Caller
 
 log = logging.getLogger("retopk_server")
@@ -56,6 +58,22 @@ class SavedSessions:
         self._wanted: dict[Path, int] = {}  # the files calls wait for -> how many calls
         self._turn = threading.Condition()  # guards _wanted and _stopping for the preload's thread
         self._stopping = False
+
+    async def make_room(self) -> None:
+        """Grow the engine's pools once for every saved session (Runner.make_room, within the cache budget), before
+        the server takes calls: else the imports after a restart double them one after another, each doubling a
+        copy of all the pools held, inside some session's first turn."""
+        sessions = await asyncio.to_thread(self._saved_sizes)
+        if not sessions:
+            return
+        try:
+            await asyncio.wrap_future(self.engine.commands.make_room(sessions))
+        except Exception as e:  # noqa: BLE001 - the sessions load without it, only slower
+            log.warning("sizing the pools for %d saved sessions failed: %s", len(sessions), e)
+
+    def _saved_sizes(self) -> list[tuple[int, MethodSpec | None]]:
+        found = (session_file.peek(p) for p in self.store.directory.glob("*" + SUFFIX))
+        return [size for size in found if size is not None]
 
     def start_preload(self) -> None:
         """``preload`` in the background (the server calls it once it accepts calls)."""

@@ -212,6 +212,8 @@ async def start(config: ServerConfig, engine: Engine, keys: KeyRing | None = Non
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if gateway.saved is not None:
+        await gateway.saved.make_room()
     await server.start()
     running = RunningServer(config, server, engine, health_status, port, keys, store, gateway)
     running.supervisor = await Supervisor(engine, health_status).start()  # liveness and readiness SERVING
