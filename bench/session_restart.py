@@ -4,8 +4,9 @@ Server A runs in this process (the real gRPC service, engine and runtime on the 
 runner) with ``--session-dir`` on a temporary directory. ``--sessions`` sessions each take a prompt of
 ``--tokens`` random token ids, then a short turn whose time to first token (the server's own timing) is the
 uninterrupted figure. A is drained (every session written to the directory: the drain's time is reported),
-server B starts on the same directory with a new runner, and each session's next short turn there loads it on
-first use (read, checked, imported) before its prefill: that turn's time to first token is the restart figure.
+server B starts on the same directory with a new runner (its start's time is reported: it sizes its pools for the
+saved sessions before it takes calls), and each session's next short turn there loads it on first use (read,
+checked, imported) before its prefill: that turn's time to first token is the restart figure.
 Both turns feed the same number of new tokens; both times are the client's, from sending the turn to its first
 token (the server's own timing starts after the load). Medians and the worst ratio are printed, JSON with ``--out``.
 
@@ -89,7 +90,9 @@ def measure(args, model, tokenizer) -> dict:
     drain_s = time.perf_counter() - t0
     saved = sum(p.stat().st_size for p in FsPath(directory).iterdir())
 
-    second = LocalServer(config, model, tokenizer)
+    t0 = time.perf_counter()
+    second = LocalServer(config, model, tokenizer)  # from here on B takes calls: its pools sized for the saved ones
+    start_s = time.perf_counter() - t0
     after, again, preload_s = [], [], None
     with Client(second.address, timeout=3600) as client:
         if args.after_preload:
@@ -106,14 +109,14 @@ def measure(args, model, tokenizer) -> dict:
     ratios = [a / b for a, b in zip(after, before, strict=True)]
     adjacent = [a / b for a, b in zip(after, again, strict=True)]
     result = {"sessions": args.sessions, "tokens": args.tokens, "turn_tokens": args.turn, "threads": args.threads,
-              "load_average": os.getloadavg(), "saved_bytes": saved, "drain_s": drain_s,
+              "load_average": os.getloadavg(), "saved_bytes": saved, "drain_s": drain_s, "start_s": start_s,
               "after_preload": args.after_preload, "preload_wait_s": preload_s, "first_token_uninterrupted_s": before,
               "first_token_after_restart_s": after, "median_uninterrupted_s": statistics.median(before),
               "median_after_restart_s": statistics.median(after), "median_ratio": statistics.median(ratios),
               "worst_ratio": max(ratios), "first_token_next_turn_s": again,
               "median_ratio_to_next_turn": statistics.median(adjacent), "worst_ratio_to_next_turn": max(adjacent)}
     print(f"{args.sessions} sessions of {args.tokens} tokens, {saved / 2**20:.0f} MiB saved, drain {drain_s:.2f} s, "
-          f"{args.threads} threads, load average {result['load_average'][0]:.1f}")
+          f"B's start {start_s:.2f} s, {args.threads} threads, load average {result['load_average'][0]:.1f}")
     if preload_s is not None:
         print(f"  B preloaded every session {preload_s:.2f} s after its start")
     print(f"  first token of a {args.turn}-token turn: uninterrupted median {result['median_uninterrupted_s']:.3f} s, "
