@@ -85,9 +85,12 @@ def test_an_edited_history_equals_a_fresh_session_fed_it(fake_server, runners, m
         assert client.get_session("edited").num_tokens == client.get_session("fresh").num_tokens
 
 
-def test_a_restart_with_a_session_dir_continues_with_identical_greedy_tokens(fake_server, runners, tmp_path):
+def test_a_restart_with_a_session_dir_continues_with_identical_greedy_tokens(fake_server, runners, tmp_path,
+                                                                           monkeypatch):
     """The drain writes the sessions, a new server (another runner) loads one on its first use: its turn 4 equals
-    the turn 4 the same conversation got before the restart, for the default ReTopK with live FIFOs."""
+    the turn 4 the same conversation got before the restart, for the default ReTopK with live FIFOs. Before it
+    takes calls the new server sized its pools for both saved sessions (their tokens and method, from the files),
+    so the load grows none."""
     first = fake_server(runners[0], session_dir=str(tmp_path))
     with Client(first.address, timeout=300) as client:
         for sid in ("kept", "reference"):
@@ -95,9 +98,19 @@ def test_a_restart_with_a_session_dir_continues_with_identical_greedy_tokens(fak
             for i, text in enumerate(TURNS[:3]):
                 chat_turn(client, sid, (LONG if i == 0 else "") + text)
         expected = chat_turn(client, "reference", TURNS[3])  # never moved
+        # the tokens in each cache: num_tokens counts the one sampled last too, which the next turn feeds
+        lengths = sorted(client.get_session(sid).num_tokens - 1 for sid in ("kept", "reference"))
     first.drain(0.0)
+    sized = []
+    monkeypatch.setattr(runners[1], "make_room", lambda sessions: sized.append(sessions) or
+                        ModelRunner.make_room(runners[1], sessions))
     second = fake_server(runners[1], session_dir=str(tmp_path))
+    spec = runners[1].config.default_method
+    assert [sorted(s) for s in sized] == [[(lengths[0], spec), (lengths[1], spec)]]
+    pools = runners[1].pool.capacity, runners[1].method_group(spec).states[0].capacity
     with Client(second.address, timeout=300) as client:
+        assert client.get_session("kept").turns == 3  # loaded
+        assert (runners[1].pool.capacity, runners[1].method_group(spec).states[0].capacity) == pools
         assert chat_turn(client, "kept", TURNS[3]) == expected
         assert client.get_session("kept").turns == 4
 
