@@ -83,6 +83,11 @@ class Runner(Protocol):
         done) when they do not fit."""
         ...
 
+    def prefill_together(self, plan: list[tuple[PrefillJob, int]]) -> list[torch.Tensor | BaseException | None]:
+        """Feed each (job, n) up to n more tokens in shared forwards -> per job what its ``step(n)`` returns, or the
+        exception that stopped it (the caller aborts that job)."""
+        ...
+
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
                ) -> tuple[torch.Tensor, list[StepStats] | None]:
         """Feed one token to each session in one forward -> ((B, vocab) logits, per-row stats or None)."""
