@@ -32,6 +32,10 @@ from retopk_server.runtime.kv_pool import OUT_OF_MEMORY, KVPool, allocation_fail
 
 # Largest prefill score matrix (heads x query rows x keys) materialised at once, in elements (256 MiB in fp32).
 PREFILL_SCORES_BUDGET = 1 << 26
+# Seconds the method-state pools keep the slots a load needed after its sessions close while others stay open
+# (MethodGroup.shrink): streams whose requests come and go reuse them instead of regrowing the pools 1 -> 2 -> 4
+# -> 8, zeroing and copying every slot each time. No slot in use, the pools give them back at once.
+HOLD_S = 30.0
 
 
 class MethodGroup:
@@ -40,7 +44,8 @@ class MethodGroup:
     With a CacheBudget the pools' bytes count against it: ``alloc`` grows every layer's pool together
     (doubling, capped by the budget; all layers or none) and raises BudgetExceeded when not even one
     more slot fits; ``shrink`` gives back the slots above the highest in use once at most a quarter of the pools
-    is needed (all but one when none is), and ``close`` the rest when the runner drops the group.
+    is needed (all but one when none is), keeping for ``HOLD_S`` the most slots in use at once (``peak``: a
+    high-water mark that lapses), and ``close`` the rest when the runner drops the group.
     """
 
     def __init__(self, method: AttentionMethod, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -55,6 +60,8 @@ class MethodGroup:
         self.reserved = sum(state.capacity * state.nbytes_per_slot() for state in self.states)
         if budget is not None:
             budget.charge(self.reserved, "the method state")
+        self.clock = time.monotonic
+        self.peak, self.peak_at = 0, -HOLD_S  # the most slots in use at once lately, and when that was
 
     @property
     def used_slots(self) -> int:
@@ -66,7 +73,11 @@ class MethodGroup:
         not reset, for ``write_state`` of a whole state next (SlotPool.alloc)."""
         if any(state.free_slots == 0 for state in self.states):
             self._grow(session_id)
-        return [state.alloc(fresh) for state in self.states]
+        slots = [state.alloc(fresh) for state in self.states]
+        used, now = self.used_slots, self.clock()
+        if used >= self.peak or now - self.peak_at > HOLD_S:
+            self.peak, self.peak_at = used, now
+        return slots
 
     def make_free(self, need: int) -> None:
         """At least ``need`` free slots as far as the budget allows, grown once to just that (sessions about to
@@ -106,13 +117,17 @@ class MethodGroup:
         for state, slot in zip(self.states, slots, strict=True):
             state.free(slot)
 
-    def shrink(self) -> int:
-        """Every layer's pool down to the power of two that holds its highest slot in use, when that is at most
-        a quarter of its capacity or no slot is in use (so that a load that comes and goes does not resize the
-        pools at every session) -> bytes given back to the budget."""
+    def shrink(self, hold: bool = True) -> int:
+        """Every layer's pool down to the power of two that holds its highest slot in use and, for ``HOLD_S`` after
+        it was reached, ``peak`` (``hold``: False under memory pressure), when that is at most a quarter of its
+        capacity or no slot is in use (so that a load that comes and goes does not resize the pools at every
+        session) -> bytes given back to the budget."""
         capacity = self.states[0].capacity
         top = max(state.highest_used() for state in self.states) + 1
-        new = 1 << max(0, top - 1).bit_length()  # the power of two >= top (1 when none is used)
+        keep = top
+        if top and hold and self.clock() - self.peak_at <= HOLD_S:
+            keep = max(top, self.peak)
+        new = 1 << max(0, keep - 1).bit_length()  # the power of two >= keep (1 when none is used)
         if new >= capacity or (top and 4 * new > capacity):
             return 0
         per_slot = self.slot_nbytes()

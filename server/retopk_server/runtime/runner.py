@@ -219,9 +219,18 @@ class ModelRunner:
             if self.prefix_cache is not None:
                 self.prefix_cache.evict()  # its idle blocks go before the pool is compacted and trimmed
             self._compact()
-            if not self.pool.trim():
+            released = self._release_held()
+            if not self.pool.trim() and not released:
                 raise
             session.slots = self._alloc_slots(session.method, session.id, fresh)
+
+    def _release_held(self) -> int:
+        """Under memory pressure: the method-state slots the pools keep for a returning load (MethodGroup.shrink's
+        hold) go back to the budget -> bytes freed."""
+        freed = sum(group.shrink(hold=False) for group in self._groups.values())
+        if freed:
+            release_freed_memory()
+        return freed
 
     def _compact(self) -> None:
         """Move the KV pool's used blocks to its lowest ids (KVPool.compact) and rename them in every holder: the
@@ -278,12 +287,13 @@ class ModelRunner:
         session.blocks.extend(self._alloc_blocks(need, session.blocks[-1] if session.blocks else None, session.id))
 
     def _alloc_blocks(self, n: int, after: int | None, session_id: str) -> list[int]:
-        """``n`` blocks from the pool; when the budget refuses, idle cached prefix blocks go before anything else
-        (the engine evicts idle sessions after)."""
+        """``n`` blocks from the pool; when the budget refuses, idle cached prefix blocks go before anything else,
+        then the method-state slots the pools hold unused (the engine evicts idle sessions after)."""
         try:
             return self.pool.alloc(n, after=after, session_id=session_id)
         except BudgetExceeded:
-            if self.prefix_cache is None or not self.prefix_cache.evict(n - self.pool.free_blocks):
+            evicted = self.prefix_cache is not None and self.prefix_cache.evict(n - self.pool.free_blocks)
+            if not evicted and not self._release_held():
                 raise
             return self.pool.alloc(n, after=after, session_id=session_id)
 

@@ -13,7 +13,7 @@ from runtime_helpers import runner_for, tiny_model
 
 from retopk_core.methods.registry import make_method
 from retopk_server.runtime import MethodSpec
-from retopk_server.runtime.attention import MethodGroup
+from retopk_server.runtime.attention import HOLD_S, MethodGroup
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
 from retopk_server.runtime.kv_pool import AllocationFailed, KVPool
 
@@ -82,6 +82,40 @@ def test_pool_trim_gives_the_unused_tail_back_to_the_budget():
 def group(budget: CacheBudget | None, layers: int = 3) -> MethodGroup:
     method = make_method("retopk", top_k=4, cache_size=4, window=2)
     return MethodGroup(method, layers, num_heads=2, num_kv_heads=1, head_dim=4, device="cpu", budget=budget)
+
+
+def test_method_state_pools_keep_a_bursts_slots_for_a_while_and_give_them_up_under_pressure():
+    """Streams whose requests come and go: after 8 sessions at once, 6 closing leaves the pools at 8 slots for
+    HOLD_S (before, they shrank to 2 and regrew 2 -> 4 -> 8 with the next requests, copying every slot), the
+    next burst grows nothing; past HOLD_S a close shrinks them; with no slot in use, or with hold=False (the
+    runner's answer to a refused allocation), they shrink at once."""
+    probe = group(None)
+    budget = CacheBudget(64 * probe.slot_nbytes())
+    g = group(budget)
+    now = [100.0]
+    g.clock = lambda: now[0]
+    slots = [g.alloc() for _ in range(8)]
+    assert g.states[0].capacity == 8 and g.peak == 8
+    for s in slots[2:]:
+        g.free(s)
+        assert g.shrink() == 0
+    slots[2:] = [g.alloc() for _ in range(6)]  # the next burst: no growth
+    assert g.states[0].capacity == 8
+    for s in slots[2:]:
+        g.free(s)
+    now[0] += HOLD_S + 1
+    freed = g.shrink()
+    assert g.states[0].capacity == 2 and freed == 6 * g.slot_nbytes() and budget.reserved == 2 * g.slot_nbytes()
+    slots[2:] = [g.alloc() for _ in range(6)]  # a burst again: held again
+    for s in slots[1:]:
+        g.free(s)
+    assert g.shrink() == 0 and g.states[0].capacity == 8
+    assert g.shrink(hold=False) > 0 and g.states[0].capacity == 1
+    g.free(slots[0])
+    slots = [g.alloc() for _ in range(4)]
+    for s in slots:
+        g.free(s)
+    assert g.shrink() > 0 and g.states[0].capacity == 1  # none in use: nothing is held
 
 
 def test_method_state_grows_within_the_budget_all_layers_or_none(monkeypatch):
