@@ -94,6 +94,7 @@ class FakeRunner:
         self.info = FakeInfo(max_context=max_context)
         self.kv_blocks = kv_blocks
         self.prefill_delay_s = prefill_delay_s
+        self.trims = 0  # trim_pools calls (the engine's idle passes)
         self.log: list[tuple[str, int]] = []
         self._next_block = 0
         self.gate = gate
@@ -239,6 +240,11 @@ class FakeRunner:
             except Exception as e:  # noqa: BLE001 - as the runtime's: this job alone
                 out.append(e)
         return out
+
+    def trim_pools(self) -> int:
+        self._touch()
+        self.trims += 1
+        return 0  # the fake keeps nothing for later
 
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False):
         self._touch()

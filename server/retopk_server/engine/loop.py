@@ -1,8 +1,9 @@
 """EngineLoop: the engine thread's loop, which runs what the scheduler plans.
 
 One pass: run queued commands (sessions, tokenize, status: commands.py), so a command waits for at most one
-iteration, never for a whole long prompt; close sessions idle past their timeout; sleep while there is
-nothing to do; else one ``step``:
+iteration, never for a whole long prompt; close sessions idle past their timeout; while there is nothing to
+do, let the runner give back what its pools kept for a load that has not come back (``trim_pools``) and
+sleep; else one ``step``:
 
   1. plan (scheduler.py): end the cancelled and the expired requests, budget the prompt tokens
   2. prefill (admission.py): prompt chunks within the budget, admitting queued requests while the batch has
@@ -57,9 +58,13 @@ class EngineLoop:
             with scheduler.lock:
                 if scheduler.stopped:
                     return
-                if not scheduler.busy() and not self.commands:
-                    scheduler.lock.wait(self.config.idle_wait_s)
-                    continue
+                idle = not scheduler.busy() and not self.commands
+            if idle:
+                self.runner.trim_pools()  # what the pools kept for a load that has not come back
+                with scheduler.lock:
+                    if not scheduler.stopped and not scheduler.busy() and not self.commands:
+                        scheduler.lock.wait(self.config.idle_wait_s)
+                continue
             self.step()
             self.hook("on_load", *scheduler.load(), len(self.sessions))
 

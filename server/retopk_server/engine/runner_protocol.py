@@ -88,6 +88,11 @@ class Runner(Protocol):
         exception that stopped it (the caller aborts that job)."""
         ...
 
+    def trim_pools(self) -> int:
+        """Give back cache memory kept for a load that may come back, once it has been kept long enough (the
+        engine calls this when idle) -> bytes freed."""
+        ...
+
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
                ) -> tuple[torch.Tensor, list[StepStats] | None]:
         """Feed one token to each session in one forward -> ((B, vocab) logits, per-row stats or None)."""

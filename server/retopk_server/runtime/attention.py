@@ -32,10 +32,11 @@ from retopk_server.runtime.kv_pool import OUT_OF_MEMORY, KVPool, allocation_fail
 
 # Largest prefill score matrix (heads x query rows x keys) materialised at once, in elements (256 MiB in fp32).
 PREFILL_SCORES_BUDGET = 1 << 26
-# Seconds the method-state pools keep the slots a load needed after its sessions close while others stay open
-# (MethodGroup.shrink): streams whose requests come and go reuse them instead of regrowing the pools 1 -> 2 -> 4
-# -> 8, zeroing and copying every slot each time. No slot in use, the pools give them back at once.
-HOLD_S = 30.0
+# Seconds the method-state pools keep the most slots a load used at once after its use fell below that
+# (MethodGroup.shrink): a batch of streams whose requests end together and come back at once reuses them instead
+# of regrowing the pools 1 -> 2 -> 4 -> 8, zeroing and copying every slot each time; an idle server gives them
+# back this long after its last request (the engine's idle passes call ModelRunner.trim_pools).
+HOLD_S = 5.0
 
 
 class MethodGroup:
@@ -45,7 +46,8 @@ class MethodGroup:
     (doubling, capped by the budget; all layers or none) and raises BudgetExceeded when not even one
     more slot fits; ``shrink`` gives back the slots above the highest in use once at most a quarter of the pools
     is needed (all but one when none is), keeping for ``HOLD_S`` the most slots in use at once (``peak``: a
-    high-water mark that lapses), and ``close`` the rest when the runner drops the group.
+    high-water mark that lapses ``HOLD_S`` after use fell below it), and ``close`` the rest when the runner
+    drops the group.
     """
 
     def __init__(self, method: AttentionMethod, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -61,7 +63,7 @@ class MethodGroup:
         if budget is not None:
             budget.charge(self.reserved, "the method state")
         self.clock = time.monotonic
-        self.peak, self.peak_at = 0, -HOLD_S  # the most slots in use at once lately, and when that was
+        self.peak, self.peak_at = 0, -HOLD_S  # the most slots in use at once lately, and when use left it
 
     @property
     def used_slots(self) -> int:
@@ -114,18 +116,20 @@ class MethodGroup:
         self.reserved = 0
 
     def free(self, slots: list[int]) -> None:
+        if self.used_slots >= self.peak:  # use falls below the peak now: its hold starts
+            self.peak_at = self.clock()
         for state, slot in zip(self.states, slots, strict=True):
             state.free(slot)
 
     def shrink(self, hold: bool = True) -> int:
-        """Every layer's pool down to the power of two that holds its highest slot in use and, for ``HOLD_S`` after
-        it was reached, ``peak`` (``hold``: False under memory pressure), when that is at most a quarter of its
+        """Every layer's pool down to the power of two that holds its highest slot in use and, until ``HOLD_S`` after
+        use fell below it, ``peak`` (``hold``: False under memory pressure), when that is at most a quarter of its
         capacity or no slot is in use (so that a load that comes and goes does not resize the pools at every
         session) -> bytes given back to the budget."""
         capacity = self.states[0].capacity
         top = max(state.highest_used() for state in self.states) + 1
         keep = top
-        if top and hold and self.clock() - self.peak_at <= HOLD_S:
+        if hold and self.clock() - self.peak_at <= HOLD_S:
             keep = max(top, self.peak)
         new = 1 << max(0, keep - 1).bit_length()  # the power of two >= keep (1 when none is used)
         if new >= capacity or (top and 4 * new > capacity):

@@ -219,15 +219,16 @@ class ModelRunner:
             if self.prefix_cache is not None:
                 self.prefix_cache.evict()  # its idle blocks go before the pool is compacted and trimmed
             self._compact()
-            released = self._release_held()
+            released = self.trim_pools(pressure=True)
             if not self.pool.trim() and not released:
                 raise
             session.slots = self._alloc_slots(session.method, session.id, fresh)
 
-    def _release_held(self) -> int:
-        """Under memory pressure: the method-state slots the pools keep for a returning load (MethodGroup.shrink's
-        hold) go back to the budget -> bytes freed."""
-        freed = sum(group.shrink(hold=False) for group in self._groups.values())
+    def trim_pools(self, pressure: bool = False) -> int:
+        """Give back the method-state slots the pools keep for a load that may come back (MethodGroup.shrink's hold):
+        once their hold has passed (the engine calls this when idle), or at once under memory pressure
+        (``pressure``) -> bytes freed."""
+        freed = sum(group.shrink(hold=not pressure) for group in self._groups.values())
         if freed:
             release_freed_memory()
         return freed
@@ -293,7 +294,7 @@ class ModelRunner:
             return self.pool.alloc(n, after=after, session_id=session_id)
         except BudgetExceeded:
             evicted = self.prefix_cache is not None and self.prefix_cache.evict(n - self.pool.free_blocks)
-            if not evicted and not self._release_held():
+            if not evicted and not self.trim_pools(pressure=True):
                 raise
             return self.pool.alloc(n, after=after, session_id=session_id)
 

@@ -85,37 +85,39 @@ def group(budget: CacheBudget | None, layers: int = 3) -> MethodGroup:
 
 
 def test_method_state_pools_keep_a_bursts_slots_for_a_while_and_give_them_up_under_pressure():
-    """Streams whose requests come and go: after 8 sessions at once, 6 closing leaves the pools at 8 slots for
-    HOLD_S (before, they shrank to 2 and regrew 2 -> 4 -> 8 with the next requests, copying every slot), the
-    next burst grows nothing; past HOLD_S a close shrinks them; with no slot in use, or with hold=False (the
-    runner's answer to a refused allocation), they shrink at once."""
+    """Streams whose requests end together and come back: after 8 sessions at once all close, the pools keep 8
+    slots (before, they shrank to 1 and regrew 1 -> 2 -> 4 -> 8 with the next requests, copying every slot),
+    so the next burst grows nothing. The hold counts from when use fell below the peak, not from when the peak
+    was reached; past HOLD_S a shrink (a close, the engine's idle pass) gives the slots back, and under memory
+    pressure (hold=False) at once."""
     probe = group(None)
     budget = CacheBudget(64 * probe.slot_nbytes())
     g = group(budget)
     now = [100.0]
     g.clock = lambda: now[0]
-    slots = [g.alloc() for _ in range(8)]
-    assert g.states[0].capacity == 8 and g.peak == 8
+    per_slot = g.slot_nbytes()
+
+    def burst(n: int) -> list[int]:
+        return sorted(g.alloc() for _ in range(n))  # the lowest ids first
+
+    for s in burst(8):
+        g.free(s)
+        assert g.shrink() == 0
+    assert g.states[0].capacity == 8 and g.peak == 8 and budget.reserved == 8 * per_slot
+    slots = burst(8)  # the next burst: no growth
+    now[0] += 10 * HOLD_S  # a long burst
     for s in slots[2:]:
         g.free(s)
         assert g.shrink() == 0
-    slots[2:] = [g.alloc() for _ in range(6)]  # the next burst: no growth
-    assert g.states[0].capacity == 8
-    for s in slots[2:]:
-        g.free(s)
     now[0] += HOLD_S + 1
-    freed = g.shrink()
-    assert g.states[0].capacity == 2 and freed == 6 * g.slot_nbytes() and budget.reserved == 2 * g.slot_nbytes()
-    slots[2:] = [g.alloc() for _ in range(6)]  # a burst again: held again
-    for s in slots[1:]:
+    assert g.shrink() == 6 * per_slot and g.states[0].capacity == 2 and budget.reserved == 2 * per_slot
+    for s in slots[:2]:
         g.free(s)
-    assert g.shrink() == 0 and g.states[0].capacity == 8
-    assert g.shrink(hold=False) > 0 and g.states[0].capacity == 1
-    g.free(slots[0])
-    slots = [g.alloc() for _ in range(4)]
-    for s in slots:
+    assert g.shrink() == per_slot and g.states[0].capacity == 1
+    for s in burst(4):
         g.free(s)
-    assert g.shrink() > 0 and g.states[0].capacity == 1  # none in use: nothing is held
+    assert g.shrink() == 0 and g.states[0].capacity == 4
+    assert g.shrink(hold=False) == 3 * per_slot and g.states[0].capacity == 1
 
 
 def test_method_state_grows_within_the_budget_all_layers_or_none(monkeypatch):
