@@ -64,6 +64,7 @@ class MethodGroup:
             budget.charge(self.reserved, "the method state")
         self.clock = time.monotonic
         self.peak, self.peak_at = 0, -HOLD_S  # the most slots in use at once lately, and when use left it
+        self.deferred = False  # the last shrink kept slots for the hold: trim_pools shrinks again once it lapses
 
     @property
     def used_slots(self) -> int:
@@ -128,11 +129,18 @@ class MethodGroup:
         session) -> bytes given back to the budget."""
         capacity = self.states[0].capacity
         top = max(state.highest_used() for state in self.states) + 1
-        keep = top
+
+        def size(keep: int) -> int:  # the power of two >= keep (1 when none is used); capacity: no shrink
+            new = 1 << max(0, keep - 1).bit_length()
+            return capacity if new >= capacity or (top and 4 * new > capacity) else new
+
+        new = size(top)
         if hold and self.clock() - self.peak_at <= HOLD_S:
-            keep = max(top, self.peak)
-        new = 1 << max(0, keep - 1).bit_length()  # the power of two >= keep (1 when none is used)
-        if new >= capacity or (top and 4 * new > capacity):
+            new = size(max(top, self.peak))
+            self.deferred = new > size(top)
+        else:
+            self.deferred = False
+        if new == capacity:
             return 0
         per_slot = self.slot_nbytes()
         for state in self.states:

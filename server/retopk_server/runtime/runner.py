@@ -226,9 +226,10 @@ class ModelRunner:
 
     def trim_pools(self, pressure: bool = False) -> int:
         """Give back the method-state slots the pools keep for a load that may come back (MethodGroup.shrink's hold):
-        once their hold has passed (the engine calls this when idle), or at once under memory pressure
-        (``pressure``) -> bytes freed."""
-        freed = sum(group.shrink(hold=not pressure) for group in self._groups.values())
+        once their hold has passed (the engine calls this when idle; room ``make_room`` made for sessions about
+        to come stays), or at once under memory pressure (``pressure``) -> bytes freed."""
+        groups = [g for g in self._groups.values() if pressure or g.deferred]
+        freed = sum(group.shrink(hold=not pressure) for group in groups)
         if freed:
             release_freed_memory()
         return freed
