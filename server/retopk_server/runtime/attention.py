@@ -84,15 +84,13 @@ class MethodGroup:
 
     def make_free(self, need: int) -> None:
         """At least ``need`` free slots as far as the budget allows, grown once to just that (sessions about to
-        come in, whose slots a doubling per few sessions would copy the pools for), and held as a load's peak
-        is (``shrink``): the engine's idle passes before the sessions come would give them back at once."""
+        come in, whose slots a doubling per few sessions would copy the pools for)."""
         state = self.states[0]
         if need > state.free_slots:
             try:
                 self._grow(None, state.capacity + need - state.free_slots)
             except BudgetExceeded:  # not one more slot fits: the sessions' own imports say so, if they come
                 pass
-        self.peak, self.peak_at = max(self.peak, min(self.used_slots + need, state.capacity)), self.clock()
 
     def _grow(self, session_id: str | None, want: int | None = None) -> None:
         """Every layer's pools to ``want`` slots (default: twice as many), capped by the budget."""

@@ -36,7 +36,6 @@ def test_after_make_room_the_imports_grow_no_pool_and_hold_what_was_exported():
 
     b = runner_for(model, SPEC, kv_block_size=4)
     b.make_room([(state.length, SPEC) for state in states])
-    b.trim_pools()  # an idle pass of the engine before the sessions come: the room is held
     sized = capacities(b)
     assert b.pool.free_blocks >= sum(b.pool.blocks_for(state.length) for state in states)
     assert b.method_group(SPEC).states[0].free_slots >= len(states)
