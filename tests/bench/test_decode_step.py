@@ -1,5 +1,7 @@
-"""bench/decode_step.py's timing loop on a tiny random Llama: the steps it times are real greedy decode steps."""
+"""bench/decode_step.py's timing loop on a tiny random Llama: the steps it times are real greedy decode steps.
+The two --compare runs load the embedded model twice each: `make test-full` runs them."""
 
+import pytest
 import torch
 
 from bench import decode_step
@@ -21,6 +23,7 @@ def test_time_steps_times_each_step_after_the_warmup_and_closes_its_session():
     assert runner.memory().kv_used == 0  # the session closed: none of its blocks held
 
 
+@pytest.mark.full
 def test_compare_layer_loop_prints_both_ways(capsys):
     """--compare-layer-loop times each way in turns and prints the ratio (on the embedded model, a short prompt)."""
     decode_step.main(["--length", "40", "--methods", "full", "--steps", "2", "--warmup", "1", "--rounds", "1",
@@ -29,6 +32,7 @@ def test_compare_layer_loop_prints_both_ways(capsys):
     assert "one call median" in out and "layer by layer / one call" in out
 
 
+@pytest.mark.full
 def test_compare_activations_prints_both_ways(capsys):
     """--compare-activations times float32 and int8 activations in turns and prints the ratio."""
     decode_step.main(["--length", "40", "--methods", "full", "--steps", "2", "--warmup", "1", "--rounds", "1",

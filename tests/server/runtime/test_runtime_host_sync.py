@@ -96,6 +96,7 @@ def _forward_counted(runner, monkeypatch, counter: SyncCounter, host_calls, seen
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the Triton interpreter over five whole decode steps: `make test-full`
 def test_triton_decode_step_reads_nothing_back_without_stats(host_calls):
     runner = runner_for(tiny_model("llama"), SPEC, backend="triton", kv_block_size=16)
     sessions, toks = _sessions(runner, SPEC)
