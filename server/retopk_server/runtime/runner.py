@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -385,11 +386,7 @@ class ModelRunner:
         each doubling a copy of everything before it, in some session's first turn). A method this runner
         cannot build is skipped (that session's import says why)."""
         self.pool.make_free(sum(self.pool.blocks_for(length) for length, _ in sessions))
-        wanted: dict[MethodSpec, int] = {}
-        for _, spec in sessions:
-            if spec is not None:
-                wanted[spec] = wanted.get(spec, 0) + 1
-        for spec, count in wanted.items():
+        for spec, count in Counter(spec for _, spec in sessions if spec is not None).items():
             try:
                 group = self._group(spec)
             except (BudgetExceeded, ValueError):
