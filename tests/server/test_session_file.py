@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from retopk_server.engine import session_artifact, session_file
+from retopk_server.engine import parallel_crc, session_artifact, session_file
 from retopk_server.engine.session_artifact import ArtifactError, SessionArtifact, UnsupportedFormat
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session_state import SessionState
@@ -90,8 +90,12 @@ def flipped(data: bytes, at: int) -> bytes:
     return bytes(out)
 
 
-def test_damaged_cut_or_foreign_files_are_refused_naming_why(tmp_path):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_damaged_cut_or_foreign_files_are_refused_naming_why(tmp_path, monkeypatch, parts):
+    monkeypatch.setattr(parallel_crc, "MIN_PART", 64)  # 3: the check's pass split over threads (engine/parallel_crc.py)
+    monkeypatch.setattr(parallel_crc, "_parts", lambda: parts)
     data = written(tmp_path).read_bytes()
+    assert_same(session_file.read(written(tmp_path, name="whole")), artifact())
     text = data.index(b"quotes")  # in the conversation's text, inside the header
     check = session_file.CHECK
     cases = {

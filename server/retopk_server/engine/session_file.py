@@ -13,8 +13,9 @@ import's write into the pools is the only copy), its check first in the payload'
 The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000": a byte flipped anywhere (the
 header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
 replaces format 1's SHA-256, whose pass took as long as reading the file: the checksum guards against damage, not
-against a forger, who can recompute either. A file of format 1 (an older server's) still loads; one of neither
-format is refused naming why.
+against a forger, who can recompute either. A load's pass splits the file over a few cores (engine/parallel_crc.py),
+as it lies in the first turn of a client coming back after a restart. A file of format 1 (an older server's) still
+loads; one of neither format is refused naming why.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import struct
 import zlib
 from collections.abc import Callable
 
-from retopk_server.engine import session_artifact
+from retopk_server.engine import parallel_crc, session_artifact
 from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
 from retopk_server.engine.session_artifact import MAGIC, MAX_METADATA_BYTES, ArtifactError, SessionArtifact
 from retopk_server.runtime.method_spec import MethodSpec
@@ -105,7 +106,7 @@ def _checked_crc(fd: int, size: int) -> int:
         view = memoryview(m)
         try:
             crc = zlib.crc32(BLANK, zlib.crc32(view[:CHECK + 16]))
-            crc = zlib.crc32(view[CHECK + 24:], crc)
+            crc = parallel_crc.crc32(view[CHECK + 24:], crc)  # the bulk, its parts on several cores
         finally:
             view.release()
     if crc != want:

@@ -1,0 +1,97 @@
+"""zlib's CRC-32 of a large buffer, its parts on several threads: the result equals ``zlib.crc32`` of the whole.
+
+A saved session's load checks its file's CRC-32 (engine/session_file.py) before anything reads it, in the first
+turn of a client coming back after a restart; zlib's pass runs on one core. zlib releases the GIL for a buffer
+past a few KiB, so the parts run at once, and ``combine`` joins their CRCs as zlib's ``crc32_combine`` does
+(Python's zlib does not expose it). Over GF(2), with the CRC's bits reflected and its register pre- and
+post-inverted as zlib keeps it, the CRC of A followed by B is
+
+    crc(A || B) = crc(A) * x^(8 |B|)  mod P  XOR  crc(B)        P: the CRC-32 polynomial (0xedb88320 reflected)
+
+``x^(8 |B|) mod P`` comes from the table of x^(2^k) mod P by square-and-multiply: a few dozen 32-bit
+multiplications, whatever the length.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor, wait
+
+POLY = 0xEDB88320  # the CRC-32 polynomial, bits reflected (x^0 is bit 31)
+MIN_PART = 4 << 20  # a smaller buffer is not split: a thread's hand-off would cost more than its share saves
+MAX_PARTS = 4
+
+
+def _multiply(a: int, b: int) -> int:
+    """a * b mod P, both reflected polynomials of degree < 32 (zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
+    return p
+
+
+def _powers() -> list[int]:
+    """x^(2^k) mod P for k = 0 .. 31 (zlib's x2n_table)."""
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multiply(p, p)
+    return table
+
+
+X2N = _powers()
+
+
+def _shift(n: int) -> int:
+    """x^(8 n) mod P (zlib's x2nmodp(n, 3)): the factor that moves a CRC past n zero bytes."""
+    p, k = 1 << 31, 3  # x^0
+    while n:
+        if n & 1:
+            p = _multiply(X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of A || B from crc1 = crc(A), crc2 = crc(B) and len2 = |B| in bytes (module docstring)."""
+    return _multiply(_shift(len2), crc1) ^ crc2
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _parts() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_PARTS, cpus))
+
+
+def crc32(data, value: int = 0) -> int:
+    """``zlib.crc32(data, value)`` of a buffer (bytes, a memoryview of a mapped file), its parts of at least
+    MIN_PART bytes each on up to MAX_PARTS threads (no more than the CPUs this process may run on)."""
+    global _pool
+    view = memoryview(data).cast("B")
+    n = len(view)
+    parts = min(_parts(), n // MIN_PART)
+    if parts <= 1:
+        return zlib.crc32(view, value)
+    if _pool is None:
+        _pool = ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="retopk-crc")
+    bounds = [n * i // parts for i in range(parts + 1)]
+    slices = [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    later = [_pool.submit(zlib.crc32, s) for s in slices[1:]]
+    try:
+        crc = zlib.crc32(slices[0], value)  # the first part on this thread meanwhile
+    finally:
+        wait(later)  # no thread reads the buffer once this returns: the caller may close a mapped file's
+        for s in slices:
+            s.release()
+        view.release()
+    for (a, b), future in zip(zip(bounds[1:], bounds[2:], strict=False), later, strict=True):
+        crc = combine(crc, future.result(), b - a)
+    return crc
