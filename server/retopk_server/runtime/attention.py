@@ -44,8 +44,8 @@ class MethodGroup:
     (doubling, capped by the budget; all layers or none) and raises BudgetExceeded when not even one
     more slot fits; ``shrink`` gives back the slots above the highest in use once at most a quarter of the pools
     is needed (all but one when none is), keeping for ``HOLD_S`` the most slots in use at once (``peak``: a
-    high-water mark that lapses ``HOLD_S`` after use fell below it), and ``close`` the rest when the runner
-    drops the group.
+    high-water mark that lapses ``HOLD_S`` after use fell below it) and the room ``make_free`` made for sessions
+    about to come, and ``close`` the rest when the runner drops the group.
     """
 
     def __init__(self, method: AttentionMethod, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -63,6 +63,7 @@ class MethodGroup:
         self.clock = time.monotonic
         self.peak, self.peak_at = 0, -HOLD_S  # the most slots in use at once lately, and when use left it
         self.deferred = False  # the last shrink kept slots for the hold: trim_pools shrinks again once it lapses
+        self.held = 0  # free slots ``make_free`` keeps for sessions about to come: ``shrink`` leaves them
 
     @property
     def used_slots(self) -> int:
@@ -75,6 +76,7 @@ class MethodGroup:
         if any(state.free_slots == 0 for state in self.states):
             self._grow(session_id)
         slots = [state.alloc(fresh) for state in self.states]
+        self.held = max(0, self.held - 1)
         used, now = self.used_slots, self.clock()
         if used >= self.peak or now - self.peak_at > HOLD_S:
             self.peak, self.peak_at = used, now
@@ -82,13 +84,15 @@ class MethodGroup:
 
     def make_free(self, need: int) -> None:
         """At least ``need`` free slots as far as the budget allows, grown once to just that (sessions about to
-        come in, whose slots a doubling per few sessions would copy the pools for)."""
+        come in, whose slots a doubling per few sessions would copy the pools for). ``shrink`` leaves them free
+        until as many slots have been allocated since, or memory is short."""
         state = self.states[0]
         if need > state.free_slots:
             try:
                 self._grow(None, state.capacity + need - state.free_slots)
             except BudgetExceeded:  # not one more slot fits: the sessions' own imports say so, if they come
                 pass
+        self.held = max(self.held, min(need, state.free_slots))
 
     def _grow(self, session_id: str | None, want: int | None = None) -> None:
         """Every layer's pools to ``want`` slots (default: twice as many), capped by the budget."""
@@ -121,12 +125,15 @@ class MethodGroup:
             state.free(slot)
 
     def shrink(self, hold: bool = True) -> int:
-        """Every layer's pool down to the power of two that holds its highest slot in use and, until ``HOLD_S`` after
-        use fell below it, ``peak`` (``hold``: False under memory pressure), when that is at most a quarter of its
+        """Every layer's pool down to the power of two that holds its highest slot in use, the room ``make_free``
+        holds and, until ``HOLD_S`` after use fell below it, ``peak`` (``hold``: False under memory pressure: neither
+        room is kept), when that is at most a quarter of its
         capacity or no slot is in use (so that a load that comes and goes does not resize the pools at every
         session) -> bytes given back to the budget."""
         capacity = self.states[0].capacity
-        top = max(state.highest_used() for state in self.states) + 1
+        if not hold:
+            self.held = 0
+        top = max(max(state.highest_used() for state in self.states) + 1, self.used_slots + self.held)
 
         def size(keep: int) -> int:  # the power of two >= keep (1 when none is used); capacity: no shrink
             new = 1 << max(0, keep - 1).bit_length()

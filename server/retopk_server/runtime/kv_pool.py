@@ -52,6 +52,7 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: set[int] = set(range(shape[0]))
         self._shared: dict[int, int] = {}  # block id -> extra holders (``share``); absent = one holder
+        self._held = 0  # free blocks ``make_free`` keeps for sessions about to come: ``trim`` leaves them
         if budget is not None:
             try:
                 budget.charge(self.nbytes(), "the KV pool's initial blocks")
@@ -80,11 +81,14 @@ class KVPool:
 
     def make_free(self, need: int) -> None:
         """At least ``need`` free blocks as far as the budget allows, grown once to just that (sessions about to
-        come in, whose blocks a doubling per session would copy the pool for)."""
+        come in, whose blocks a doubling per session would copy the pool for). They stay free of ``trim`` until
+        as many blocks have been allocated since, or memory is short (``trim(pressure=True)``): a session closed
+        before the others come back does not give their room back."""
         if self.budget is not None:
             need = min(need, len(self._free) + self.budget.free // self.block_nbytes)
         if need > len(self._free):
             self._grow(need, None, exact=True)
+        self._held = max(self._held, need)
 
     def _grow(self, need: int, session_id: str | None, exact: bool = False) -> None:
         """At least ``need`` free blocks: double the block count (``exact``: just enough; capped by the budget),
@@ -127,10 +131,13 @@ class KVPool:
             out[:keep] = t[:keep]
         return out
 
-    def trim(self) -> int:
-        """Give the free blocks above the highest used one back (not below the initial size) -> bytes freed."""
+    def trim(self, pressure: bool = False) -> int:
+        """Give the free blocks above the highest used one back (not below the initial size, nor below the room
+        ``make_free`` holds unless ``pressure``: memory is short) -> bytes freed."""
         used = set(range(self.capacity)) - self._free
-        blocks = max(self._initial, max(used) + 1 if used else 0)
+        if pressure:
+            self._held = 0
+        blocks = max(self._initial, max(used) + 1 if used else 0, len(used) + self._held)
         if blocks >= self.capacity:
             return 0
         freed = (self.capacity - blocks) * self.block_nbytes
@@ -179,6 +186,7 @@ class KVPool:
         else:
             ids = self._lowest_run(n) or sorted(self._free)[:n]
         self._free.difference_update(ids)
+        self._held = max(0, self._held - n)
         return ids
 
     def _lowest_run(self, n: int) -> list[int] | None:

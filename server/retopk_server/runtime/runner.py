@@ -221,7 +221,7 @@ class ModelRunner:
                 self.prefix_cache.evict()  # its idle blocks go before the pool is compacted and trimmed
             self._compact()
             released = self.trim_pools(pressure=True)
-            if not self.pool.trim() and not released:
+            if not self.pool.trim(pressure=True) and not released:
                 raise
             session.slots = self._alloc_slots(session.method, session.id, fresh)
 
@@ -383,8 +383,9 @@ class ModelRunner:
         """Room for sessions about to be imported, (tokens, the method whose state comes with them or None) each:
         the KV pool and each method's pools grown once to hold them all, as far as the budget allows without
         evicting anything (a restart's saved sessions: else their imports double the pools one after another,
-        each doubling a copy of everything before it, in some session's first turn). A method this runner
-        cannot build is skipped (that session's import says why)."""
+        each doubling a copy of everything before it, in some session's first turn). The room stays while the
+        sessions come, though some close meanwhile (KVPool.make_free; the method pools' hold), until memory is
+        short. A method this runner cannot build is skipped (that session's import says why)."""
         self.pool.make_free(sum(self.pool.blocks_for(length) for length, _ in sessions))
         for spec, count in Counter(spec for _, spec in sessions if spec is not None).items():
             try:

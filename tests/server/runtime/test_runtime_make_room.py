@@ -60,3 +60,24 @@ def test_make_room_stays_within_the_cache_budget_and_skips_a_method_it_cannot_bu
     assert blocks < b.pool.capacity < 1000 and b.budget.reserved <= b.budget.limit  # grown as far as it fits
     b.make_room([])
     b.import_session(states[0])  # the budget it left still holds a session
+
+
+def test_a_session_closed_before_the_others_come_does_not_give_their_room_back():
+    model = tiny_model("llama")
+    states = exported(model, 4)
+    b = runner_for(model, SPEC, kv_block_size=4)
+    b.make_room([(state.length, SPEC) for state in states])
+    sized = capacities(b)
+    b.close_session(b.import_session(states[0]))  # its client came back and closed it before the others
+    b.trim_pools()  # an idle engine's pass
+    kept = capacities(b)
+    assert b.pool.free_blocks >= sum(b.pool.blocks_for(state.length) for state in states[1:])
+    assert b.method_group(SPEC).states[0].free_slots >= len(states) - 1
+    for state in states[1:]:
+        b.import_session(state)
+    assert capacities(b) == kept and kept[0] <= sized[0]  # the others found their room: nothing grew
+
+    c = runner_for(model, SPEC, kv_block_size=4)
+    c.make_room([(state.length, SPEC) for state in states])
+    assert c.pool.trim() == 0 and c.trim_pools() == 0 and capacities(c) == sized
+    assert c.pool.trim(pressure=True) > 0 and c.trim_pools(pressure=True) > 0  # memory short: the room goes back
