@@ -26,7 +26,7 @@ def test_combine_gives_the_crc_of_the_concatenation(first, second):
 @pytest.mark.parametrize("size", [0, 4095, 40_001])
 def test_the_parts_crc_equals_zlibs_of_the_whole(monkeypatch, parts, size):
     monkeypatch.setattr(parallel_crc, "MIN_PART", 1024)
-    monkeypatch.setattr(parallel_crc, "_parts", lambda: parts)
+    monkeypatch.setattr(parallel_crc, "max_parts", lambda: parts)
     data = random.Random(size).randbytes(size)
     assert parallel_crc.crc32(data) == zlib.crc32(data)
     assert parallel_crc.crc32(data, 12345) == zlib.crc32(data, 12345)
@@ -38,7 +38,7 @@ def test_the_parts_crc_equals_zlibs_of_the_whole(monkeypatch, parts, size):
 
 def test_a_mapped_file_closes_once_it_returns(tmp_path, monkeypatch):
     monkeypatch.setattr(parallel_crc, "MIN_PART", 1024)
-    monkeypatch.setattr(parallel_crc, "_parts", lambda: 4)
+    monkeypatch.setattr(parallel_crc, "max_parts", lambda: 4)
     path = tmp_path / "f"
     path.write_bytes(os.urandom(10_000))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:

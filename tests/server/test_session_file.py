@@ -93,7 +93,7 @@ def flipped(data: bytes, at: int) -> bytes:
 @pytest.mark.parametrize("parts", [1, 3])
 def test_damaged_cut_or_foreign_files_are_refused_naming_why(tmp_path, monkeypatch, parts):
     monkeypatch.setattr(parallel_crc, "MIN_PART", 64)  # 3: the check's pass split over threads (engine/parallel_crc.py)
-    monkeypatch.setattr(parallel_crc, "_parts", lambda: parts)
+    monkeypatch.setattr(parallel_crc, "max_parts", lambda: parts)
     data = written(tmp_path).read_bytes()
     assert_same(session_file.read(written(tmp_path, name="whole")), artifact())
     text = data.index(b"quotes")  # in the conversation's text, inside the header

@@ -66,7 +66,8 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 _pool: ThreadPoolExecutor | None = None
 
 
-def _parts() -> int:
+def max_parts() -> int:
+    """How many parts a large buffer splits into: MAX_PARTS, or as many CPUs as this process may run on if fewer."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(MAX_PARTS, cpus))
 
@@ -75,23 +76,22 @@ def crc32(data, value: int = 0) -> int:
     """``zlib.crc32(data, value)`` of a buffer (bytes, a memoryview of a mapped file), its parts of at least
     MIN_PART bytes each on up to MAX_PARTS threads (no more than the CPUs this process may run on)."""
     global _pool
-    view = memoryview(data).cast("B")
-    n = len(view)
-    parts = min(_parts(), n // MIN_PART)
-    if parts <= 1:
-        return zlib.crc32(view, value)
-    if _pool is None:
-        _pool = ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="retopk-crc")
-    bounds = [n * i // parts for i in range(parts + 1)]
-    slices = [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    later = [_pool.submit(zlib.crc32, s) for s in slices[1:]]
-    try:
-        crc = zlib.crc32(slices[0], value)  # the first part on this thread meanwhile
-    finally:
-        wait(later)  # no thread reads the buffer once this returns: the caller may close a mapped file's
-        for s in slices:
-            s.release()
-        view.release()
+    with memoryview(data).cast("B") as view:
+        n = len(view)
+        parts = min(max_parts(), n // MIN_PART)
+        if parts <= 1:
+            return zlib.crc32(view, value)
+        if _pool is None:
+            _pool = ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="retopk-crc")
+        bounds = [n * i // parts for i in range(parts + 1)]
+        slices = [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        later = [_pool.submit(zlib.crc32, s) for s in slices[1:]]
+        try:
+            crc = zlib.crc32(slices[0], value)  # the first part on this thread meanwhile
+        finally:
+            wait(later)  # no thread reads the buffer once this returns: its owner may close it (a mapped file)
+            for s in slices:
+                s.release()
     for (a, b), future in zip(zip(bounds[1:], bounds[2:], strict=False), later, strict=True):
         crc = combine(crc, future.result(), b - a)
     return crc
