@@ -14,13 +14,15 @@ multiplications, whatever the length.
 
 from __future__ import annotations
 
+import itertools
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
 
 POLY = 0xEDB88320  # the CRC-32 polynomial, bits reflected (x^0 is bit 31)
-MIN_PART = 4 << 20  # a smaller buffer is not split: a thread's hand-off would cost more than its share saves
+MIN_PART = 1 << 20  # the smallest piece: a smaller buffer is hashed on the calling thread alone
 MAX_PARTS = 4
+CHUNKS_PER_THREAD = 4
 
 
 def _multiply(a: int, b: int) -> int:
@@ -67,31 +69,44 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def max_parts() -> int:
-    """How many parts a large buffer splits into: MAX_PARTS, or as many CPUs as this process may run on if fewer."""
+    """How many threads hash a large buffer: MAX_PARTS, or as many CPUs as this process may run on if fewer."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(MAX_PARTS, cpus))
 
 
 def crc32(data, value: int = 0) -> int:
-    """``zlib.crc32(data, value)`` of a buffer (bytes, a memoryview of a mapped file), its parts of at least
-    MIN_PART bytes each on up to MAX_PARTS threads (no more than the CPUs this process may run on)."""
+    """``zlib.crc32(data, value)`` of a buffer (bytes, a memoryview of a mapped file) on up to ``max_parts()``
+    threads, this one among them. The buffer is cut in CHUNKS_PER_THREAD pieces a thread (of at least MIN_PART
+    bytes) that the threads take in turn, so that a thread the CPUs are busy elsewhere for holds up at most the
+    piece it has: on a loaded machine this thread hashes the rest itself."""
     global _pool
     with memoryview(data).cast("B") as view:
         n = len(view)
-        parts = min(max_parts(), n // MIN_PART)
-        if parts <= 1:
+        threads = min(max_parts(), n // MIN_PART)
+        if threads <= 1:
             return zlib.crc32(view, value)
         if _pool is None:
             _pool = ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="retopk-crc")
-        bounds = [n * i // parts for i in range(parts + 1)]
-        slices = [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-        later = [_pool.submit(zlib.crc32, s) for s in slices[1:]]
+        pieces = min(threads * CHUNKS_PER_THREAD, n // MIN_PART)
+        bounds = [n * i // pieces for i in range(pieces + 1)]
+        views = [view[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        crcs = [0] * pieces
+        turn = itertools.count()  # next() is atomic under the GIL: each piece goes to one thread
+
+        def take_pieces() -> None:
+            while (i := next(turn)) < pieces:
+                crcs[i] = zlib.crc32(views[i])
+
+        helpers = [_pool.submit(take_pieces) for _ in range(threads - 1)]
         try:
-            crc = zlib.crc32(slices[0], value)  # the first part on this thread meanwhile
+            take_pieces()
         finally:
-            wait(later)  # no thread reads the buffer once this returns: its owner may close it (a mapped file)
-            for s in slices:
-                s.release()
-    for (a, b), future in zip(zip(bounds[1:], bounds[2:], strict=False), later, strict=True):
-        crc = combine(crc, future.result(), b - a)
+            wait(helpers)  # no thread reads the buffer once this returns: its owner may close it (a mapped file)
+            for v in views:
+                v.release()
+        for future in helpers:
+            future.result()
+    crc = value
+    for (a, b), piece in zip(zip(bounds, bounds[1:], strict=False), crcs, strict=True):
+        crc = combine(crc, piece, b - a)
     return crc
