@@ -7,7 +7,8 @@ the next token is EOS after a "." and otherwise the letter 97 + (7 * sum(ids) + 
 
 KV memory: a session holds one 64-byte "block" per BLOCK tokens. With ``kv_blocks`` the fake has a
 cache budget of that many blocks and raises the runtime's BudgetExceeded past it, as the real runner does.
-``log`` records ("prefill", tokens) per prefill chunk and ("decode", batch) per decode step, in order.
+``log`` records ("prefill", tokens) per prefill chunk, ("prefill_together", jobs) per shared prefill and
+("decode", batch) per decode step, in order.
 """
 
 from __future__ import annotations
@@ -228,6 +229,17 @@ class FakeRunner:
     def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
         job = self.start_prefill(session, token_ids)
         return job.step(job.remaining)
+
+    def prefill_together(self, plan: list[tuple[FakePrefill, int]]) -> list[torch.Tensor | BaseException | None]:
+        """Each job's ``step`` in turn (a job that raises stops alone), logged as ("prefill_together", jobs)."""
+        self.log.append(("prefill_together", len(plan)))
+        out = []
+        for job, n in plan:
+            try:
+                out.append(job.step(n))
+            except Exception as e:  # noqa: BLE001 - as the runtime's: this job alone
+                out.append(e)
+        return out
 
     def trim_pools(self) -> int:
         self._touch()

@@ -5,8 +5,10 @@ blocks are reserved for its whole prompt (runner.start_prefill, which maps the b
 prefix cache holds under the request's namespace: its key and cache_salt, runtime/prefix_cache.py). Under
 memory pressure idle sessions are evicted least recently used first (sessions.with_room; the runner gave
 back the cache's idle blocks before), and a prompt that still does not fit is RESOURCE_EXHAUSTED. Then its
-prompt is fed in chunks within each iteration's budget; with the last one in, the request forks into its n
-choices and each samples its first token and joins the batch.
+prompt is fed in chunks within each iteration's budget: ``admit`` says how many tokens a request gets in this
+iteration, and ``feed`` runs every request's chunk of the iteration in shared forwards
+(runner.prefill_together: the newcomers' short prompts in one forward, not one each). With the last chunk in,
+the request forks into its n choices and each samples its first token and joins the batch.
 
 A failed admission or chunk ends that request alone (its partial prefill undone); an unexpected exception
 then has the runner probed, and a broken runner ends the engine (faults.check_runner).
@@ -38,9 +40,9 @@ class Admission:
         self.runner, self.scheduler, self.sessions, self.delivery = runner, scheduler, sessions, delivery
         self.config, self.hook = config, hook
 
-    def prefill(self, r: ActiveRequest, budget: int) -> int:
-        """Feed up to ``budget`` of ``r``'s prompt tokens, admitting it first when it comes from the queue -> how
-        many tokens that took (0 when its admission failed)."""
+    def admit(self, r: ActiveRequest, budget: int) -> int:
+        """Admit ``r`` when it comes from the queue -> how many of its prompt tokens it gets in this iteration, at
+        most ``budget`` (0 when its admission failed or it was dropped, and it ended)."""
         if r.job is None:
             try:
                 self._start(r)
@@ -52,7 +54,40 @@ class Admission:
                 self.end(r, request_error("prefill", e))
                 check_runner(self.runner, e)
                 return 0
-        return self._chunk(r, budget)
+        if (error := r.dropped(time.monotonic(), " while prefilling")) is not None:
+            self.end(r, error)
+            return 0
+        return min(budget, r.job.remaining)
+
+    def feed(self, chunks: list[tuple[ActiveRequest, int]]) -> None:
+        """Feed each admitted request its ``n`` prompt tokens of ``chunks`` (r, n) in shared forwards; a request
+        whose prompt is in samples its first token and joins the batch, one whose chunk failed ends alone."""
+        t0 = time.monotonic()
+        try:
+            results = self.runner.prefill_together([(r.job, n) for r, n in chunks])
+        except Exception as e:  # not one job's failure: every request of the forward ends
+            results = [e] * len(chunks)
+        seconds = time.monotonic() - t0
+        failed, raised = None, None
+        for (r, _), out in zip(chunks, results, strict=True):
+            if isinstance(out, BaseException):
+                log.error("prefill of request %s failed", r.spec.request_id, exc_info=out)
+                self.end(r, request_error("prefill", out))
+                failed = out
+                continue
+            r.prefill_s += seconds  # each waited for the whole forward
+            if out is not None:
+                rows = []
+                try:
+                    rows = self._prefilled(r, out)
+                except Exception as e:  # raised after every request of the forward has left admission
+                    raised = raised or e
+                finally:
+                    self.scheduler.joined(r, rows)
+        if failed is not None:
+            check_runner(self.runner, failed)
+        if raised is not None:
+            raise raised
 
     def _start(self, r: ActiveRequest) -> None:
         """Open or take the request's session and start feeding its tokens (runner.start_prefill): under
@@ -75,30 +110,6 @@ class Admission:
         r.cached_tokens = r.job.cached
         if r.job.looked_up:
             self.hook("on_prefix_lookup", r, r.job.looked_up, r.job.cached)
-
-    def _chunk(self, r: ActiveRequest, budget: int) -> int:
-        """Feed up to ``budget`` of the admitted request's prompt tokens -> how many; with the last one in,
-        sample its first token and move it into the running batch."""
-        if (error := r.dropped(time.monotonic(), " while prefilling")) is not None:
-            self.end(r, error)
-            return 0
-        n = min(budget, r.job.remaining)
-        t0 = time.monotonic()
-        try:
-            logits = r.job.step(n)  # (vocab,) after the prompt's last token, else None
-        except Exception as e:
-            log.exception("prefill of request %s failed", r.spec.request_id)
-            self.end(r, request_error("prefill", e))
-            check_runner(self.runner, e)
-            return n
-        r.prefill_s += time.monotonic() - t0
-        if logits is not None:
-            rows = []
-            try:
-                rows = self._prefilled(r, logits)
-            finally:
-                self.scheduler.joined(r, rows)
-        return n
 
     def _prefilled(self, r: ActiveRequest, logits) -> list[ActiveRequest]:
         """The prompt is in: fork it into the request's n choices, sample each one's first token -> the rows

@@ -6,8 +6,8 @@ do, let the runner give back what its pools kept for a load that has not come ba
 sleep; else one ``step``:
 
   1. plan (scheduler.py): end the cancelled and the expired requests, budget the prompt tokens
-  2. prefill (admission.py): feed prompt chunks within the budget, admitting queued requests while the
-     batch has room; a prompt that is in joins the batch
+  2. prefill (admission.py): prompt chunks within the budget, admitting queued requests while the batch has
+     room, all of them fed in one forward; a prompt that is in joins the batch
   3. reserve each running request's next KV block (evicting idle sessions under memory pressure)
   4. decode: one batched ``runner.decode`` over every running request (sessions may differ in length and
      method), then each row samples and streams its token (delivery.py)
@@ -73,9 +73,13 @@ class EngineLoop:
         plan = self.scheduler.plan(time.monotonic())
         for r, error in plan.dropped:
             self.delivery.fail(r, error)
-        budget = plan.prefill_tokens
-        while budget > 0 and (r := self.scheduler.next_prefill()) is not None:
-            budget -= self.admission.prefill(r, budget)
+        budget, chunks = plan.prefill_tokens, []
+        while budget > 0 and (r := self.scheduler.next_prefill([c for c, _ in chunks])) is not None:
+            if n := self.admission.admit(r, budget):
+                chunks.append((r, n))
+                budget -= n
+        if chunks:
+            self.admission.feed(chunks)
         if self.scheduler.running:
             self.reserve()
         if self.scheduler.running:
@@ -150,8 +154,8 @@ class EngineLoop:
     def shutdown(self, error: EngineError) -> None:
         """Fail what is left with ``error``, close every session, answer pending commands."""
         scheduler = self.scheduler
-        if scheduler.admitting is not None:
-            self.admission.end(scheduler.admitting, error)
+        for r in list(scheduler.admitting):
+            self.admission.end(r, error)
         for r in list(scheduler.running):
             self.delivery.fail(r, error)
         scheduler.running = []

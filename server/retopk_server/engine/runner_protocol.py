@@ -83,6 +83,11 @@ class Runner(Protocol):
         done) when they do not fit."""
         ...
 
+    def prefill_together(self, plan: list[tuple[PrefillJob, int]]) -> list[torch.Tensor | BaseException | None]:
+        """Feed each (job, n) up to n more tokens in shared forwards -> per job what its ``step(n)`` returns, or the
+        exception that stopped it (the caller aborts that job)."""
+        ...
+
     def trim_pools(self) -> int:
         """Give back cache memory kept for a load that may come back, once it has been kept long enough (the
         engine calls this when idle) -> bytes freed."""

@@ -6,10 +6,13 @@ loop.py, does what it decides). Per iteration of the loop:
   ``plan(now)``      takes out the requests whose client cancelled or whose deadline passed (running and
                      queued) and sets the iteration's prompt-token budget: ``max_step_tokens`` less one
                      decode token per running request, at least one (StepPlan)
-  ``next_prefill()`` who gets the next prompt chunk: the request being admitted, else the head of the queue
-                     while the batch has room (``max_running``; a request with n choices needs room for n,
-                     unless the batch is empty). First come, first served: nothing overtakes the head.
-  ``joined(r, rows)`` a prompt is in: its rows join the batch, admission is free for the next request
+  ``next_prefill(fed)`` who gets the iteration's next prompt chunk (``fed``: those given one already): a request
+                     being admitted, else the head of the queue while the batch has room beside the running and
+                     admitted requests (``max_running``; a request with n choices needs room for n, unless the
+                     batch is empty). First come, first served: nothing overtakes the head. The loop feeds the
+                     chunks it hands out in one forward; a prompt that does not fit the iteration's budget stays
+                     admitted, so at most one is between the queue and the batch from one iteration to the next.
+  ``joined(r, rows)`` a prompt is in: its rows join the batch, ``r`` leaves admission
 
 Threading: the asyncio thread queues (``enqueue``, under ``lock``) and withdraws a cancelled queued request;
 everything else runs on the engine thread, which alone changes the batch and the request being admitted.
@@ -42,7 +45,7 @@ class Scheduler:
         self.lock = threading.Condition(threading.Lock())  # the command queue waits on it too (commands.py)
         self.queue: deque[ActiveRequest] = deque()
         self.running: list[ActiveRequest] = []
-        self.admitting: ActiveRequest | None = None  # between the queue and the batch (prefilling)
+        self.admitting: list[ActiveRequest] = []  # between the queue and the batch (prefilling)
         self.draining = False  # new requests are refused; queued and running ones go on
         self.stopped = False  # the loop ends at its next pass; nothing new is accepted
 
@@ -76,23 +79,23 @@ class Scheduler:
 
     def busy(self) -> bool:
         """Under ``lock``: requests are queued, being admitted or running."""
-        return bool(self.running or self.queue or self.admitting is not None)
+        return bool(self.running or self.queue or self.admitting)
 
     def held(self) -> list[ActiveRequest]:
         """Under ``lock``: every request queued, running or being admitted."""
-        return [*self.queue, *self.running, *([self.admitting] if self.admitting is not None else [])]
+        return [*self.queue, *self.running, *self.admitting]
 
     def in_flight(self) -> int:
         """Requests queued or running. A request counts as finished once its last event is out, even if the
         engine thread has not yet dropped it from the batch."""
         with self.lock:
-            live = {id(r) for r in [*self.running, self.admitting] if r is not None and not r.done}
+            live = {id(r) for r in [*self.running, *self.admitting] if not r.done}
             return len(self.queue) + len(live)
 
     def load(self) -> tuple[int, int]:
-        """(queued, running) requests, the one being admitted counted as running."""
+        """(queued, running) requests, those being admitted counted as running."""
         with self.lock:
-            return len(self.queue), len(self.running) + (self.admitting is not None)
+            return len(self.queue), len(self.running) + len(self.admitting)
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def plan(self, now: float) -> StepPlan:
@@ -109,26 +112,29 @@ class Scheduler:
         dropped += [(r, r.dropped(now, " while queued")) for r in late]
         return StepPlan(dropped, max(1, self.config.max_step_tokens - len(self.running)))
 
-    def next_prefill(self) -> ActiveRequest | None:
-        """The request to feed the next prompt chunk to (module docstring), or None."""
-        if self.admitting is not None:
-            return self.admitting
+    def next_prefill(self, fed: list[ActiveRequest] = ()) -> ActiveRequest | None:
+        """The request to feed the iteration's next prompt chunk to (module docstring; ``fed``: the requests given
+        one in this iteration already), or None."""
+        for r in self.admitting:
+            if all(r is not f for f in fed):
+                return r
         limit = self.config.max_running
+        taken = len(self.running) + sum(r.spec.n for r in self.admitting)  # rows the admitted ones will join as
         with self.lock:
-            if not self.queue or len(self.running) >= limit:
+            if not self.queue or taken >= limit:
                 return None
-            if self.running and len(self.running) + self.queue[0].spec.n > limit:
+            if taken and taken + self.queue[0].spec.n > limit:
                 return None  # its n choices wait for room (alone in an empty batch they may exceed it)
-            self.admitting = self.queue.popleft()
-            return self.admitting
+            r = self.queue.popleft()
+            self.admitting.append(r)
+            return r
 
     def joined(self, r: ActiveRequest, rows: list[ActiveRequest]) -> None:
         """``r``'s prompt is in: its rows that go on join the batch, in one step with ending its admission, so
         that ``in_flight`` (a drain) never misses it in between."""
         with self.lock:
             self.running.extend(row for row in rows if not row.done)
-            if self.admitting is r:
-                self.admitting = None
+            self.admitting = [a for a in self.admitting if a is not r]
 
     def abandon(self, r: ActiveRequest) -> None:
         """``r``'s admission ended without it joining the batch."""

@@ -4,9 +4,11 @@ The decoder (decoder/llama.py) computes each layer's q, k, v and RoPE and calls 
 v, scale)``: the new keys and values go into the rows' KV blocks (StepKV, shared by both contexts), then the
 layer's attention runs over the pool with each row's length.
 
-Prefill (one session, a chunk of T tokens at positions s..s+T-1): dense softmax attention, causal
-within the chunk and full to the session's earlier positions, via SDPA with GQA. After the last
-chunk the method sees the prompt's last ``prefill_queries`` queries (``method.prefill``).
+Prefill (one chunk of each of S sessions, ragged along the forward's token axis: session i's T_i tokens at
+its positions s_i .. s_i + T_i - 1): dense softmax attention per session, causal within its chunk and full to
+its earlier positions, via SDPA with GQA; sessions never see each other. The method sees a prompt's last
+``prefill_queries`` queries (``method.prefill``) once the forward of its last chunk has finished
+(``PrefillSegment.observe``), so that a forward that fails has changed no method state.
 Decode (B sessions, one token each): rows are grouped by method, each group calls ``method.decode``
 on a PagedKV view of its rows, outputs are scattered back into the batch.
 
@@ -226,27 +228,67 @@ class StepKV:
 
 
 @dataclass
-class PrefillContext:
-    """One chunk of one session's prompt (prefill.py).
+class PrefillSegment:
+    """One session's chunk in a prefill forward: rows ``offset`` .. ``offset + T - 1`` of its token axis (prefill.py).
 
+    kv            the session's block table (1, max_blocks), start (1,) = first, lengths (1,) = first + T
     first         python int copy of kv.start[0]
-    last          this chunk ends the prompt: hand the tail queries to the method
+    last          this chunk ends the prompt: the method observes its tail queries after the forward
     tail_start    first position whose query is kept (the method wants the last ``prefill_queries`` of them)
-    tails         layer -> (H, t, d) queries kept so far, across the prompt's chunks
+    tails         layer -> (H, t, d) queries kept by the session's earlier chunks (read only here)
+    kept          layer -> (H, t', d) the queries this chunk keeps; the job appends them to ``tails`` once
+                  the forward has finished
     """
 
     kv: StepKV
     group: MethodGroup
     slots: list[int]  # the session's state slot in each layer
     first: int
+    offset: int
+    T: int
     last: bool
     tail_start: int
     tails: dict[int, torch.Tensor]
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def observe(self, scale: float) -> None:
+        """After the forward of the prompt's last chunk (``tails`` holding its queries): every layer's method
+        observes the prompt's last ``prefill_queries`` queries (``method.prefill``)."""
+        want, L = self.group.method.prefill_queries, self.first + self.T
+        for layer in range(len(self.group.states)):
+            # the tails may start before the last ``want`` (the prefix cache keeps some of them, prefill.py)
+            q_tail = self.tails[layer][:, -want:] if want > 0 and layer in self.tails else None
+            positions = None
+            if q_tail is not None:
+                positions = torch.arange(L - q_tail.shape[1], L, device=q_tail.device)
+            kv = self.kv.pool.paged(layer, self.kv.table[:1], self.kv.lengths[:1])
+            self.group.prefill(layer, self.slots[layer], q_tail, positions, kv, scale)
+
+
+@dataclass
+class PrefillContext:
+    """One chunk of each of several sessions' prompts in one forward (prefill.py), ``segments`` in the order of
+    their rows; ``rows`` (1, H_kv, N) the pool rows of all N new tokens, made on first use (every layer's)."""
+
+    segments: list[PrefillSegment]
+    rows: torch.Tensor | None = None
+    scale: float = 0.0  # the model's softmax scale, as the layers pass it (the methods observe with it)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (1, H, T, d), k, v (1, H_kv, T, d) after RoPE -> (1, H, T, d) dense causal attention."""
-        self.kv.store(layer, k, v)
-        return _prefill(self, layer, q, scale)
+        """q (1, H, N, d), k, v (1, H_kv, N, d) after RoPE -> (1, H, N, d): each segment's rows attend densely and
+        causally to its own session only."""
+        segments, self.scale = self.segments, scale
+        pool = segments[0].kv.pool
+        if self.rows is None:
+            self.rows = torch.cat([pool.rows(seg.kv.table, seg.kv.start, seg.T) for seg in segments], dim=2)
+        pool.write(layer, self.rows, k, v)  # every session's new keys and values in one store
+        if len(segments) == 1:
+            return _prefill(segments[0], layer, q, scale)
+        out = torch.empty_like(q)
+        for seg in segments:
+            rows = slice(seg.offset, seg.offset + seg.T)
+            out[:, :, rows] = _prefill(seg, layer, q[:, :, rows], scale)
+        return out
 
 
 @dataclass
@@ -305,12 +347,13 @@ def _finish_stats(ctx: DecodeContext) -> None:
         pairs.clear()
 
 
-def _prefill(ctx: PrefillContext, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """One session's chunk: query (1, H, T, d) -> (1, H, T, d) dense causal attention."""
+def _prefill(seg: PrefillSegment, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+    """One session's chunk: query (1, H, T, d) -> (1, H, T, d) dense causal attention; the queries the method will
+    observe go to ``seg.kept``."""
     _, H, T, _ = query.shape
-    s = ctx.first
+    s = seg.first
     L = s + T
-    k, v = ctx.kv.pool.history(layer, ctx.kv.table[0], L)  # (H_kv, L, d)
+    k, v = seg.kv.pool.history(layer, seg.kv.table[0], L)  # (H_kv, L, d)
     k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)
     gqa = H != k.shape[1]
     if s == 0 and H * T * L <= PREFILL_SCORES_BUDGET:
@@ -326,22 +369,9 @@ def _prefill(ctx: PrefillContext, layer: int, query: torch.Tensor, scale: float)
             mask = torch.arange(end, device=query.device).view(1, end) <= qpos  # (j - i, end)
             out[:, :, i:j] = F.scaled_dot_product_attention(query[:, :, i:j], k[:, :, :end], v[:, :, :end],
                                                             attn_mask=mask, scale=scale, enable_gqa=gqa)
-    group = ctx.group
-    want = group.method.prefill_queries
-    if want > 0:
-        first = max(ctx.tail_start, s)
-        if first < L:
-            kept = query[0, :, first - s:]  # (H, t, d)
-            prev = ctx.tails.get(layer)
-            ctx.tails[layer] = kept if prev is None else torch.cat([prev, kept], dim=1)
-    if ctx.last:
-        # the tails may start before the last ``want`` (the prefix cache keeps some of them, prefill.py)
-        q_tail = ctx.tails[layer][:, -want:] if want > 0 and layer in ctx.tails else None
-        positions = None
-        if q_tail is not None:
-            positions = torch.arange(L - q_tail.shape[1], L, device=query.device)
-        kv = ctx.kv.pool.paged(layer, ctx.kv.table[:1], ctx.kv.lengths[:1])
-        group.prefill(layer, ctx.slots[layer], q_tail, positions, kv, scale)
+    first = max(seg.tail_start, s)
+    if seg.group.method.prefill_queries > 0 and first < L:
+        seg.kept[layer] = query[0, :, first - s:]  # (H, t, d)
     return out
 
 

@@ -15,21 +15,29 @@ with the cached tail queries (``tail``) of the positions before the hit's end th
 A job that caches blocks also keeps, at its last grid boundary E past its start, the queries of positions
 E - Q .. E - 1 (Q the method's ``prefill_queries``) beside the block ending at E, when it computed them
 in the whole chunk that ends at E (the chunk a full prefill computes them in).
+
+``step_together`` feeds several jobs at once (the engine's newcomers of one iteration): round by round, one
+forward over every job's next chunk, the same chunk the job would take alone, the chunks ragged along the
+token axis and each causal within its own session (attention.py's PrefillContext). Each job gets what it
+would get alone: the same KV, method state and logits up to the float rounding of a GEMM over more rows.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 
-from retopk_server.runtime.attention import MethodGroup, PrefillContext, StepKV
+from retopk_server.runtime.attention import MethodGroup, PrefillContext, PrefillSegment, StepKV
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefix_cache import PrefixCache
 from retopk_server.runtime.runtime_config import RuntimeConfig
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import truncate
+
+log = logging.getLogger("retopk_server.runtime")
 
 
 class PrefillRunner(Protocol):
@@ -46,7 +54,8 @@ class PrefillRunner(Protocol):
 
     def method_group(self, spec: MethodSpec) -> MethodGroup: ...
 
-    def forward(self, ctx: PrefillContext, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, ctx: PrefillContext, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                logits_at: list[int] | None = None) -> torch.Tensor | None: ...
 
 
 class PrefillJob:
@@ -90,34 +99,39 @@ class PrefillJob:
     def remaining(self) -> int:
         return self.end - self.pos
 
-    @torch.inference_mode()
     def step(self, max_tokens: int) -> torch.Tensor | None:
         """Feed up to ``max_tokens`` more tokens -> (vocab,) float32 logits once the last is in, else None."""
-        if self.aborted or self.done:
-            raise RuntimeError("this prefill has ended")
-        runner, dev = self.runner, self.runner.device
-        # read again: a compaction between steps may have moved the session's blocks (ModelRunner._compact)
-        self.table = runner.pool.block_table([self.session.blocks], dev)
-        stop = min(self.end, self.pos + max(1, max_tokens))
-        logits = None
-        while self.pos < stop:
-            s = self.pos
-            e = min(stop, s + runner.config.prefill_chunk)
-            ids = self.token_ids[s - self.begin:e - self.begin]
-            kv = StepKV(runner.pool, self.table, torch.tensor([s], device=dev), torch.tensor([e], device=dev))
-            ctx = PrefillContext(kv, self.group, self.session.slots, first=s, last=e == self.end,
-                                 tail_start=self.tail_start, tails=self.tails)
-            positions = torch.arange(s, e, device=dev).unsqueeze(0)  # (1, T)
-            logits = runner.forward(ctx, torch.tensor([ids], device=dev), positions)
-            self.session.token_ids.extend(ids)
-            self.pos = e
-            if e == self.keep_at and s == e - runner.config.prefill_chunk:
-                self.whole_chunk_at_keep = True
-        if self.done:
-            if self.hashes is not None and self.runner.prefix_cache is not None:
-                self._cache_prompt()
-            self.tails.clear()
-        return logits[0] if self.done else None
+        [out] = step_together(self.runner, [(self, max_tokens)])
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _segment(self, end: int, offset: int) -> PrefillSegment:
+        """This job's chunk pos .. end - 1 as rows offset .. of a prefill forward."""
+        dev, s = self.runner.device, self.pos
+        kv = StepKV(self.runner.pool, self.table, torch.tensor([s], device=dev), torch.tensor([end], device=dev))
+        return PrefillSegment(kv, self.group, self.session.slots, first=s, offset=offset, T=end - s,
+                              last=end == self.end, tail_start=self.tail_start, tails=self.tails)
+
+    def _commit(self, seg: PrefillSegment, scale: float, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """After the forward of ``seg``: keep its queries, let the method observe the prompt when the chunk was its
+        last (raising leaves ``pos`` where it was, for ``abort``), then advance -> ``logits`` once done."""
+        for layer, kept in seg.kept.items():
+            prev = self.tails.get(layer)
+            self.tails[layer] = kept if prev is None else torch.cat([prev, kept], dim=1)
+        if seg.last:
+            seg.observe(scale)
+        s, e, chunk = self.pos, seg.first + seg.T, self.runner.config.prefill_chunk
+        self.session.token_ids.extend(self.token_ids[s - self.begin:e - self.begin])
+        self.pos = e
+        if e == self.keep_at and s == e - chunk:
+            self.whole_chunk_at_keep = True
+        if not self.done:
+            return None
+        if self.hashes is not None and self.runner.prefix_cache is not None:
+            self._cache_prompt()
+        self.tails.clear()
+        return logits
 
     def _cache_prompt(self) -> None:
         """Cache the prompt's full blocks, and the tail queries at ``keep_at`` when the job computed them in the
@@ -137,3 +151,70 @@ class PrefillJob:
         self.aborted = True
         truncate(self.runner.pool, self.session, self.begin)
         self.tails.clear()
+
+
+def _forward(runner: PrefillRunner, chunks: list[tuple[PrefillJob, int]]) -> list[torch.Tensor | BaseException | None]:
+    """One forward over each job's chunk pos .. end - 1 (``chunks``: (job, end)) -> per job its logits (vocab,)
+    when the chunk ends its prompt, else None, or the exception its commit raised (the method's observation).
+    Raises when the forward itself fails: then no job has changed but for KV at the chunks' positions, which
+    a retry writes again."""
+    dev = runner.device
+    segments, ids, positions, at = [], [], [], []
+    for job, end in chunks:
+        segments.append(job._segment(end, len(ids)))
+        ids += job.token_ids[job.pos - job.begin:end - job.begin]
+        positions += range(job.pos, end)
+        if end == job.end:
+            at.append(len(ids) - 1)
+    ctx = PrefillContext(segments)
+    logits = runner.forward(ctx, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
+                            logits_at=at)  # (len(at), V) or None
+    out: list[torch.Tensor | BaseException | None] = []
+    row = 0
+    for (job, _), seg in zip(chunks, segments, strict=True):
+        mine = None
+        if seg.last:
+            mine, row = logits[row], row + 1
+        try:
+            out.append(job._commit(seg, ctx.scale, mine))
+        except Exception as e:  # noqa: BLE001 - this job alone ends (its caller aborts it)
+            out.append(e)
+    return out
+
+
+@torch.inference_mode()
+def step_together(runner: PrefillRunner,
+                  plan: list[tuple[PrefillJob, int]]) -> list[torch.Tensor | BaseException | None]:
+    """Feed each job of ``plan`` (job, n) up to n more tokens -> per job its (vocab,) float32 logits once its prompt
+    is in, else None, or the exception that stopped it (the caller aborts that job).
+
+    Round by round, one forward over each job's next chunk: at most ``prefill_chunk`` tokens, as the job alone
+    would take them. A forward of several jobs that fails is retried one job at a time, so that only the jobs
+    that fail alone stop.
+    """
+    for job, _ in plan:
+        if job.aborted or job.done:
+            raise RuntimeError("this prefill has ended")
+        # read again: a compaction between steps may have moved the session's blocks (ModelRunner._compact)
+        job.table = runner.pool.block_table([job.session.blocks], runner.device)
+    stops = [min(job.end, job.pos + max(1, n)) for job, n in plan]
+    out: list[torch.Tensor | BaseException | None] = [None] * len(plan)
+    chunk = runner.config.prefill_chunk
+    while live := [i for i, (job, _) in enumerate(plan) if job.pos < stops[i] and out[i] is None]:
+        chunks = [(plan[i][0], min(stops[i], plan[i][0].pos + chunk)) for i in live]
+        try:
+            results = _forward(runner, chunks)
+        except Exception as e:
+            if len(live) == 1:
+                results = [e]
+            else:
+                log.exception("a prefill forward of %d prompts failed; feeding them one at a time", len(live))
+                results = []
+                for c in chunks:
+                    try:
+                        results += _forward(runner, [c])
+                    except Exception as alone:  # noqa: BLE001 - this job alone stops
+                        results.append(alone)
+        for i, res in zip(live, results, strict=True):
+            out[i] = res
+    return out

@@ -1,12 +1,12 @@
 """ModelRunner: a Llama-family decoder (runtime/decoder) whose attention runs through the ReTopK core, with sessions.
 
-Prefill is dense and chunked (one session at a time; ``start_prefill`` hands out a PrefillJob a scheduler
-advances chunk by chunk, prefill.py); decoding advances any set of open sessions by one token in a single
-forward, each row with its own length and its session's method. The KV pool and the method-state pools
-share one CacheBudget (budget.py, ``RuntimeConfig.kv_cache_bytes``): an allocation it cannot hold raises
-BudgetExceeded with nothing changed. One forward (``_forward``) is decoder.llama.forward with the runtime's
-attention (attention.py's ``attend``: each layer's new keys and values into the KV pool, then dense prefill
-or the rows' methods).
+Prefill is dense and chunked (``start_prefill`` hands out a PrefillJob a scheduler advances chunk by chunk;
+``prefill_together`` runs several sessions' chunks in one forward, prefill.py); decoding advances any set of
+open sessions by one token in a single forward, each row with its own length and its session's method. The
+KV pool and the method-state pools share one CacheBudget (budget.py, ``RuntimeConfig.kv_cache_bytes``): an
+allocation it cannot hold raises BudgetExceeded with nothing changed. One forward (``forward``) is
+decoder.llama.forward with the runtime's attention (attention.py's ``attend``: each layer's new keys and
+values into the KV pool, then dense prefill or the rows' methods).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from retopk_server.runtime.loading import from_model, load
 from retopk_server.runtime.memory import MemoryUsage, release_freed_memory
 from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
-from retopk_server.runtime.prefill import PrefillJob
+from retopk_server.runtime.prefill import PrefillJob, step_together
 from retopk_server.runtime.prefix_cache import PrefixCache, block_hashes
 from retopk_server.runtime.runtime_config import RuntimeConfig
 from retopk_server.runtime.sampling_defaults import model_defaults
@@ -441,11 +441,13 @@ class ModelRunner:
         return self._groups[spec]
 
     def forward(self, ctx: PrefillContext | DecodeContext, input_ids: torch.Tensor,
-                position_ids: torch.Tensor, layers: Layers | None = None) -> torch.Tensor:
-        """One forward of the decoder whose attention runs from ``ctx`` (a prefill chunk or a decode step):
-        input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token. ``layers``: the
-        step's layers in one call (whole_step.py), else layer by layer."""
-        return forward(self.decoder, input_ids, position_ids, ctx.attend, layers)
+                position_ids: torch.Tensor, layers: Layers | None = None,
+                logits_at: list[int] | None = None) -> torch.Tensor | None:
+        """One forward of the decoder whose attention runs from ``ctx`` (prefill chunks or a decode step):
+        input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token, or at the tokens
+        ``logits_at`` (decoder.llama.forward). ``layers``: the step's layers in one call (whole_step.py), else
+        layer by layer."""
+        return forward(self.decoder, input_ids, position_ids, ctx.attend, layers, logits_at)
 
     def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
         """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).
@@ -522,6 +524,12 @@ class ModelRunner:
         """
         job = self.start_prefill(session, token_ids, prefix_key)
         return job.step(job.remaining)
+
+    def prefill_together(self, plan: list[tuple[PrefillJob, int]]) -> list[torch.Tensor | BaseException | None]:
+        """Feed each (job, n) of ``plan`` up to n more tokens, the jobs' chunks in shared forwards (prefill.py's
+        ``step_together``: each job gets what its own ``step(n)`` gives) -> per job its (vocab,) logits once its
+        prompt is in, else None, or the exception that stopped it (abort that job)."""
+        return step_together(self, plan)
 
     @torch.inference_mode()
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,

@@ -4,6 +4,7 @@ conditions, the context length, seeded sampling, requests refused for their inpu
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -71,6 +72,43 @@ def test_concurrent_requests_are_batched_and_each_equals_the_request_alone():
         assert tokens(events) == greedy_reference(enc(prompts[i]), 12 + i)
     assert max(runner.batch_sizes) == 8  # batch capped at max_running, and actually filled
     assert runner.sessions == {}
+
+
+@pytest.mark.parametrize("step_tokens", [512, 10])
+def test_the_prompts_queued_during_a_step_are_fed_in_one_shared_prefill(step_tokens):
+    """Three requests queue while the batch's decode step waits: the next iteration admits all three and feeds
+    their prompts in one ``prefill_together`` (with a budget of 10 tokens, the third prompt's rest waits for
+    the next iteration, still admitted, and goes with the fourth); each request's tokens equal the request
+    alone."""
+    gate = threading.Event()
+    engine, runner = make_engine(FakeRunner(gate=gate), max_running=8, max_step_tokens=step_tokens)
+    prompts = ["first", "second", "third", "fourth"]  # 5, 6, 5 and 6 tokens
+
+    async def main():
+        first = asyncio.ensure_future(generate(engine, text=prompts[0], max_new_tokens=4, request_id="0"))
+        while ("decode", 1) not in runner.log:  # the first request's decode step waits at the gate
+            await asyncio.sleep(0.005)
+        rest = [asyncio.ensure_future(generate(engine, text=p, max_new_tokens=4, request_id=str(i)))
+                for i, p in enumerate(prompts[1:], start=1)]
+        while engine.scheduler.load()[0] < 3:
+            await asyncio.sleep(0.005)
+        gate.set()
+        return await asyncio.gather(first, *rest)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        gate.set()
+        engine.stop()
+    for prompt, (events, error) in zip(prompts, results, strict=True):
+        assert error is None and tokens(events) == greedy_reference(enc(prompt), 4)
+    assert runner.trims > 0  # the engine's idle passes let the runner trim its pools
+    shared = [(kind, n) for kind, n in runner.log if kind.startswith("prefill")]
+    if step_tokens == 512:
+        assert shared[2:] == [("prefill_together", 3), ("prefill", 6), ("prefill", 5), ("prefill", 6)]
+    else:  # 10 - 1 running: 6 + 3, then (10 - 2 running) the third's last 2 and the fourth's 6
+        assert shared[2:] == [("prefill_together", 2), ("prefill", 6), ("prefill", 3),
+                              ("prefill_together", 2), ("prefill", 2), ("prefill", 6)]
 
 
 @pytest.mark.parametrize("fields, needle", [

@@ -55,6 +55,21 @@ def test_the_queue_is_served_in_order_while_the_batch_has_room(loop):
     assert scheduler.next_prefill() is c
 
 
+def test_one_iteration_admits_several_requests_while_the_batch_has_room_for_all_of_them(loop):
+    """The loop feeds an iteration's chunks in one forward: next_prefill hands out one request after another
+    (``fed``: those given a chunk in this iteration), counting the admitted ones' rows against the batch."""
+    scheduler = Scheduler(EngineConfig(max_running=4))
+    a, b, c, d = request(loop, "a"), request(loop, "b", n=2), request(loop, "c"), request(loop, "d")
+    queued(scheduler, a, b, c, d)
+    assert scheduler.next_prefill([]) is a and scheduler.next_prefill([a]) is b and scheduler.next_prefill([a, b]) is c
+    assert scheduler.next_prefill([a, b, c]) is None  # 1 + 2 + 1 rows: full
+    assert scheduler.admitting == [a, b, c] and scheduler.load() == (1, 3)
+    scheduler.joined(a, [a])
+    scheduler.joined(b, [b, request(loop, "b fork")])
+    assert scheduler.next_prefill([]) is c  # still admitted (its prompt did not fit): it goes first
+    assert scheduler.next_prefill([c]) is None and scheduler.in_flight() == 5  # d queued, 3 rows, c
+
+
 def test_n_choices_wait_for_room_for_all_of_them_and_nothing_overtakes_them(loop):
     scheduler = Scheduler(EngineConfig(max_running=3))
     first, wide, small = request(loop, "first"), request(loop, "wide", n=3), request(loop, "small")
@@ -107,7 +122,7 @@ def test_a_withdrawn_request_leaves_the_queue_but_an_admitted_one_stays(loop):
     assert not scheduler.withdraw(a) and scheduler.withdraw(b)
     assert list(scheduler.queue) == [] and scheduler.in_flight() == 1
     scheduler.abandon(a)
-    assert scheduler.admitting is None and scheduler.in_flight() == 0
+    assert scheduler.admitting == [] and scheduler.in_flight() == 0
 
 
 def test_a_finished_request_no_longer_counts_as_in_flight(loop):

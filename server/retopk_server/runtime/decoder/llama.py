@@ -172,9 +172,11 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
 
 
 def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
-            layers: Layers | None = None) -> torch.Tensor:
+            layers: Layers | None = None, logits_at: list[int] | None = None) -> torch.Tensor | None:
     """ids, positions (B, T) int64 -> float32 logits (B, V) after each row's last token. ``layers``: the
-    layers in one call (a decode step's whole-step kernel), else one ``layer_step`` each with ``attend``."""
+    layers in one call (a decode step's whole-step kernel), else one ``layer_step`` each with ``attend``.
+    ``logits_at``: instead, the logits (len, V) at these indices of the B*T tokens (a ragged prefill's
+    prompts that end in it; None when the list is empty: the LM head is skipped)."""
     B, T = ids.shape
     x = dec.embed(ids.reshape(-1))  # (B*T, D) float32
     cos, sin = rope_tables(dec.rotary, x, positions)
@@ -183,5 +185,10 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     else:
         for index, layer in enumerate(dec.layers):
             x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
-    last = x.view(B, T, -1)[:, -1].contiguous()  # (B, D)
-    return dec.lm_head(rms_norm(last, dec.norm, dec.eps))  # (B, V)
+    if logits_at is None:
+        last = x.view(B, T, -1)[:, -1].contiguous()  # (B, D)
+    elif not logits_at:
+        return None
+    else:
+        last = x[logits_at]  # (len, D)
+    return dec.lm_head(rms_norm(last, dec.norm, dec.eps))  # (rows, V)

@@ -1,0 +1,110 @@
+"""Several sessions' prompt chunks in one forward (runner.prefill_together, prefill.py's step_together) against
+each session's own ``job.step``: the same logits, KV, method state and tokens, to float32 rounding (a GEMM over
+more rows may sum in another order), for first prompts, a later turn, a prompt longer than a chunk and a prompt
+fed in two calls; the next decode step agrees too. A forward that fails for one session is retried session by
+session, so that only that session stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_helpers import prompt_ids, runner_for, tiny_model
+
+from retopk_server.runtime import MethodSpec, attention
+
+# float32 throughout: only the order of a GEMM's sums differs between one session's forward and a shared one
+ATOL = 1e-5
+METHODS = [
+    MethodSpec("full"),
+    # no dense floor: the prefill seeds ReTopK's FIFOs from the prompt's last queries
+    MethodSpec.of("retopk", top_k=8, cache_size=6, window=2, tau=0.85, tau_calibration=0.8, dense_below=0),
+    MethodSpec.of("quest", top_k=8, page_size=4),
+]
+EARLIER = prompt_ids(9, seed=10)  # session 1's first turn, prefilled alone before
+# per session: the prompt, and the tokens the first call feeds (the rest in a second call)
+PLAN = [(prompt_ids(5, seed=11), 5), (prompt_ids(6, seed=12), 6), (prompt_ids(20, seed=13), 20),
+        (prompt_ids(13, seed=14), 7)]
+
+
+def state_of(runner, session) -> list[dict[str, torch.Tensor]]:
+    group = runner.method_group(session.method)
+    return [{name: t[slot].clone() for name, t in vars(state).items()
+             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == state.capacity}
+            for state, slot in zip(group.states, session.slots, strict=True)]
+
+
+def kv_of(runner, session) -> list[torch.Tensor]:
+    table = torch.tensor(session.blocks)
+    return [torch.cat(runner.pool.history(layer, table, session.length)) for layer in range(runner.info.num_layers)]
+
+
+def start(method):
+    """A runner with chunks of 8 tokens and its four sessions, session 1 holding its earlier turn."""
+    runner = runner_for(tiny_model("llama"), method, kv_block_size=4, prefill_chunk=8)
+    sessions = [runner.open_session() for _ in PLAN]
+    runner.prefill(sessions[1], EARLIER)
+    jobs = [runner.start_prefill(s, prompt) for s, (prompt, _) in zip(sessions, PLAN, strict=True)]
+    return runner, sessions, jobs
+
+
+def assert_same(a, b, sa, sb) -> None:
+    for x, y in zip(sa, sb, strict=True):
+        assert x.token_ids == y.token_ids
+        for kx, ky in zip(kv_of(a, x), kv_of(b, y), strict=True):
+            torch.testing.assert_close(kx, ky, atol=ATOL, rtol=0)
+        for fx, fy in zip(state_of(a, x), state_of(b, y), strict=True):
+            for name in fx:
+                if fx[name].is_floating_point():
+                    torch.testing.assert_close(fx[name], fy[name], atol=ATOL, rtol=0, msg=name)
+                else:
+                    assert torch.equal(fx[name], fy[name]), name
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_shared_forwards_give_each_session_what_it_gets_alone(method):
+    alone, alone_sessions, alone_jobs = start(method)
+    expected = [job.step(n) for job, (_, n) in zip(alone_jobs, PLAN, strict=True)]
+    expected.append(alone_jobs[3].step(alone_jobs[3].remaining))
+
+    shared, sessions, jobs = start(method)
+    forwards = []
+    real = shared.forward
+    shared.forward = lambda ctx, *a, **kw: forwards.append(len(ctx.segments)) or real(ctx, *a, **kw)
+    got = shared.prefill_together([(job, n) for job, (_, n) in zip(jobs, PLAN, strict=True)])
+    got += shared.prefill_together([(jobs[3], jobs[3].remaining)])
+    shared.forward = real
+    # chunks of at most 8 per session: 4 sessions, then the 20-token prompt's 2nd and 3rd chunks, then the rest
+    assert forwards == [4, 1, 1, 1]
+    assert got[3] is None and expected[3] is None  # its first call ends before its prompt does
+    for g, e in zip(got[:3] + got[4:], expected[:3] + expected[4:], strict=True):
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+    assert_same(shared, alone, sessions, alone_sessions)
+    tokens = [int(e.argmax()) for e in expected[:3]] + [int(expected[4].argmax())]
+    step_alone, _ = alone.decode(alone_sessions, tokens)
+    step_shared, _ = shared.decode(sessions, tokens)
+    torch.testing.assert_close(step_shared, step_alone, atol=ATOL, rtol=0)
+
+
+def test_a_forward_that_fails_for_one_session_stops_that_session_alone(monkeypatch):
+    method = METHODS[1]
+    alone, alone_sessions, alone_jobs = start(method)
+    shared, sessions, jobs = start(method)
+    bad = sessions[2]
+    real = attention._prefill
+
+    def failing(seg, layer, query, scale):
+        if seg.slots == bad.slots and layer == 1:
+            raise RuntimeError("this session's attention failed")
+        return real(seg, layer, query, scale)
+
+    monkeypatch.setattr(attention, "_prefill", failing)
+    got = shared.prefill_together([(job, job.remaining) for job in jobs])
+    assert isinstance(got[2], RuntimeError) and all(isinstance(g, torch.Tensor) for g in got[:2] + got[3:])
+    jobs[2].abort()
+    assert bad.length == 0 and bad.token_ids == []
+    monkeypatch.setattr(attention, "_prefill", real)
+    expected = [job.step(job.remaining) for job in alone_jobs]
+    for i in (0, 1, 3):
+        torch.testing.assert_close(got[i], expected[i], atol=ATOL, rtol=0)
+    keep = [0, 1, 3]
+    assert_same(shared, alone, [sessions[i] for i in keep], [alone_sessions[i] for i in keep])
