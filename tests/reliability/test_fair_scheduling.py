@@ -45,7 +45,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_streams_decode
     assert len(rest) + 1 == 60
     assert tokens(long_events) == greedy_reference(enc(long_prompt), 5)  # chunking changes nothing
     log = runner.log
-    long_chunks = [i for i, (kind, n) in enumerate(log) if kind == "prefill" and i > 0]
+    # every prompt chunk fed, each inside a ("prefill_together", jobs) entry: the first is the short prompt's
+    long_chunks = [i for i, (kind, _) in enumerate(log) if kind == "prefill"][1:]
     # the long prompt's chunks: each within the budget left by the one running stream, together the prompt
     sizes = [log[i][1] for i in long_chunks]
     assert sum(sizes) == len(long_prompt) and max(sizes) <= budget - 1 and len(sizes) >= len(long_prompt) // budget
