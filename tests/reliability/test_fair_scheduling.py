@@ -141,3 +141,59 @@ def test_a_request_dropped_while_prefilling_leaves_its_session_as_before(how):
         assert error is None and tokens(second) == greedy_reference(enc("one ") + gen1 + enc("two "), 4)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_prompt_that_waits_for_a_prefill_under_way_keeps_its_place_and_can_be_cancelled_there(cancel):
+    """Three prompts queue at once (the engine held in a decode step): A, then B which waits while A's prefill is
+    under way (the fake's stand-in for a prompt that starts as A does, runner.waits_for_prefix), then C. C does
+    not overtake B: B and C go in one forward once A's prompt is in. Cancelled while it waits, B ends as a queued
+    request does and leaves its session as it was; C goes on."""
+    gate = threading.Event()
+    prompts = {"A": "shared start, then A", "B": "shared start, then B", "C": "C"}
+    streams: dict[str, RequestStream] = {}
+    waited = []
+
+    def waits(ids, under_way):
+        wait = ids[:12] == enc(prompts["A"][:12]) and any(job.token_ids[:12] == ids[:12] for job in under_way)
+        if wait:
+            waited.append(ids)
+            if cancel:
+                streams["B"].cancel()
+        return wait
+
+    runner = FakeRunner(gate=gate, waits=waits)
+    plans = []  # the prompts of each shared prefill
+    prefill_together = runner.prefill_together
+    runner.prefill_together = lambda plan: plans.append({k for k, p in prompts.items() for job, _ in plan
+                                                         if job.token_ids == enc(p)}) or prefill_together(plan)
+    engine, _ = make_engine(runner, max_running=4, max_step_tokens=64)  # every prompt fits one iteration
+    engine.commands.create_session("s", None).result()
+
+    async def main():
+        first = asyncio.ensure_future(generate(engine, text="a", max_new_tokens=2, request_id="first"))
+        while ("decode", 1) not in runner.log:  # held at the gate
+            await asyncio.sleep(0.001)
+        for key, prompt in prompts.items():
+            streams[key] = RequestStream()
+            engine.submit(GenerationRequest(key, text=prompt, max_new_tokens=3,
+                                            session_id="s" if key == "B" else None), streams[key])
+        gate.set()
+        return await first, {key: await collect(stream) for key, stream in streams.items()}
+
+    try:
+        (_, first_error), results = asyncio.run(main())
+        session = engine.commands.get_session("s").result()
+    finally:
+        gate.set()
+        engine.stop()
+    assert first_error is None and waited == [enc(prompts["B"])]  # asked while A was under way, once
+    served = [k for k in prompts if not (cancel and k == "B")]
+    assert plans == [set(), {"A"}, set(served) - {"A"}]  # "a", then A alone, then the others in one forward
+    for key in served:
+        events, error = results[key]
+        assert error is None and tokens(events) == greedy_reference(enc(prompts[key]), 3)
+    if cancel:
+        _, error = results["B"]
+        assert error.code is ErrorCode.CANCELLED and "queued" in error.message
+        assert (session.num_tokens, session.busy) == (0, False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,8 +91,10 @@ class FakeRunner:
     step waits until it is set (lets tests hold requests mid-stream). Records each decode batch size."""
 
     def __init__(self, max_context: int = 4096, step_delay_s: float = 0.0, gate: threading.Event | None = None,
-                 kv_blocks: int | None = None, prefill_delay_s: float = 0.0) -> None:
+                 kv_blocks: int | None = None, prefill_delay_s: float = 0.0,
+                 waits: Callable[[list[int], list[FakePrefill]], bool] | None = None) -> None:
         self.info = FakeInfo(max_context=max_context)
+        self.waits = waits  # waits_for_prefix(session, token_ids, key, under_way) = waits(token_ids, under_way)
         self.kv_blocks = kv_blocks
         self.prefill_delay_s = prefill_delay_s
         self.trims = 0  # trim_pools calls (the engine's idle passes)
@@ -220,6 +223,10 @@ class FakeRunner:
             raise ValueError("token_ids must not be empty")
         self.reserve(session, session.length + len(token_ids))
         return FakePrefill(self, session, list(token_ids))
+
+    def waits_for_prefix(self, session: Session, token_ids: list[int], prefix_key: bytes | None,
+                         under_way: list[FakePrefill]) -> bool:
+        return self.waits is not None and self.waits(token_ids, under_way)  # the fake has no prefix cache
 
     def _logits(self, context: list[int]) -> torch.Tensor:
         logits = torch.zeros(VOCAB)

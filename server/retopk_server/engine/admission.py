@@ -10,6 +10,13 @@ iteration, and ``feed`` runs every request's chunk of the iteration in shared fo
 (runner.prefill_together: the newcomers' short prompts in one forward, not one each). With the last chunk in,
 the request forks into its n choices and each samples its first token and joins the batch.
 
+Prompts that start alike. A prompt's blocks reach the prefix cache once its prefill is in, so two requests
+that arrive together with a shared system prompt and were prefilled side by side would both miss it. A
+first prompt that would take more of its start from the cache once a prefill under way (an admitted request's)
+has cached its own (runner.waits_for_prefix: the cache's chain hashes, so the same namespace and tokens)
+waits: it stays admitted with its session, nothing behind it is admitted in that iteration (first come, first
+served), and it starts in a later one, after them. Prompts that share nothing cacheable still go together.
+
 A failed admission or chunk ends that request alone (its partial prefill undone); an unexpected exception
 then has the runner probed, and a broken runner ends the engine (faults.check_runner).
 """
@@ -40,11 +47,21 @@ class Admission:
         self.runner, self.scheduler, self.sessions, self.delivery = runner, scheduler, sessions, delivery
         self.config, self.hook = config, hook
 
-    def admit(self, r: ActiveRequest, budget: int) -> int:
+    def admit(self, r: ActiveRequest, budget: int) -> int | None:
         """Admit ``r`` when it comes from the queue -> how many of its prompt tokens it gets in this iteration, at
-        most ``budget`` (0 when its admission failed or it was dropped, and it ended)."""
+        most ``budget`` (0 when its admission failed or it was dropped, and it ended), or None when its prompt
+        waits for a prefill under way that will cache its start (module docstring): it stays admitted, with its
+        session, and is started in a later iteration."""
         if r.job is None:
             try:
+                if r.record is None:
+                    self._open(r)
+                elif (error := r.dropped(time.monotonic(), " while queued")) is not None:
+                    raise error
+                under_way = [a.job for a in self.scheduler.admitting if a.job is not None]
+                if under_way and self.runner.waits_for_prefix(r.record.session, r.feed_ids, self._prefix_key(r),
+                                                              under_way):
+                    return None
                 self._start(r)
             except EngineError as e:
                 self.end(r, e)
@@ -89,9 +106,8 @@ class Admission:
         if raised is not None:
             raise raised
 
-    def _start(self, r: ActiveRequest) -> None:
-        """Open or take the request's session and start feeding its tokens (runner.start_prefill): under
-        memory pressure idle sessions are evicted first; a prompt that still does not fit is RESOURCE_EXHAUSTED."""
+    def _open(self, r: ActiveRequest) -> None:
+        """Open or take the request's session and render the tokens it feeds (``r.feed_ids``)."""
         runner = self.runner
         r.admitted = time.monotonic()
         if (error := r.dropped(r.admitted, " while queued")) is not None:
@@ -103,10 +119,17 @@ class Admission:
         else:
             r.record = self.sessions.take(r.session_id, r.spec.owner)
             r.method = r.record.session.method
-        feed = r.feed(runner, self.config.max_prompt_tokens)
-        key = namespace(r.spec.owner, r.spec.cache_salt, self.config.prefix_cache_shared)
         # feed() refused what a client could get wrong (length, context); the runner's own checks are invariants
-        r.job = self.sessions.with_room(r.spec.input_field, runner.start_prefill, r.record.session, feed, key)
+        r.feed_ids = r.feed(runner, self.config.max_prompt_tokens)
+
+    def _prefix_key(self, r: ActiveRequest) -> bytes:
+        return namespace(r.spec.owner, r.spec.cache_salt, self.config.prefix_cache_shared)
+
+    def _start(self, r: ActiveRequest) -> None:
+        """Start feeding the request's tokens (runner.start_prefill): under memory pressure idle sessions are
+        evicted first; a prompt that still does not fit is RESOURCE_EXHAUSTED."""
+        r.job = self.sessions.with_room(r.spec.input_field, self.runner.start_prefill, r.record.session, r.feed_ids,
+                                        self._prefix_key(r))
         r.cached_tokens = r.job.cached
         if r.job.looked_up:
             self.hook("on_prefix_lookup", r, r.job.looked_up, r.job.cached)

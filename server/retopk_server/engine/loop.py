@@ -7,7 +7,8 @@ sleep; else one ``step``:
 
   1. plan (scheduler.py): end the cancelled and the expired requests, budget the prompt tokens
   2. prefill (admission.py): prompt chunks within the budget, admitting queued requests while the batch has
-     room, all of them fed in one forward; a prompt that is in joins the batch
+     room, all of them fed in one forward (a first prompt whose start a prefill under way will cache waits
+     for it); a prompt that is in joins the batch
   3. reserve each running request's next KV block (evicting idle sessions under memory pressure)
   4. decode: one batched ``runner.decode`` over every running request (sessions may differ in length and
      method), then each row samples and streams its token (delivery.py)
@@ -75,7 +76,10 @@ class EngineLoop:
             self.delivery.fail(r, error)
         budget, chunks = plan.prefill_tokens, []
         while budget > 0 and (r := self.scheduler.next_prefill([c for c, _ in chunks])) is not None:
-            if n := self.admission.admit(r, budget):
+            n = self.admission.admit(r, budget)
+            if n is None:  # its prompt waits for one under way (admission.py); nothing overtakes it
+                break
+            if n:
                 chunks.append((r, n))
                 budget -= n
         if chunks:

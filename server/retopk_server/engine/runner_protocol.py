@@ -78,6 +78,12 @@ class Runner(Protocol):
         prefill (runtime/prefix_cache.py); the job's ``cached`` counts the prompt tokens the cache supplied."""
         ...
 
+    def waits_for_prefix(self, session: Session, token_ids: list[int], prefix_key: bytes | None,
+                         under_way: list[PrefillJob]) -> bool:
+        """Whether a first prompt would take more of its start from the prefix cache once the prefills ``under_way``
+        have cached theirs (nothing changes; False without a prefix cache)."""
+        ...
+
     def prefill(self, session: Session, token_ids: list[int]) -> torch.Tensor:
         """Append ``token_ids`` to the session -> (vocab,) logits after the last one; ValueError (nothing
         done) when they do not fit."""

@@ -11,7 +11,9 @@ loop.py, does what it decides). Per iteration of the loop:
                      admitted requests (``max_running``; a request with n choices needs room for n, unless the
                      batch is empty). First come, first served: nothing overtakes the head. The loop feeds the
                      chunks it hands out in one forward; a prompt that does not fit the iteration's budget stays
-                     admitted, so at most one is between the queue and the batch from one iteration to the next.
+                     admitted, and so does one that waits for a prefill under way to cache its start
+                     (admission.py); those two at most are between the queue and the batch from one iteration
+                     to the next.
   ``joined(r, rows)`` a prompt is in: its rows join the batch, ``r`` leaves admission
 
 Threading: the asyncio thread queues (``enqueue``, under ``lock``) and withdraws a cancelled queued request;

@@ -52,6 +52,7 @@ class ActiveRequest:
         self.admitted = self.prefilled = self.first_token_at = 0.0
         self.record: SessionRecord | None = None
         self.prompt_ids: list[int] = []  # this request's new input tokens
+        self.feed_ids: list[int] = []  # the tokens admission feeds (``feed``: pending + new), once its session is taken
         self.context_ids: list[int] = []  # everything in the cache after prefill (for the penalties)
         self.generated: list[int] = []
         self.text_parts: list[str] = []

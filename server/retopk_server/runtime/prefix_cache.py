@@ -67,6 +67,17 @@ def block_hashes(root: bytes, token_ids: list[int], block_size: int) -> list[byt
     return out
 
 
+def shared_run(a: list[bytes], b: list[bytes]) -> int:
+    """How many blocks two chains start with in common: equal chain hashes name the same namespace and the same
+    tokens up to the end of their block."""
+    n = 0
+    for x, y in zip(a, b, strict=False):  # the chains may differ in length
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
     """Chain hash -> KV block id, least recently used first. Engine thread only (as the runner)."""
 
@@ -83,18 +94,20 @@ class PrefixCache:
         """Cached blocks no session holds (what ``evict`` can give back)."""
         return sum(1 for b in self._blocks.values() if self.pool.holders(b) == 1)
 
+    def cached_run(self, hashes: list[bytes], multiple: int = 1) -> int:
+        """How many of ``hashes``' first blocks are cached, cut to a multiple of ``multiple`` (nothing changes)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._blocks:
+            n += 1
+        return n // multiple * multiple
+
     def lookup(self, hashes: list[bytes], most: int, multiple: int = 1) -> list[int]:
         """The block ids of the longest run of ``hashes[:most]`` that is cached, cut to a multiple of ``multiple``
-        blocks, each with a new holder (the caller's session: release them as its own), marked recently used."""
-        run = []
-        for h in hashes[:most]:
-            block = self._blocks.get(h)
-            if block is None:
-                break
-            run.append(block)
-        del run[len(run) // multiple * multiple:]
-        self._touch(hashes[:len(run)])
-        return self.pool.share(run)
+        blocks (``cached_run``), each with a new holder (the caller's session: release them as its own), marked
+        recently used."""
+        n = self.cached_run(hashes[:most], multiple)
+        self._touch(hashes[:n])
+        return self.pool.share([self._blocks[h] for h in hashes[:n]])
 
     @property
     def query_bytes(self) -> int:

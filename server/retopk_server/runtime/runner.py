@@ -30,7 +30,7 @@ from retopk_server.runtime.memory import MemoryUsage, release_freed_memory
 from retopk_server.runtime.method_limits import method_state_bytes
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.prefill import PrefillJob, step_together
-from retopk_server.runtime.prefix_cache import PrefixCache, block_hashes
+from retopk_server.runtime.prefix_cache import PrefixCache, block_hashes, shared_run
 from retopk_server.runtime.runtime_config import RuntimeConfig
 from retopk_server.runtime.sampling_defaults import model_defaults
 from retopk_server.runtime.session import Session
@@ -468,10 +468,10 @@ class ModelRunner:
             raise AssertionError("token_ids must not be empty")
         if (i := first_bad_token(token_ids, self.info.vocab_size)) is not None:
             raise AssertionError(f"token_ids[{i}]: {not_a_token(token_ids, i, self.info.vocab_size)}")
-        begin, hashes, tail = session.length, None, None
-        if prefix_key is not None and self.prefix_cache is not None and begin == 0:
+        begin, tail = session.length, None
+        hashes = self._prefix_hashes(session, token_ids, prefix_key)
+        if hashes is not None:
             # mapped first: held by the session, these blocks are safe from the evictions that room may need
-            hashes = block_hashes(prefix_key, token_ids, self.pool.block_size)
             session.blocks, tail = self._map_cached(session, hashes, len(token_ids))
             session.token_ids = token_ids[:len(session.blocks) * self.pool.block_size]
         try:
@@ -483,6 +483,29 @@ class ModelRunner:
                 session.blocks, session.token_ids = [], []
             raise
         return PrefillJob(self, session, token_ids, begin, hashes, tail)
+
+    def _prefix_hashes(self, session: Session, token_ids: list[int], prefix_key: bytes | None) -> list[bytes] | None:
+        """The chain hashes the prefix cache looks a prompt's full blocks up by and caches them under
+        (prefix_cache.py), or None when it does neither: a later turn, no namespace, no cache."""
+        if prefix_key is None or self.prefix_cache is None or session.length:
+            return None
+        return block_hashes(prefix_key, token_ids, self.pool.block_size)
+
+    def waits_for_prefix(self, session: Session, token_ids: list[int], prefix_key: bytes | None,
+                         under_way: list[PrefillJob]) -> bool:
+        """Whether the first prompt ``token_ids`` of ``session`` would take more of its start from the prefix cache
+        after the prefills ``under_way`` (started, not yet in) have cached theirs: one of them shares more of the
+        blocks a hit may cover (``cached_prefix``, in whole grids; the same chain hashes, so the same namespace
+        and tokens) than the cache holds now. The engine then starts it once they are in, not beside them
+        (engine/admission.py). Nothing changes."""
+        hashes = self._prefix_hashes(session, token_ids, prefix_key)
+        if not hashes:
+            return False
+        P, grid = self.pool.block_size, self.prefill_grid // self.pool.block_size
+        hashes = hashes[:self.cached_prefix(session, len(token_ids), with_queries=True) // P]
+        now = self.prefix_cache.cached_run(hashes, grid)
+        return any(job.hashes is not None and shared_run(hashes, job.hashes) // grid * grid > now
+                   for job in under_way)
 
     def _map_cached(self, session: Session, hashes: list[bytes], length: int) -> tuple[list[int], torch.Tensor | None]:
         """The cached blocks a ``length``-token first prompt of ``session`` starts with, held for it, and the tail

@@ -6,11 +6,17 @@ session, so that only that session stops."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 import torch
 from runtime_helpers import prompt_ids, runner_for, tiny_model
 
+from retopk_server.engine import Engine, GenerationRequest, RequestStream
+from retopk_server.engine.requests import EngineConfig
 from retopk_server.runtime import MethodSpec, attention
+from tests.server.fake_runner import FakeTokenizer
 
 # float32 throughout: only the order of a GEMM's sums differs between one session's forward and a shared one
 ATOL = 1e-5
@@ -108,3 +114,65 @@ def test_a_forward_that_fails_for_one_session_stops_that_session_alone(monkeypat
         torch.testing.assert_close(got[i], expected[i], atol=ATOL, rtol=0)
     keep = [0, 1, 3]
     assert_same(shared, alone, [sessions[i] for i in keep], [alone_sessions[i] for i in keep])
+
+
+def test_requests_that_arrive_together_share_a_forward_unless_one_starts_with_what_another_will_cache():
+    """Through the engine (blocks and chunks of 4): two requests queued in one iteration that share a system
+    prompt go one after the other, and the second takes the system prompt's blocks from the cache, as it does when
+    it comes after the first; three requests that share nothing cacheable (other salts, other tokens) go in one
+    forward and find nothing cached."""
+    runner = runner_for(tiny_model("llama", max_positions=1024), kv_block_size=4, prefill_chunk=4)
+    runner.tokenizer = FakeTokenizer()
+    forwards = []  # jobs per runner.prefill_together
+    prefill_together = runner.prefill_together
+    runner.prefill_together = lambda plan: forwards.append(len(plan)) or prefill_together(plan)
+    # the engine thread is held in an idle pass (trim_pools) while the test queues requests that arrive together
+    holds: list[tuple[threading.Event, threading.Event]] = []  # (the engine is held, let it go)
+    trim_pools = runner.trim_pools
+
+    def held_trim():
+        if holds:
+            held, go = holds.pop()
+            held.set()
+            go.wait(30)
+        return trim_pools()
+
+    runner.trim_pools = held_trim
+    engine = Engine(lambda: runner, EngineConfig(max_running=4, idle_wait_s=0.02))
+    engine.start()
+    system, other = prompt_ids(24, seed=2), prompt_ids(29, seed=3)
+
+    async def finish(stream):
+        final = None
+        async for event in stream:
+            final = event
+        return final.usage.cached_tokens
+
+    async def together(*requests):
+        """Queue (salt, tokens) requests in one idle pass of the engine -> each one's cached tokens."""
+        forwards.clear()
+        held, go = threading.Event(), threading.Event()
+        holds.append((held, go))
+        await asyncio.to_thread(held.wait, 30)
+        streams = []
+        for i, (salt, ids) in enumerate(requests):
+            streams.append(RequestStream())
+            engine.submit(GenerationRequest(f"{salt}{i}", token_ids=ids, max_new_tokens=2, cache_salt=salt),
+                          streams[-1])
+        go.set()
+        return list(await asyncio.gather(*map(finish, streams)))
+
+    def ask(salt, question):
+        return salt, system + prompt_ids(5, seed=question)
+
+    try:
+        alike = asyncio.run(together(ask("a", 10), ask("a", 11)))
+        assert forwards == [1, 1]
+        one_after_another = [asyncio.run(together(ask("b", 10)))[0], asyncio.run(together(ask("b", 11)))[0]]
+        assert alike == one_after_another and alike[0] == 0 and alike[1] > 0
+        assert asyncio.run(together(ask("c", 10), ask("d", 11), ("c", other))) == [0, 0, 0]
+        assert forwards == [3]
+    finally:
+        for _, go in holds:
+            go.set()
+        engine.stop()

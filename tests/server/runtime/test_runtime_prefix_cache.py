@@ -304,3 +304,27 @@ def test_a_rewind_into_a_cached_block_copies_it_before_writing():
         plain = runner_for(tiny_model("llama"), kv_block_size=4, prefill_chunk=4, prefix_cache=False)
         tokens, _, cached = greedy_from(runner, runner.open_session(), A[:30], 4, KEY)
         assert cached == 28 and tokens == greedy_from(plain, plain.open_session(), A[:30], 4)[0]
+
+
+def test_a_first_prompt_waits_for_a_prefill_under_way_only_where_that_prefill_will_cache_more_of_its_start():
+    """runner.waits_for_prefix, with blocks of 4 and chunks of 8 (a hit covers whole grids of 8 tokens): a prompt
+    whose start a started prefill will cache (same namespace, same tokens, a grid or more) waits; one that shares
+    less than a grid, another namespace or nothing, a later turn, or a prompt whose start is cached already,
+    does not."""
+    runner = runner_for(tiny_model("llama"), kv_block_size=4, prefill_chunk=8)
+    first = runner.start_prefill(runner.open_session(), A, KEY)  # under way: nothing fed, nothing cached yet
+
+    def waits(prompt, key=KEY, session=None):
+        return runner.waits_for_prefix(session or runner.open_session(), prompt, key, [first])
+
+    assert waits(A[:16] + OTHER[:8]) and waits(A[:12] + OTHER[:12])  # 2 grids; 3 blocks, cut to 1 grid
+    assert not waits(A[:4] + OTHER[:20])  # one block: less than a grid
+    assert not waits(A[:16] + OTHER[:8], namespace("bob")) and not waits(A[:16] + OTHER[:8], None)
+    assert not waits(OTHER[:24]) and not runner.waits_for_prefix(runner.open_session(), A, KEY, [])
+    later = runner.open_session()
+    runner.prefill(later, OTHER[:5])
+    assert not waits(A[:16] + OTHER[:8], session=later)  # a later turn looks nothing up
+    first.step(first.remaining)
+    assert not waits(A[:16] + OTHER[:8])  # its start is cached now: waiting would gain nothing
+    longer = runner.start_prefill(runner.open_session(), A + OTHER[:16], KEY)
+    assert runner.waits_for_prefix(runner.open_session(), A + OTHER[:16], KEY, [longer])  # more than is cached
