@@ -48,4 +48,10 @@ def test_block_products_times_both_activations_per_shape(capsys):
                                 "--rounds", "1"])
     assert [(r["shape"], r["M"]) for r in rows] == [("o", 1), ("o", 3), ("down", 1), ("down", 3)]
     assert all(r["float32_s"] > 0 and r["int8_s"] > 0 for r in rows)
-    assert "f32/int8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "f32/int8" in out
+    # the step line: the two products 30 times each (a layer's), 3 rows against one
+    many = 30 * sum(r["float32_s"] for r in rows if r["M"] == 3)
+    assert f"a step's products, 3 rows / 1 row, 1 thread(s): float32 {1e3 * many:.1f} / " in out
+    # a row of SmolLM2-135M: 30 layers of QKV, o, gate-up and down, then the LM head
+    assert block_products.step_macs(block_products.SHAPES) == 30 * 576 * (960 + 576 + 3072 + 1536) + 49152 * 576
