@@ -385,8 +385,10 @@ class ModelRunner:
         evicting anything (a restart's saved sessions: else their imports double the pools one after another,
         each doubling a copy of everything before it, in some session's first turn). The room stays while the
         sessions come, though some close meanwhile (KVPool.make_free; the method pools' hold), until memory is
-        short. A method this runner cannot build is skipped (that session's import says why)."""
-        self.pool.make_free(sum(self.pool.blocks_for(length) for length, _ in sessions))
+        short. Each session gets one block more than its tokens fill: it comes back to continue, and a turn that
+        crosses into a new block with no block free would double the pool, a copy of every block, in that turn. A
+        method this runner cannot build is skipped (that session's import says why)."""
+        self.pool.make_free(sum(self.pool.blocks_for(length) + 1 for length, _ in sessions))
         for spec, count in Counter(spec for _, spec in sessions if spec is not None).items():
             try:
                 group = self._group(spec)

@@ -42,10 +42,15 @@ def test_after_make_room_the_imports_grow_no_pool_and_hold_what_was_exported():
     assert sized[0] <= plain.pool.capacity  # just enough, not a doubling past it
     b.trim_pools()  # an idle engine's pass: the room stays for the sessions to come
     assert capacities(b) == sized
+    sessions = []
     for state in states:
-        again = b.export_session(b.import_session(state))
+        sessions.append(b.import_session(state))
+        again = b.export_session(sessions[-1])
         assert torch.equal(again.positions(again.k), state.positions(state.k))
         assert all(torch.equal(again.state[f], t) for f, t in state.state.items())
+    assert capacities(b) == sized
+    for session in sessions:  # each session's next turn crosses into a new block: still no doubling of the pool
+        b.reserve(session, b.pool.blocks_for(session.length) * b.pool.block_size + 1)
     assert capacities(b) == sized
 
 
