@@ -480,24 +480,33 @@ struct Task {
     const int64_t words = (L + 63) / 64;
     if (static_cast<int64_t>(s.seen.size()) < words) s.seen.resize(words, 0);
     uint64_t* seen = s.seen.data();
+    const int64_t lo = std::max<int64_t>(0, L - p.W);
     std::vector<int64_t>& cand = s.cand;
-    cand.clear();
-    for (int64_t pos = std::max<int64_t>(0, L - p.W); pos < L; ++pos) {  // the window first: nothing to test
-      seen[pos >> 6] |= uint64_t(1) << (pos & 63);
-      cand.push_back(pos);
+    cand.resize(L - lo + static_cast<int64_t>(recalled.size()) * p.K);  // room for every position offered
+    int64_t* out = cand.data();
+    int64_t n = 0;
+    for (int64_t pos = lo; pos < L; ++pos) out[n++] = pos;  // the window first: nothing to test
+    for (int64_t w = lo >> 6; lo < L && w <= (L - 1) >> 6; ++w) {  // and its bits a word at a time
+      const int64_t a = std::max(lo, w << 6), e = std::min(L, (w + 1) << 6);  // bits [a, e) of word w
+      seen[w] |= (e - a == 64 ? ~uint64_t(0) : (uint64_t(1) << (e - a)) - 1) << (a & 63);
     }
-    auto add = [&](int64_t pos) {
-      if (pos < 0 || pos >= L) return;  // -1 padding (and, defensively, positions past the history)
-      uint64_t bit = uint64_t(1) << (pos & 63);
-      if (!(seen[pos >> 6] & bit)) {
-        seen[pos >> 6] |= bit;
-        cand.push_back(pos);
-      }
-    };
+    // Then each recalled support's positions, each new one once, in order. Whether a position was seen is
+    // a coin toss to a branch predictor, so the test is arithmetic: every position is written at out[n],
+    // and n moves past it only when it is new (-1 padding, and defensively a position past the history,
+    // is never new and marks nothing).
     for (int64_t c : recalled) {
       const int64_t* sup = fifo_s(h, c);
-      for (int64_t j = 0; j < p.K; ++j) add(sup[j]);
+      for (int64_t j = 0; j < p.K; ++j) {
+        const int64_t pos = sup[j];
+        const bool valid = static_cast<uint64_t>(pos) < static_cast<uint64_t>(L);
+        const int64_t at = valid ? pos : 0;
+        const uint64_t bit = static_cast<uint64_t>(valid) << (at & 63), word = seen[at >> 6];
+        out[n] = pos;
+        n += (word & bit) != bit ? 1 : 0;  // bit = 0 (invalid) never counts
+        seen[at >> 6] = word | bit;
+      }
     }
+    cand.resize(n);
   }
 
   void unmark() const {
@@ -712,6 +721,16 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     for (int64_t c = 0; c < t.fill; ++c) mx = std::max(mx, sj[c]);
     ms[j] = mx;
     path[j] = refresh[j] ? p.code.refresh : (mx < tau_h[j] ? p.code.fallback : p.code.reuse);
+  }
+  // The next task's FIFO queries (fill x d floats a head, read whole by its similarities above) on their way
+  // from memory while this task scores its candidates: a step's weights pass through the caches between two
+  // layers' attention, so every task's FIFO comes from DRAM. Whichever thread takes that task finds them
+  // nearer; the result does not change.
+  if (task + 1 < p.B * p.H_kv * per_group) {
+    const int64_t next = task + 1, nb = next / (p.H_kv * per_group);
+    const int64_t nh0 = next / per_group % p.H_kv * p.G + next % per_group * G, ns = slots[nb];
+    const float* fq = queries.data_ptr<float>();
+    for (int64_t j = 0; j < G; ++j) prefetch_row(fq + (ns * p.H + nh0 + j) * p.C * p.d, fill[ns] * p.d);
   }
   if (p.policy != 0 && !all_refresh) {
     bool read = false;
