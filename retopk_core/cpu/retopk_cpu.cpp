@@ -722,16 +722,6 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     ms[j] = mx;
     path[j] = refresh[j] ? p.code.refresh : (mx < tau_h[j] ? p.code.fallback : p.code.reuse);
   }
-  // The next task's FIFO queries (fill x d floats a head, read whole by its similarities above) on their way
-  // from memory while this task scores its candidates: a step's weights pass through the caches between two
-  // layers' attention, so every task's FIFO comes from DRAM. Whichever thread takes that task finds them
-  // nearer; the result does not change.
-  if (task + 1 < p.B * p.H_kv * per_group) {
-    const int64_t next = task + 1, nb = next / (p.H_kv * per_group);
-    const int64_t nh0 = next / per_group % p.H_kv * p.G + next % per_group * G, ns = slots[nb];
-    const float* fq = queries.data_ptr<float>();
-    for (int64_t j = 0; j < G; ++j) prefetch_row(fq + (ns * p.H + nh0 + j) * p.C * p.d, fill[ns] * p.d);
-  }
   if (p.policy != 0 && !all_refresh) {
     bool read = false;
     if (p.policy == 1) {
