@@ -7,10 +7,16 @@ no decode step reallocates a session's history. The allocator prefers consecutiv
 exact paths read a session whose blocks are consecutive in place, and copy it otherwise.
 
 With a CacheBudget (runtime/budget.py) a growth stops at what the budget holds and fails with
-BudgetExceeded when even that is too few blocks. Growth and ``trim`` are all-or-nothing: every layer's
-new tensors are allocated before any replaces the old one, so a failed allocation (BudgetExceeded, or
-AllocationFailed when the device itself refuses) leaves the pool as it was. While a growth copies, the
-old and the new tensors coexist for a moment.
+BudgetExceeded when even that is too few blocks. On the CPU such a pool reserves, once, the address space of
+the most blocks its budget could ever hold (reserved_rows.py: memory is committed only where written), and each
+layer's k[l], v[l] is a view of its first ``capacity`` blocks: a growth widens the views, with no copy of the
+blocks in use and no fill of the new ones (which read as zero, as a fresh tensor's), and the tensors' storage
+never moves; ``trim`` narrows them and gives the pages past them back. The budget counts ``capacity`` blocks,
+whatever the system has committed of them. Elsewhere (a CUDA device, no budget, a system that refuses the
+reservation) a growth allocates new tensors and copies every block. Growth and ``trim`` are all-or-nothing:
+every layer's new tensors are allocated before any replaces the old one, so a failed allocation
+(BudgetExceeded, or AllocationFailed when the device itself refuses) leaves the pool as it was. While a growth
+copies, the old and the new tensors coexist for a moment.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 from retopk_core.cpu import decoder_ops
 from retopk_core.kv import PagedKV
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
+from retopk_server.runtime.reserved_rows import ReservedRows, reserve
 
 
 class AllocationFailed(BudgetExceeded):
@@ -48,8 +55,13 @@ class KVPool:
         self.budget = budget
         self._initial = max(1, initial_blocks)
         shape = (self._initial, num_kv_heads, block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._reserved = self._reserve(shape, dtype, device)
+        if self._reserved is not None:  # k[l] is rows[l].view(capacity), v[l] rows[num_layers + l]'s
+            self.k = [rows.view(shape[0]) for rows in self._reserved[:num_layers]]
+            self.v = [rows.view(shape[0]) for rows in self._reserved[num_layers:]]
+        else:
+            self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: set[int] = set(range(shape[0]))
         self._shared: dict[int, int] = {}  # block id -> extra holders (``share``); absent = one holder
         self._held = 0  # free blocks ``make_free`` keeps for sessions about to come: ``trim`` leaves them
@@ -58,6 +70,16 @@ class KVPool:
                 budget.charge(self.nbytes(), "the KV pool's initial blocks")
             except BudgetExceeded as e:
                 raise ValueError(f"kv_cache_bytes: {e}") from None
+
+    def _reserve(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> list[ReservedRows] | None:
+        """Each layer's keys, then values, reserved for the most blocks the budget holds (module docstring); None
+        where the pool grows by copying."""
+        if self.budget is None or torch.device(device).type != "cpu":
+            return None
+        block = 2 * self.num_layers * torch.empty(shape[1:], dtype=dtype).nbytes
+        most = max(shape[0], self.budget.limit // block)
+        reserved = [reserve(most, shape[1:], dtype) for _ in range(2 * self.num_layers)]
+        return reserved if all(r is not None for r in reserved) else None
 
     @property
     def capacity(self) -> int:
@@ -112,10 +134,17 @@ class KVPool:
         old = self.capacity
         keep = min(old, blocks)
         delta = (blocks - old) * self.block_nbytes
-        try:
-            k, v = ([self._resized(t, blocks, keep) for t in pools] for pools in (self.k, self.v))
-        except OUT_OF_MEMORY as e:
-            raise allocation_failed("the KV cache", max(delta, 0), self.budget, e) from e
+        if self._reserved is not None:  # wider or narrower views of the same storage (module docstring)
+            views = [r.view(blocks) for r in self._reserved]
+            k, v = views[:self.num_layers], views[self.num_layers:]
+            if delta < 0:
+                for r in self._reserved:
+                    r.release(blocks)
+        else:
+            try:
+                k, v = ([self._resized(t, blocks, keep) for t in pools] for pools in (self.k, self.v))
+            except OUT_OF_MEMORY as e:
+                raise allocation_failed("the KV cache", max(delta, 0), self.budget, e) from e
         if self.budget is not None:
             if delta > 0:
                 self.budget.charge(delta, "the KV cache", session_id)

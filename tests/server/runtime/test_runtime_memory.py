@@ -1,4 +1,5 @@
-"""KV block pool: content survives growth, growth is by doubling, sessions report and free their memory."""
+"""KV block pool: content survives growth, growth is by doubling (in place on the CPU within a budget), sessions
+report and free their memory."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 from runtime_helpers import prompt_ids, runner_for, tiny_model
 
-from retopk_server.runtime import MethodSpec
+from retopk_server.runtime import MethodSpec, kv_pool
 from retopk_server.runtime.attention import HOLD_S
+from retopk_server.runtime.budget import CacheBudget
 from retopk_server.runtime.kv_pool import KVPool
 
 
@@ -173,3 +175,38 @@ def test_method_spec_is_canonical_and_validated():
         MethodSpec("nope").build()
     assert MethodSpec.of("exact_topk", top_k=8).build(backend="torch").top_k == 8
     assert MethodSpec("full").build(backend="torch", not_a_param=1).name == "full"  # unknown defaults dropped
+
+
+def test_a_budgeted_cpu_pool_grows_in_place_and_trims_its_pages_back(monkeypatch):
+    """The pool reserves the budget's blocks once (reserved_rows.py): a growth widens the views, the storage stays
+    (no copy of the blocks in use), the new blocks read as zero, the budget counts the blocks viewed; a trim
+    narrows them and the blocks given back read as zero when the pool grows again."""
+    monkeypatch.setattr(KVPool, "_resized", None)  # growing by copying would fail here
+    block = 2 * 2 * 1 * 256 * 64 * 4  # (k, v) x 2 layers x H_kv 1 x P 256 x d 64 x float32: 16 pages a layer's block
+    budget = CacheBudget(64 * block)
+    pool = KVPool(2, 1, 64, 256, torch.float32, "cpu", initial_blocks=2, budget=budget)
+    storage = [t.data_ptr() for t in pool.k + pool.v]
+    held = pool.alloc(2)
+    for t in pool.k + pool.v:
+        t[held] = 1.0
+    more = pool.alloc(3)  # 2 -> 8 blocks
+    assert pool.capacity == 8 and [t.data_ptr() for t in pool.k + pool.v] == storage
+    assert all(bool((t[held] == 1).all()) and not bool(t[2:].any()) for t in pool.k + pool.v)
+    assert budget.reserved == pool.nbytes() == 8 * block
+    for t in pool.k + pool.v:
+        t[more] = 2.0
+    pool.release(more)
+    assert pool.trim() == 6 * block and pool.capacity == 2 and budget.reserved == 2 * block
+    pool.alloc(5)
+    assert pool.capacity == 8 and [t.data_ptr() for t in pool.k + pool.v] == storage
+    assert all(bool((t[held] == 1).all()) and not bool(t[2:].any()) for t in pool.k + pool.v)
+
+
+def test_a_pool_grows_by_copying_where_the_reservation_is_refused(monkeypatch):
+    monkeypatch.setattr(kv_pool, "reserve", lambda *args: None)
+    pool = KVPool(1, 1, 2, 4, torch.float32, "cpu", initial_blocks=2, budget=CacheBudget(1 << 20))
+    pool.k[0][:] = 1.0
+    before = pool.k[0].data_ptr()
+    pool.alloc(3)
+    assert pool.capacity == 4 and pool.k[0].data_ptr() != before
+    assert bool((pool.k[0][:2] == 1).all()) and not bool(pool.k[0][2:].any())
