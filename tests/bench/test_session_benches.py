@@ -26,3 +26,12 @@ def test_session_restart_reports_every_session(embedded_model, after_preload):
     result = session_restart.measure(args, *embedded_model)
     assert len(result["first_token_after_restart_s"]) == 2 and result["saved_bytes"] > 0
     assert (result["preload_wait_s"] is not None) == after_preload
+
+
+def test_kv_growth_times_both_doublings(tmp_path):
+    from bench import kv_growth
+
+    result = kv_growth.main(["--layers", "2", "--kv-heads", "1", "--block-size", "4", "--head-dim", "8", "--blocks",
+                             "4", "--rounds", "2", "--threads", "1", "--out", str(tmp_path / "g.json")])
+    assert len(result["seconds"]["copy"]) == len(result["seconds"]["in_place"]) == 2
+    assert (tmp_path / "g.json").is_file()
