@@ -105,11 +105,17 @@ class KVPool:
         """At least ``need`` free blocks as far as the budget allows, grown once to just that (sessions about to
         come in, whose blocks a doubling per session would copy the pool for). They stay free of ``trim`` until
         as many blocks have been allocated since, or memory is short (``trim(pressure=True)``): a session closed
-        before the others come back does not give their room back."""
+        before the others come back does not give their room back. A reserved pool writes the new blocks' pages
+        now (zeros, which they read as anyway), as a pool grown by copying does: the sessions' imports then copy into
+        memory already committed, not page by page inside their first turns."""
         if self.budget is not None:
             need = min(need, len(self._free) + self.budget.free // self.block_nbytes)
         if need > len(self._free):
+            old = self.capacity
             self._grow(need, None, exact=True)
+            if self._reserved is not None:
+                for t in self.k + self.v:
+                    t[old:].zero_()
         self._held = max(self._held, need)
 
     def _grow(self, need: int, session_id: str | None, exact: bool = False) -> None:
