@@ -228,25 +228,3 @@ def test_the_async_client_moves_a_session_too(fake_server):
     first = greedy_reference(enc("Hello"), 4)
     assert info.session_id == "t" and info.num_tokens == 9
     assert tokens == greedy_reference(enc("Hello") + first + enc(" again"), 4)
-
-
-def test_an_import_whose_file_fails_its_checksum_leaves_nothing_open():
-    """A call's load copies the state in while the file's checksum runs (engine/session_file.py's open_file); its
-    ``verify`` failing closes the session it copied: neither the table nor the runner holds it."""
-    from retopk_server.engine import session_transfer
-    from retopk_server.engine.requests import EngineConfig
-    from retopk_server.engine.session_table import SessionTable
-
-    table = SessionTable(EngineConfig(max_sessions=10), lambda *args: None)
-    table.runner = FakeRunner()
-    table.create("s", None)
-    artifact = session_transfer.export_session(table, "s", close=True)
-
-    def damaged() -> None:
-        raise session_artifact.ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
-
-    with pytest.raises(session_artifact.ArtifactError, match="checksum mismatch"):
-        session_transfer.import_session(table, artifact, verify=damaged)
-    assert table.runner.sessions == {} and len(table) == 0
-    session_transfer.import_session(table, artifact, verify=lambda: None)
-    assert len(table) == 1 and len(table.runner.sessions) == 1

@@ -139,16 +139,15 @@ class EngineCommands:
         return self._call(lambda: session_transfer.export_session(self._engine.sessions, session_id, owner, close))
 
     def import_session(self, artifact, owner: str = "", session_id: str | None = None,
-                       max_owned: int | None = None, evict: bool = True, checked: bool = False,
-                       verify: Callable[[], None] | None = None) -> concurrent.futures.Future:
+                       max_owned: int | None = None, evict: bool = True, checked: bool = False) \
+            -> concurrent.futures.Future:
         """Open a SessionArtifact's session as ``owner``'s (engine/session_transfer.py) -> its SessionSnapshot;
-        ``checked``: session_transfer.check_artifact passed already (off this thread); ``verify``: the file's
-        checksum to wait for before the session opens (session_transfer.import_session)."""
+        ``checked``: session_transfer.check_artifact passed already (off this thread)."""
         def run() -> SessionSnapshot:
             if self._engine.draining:
                 raise EngineError(ErrorCode.UNAVAILABLE, "server is shutting down; not opening sessions")
             return session_transfer.import_session(self._engine.sessions, artifact, owner, session_id, max_owned,
-                                                   evict, checked, verify)
+                                                   evict, checked)
 
         return self._call(run)
 

@@ -14,11 +14,8 @@ The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000
 header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
 replaces format 1's SHA-256, whose pass took as long as reading the file: the checksum guards against damage, not
 against a forger, who can recompute either. A load's pass splits the file over a few cores (engine/parallel_crc.py),
-as it lies in the first turn of a client coming back after a restart. ``read`` checks, then parses; ``open_file``, for
-a call that waits for the file, parses while the checksum runs on other threads and hands back ``verify``, which
-waits for it: the caller may bound the state's values and copy it into a session meanwhile, but uses or writes back
-nothing of it until ``verify`` returned (a damaged file is refused as damaged, ``verify`` first, whatever its damage
-broke before). A file of format 1 (an older server's) still loads; one of neither format is refused naming why.
+as it lies in the first turn of a client coming back after a restart. A file of format 1 (an older server's) still
+loads; one of neither format is refused naming why.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from retopk_server.engine import parallel_crc, session_artifact
 from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
@@ -60,53 +56,25 @@ def parts(artifact: SessionArtifact) -> list[bytes | memoryview]:
 
 def read(path: str | os.PathLike, limit: int | None = None, pause: Callable[[], None] | None = None) \
         -> SessionArtifact:
-    """The artifact of the file at ``path``, either format (``limit``: its most bytes), checked then parsed;
-    ArtifactError naming what is wrong. ``pause()``, when given, runs between the checksum's pass and the parse (a
-    background load that lets a more urgent one go first)."""
+    """The artifact of the file at ``path``, either format (``limit``: its most bytes); ArtifactError naming what
+    is wrong. ``pause()``, when given, runs between the checksum's pass and the parse (a background load that lets
+    a more urgent one go first)."""
     with open(path, "rb") as f:
         if f.read(1) == MAGIC[:1]:
             return session_artifact.read_file(path, limit, pause)
-        crc = _crc(*_mapped(f, limit))
+        size = os.fstat(f.fileno()).st_size
+        if limit is not None and size > limit:
+            raise ArtifactError("data", f"the artifact exceeds {limit} bytes "
+                                        "(ModelInfo.limits.max_session_artifact_bytes)")
+        crc = _checked_crc(f.fileno(), size)
         if pause is not None:
             pause()
-        return _parse(f, path, crc)
-
-
-_checker: ThreadPoolExecutor | None = None
-
-
-def open_file(path: str | os.PathLike, limit: int | None = None) -> tuple[SessionArtifact, Callable[[], None]]:
-    """(the artifact of the file at ``path``, ``verify``): ``read``'s, parsed while its checksum is computed on other
-    threads; ``verify()`` waits for the checksum and raises ArtifactError when it does not match (module docstring).
-    A parse that fails waits for the checksum first."""
-    global _checker
-    with open(path, "rb") as f:
-        if f.read(1) == MAGIC[:1]:
-            return session_artifact.read_file(path, limit), nothing_to_verify
-        mapping, want = _mapped(f, limit)
-        if _checker is None:
-            _checker = ThreadPoolExecutor(1, thread_name_prefix="retopk-checksum")
-        check = _checker.submit(_crc, mapping, want)
+        fd_path = f"/proc/self/fd/{f.fileno()}"  # the file checked, even if another replaced it at ``path`` since
         try:
-            artifact = _parse(f, path, want)
-        except ArtifactError:
-            check.result()  # a damaged file is refused as damaged, not by what the damage broke first
-            raise
-    return artifact, check.result
-
-
-def nothing_to_verify() -> None:
-    """The ``verify`` of an artifact checked before it was parsed (``read``; format 1's SHA-256, as it is read)."""
-
-
-def _parse(f, path: str | os.PathLike, crc: int) -> SessionArtifact:
-    """The artifact of the open format-2 file ``f``, whose CRC-32 is (or, once checked, will be) ``crc``."""
-    fd_path = f"/proc/self/fd/{f.fileno()}"  # the file checked, even if another replaced it at ``path`` since
-    try:
-        metadata, tensors = open_payload_file(fd_path if os.path.exists(fd_path) else os.fspath(path),
-                                              MAX_METADATA_BYTES)
-    except PayloadError as e:
-        raise ArtifactError("artifact", f"the tensors do not parse: {e}") from None
+            metadata, tensors = open_payload_file(fd_path if os.path.exists(fd_path) else os.fspath(path),
+                                                  MAX_METADATA_BYTES)
+        except PayloadError as e:
+            raise ArtifactError("artifact", f"the tensors do not parse: {e}") from None
     if metadata.get("retopk_format") != str(FORMAT):
         raise session_artifact.UnsupportedFormat("artifact", f"file format {metadata.get('retopk_format')!r} is not "
                                                              f"supported (this server reads 1 and {FORMAT})")
@@ -119,17 +87,11 @@ def _parse(f, path: str | os.PathLike, crc: int) -> SessionArtifact:
     return session_artifact.from_contents(meta, tensors)
 
 
-def _mapped(f, limit: int | None) -> tuple[mmap.mmap, int]:
-    """(the open format-2 file ``f`` mapped, the CRC-32 its header states) once its size is the one it states
-    (``limit``: its most bytes)."""
-    size = os.fstat(f.fileno()).st_size
-    if limit is not None and size > limit:
-        raise ArtifactError("data", f"the artifact exceeds {limit} bytes "
-                                    "(ModelInfo.limits.max_session_artifact_bytes)")
+def _checked_crc(fd: int, size: int) -> int:
+    """The file's CRC-32 (module docstring), once its size is the one it states and the checksum matches."""
     if size < CHECK + 24:
         raise ArtifactError("artifact", f"truncated, or not a retopk session file ({size} bytes)")
-    m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
-    try:
+    with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) as m:
         if m[8:CHECK] != PREFIX:
             raise ArtifactError("artifact", "not a retopk session file (neither format 1's magic nor format 2's "
                                             "check at its start)")
@@ -141,15 +103,6 @@ def _mapped(f, limit: int | None) -> tuple[mmap.mmap, int]:
         if size != stated:
             raise ArtifactError("artifact", f"truncated: {size} bytes, the file states {stated}" if size < stated
                                 else f"corrupted: {size} bytes, more than the {stated} the file states")
-    except BaseException:
-        m.close()
-        raise
-    return m, want
-
-
-def _crc(m: mmap.mmap, want: int) -> int:
-    """The CRC-32 of the mapped file ``m`` (module docstring), ArtifactError unless it is ``want``; closes ``m``."""
-    with m:
         view = memoryview(m)
         try:
             crc = zlib.crc32(BLANK, zlib.crc32(view[:CHECK + 16]))

@@ -6,8 +6,8 @@ directory is made (or tightened) to mode 0700 and every file is created 0600, wr
 and renamed, so a reader never sees half a file. ``budget`` bounds the directory's bytes: after a write the
 oldest files (by modification time, which is the session's last use) are deleted until the rest fit; an
 artifact larger than the whole budget is not written. ``take`` reads a session's file (its tensors map it) and
-deletes it (``open_file`` too, its checksum left running: session_file.open_file): the session then lives in a
-server's memory again, and the next drain writes it anew.
+deletes it: the session then lives in a server's memory again, and the
+next drain writes it anew.
 """
 
 from __future__ import annotations
@@ -84,17 +84,6 @@ class SessionStore:
         none."""
         try:
             return session_file.read(path, limit, pause)
-        except FileNotFoundError:
-            return None
-        finally:
-            path.unlink(missing_ok=True)
-
-    def open_file(self, path: Path, limit: int | None = None) \
-            -> tuple[SessionArtifact, Callable[[], None]] | None:
-        """``take_file`` for a call that waits: (the artifact, ``verify``) of session_file.open_file, whose checksum
-        runs while the caller checks and imports the state; the file deleted either way; None when there is none."""
-        try:
-            return session_file.open_file(path, limit)
         except FileNotFoundError:
             return None
         finally:

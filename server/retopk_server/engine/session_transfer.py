@@ -15,7 +15,6 @@ caller and continues exactly where the exported one stood.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from retopk_core.params import ParamError
 from retopk_server.engine.requests import EngineError, ErrorCode
@@ -70,13 +69,10 @@ def check_artifact(runner, artifact: SessionArtifact, owner: str = "") -> None:
 
 
 def import_session(table: SessionTable, artifact: SessionArtifact, owner: str = "", session_id: str | None = None,
-                   max_owned: int | None = None, evict: bool = True, checked: bool = False,
-                   verify: Callable[[], None] | None = None) -> SessionSnapshot:
+                   max_owned: int | None = None, evict: bool = True, checked: bool = False) -> SessionSnapshot:
     """Open ``artifact``'s session as ``owner``'s ``session_id`` (default: the id it was exported under);
     ``evict=False``: RESOURCE_EXHAUSTED rather than evicting idle sessions when it does not fit (a preload);
-    ``checked``: ``check_artifact`` passed already (off the engine thread). ``verify()``, when given, runs once the
-    state is copied in and before the session is opened to calls: its error (a file's checksum that does not match,
-    engine/session_file.py's open_file) closes the session and is raised."""
+    ``checked``: ``check_artifact`` passed already (off the engine thread)."""
     runner = table.runner
     if not checked:
         check_artifact(runner, artifact, owner)
@@ -89,12 +85,6 @@ def import_session(table: SessionTable, artifact: SessionArtifact, owner: str = 
             session = runner.import_session(artifact.state, runtime_id(owner, name), True)
     except BudgetExceeded as e:
         raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"artifact: {e}") from None
-    if verify is not None:
-        try:
-            verify()
-        except BaseException:
-            runner.close_session(session)
-            raise
     record = SessionRecord(session, owner=owner, name=name, pending=list(artifact.pending),
                            messages=list(artifact.messages), turns=artifact.turns,
                            created_unix=artifact.created_unix, last_used_unix=time.time())  # its import is a use

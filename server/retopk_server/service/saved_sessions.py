@@ -173,72 +173,37 @@ class SavedSessions:
         preload = owner is None
         pause = functools.partial(self._yield_to_calls, path) if preload else None
         try:
-            if preload:
-                opened = await asyncio.to_thread(self._take, path, pause)
-            else:  # a call waits: the checksum runs while the state is parsed, checked and copied in
-                opened = await asyncio.to_thread(self._open_and_check, path, owner, session_id)
+            artifact = await asyncio.to_thread(self.store.take_file, path, self.limit, pause)
         except session_artifact.ArtifactError as e:
             log.warning("dropped the saved session file %s: %s", path.name, e)
             return False
-        if opened is None:
+        if artifact is None:
             return False
-        artifact, verify = opened
+        if preload:
+            owner, session_id = artifact.owner, artifact.session_id
+            if self.store.path(owner, session_id) != path:  # not where this server saves that session
+                log.warning("dropped the saved session file %s: it holds another session", path.name)
+                return False
+            caller = self.callers(owner)
+            if caller is None:  # its key is gone (for now): the file stays
+                await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
+                return False
+            max_owned = caller.max_sessions
         try:
+            await asyncio.to_thread(self._check, artifact, owner, pause)
             if preload:
-                owner, session_id = artifact.owner, artifact.session_id
-                if self.store.path(owner, session_id) != path:  # not where this server saves that session
-                    log.warning("dropped the saved session file %s: it holds another session", path.name)
-                    return False
-                caller = self.callers(owner)
-                if caller is None:  # its key is gone (for now): the file stays
-                    await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
-                    return False
-                max_owned = caller.max_sessions
-                await asyncio.to_thread(self._check, artifact, owner, pause, verify)
                 await self._quiet(path)  # the import takes the engine thread: not from a request or a call's load
             await asyncio.wrap_future(self.engine.commands.import_session(artifact, owner, session_id, max_owned,
-                                                                          evict, checked=True, verify=verify))
-        except session_artifact.ArtifactError as e:  # verify: the file was damaged
-            log.warning("dropped the saved session file %s: %s", path.name, e)
-            return False
+                                                                          evict, checked=True))
         except EngineError as e:
             if e.code != ErrorCode.ALREADY_EXISTS:  # else a session of that id is open here: the file is stale
-                try:
-                    await asyncio.to_thread(verify)  # a damaged file is not written back under a new checksum
-                except session_artifact.ArtifactError as damaged:
-                    log.warning("dropped the saved session file %s: %s", path.name, damaged)
-                    return False
                 await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
                 raise
             return False
         log.info("session %s of %s restored from %s", session_id, owner or "anonymous", self.store.directory)
         return True
 
-    def _take(self, path: Path, pause: Callable[[], None]) \
-            -> tuple[session_artifact.SessionArtifact, Callable[[], None]] | None:
-        """(The preload) the file read and checked, then parsed (SessionStore.take_file): nothing left to verify."""
-        artifact = self.store.take_file(path, self.limit, pause)
-        return None if artifact is None else (artifact, session_file.nothing_to_verify)
-
-    def _open_and_check(self, path: Path, owner: str, session_id: str) \
-            -> tuple[session_artifact.SessionArtifact, Callable[[], None]] | None:
-        """(A call's load) the file parsed and the artifact checked while its checksum runs (SessionStore.open_file)
-        -> (the artifact, ``verify``); a file this server cannot import now goes back (``_read_and_import``)."""
-        opened = self.store.open_file(path, self.limit)
-        if opened is not None:
-            try:
-                self._check(opened[0], owner, None, opened[1])
-            except EngineError:  # verified by then (``_check``)
-                self.store.put_back(owner, session_id, opened[0])
-                raise
-        return opened
-
-    def _check(self, artifact: session_artifact.SessionArtifact, owner: str, pause: Callable[[], None] | None,
-               verify: Callable[[], None]) -> None:
+    def _check(self, artifact: session_artifact.SessionArtifact, owner: str, pause: Callable[[], None] | None) -> None:
         if pause is not None:
             pause()
-        try:
-            self.engine.check_artifact(artifact, owner)
-        except EngineError:
-            verify()  # a damaged file is refused as damaged, not by what the damage broke
-            raise
+        self.engine.check_artifact(artifact, owner)
