@@ -59,6 +59,8 @@ class KVPool:
         if self._reserved is not None:  # k[l] is rows[l].view(capacity), v[l] rows[num_layers + l]'s
             self.k = [rows.view(shape[0]) for rows in self._reserved[:num_layers]]
             self.v = [rows.view(shape[0]) for rows in self._reserved[num_layers:]]
+            for t in self.k + self.v:  # commit the initial blocks now, as torch.zeros did: not page by page
+                t.zero_()  # inside the first turns that write them
         else:
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

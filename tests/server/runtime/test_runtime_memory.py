@@ -3,6 +3,8 @@ report and free their memory."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import time
 
 import pytest
@@ -200,6 +202,28 @@ def test_a_budgeted_cpu_pool_grows_in_place_and_trims_its_pages_back(monkeypatch
     pool.alloc(5)
     assert pool.capacity == 8 and [t.data_ptr() for t in pool.k + pool.v] == storage
     assert all(bool((t[held] == 1).all()) and not bool(t[2:].any()) for t in pool.k + pool.v)
+
+
+def resident(t: torch.Tensor) -> float:
+    """The share of the pages wholly inside ``t``'s memory that are resident (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    pages = (t.data_ptr() + t.nbytes - start) // mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, pages * mmap.PAGESIZE, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+def test_a_reserved_pool_commits_its_initial_blocks_and_the_room_it_makes():
+    """The blocks a reserved pool starts with, and those ``make_free`` adds for sessions about to come, are written
+    at once: else the first sessions' imports and turns would fault their pages in one by one (the restart's
+    first session paid for it)."""
+    pool = KVPool(2, 1, 64, 256, torch.float32, "cpu", initial_blocks=2, budget=CacheBudget(1 << 26))
+    assert pool.capacity == 2 and all(resident(t) == 1.0 for t in pool.k + pool.v)
+    pool.make_free(6)
+    assert pool.capacity == 6 and all(resident(t) == 1.0 for t in pool.k + pool.v)
+    assert all(not bool(t.any()) for t in pool.k + pool.v)
 
 
 def test_a_pool_grows_by_copying_where_the_reservation_is_refused(monkeypatch):
