@@ -59,8 +59,7 @@ class KVPool:
         if self._reserved is not None:  # k[l] is rows[l].view(capacity), v[l] rows[num_layers + l]'s
             self.k = [rows.view(shape[0]) for rows in self._reserved[:num_layers]]
             self.v = [rows.view(shape[0]) for rows in self._reserved[num_layers:]]
-            for t in self.k + self.v:  # commit the initial blocks now, as torch.zeros did: not page by page
-                t.zero_()  # inside the first turns that write them
+            self._commit(0)  # as torch.zeros did
         else:
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -82,6 +81,13 @@ class KVPool:
         most = max(shape[0], self.budget.limit // block)
         reserved = [reserve(most, shape[1:], dtype) for _ in range(2 * self.num_layers)]
         return reserved if all(r is not None for r in reserved) else None
+
+    def _commit(self, start: int) -> None:
+        """A reserved pool's blocks from ``start`` on written now (zeros, which they read as anyway): the sessions
+        that use them next write into committed memory, not page by page inside their first turns."""
+        if self._reserved is not None:
+            for t in self.k + self.v:
+                t[start:].zero_()
 
     @property
     def capacity(self) -> int:
@@ -107,17 +113,14 @@ class KVPool:
         """At least ``need`` free blocks as far as the budget allows, grown once to just that (sessions about to
         come in, whose blocks a doubling per session would copy the pool for). They stay free of ``trim`` until
         as many blocks have been allocated since, or memory is short (``trim(pressure=True)``): a session closed
-        before the others come back does not give their room back. A reserved pool writes the new blocks' pages
-        now (zeros, which they read as anyway), as a pool grown by copying does: the sessions' imports then copy into
-        memory already committed, not page by page inside their first turns."""
+        before the others come back does not give their room back. A reserved pool commits the new blocks now
+        (``_commit``), as a pool grown by copying does."""
         if self.budget is not None:
             need = min(need, len(self._free) + self.budget.free // self.block_nbytes)
         if need > len(self._free):
             old = self.capacity
             self._grow(need, None, exact=True)
-            if self._reserved is not None:
-                for t in self.k + self.v:
-                    t[old:].zero_()
+            self._commit(old)
         self._held = max(self._held, need)
 
     def _grow(self, need: int, session_id: str | None, exact: bool = False) -> None:

@@ -386,8 +386,8 @@ class ModelRunner:
         each doubling a copy of everything before it, in some session's first turn). The room stays while the
         sessions come, though some close meanwhile (KVPool.make_free; the method pools' hold), until memory is
         short. Each session gets one block more than its tokens fill: it comes back to continue, and a turn that
-        crosses into a new block with no block free would double the pool, a copy of every block, in that turn. A
-        method this runner cannot build is skipped (that session's import says why)."""
+        crosses into a new block with no block free would grow the pool in that turn (where it grows by copying, a
+        copy of every block). A method this runner cannot build is skipped (that session's import says why)."""
         self.pool.make_free(sum(self.pool.blocks_for(length) + 1 for length, _ in sessions))
         for spec, count in Counter(spec for _, spec in sessions if spec is not None).items():
             try:
