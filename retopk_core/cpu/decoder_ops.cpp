@@ -37,6 +37,7 @@
 //   mlp_out(x (M, D), a (M, H d), o blocks, w_mlp, eps, gate_up blocks, down blocks)
 //     -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T, swiglu([g, u]) = g / (1 + e^-g) * u
 //   swiglu(gu (M, 2F)) -> (M, F), the same product alone.
+//   attn_in_to, mlp_out_to: the same into a given output (the whole step's buffers, decode_layers.cpp).
 //
 // The loops exist for AVX-512, AVX2 (both with FMA and F16C) and plain C++, chosen per call by ``isa``
 // (best_isa() unless a caller asks for a lower one, as the tests do to cover every path on one machine).
@@ -720,25 +721,34 @@ at::Tensor swiglu(const at::Tensor& gu) {
   return y;
 }
 
-at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
-                   const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
-                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations) {
+void attn_in_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
+                const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations) {
   CHECK_VALUE(d > 0 && rot_heads >= 0 && qs.size(0) % d == 0 && rot_heads * d <= qs.size(0),
               "rot_heads (", rot_heads, ") heads of d (", d, ") values must fit in the ", qs.size(0), " outputs");
   CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
   at::Tensor normed = temp(kNormed, x.size(0), x.size(1));
   rms_norm_to(normed, x, w_attn, eps);
-  at::Tensor y = block_matmul(normed, qs, scales, bits, bias, c10::nullopt, isa, activations);  // (M, out)
+  block_matmul_to(y, normed, qs, scales, bits, bias, c10::nullopt, isa, activations);  // (M, out)
   at::Tensor heads = y.view({y.size(0), qs.size(0) / d, d}).narrow(1, 0, rot_heads);
   rope_(heads, cos, sin);
+}
+
+at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
+                   const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                   const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations) {
+  CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
+  at::Tensor y = at::empty({x.size(0), qs.size(0)}, x.options());
+  attn_in_to(y, x, w_attn, eps, qs, scales, bits, bias, cos, sin, rot_heads, d, isa, activations);
   return y;
 }
 
-at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
-                   int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
-                   const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
-                   const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
-                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa, int64_t activations) {
+void mlp_out_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs,
+                const at::Tensor& o_scales, int64_t o_bits, const c10::optional<at::Tensor>& o_bias,
+                const at::Tensor& w_mlp, double eps, const at::Tensor& gu_qs, const at::Tensor& gu_scales,
+                int64_t gu_bits, const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs,
+                const at::Tensor& dn_scales, int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa,
+                int64_t activations) {
   CHECK_VALUE(x.dim() == 2 && a.dim() == 2 && a.size(0) == x.size(0), "x must be (M, D) and a (M, H d)");
   check_f32_matrix(x, "x", -1, x.size(1));
   check_f32_matrix(a, "a", x.size(0), a.size(1));
@@ -749,5 +759,17 @@ at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o
   rms_norm_to(normed, x1, w_mlp, eps);
   block_matmul_to(gu, normed, gu_qs, gu_scales, gu_bits, gu_bias, c10::nullopt, isa, activations);  // (M, 2F)
   swiglu_to(hidden, gu);
-  return block_matmul(hidden, dn_qs, dn_scales, dn_bits, dn_bias, x1, isa, activations);  // (M, D)
+  block_matmul_to(y, hidden, dn_qs, dn_scales, dn_bits, dn_bias, x1, isa, activations);  // (M, D)
+}
+
+at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs, const at::Tensor& o_scales,
+                   int64_t o_bits, const c10::optional<at::Tensor>& o_bias, const at::Tensor& w_mlp, double eps,
+                   const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
+                   const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
+                   int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa, int64_t activations) {
+  CHECK_VALUE(x.dim() == 2, "x must be (M, D)");
+  at::Tensor y = at::empty({x.size(0), dn_qs.size(0)}, x.options());
+  mlp_out_to(y, x, a, o_qs, o_scales, o_bits, o_bias, w_mlp, eps, gu_qs, gu_scales, gu_bits, gu_bias, dn_qs, dn_scales,
+             dn_bits, dn_bias, isa, activations);
+  return y;
 }

@@ -10,6 +10,7 @@
     mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
     decode_layers(x, layer weights, ..., attention) -> every layer of a decode step in one call: attn_in, the
       step's keys and values stored, the attention (cpu/launch.py's LayerAttention), mlp_out, layer by layer
+    LayerPlan(layer weights, ..., attention)(x, ...) -> the same, its per-model arguments converted once
 
 ``attn_in`` and ``mlp_out`` are a decode layer's two halves around its attention, each the ops above in the
 order the unfused path calls them (so each result equals that path's); their weights are ``Blocks``.
@@ -38,9 +39,9 @@ from retopk_core.cpu.launch import PATH_CODES, LayerAttention, available, extens
 ISA_NAMES = ("scalar", "avx2", "avx512")
 ACTIVATIONS = ("float32", "int8")  # what the block products multiply the weights with (the source's codes 0, 1)
 
-__all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "activation_code", "attn_in", "available", "best_isa", "block_matmul",
-           "decode_layers", "isa", "layer_arguments", "mlp_out", "quantize_activations", "rms_norm", "rope_",
-           "store_kv", "swiglu"]
+__all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "LayerPlan", "activation_code", "attn_in", "available", "best_isa",
+           "block_matmul", "decode_layers", "isa", "layer_arguments", "mlp_out", "quantize_activations", "rms_norm",
+           "rope_", "store_kv", "swiglu"]
 
 
 class Blocks(NamedTuple):
@@ -140,19 +141,42 @@ def layer_arguments(layers: list[tuple]) -> tuple[list[torch.Tensor], list[int]]
     return weights, bits
 
 
+class LayerPlan:
+    """``decode_layers``' arguments that stay the same from step to step, converted once (decode_layers.cpp's
+    DecodeLayers): the weights and bits of ``layer_arguments``, eps, shape = (H, H_kv, d), each layer's pools,
+    the attention (cpu/launch.py's LayerAttention) and the activations. The pools and the attention's state are
+    held weakly: prepare a new plan whenever they are reallocated (a step on a reallocated one raises
+    ValueError). ``path``: the attention's path code for a dense kind."""
+
+    def __init__(self, weights: list[torch.Tensor], bits: list[int], eps: float, shape: tuple[int, int, int],
+                 k_pools: list[torch.Tensor], v_pools: list[torch.Tensor], attention: LayerAttention,
+                 activations: str = "float32") -> None:
+        H, H_kv, d = shape
+        a = attention
+        self.path = a.path  # not the attention itself: it holds the state strongly
+        self._layers = extension().DecodeLayers(weights, bits, float(eps), H, H_kv, d, k_pools, v_pools, a.kind,
+                                                a.state, a.ints, a.retrieval, a.gqa_policy, a.floats, PATH_CODES,
+                                                a.calibration, a.guard, isa(), activation_code(activations))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, table: torch.Tensor,
+                 lengths: torch.Tensor, slots: torch.Tensor | None,
+                 with_stats: bool = True) -> tuple[torch.Tensor, float, list[tuple]]:
+        """One step: x (B, D) float32 -> (x (B, D), seconds spent in the attention, per layer (path, max_sim,
+        n_scored) for ReTopK with ``with_stats``, else []). rows (B, H_kv, 1) the pool rows of the step's token;
+        table, lengths the rows' block table and lengths; slots (layers, B) the rows' state slots (None for a
+        method without state)."""
+        res = self._layers.run(x, cos, sin, rows, table, lengths, _NO_BIAS if slots is None else slots, with_stats)
+        return res[0], float(res[1]), [tuple(res[i:i + 3]) for i in range(2, len(res), 3)]
+
+
 def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], bits: list[int], eps: float, cos: torch.Tensor,
                   sin: torch.Tensor, shape: tuple[int, int, int], k_pools: list[torch.Tensor],
                   v_pools: list[torch.Tensor], rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-                  attention: LayerAttention, activations: str = "float32") -> tuple[torch.Tensor, float, list[tuple]]:
+                  attention: LayerAttention, slots: torch.Tensor | None,
+                  activations: str = "float32") -> tuple[torch.Tensor, float, list[tuple]]:
     """Every layer of a decode step in one call (decode_layers.cpp), the same kernels in the same order as
     ``attn_in``, ``store_kv``, the attention step and ``mlp_out`` called layer by layer: x (B, D) float32 ->
     (x (B, D), seconds spent in the attention, per layer (path, max_sim, n_scored) for ReTopK, else []).
-    shape = (H, H_kv, d); weights, bits from ``layer_arguments``; k_pools, v_pools: each layer's pools;
-    rows (B, H_kv, 1) the pool rows of the step's token; table, lengths the rows' block table and lengths."""
-    H, H_kv, d = shape
-    a = attention
-    res = extension().decode_layers(x, weights, bits, float(eps), cos, sin, H, H_kv, d, k_pools, v_pools, rows, table,
-                                    lengths, a.kind, a.state, _NO_BIAS if a.slots is None else a.slots, a.ints,
-                                    a.retrieval, a.gqa_policy, a.floats, PATH_CODES, a.calibration, a.guard, isa(),
-                                    activation_code(activations))
-    return res[0], float(res[1]), [tuple(res[i:i + 3]) for i in range(2, len(res), 3)]
+    ``LayerPlan`` for one step; a caller that steps again on the same pools and state keeps the plan."""
+    plan = LayerPlan(weights, bits, eps, shape, k_pools, v_pools, attention, activations)
+    return plan(x, cos, sin, rows, table, lengths, slots)

@@ -109,19 +109,22 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=selected)
 
 
+# decode_layers' attention kinds (decode_layers.cpp): ReTopK's sparse step, dense_decode, ReTopK's plain floor step
+RETOPK_STEP, DENSE_STEP, FLOOR_STEP = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class LayerAttention:
-    """A method's attention at every layer of one decode step, as ``decode_layers`` (decode_layers.cpp) runs it:
-    kind 0 ReTopK's sparse step on each layer's FIFO state (``state``: 8 tensors a layer, ``slots`` (layers, B)),
-    kind 1 ``dense_decode`` (ints = (top_k, exact)), kind 2 ReTopK's plain dense-floor step: Full attention and
-    each row's step counter advanced (``state``: each layer's step tensor). ``path``: the path code a dense kind
-    reports for every head."""
+    """A method's attention at every layer of a decode step, as ``decode_layers`` (decode_layers.cpp) runs it:
+    kind RETOPK_STEP ReTopK's sparse step on each layer's FIFO state (``state``: 8 tensors a layer), DENSE_STEP
+    ``dense_decode`` (ints = (top_k, exact)), FLOOR_STEP ReTopK's plain dense-floor step: Full attention and each
+    row's step counter advanced (``state``: each layer's step tensor). A step passes its rows' state slots
+    (layers, B) beside it. ``path``: the path code a dense kind reports for every head."""
 
     kind: int
     ints: list[int]
     path: int = int(Path.DENSE)
     state: list[torch.Tensor] = field(default_factory=list)
-    slots: torch.Tensor | None = None
     retrieval: str = ""
     gqa_policy: str = ""
     floats: list[float] = field(default_factory=list)
@@ -129,28 +132,37 @@ class LayerAttention:
     guard: list[float] = field(default_factory=list)
 
 
-def layer_attention(method, states: list, slots: torch.Tensor, min_length: int,
-                    max_length: int) -> LayerAttention | None:
-    """``method``'s attention for ``decode_layers`` on a batch whose rows hold ``min_length`` to ``max_length``
-    positions with this step's token, or None where its own per-layer step must run: a method without a fused
-    CPU step (or built on another backend), and ReTopK on a batch that is not all past its dense floor or all
-    on plain dense-floor steps (the floor's last C steps push exact supports, and a batch across the floor is
-    split; ``ReTopK.decode``)."""
+def attention_kind(method, min_length: int, max_length: int) -> int | None:
+    """``method``'s attention kind for ``decode_layers`` on a batch whose rows hold ``min_length`` to
+    ``max_length`` positions with this step's token, or None where its own per-layer step must run: a method
+    without a fused CPU step (or built on another backend), and ReTopK on a batch that is not all past its dense
+    floor or all on plain dense-floor steps (the floor's last C steps push exact supports, and a batch across the
+    floor is split; ``ReTopK.decode``)."""
     if getattr(method, "steps", None) is None or method.steps.name != "cpu" or not available():
         return None
-    if method.name == "full":
-        return LayerAttention(1, [0, 0], int(Path.DENSE))
-    if method.name == "exact_topk":
-        return LayerAttention(1, [method.top_k, 1], int(Path.EXACT))
+    if method.name in ("full", "exact_topk"):
+        return DENSE_STEP
     if method.name != "retopk":
         return None
     cfg = method.config
     if cfg.dense_below and max_length + cfg.cache_size < cfg.dense_below:  # retopk_policy.plain_dense, every row
-        return LayerAttention(2, [0, 0], int(Path.DENSE), [s.step for s in states], slots)
+        return FLOOR_STEP
     if cfg.dense_below and min_length < cfg.dense_below:
         return None
+    return RETOPK_STEP
+
+
+def layer_attention(method, states: list, kind: int) -> LayerAttention:
+    """``method``'s attention of ``kind`` (``attention_kind``) at every layer, on the layers' state pools
+    ``states``."""
+    if kind == DENSE_STEP:
+        if method.name == "exact_topk":
+            return LayerAttention(DENSE_STEP, [method.top_k, 1], int(Path.EXACT))
+        return LayerAttention(DENSE_STEP, [0, 0], int(Path.DENSE))
+    if kind == FLOOR_STEP:
+        return LayerAttention(FLOOR_STEP, [0, 0], int(Path.DENSE), [s.step for s in states])
+    cfg = method.config
     state = [t for s in states for t in (s.queries, s.support, s.fill, s.ptr, s.step, s.tau, s.period, s.phase)]
-    return LayerAttention(0, [cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every], int(Path.REUSE), state, slots,
+    return LayerAttention(RETOPK_STEP, [cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every], int(Path.REUSE), state,
                           cfg.retrieval, cfg.gqa_policy, [float(cfg.group_tau_min)], calibration_constants(cfg),
                           guard_constants(cfg))
-

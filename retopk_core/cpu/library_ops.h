@@ -38,14 +38,14 @@ at::Tensor mlp_out(const at::Tensor& x, const at::Tensor& a, const at::Tensor& o
                    const at::Tensor& gu_qs, const at::Tensor& gu_scales, int64_t gu_bits,
                    const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs, const at::Tensor& dn_scales,
                    int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa, int64_t activations);
-// decode_layers.cpp: a whole decode step's layers.
-std::vector<at::Tensor> decode_layers(const at::Tensor& x_in, const std::vector<at::Tensor>& weights,
-                                      const std::vector<int64_t>& bits, double eps, const at::Tensor& cos,
-                                      const at::Tensor& sin, int64_t H, int64_t H_kv, int64_t d,
-                                      std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
-                                      const at::Tensor& rows, const at::Tensor& block_table, const at::Tensor& lengths,
-                                      int64_t kind, const std::vector<at::Tensor>& state, const at::Tensor& slots,
-                                      std::vector<int64_t> ints, const std::string& retrieval,
-                                      const std::string& gqa_policy, std::vector<double> floats,
-                                      std::vector<int64_t> path_codes, std::vector<double> calibration,
-                                      std::vector<double> guard, int64_t isa, int64_t activations);
+void attn_in_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
+                const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations);
+void mlp_out_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& o_qs,
+                const at::Tensor& o_scales, int64_t o_bits, const c10::optional<at::Tensor>& o_bias,
+                const at::Tensor& w_mlp, double eps, const at::Tensor& gu_qs, const at::Tensor& gu_scales,
+                int64_t gu_bits, const c10::optional<at::Tensor>& gu_bias, const at::Tensor& dn_qs,
+                const at::Tensor& dn_scales, int64_t dn_bits, const c10::optional<at::Tensor>& dn_bias, int64_t isa,
+                int64_t activations);
+// decode_layers.cpp: a whole decode step's layers, as the class DecodeLayers bound into the module here.
+void bind_decode_layers(pybind11::module_& m);

@@ -1178,8 +1178,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu", &swiglu, "g / (1 + exp(-g)) * u for gu = [g, u]");
   m.def("attn_in", &attn_in, "rms_norm, the QKV product and RoPE of a decode layer in one call");
   m.def("mlp_out", &mlp_out, "the o product, residual, rms_norm, gate-up, swiglu, down and residual in one call");
-  // a whole step touches no Python object: the GIL is released so the server's other threads (the event loop
-  // streaming tokens, the grammar masks filled during the forward) run meanwhile, as between per-layer calls
-  m.def("decode_layers", &decode_layers, "every layer of a decode step (attn_in, store_kv, attention, mlp_out) in one call",
-        py::call_guard<py::gil_scoped_release>());
+  bind_decode_layers(m);  // decode_layers.cpp
 }

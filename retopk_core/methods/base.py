@@ -33,6 +33,14 @@ class SlotPool:
     """
 
     _fields: tuple[str, ...] = ()
+    # Bumped whenever one of the pool's tensors is replaced (grown, shrunk, set): whoever keeps references to
+    # them (server/retopk_server/runtime/whole_step.py's prepared layers) knows by it that they are stale.
+    generation = 0
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            object.__setattr__(self, "generation", self.generation + 1)
+        object.__setattr__(self, name, value)
 
     def __init__(self, capacity: int = 1) -> None:
         self.capacity = max(1, capacity)

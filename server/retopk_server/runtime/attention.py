@@ -66,6 +66,8 @@ class MethodGroup:
         self.peak, self.peak_at = 0, -HOLD_S  # the most slots in use at once lately, and when use left it
         self.deferred = False  # the last shrink kept slots for the hold: trim_pools shrinks again once it lapses
         self.held = 0  # free slots ``make_free`` keeps for sessions about to come: ``shrink`` leaves them
+        # whole_step.py's prepared layers of this group's method, per attention kind: (decoder, pool, key, plan)
+        self.plans: dict[int, tuple] = {}
 
     @property
     def used_slots(self) -> int:

@@ -63,6 +63,7 @@ class KVPool:
         else:
             self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.generation = 0  # bumped when ``k`` and ``v`` are replaced (``_resize``): whoever keeps them knows
         self._free: set[int] = set(range(shape[0]))
         self._shared: dict[int, int] = {}  # block id -> extra holders (``share``); absent = one holder
         self._held = 0  # free blocks ``make_free`` keeps for sessions about to come: ``trim`` leaves them
@@ -162,6 +163,7 @@ class KVPool:
             else:
                 self.budget.refund(-delta)
         self.k, self.v = k, v
+        self.generation += 1
 
     @staticmethod
     def _resized(t: torch.Tensor, blocks: int, keep: int) -> torch.Tensor:
@@ -273,10 +275,8 @@ class KVPool:
     def block_table(self, block_lists: list[list[int]], device: torch.device | str) -> torch.Tensor:
         """(B, max_blocks) int64 table of the given sessions' blocks, padded with block 0."""
         width = max(1, max((len(b) for b in block_lists), default=1))
-        table = torch.zeros((len(block_lists), width), dtype=torch.long)
-        for row, blocks in enumerate(block_lists):
-            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return table.to(device)
+        table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_lists], dtype=torch.long)
+        return table.view(len(block_lists), width).to(device)  # (0, width) for no rows
 
     def rows(self, table: torch.Tensor, start: torch.Tensor, T: int) -> torch.Tensor:
         """(B, H_kv, T) int64 rows of the (N_blocks * H_kv * P, d) pool view where the T new positions

@@ -57,7 +57,7 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
         sessions = [runner.open_session(METHODS[name]) for _ in prompts]
         tokens = [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts, strict=True)]
         pairs.append((sessions, tokens))
-    calls = _spy(monkeypatch, decoder_ops, "decode_layers")
+    calls = _spy(monkeypatch, decoder_ops.LayerPlan, "__call__")
     paths = set()
     for _ in range(12):
         out = []
@@ -91,7 +91,7 @@ def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
     full = runner.open_session(MethodSpec.of("full"))
     for s in (short, quest, full):
         runner.prefill(s, prompt_ids(25, 3))  # L_t = 26: 26 + C >= dense_below = 32 > 26
-    seen = _spy(monkeypatch, whole_step, "layer_attention")
+    seen = _spy(monkeypatch, whole_step, "attention_kind")
     for batch in ([short], [quest], [short, full]):
         logits, _ = runner.decode(batch, [1] * len(batch))
         assert torch.isfinite(logits).all()
@@ -119,20 +119,26 @@ def test_other_threads_run_during_a_whole_step(monkeypatch):
     hashlib.sha256(block)
     hash_rate = len(block) / (time.perf_counter() - start)  # bytes a second
 
-    class Counted:  # the library, with each decode_layers call repeated and the spinner's ticks counted
-        def __getattr__(self, name):
-            return getattr(lib, name)
+    class Repeated:  # the prepared layers, each step's run repeated and the spinner's ticks counted
+        def __init__(self, *args):
+            self.layers = lib.DecodeLayers(*args)
 
-        def decode_layers(self, *args):
+        def run(self, *args):
             for _ in range(50):
                 before, start = ticks[0], time.perf_counter()
-                out = lib.decode_layers(*args)
+                out = self.layers.run(*args)
                 took = time.perf_counter() - start
                 deltas.append(ticks[0] - before)
                 before = ticks[0]
                 hashlib.sha256(block[:max(4096, int(took * hash_rate))])  # releases the GIL past 2 KiB
                 control.append(ticks[0] - before)
             return out
+
+    class Counted:  # the library, with its DecodeLayers repeated
+        DecodeLayers = Repeated
+
+        def __getattr__(self, name):
+            return getattr(lib, name)
 
     def spin():
         while not stop.is_set():
@@ -164,7 +170,7 @@ def test_one_call_up_to_the_wide_rule_and_rows_as_alone(monkeypatch):
         sessions = [runner.open_session(METHODS["full"]) for _ in range(count)]
         return sessions, [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts[:count], strict=True)]
 
-    calls = _spy(monkeypatch, decoder_ops, "decode_layers")
+    calls = _spy(monkeypatch, decoder_ops.LayerPlan, "__call__")
     (batch, tokens), (alone, alone_tokens) = opened(n - 1), opened(n - 1)
     logits, _ = runner.decode(batch, tokens)
     assert len(calls) == 1
@@ -173,3 +179,62 @@ def test_one_call_up_to_the_wide_rule_and_rows_as_alone(monkeypatch):
     wide, wide_tokens = opened(n)
     logits, _ = runner.decode(wide, wide_tokens)
     assert len(calls) == 1 + (n - 1) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("reserved", [True, False], ids=["pool-in-place", "pool-copied"])
+def test_the_prepared_layers_follow_the_pools(reserved, monkeypatch):
+    """whole_step keeps one prepared plan per method group and kind from step to step, and prepares it again once
+    the KV pool or the method state is reallocated: after the KV pool grows (a wider view of its reservation, or
+    by copying where there is none) and the state pools double (five more sessions), and after both shrink back,
+    every step's logits and the sessions' KV and state still equal a pair decoded layer by layer. The plan is the
+    same object between changes and a new one after each; it holds the pools and state weakly, so a replaced
+    state tensor is freed."""
+    import gc
+    import weakref
+
+    from retopk_core.cpu.launch import RETOPK_STEP
+    from retopk_server.runtime import kv_pool
+
+    if not reserved:
+        monkeypatch.setattr(kv_pool, "reserve", lambda *args: None)
+    runner = runner_for(tiny_model("llama", layers=2), RETOPK, weights="int4", kv_dtype="bfloat16")
+    assert (runner.pool._reserved is not None) == reserved
+    prompts = [prompt_ids(40, 1), prompt_ids(45, 2)]
+    pairs = []
+    for _ in range(2):
+        sessions = [runner.open_session(RETOPK) for _ in prompts]
+        pairs.append((sessions, [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts, strict=True)]))
+    group = runner.method_group(RETOPK)
+
+    def steps(n: int) -> object:
+        for _ in range(n):
+            out = []
+            for one_call, (sessions, tokens) in zip((True, False), pairs, strict=True):
+                runner.layers_in_one_call = one_call
+                logits, _ = runner.decode(sessions, tokens)
+                tokens[:] = logits.argmax(-1).tolist()
+                out.append(logits)
+            assert torch.equal(*out)
+        return group.plans[RETOPK_STEP][3]
+
+    first = steps(3)
+    assert steps(1) is first  # nothing changed: the same plan
+    old_queries = weakref.ref(group.states[0].queries)
+    runner.pool.make_free(runner.pool.free_blocks + 3 * runner.pool.capacity)  # the KV pool grows
+    extra = [runner.open_session(RETOPK) for _ in range(5)]
+    for i, s in enumerate(extra):  # nine slots: every layer's state pool doubles from 4 to 8 and 16
+        runner.prefill(s, prompt_ids(50, 3 + i))
+    grown = steps(3)
+    assert grown is not first
+    gc.collect()
+    assert old_queries() is None  # the plan did not keep the replaced state alive
+    for s in extra:
+        runner.close_session(s)
+    capacity, slots = runner.pool.capacity, group.states[0].capacity
+    runner.trim_pools(pressure=True)
+    runner.pool.trim(pressure=True)
+    assert runner.pool.capacity < capacity and group.states[0].capacity < slots
+    assert steps(3) is not grown
+    for s, t in zip(*(pair[0] for pair in pairs), strict=True):
+        for x, y in zip(_state(runner, s), _state(runner, t), strict=True):
+            assert torch.equal(x, y)
