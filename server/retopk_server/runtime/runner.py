@@ -579,8 +579,8 @@ class ModelRunner:
             by_spec.setdefault(s.method, []).append(row)
         groups = []
         for spec, rows in by_spec.items():
-            slots = torch.tensor(list(zip(*(sessions[r].slots for r in rows))), dtype=torch.long,
-                                 device=dev)  # (layers, n): layer l's row is each session's slot in it
+            per_layer = zip(*(sessions[r].slots for r in rows), strict=True)  # layer l: each session's slot in it
+            slots = torch.tensor(list(per_layer), dtype=torch.long, device=dev)  # (layers, n)
             row_t = None if len(by_spec) == 1 else torch.tensor(rows, dtype=torch.long, device=dev)
             groups.append(DecodeGroup(self._groups[spec], row_t, slots))
         kv = StepKV(self.pool, self.pool.block_table([s.blocks for s in sessions], dev), start, start + 1)
