@@ -1,5 +1,5 @@
 """engine/parallel_crc.py: the CRC-32 of a buffer computed in parts on several threads equals zlib's of the whole,
-and a mapped file's buffer can be closed once it returns."""
+with either primitive (ISA-L's where installed, zlib's), and a mapped file's buffer can be closed once it returns."""
 
 from __future__ import annotations
 
@@ -22,9 +22,26 @@ def test_combine_gives_the_crc_of_the_concatenation(first, second):
     assert parallel_crc.combine(seeded, zlib.crc32(b), len(b)) == zlib.crc32(a + b, 0xDEADBEEF)
 
 
+def primitives() -> list:
+    """zlib's CRC-32, and ISA-L's where the isal package is installed."""
+    found = [zlib.crc32]
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        return found
+    return [*found, crc32]
+
+
+def test_isal_hashes_the_parts_where_it_is_installed():
+    isal_zlib = pytest.importorskip("isal.isal_zlib")
+    assert parallel_crc.part_crc32 is isal_zlib.crc32
+
+
+@pytest.mark.parametrize("primitive", primitives(), ids=lambda f: f.__module__)
 @pytest.mark.parametrize("parts", [1, 2, 3, 4])
 @pytest.mark.parametrize("size", [0, 4095, 40_001])
-def test_the_parts_crc_equals_zlibs_of_the_whole(monkeypatch, parts, size):
+def test_the_parts_crc_equals_zlibs_of_the_whole(monkeypatch, primitive, parts, size):
+    monkeypatch.setattr(parallel_crc, "part_crc32", primitive)
     monkeypatch.setattr(parallel_crc, "MIN_PART", 1024)
     monkeypatch.setattr(parallel_crc, "max_parts", lambda: parts)
     data = random.Random(size).randbytes(size)

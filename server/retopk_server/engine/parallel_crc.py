@@ -1,10 +1,12 @@
 """zlib's CRC-32 of a large buffer, its parts on several threads: the result equals ``zlib.crc32`` of the whole.
 
 A saved session's load checks its file's CRC-32 (engine/session_file.py) before anything reads it, in the first
-turn of a client coming back after a restart; zlib's pass runs on one core. zlib releases the GIL for a buffer
-past a few KiB, so the parts run at once, and ``combine`` joins their CRCs as zlib's ``crc32_combine`` does
-(Python's zlib does not expose it). Over GF(2), with the CRC's bits reflected and its register pre- and
-post-inverted as zlib keeps it, the CRC of A followed by B is
+turn of a client coming back after a restart. Each part is hashed by ISA-L's CRC-32 (the ``isal`` package,
+``isal_zlib.crc32``: the same polynomial, register and result as zlib's, folded with carry-less multiplications)
+where it is installed, else by zlib's, whose table-driven pass is several times slower on a CPU with PCLMULQDQ.
+Both release the GIL for a large buffer, so the parts run at once, and ``combine`` joins their CRCs as zlib's
+``crc32_combine`` does (Python's zlib does not expose it). Over GF(2), with the CRC's bits reflected and its
+register pre- and post-inverted as zlib keeps it, the CRC of A followed by B is
 
     crc(A || B) = crc(A) * x^(8 |B|)  mod P  XOR  crc(B)        P: the CRC-32 polynomial (0xedb88320 reflected)
 
@@ -16,8 +18,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor, wait
+
+try:
+    from isal.isal_zlib import crc32 as part_crc32  # ISA-L's: the same number as zlib's (module docstring)
+except ImportError:  # an install without it
+    from zlib import crc32 as part_crc32
 
 POLY = 0xEDB88320  # the CRC-32 polynomial, bits reflected (x^0 is bit 31)
 MIN_PART = 1 << 20  # the smallest piece: a smaller buffer is hashed on the calling thread alone
@@ -84,7 +90,7 @@ def crc32(data, value: int = 0) -> int:
         n = len(view)
         threads = min(max_parts(), n // MIN_PART)
         if threads <= 1:
-            return zlib.crc32(view, value)
+            return part_crc32(view, value)
         if _pool is None:
             _pool = ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="retopk-crc")
         pieces = min(threads * CHUNKS_PER_THREAD, n // MIN_PART)
@@ -95,7 +101,7 @@ def crc32(data, value: int = 0) -> int:
 
         def take_pieces() -> None:
             while (i := next(turn)) < pieces:
-                crcs[i] = zlib.crc32(views[i])
+                crcs[i] = part_crc32(views[i])
 
         helpers = [_pool.submit(take_pieces) for _ in range(threads - 1)]
         try:

@@ -13,9 +13,9 @@ import's write into the pools is the only copy), its check first in the payload'
 The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000": a byte flipped anywhere (the
 header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
 replaces format 1's SHA-256, whose pass took as long as reading the file: the checksum guards against damage, not
-against a forger, who can recompute either. A load's pass splits the file over a few cores (engine/parallel_crc.py),
-as it lies in the first turn of a client coming back after a restart. A file of format 1 (an older server's) still
-loads; one of neither format is refused naming why.
+against a forger, who can recompute either. Its pass lies in the first turn of a client coming back after a
+restart: engine/parallel_crc.py hashes the file with ISA-L where installed, split over a few cores. A file of
+format 1 (an older server's) still loads; one of neither format is refused naming why.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def parts(artifact: SessionArtifact) -> list[bytes | memoryview]:
     head[CHECK:CHECK + 16] = b"%016x" % sum(len(p) for p in payload)
     crc = zlib.crc32(head)
     for part in payload[1:]:
-        crc = zlib.crc32(part, crc)
+        crc = parallel_crc.crc32(part, crc)
     head[CHECK + 16:CHECK + 24] = b"%08x" % crc
     return [bytes(head), *payload[1:]]
 
