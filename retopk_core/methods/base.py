@@ -166,7 +166,7 @@ class SlotPool:
     def check_slot(self, tensors: dict[str, torch.Tensor]) -> None:
         """ValueError naming the first field of ``tensors`` (``read_slot``'s form) that is missing or whose
         shape or dtype differs from this pool's per-slot one (a growing dimension: any size, the same in every
-        growing field)."""
+        growing field; an int64 field may come as int32, which ``write_slot``'s copy widens exactly)."""
         if set(tensors) != set(self._fields):
             raise ValueError(f"state fields {sorted(tensors)} differ from this method's {sorted(self._fields)}")
         extents = {tensors[name].shape[dim] for name, dim in self._growing.items() if tensors[name].dim() > dim}
@@ -177,7 +177,8 @@ class SlotPool:
             shape = list(want.shape[1:])
             if name in self._growing and t.dim() == len(shape):
                 shape[self._growing[name]] = t.shape[self._growing[name]]
-            if tuple(t.shape) != tuple(shape) or t.dtype != want.dtype:
+            narrowed = t.dtype == torch.int32 and want.dtype == torch.long
+            if tuple(t.shape) != tuple(shape) or (t.dtype != want.dtype and not narrowed):
                 raise ValueError(f"state field {name!r}: {t.dtype} {tuple(t.shape)}, this method holds "
                                  f"{want.dtype} {tuple(shape)}")
 

@@ -17,10 +17,17 @@ def require(tensors: dict[str, torch.Tensor], fields: tuple[str, ...]) -> None:
 
 
 def integers_within(tensors: dict[str, torch.Tensor], name: str, lo: int, hi: int, what: str = "") -> None:
-    """``tensors[name]`` is int64 with every value in [lo, hi] (``what`` says what the bounds are)."""
+    """``tensors[name]`` is int64, or int32 (a saved session's file keeps an int64 field whose values fit it so:
+    the copy into the pool widens it, ``SlotPool.write_slot``), with every value in [lo, hi] (``what`` says what
+    the bounds are)."""
     t = tensors[name]
-    if t.dtype != torch.long or (t.numel() and not (lo <= (ends := torch.aminmax(t))[0] and ends[1] <= hi)):
-        raise ValueError(f"method state: {name} must be int64 in [{lo}, {hi}]{f' ({what})' if what else ''}")
+    ok = t.dtype in (torch.long, torch.int32)
+    if ok and t.numel():
+        low, high = (int(end) for end in torch.aminmax(t))  # Python ints: an int32 tensor would wrap ``hi``
+        ok = lo <= low and high <= hi
+    if not ok:
+        raise ValueError(f"method state: {name} must be int64 (or int32) in [{lo}, {hi}]"
+                         f"{f' ({what})' if what else ''}")
 
 
 def finite(tensors: dict[str, torch.Tensor], *names: str) -> None:

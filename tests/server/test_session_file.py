@@ -1,6 +1,8 @@
-"""engine/session_file.py, --session-dir's format 2: a session round-trips exactly (every tensor's dtype and values,
-every field), a file of format 1 still loads, and a damaged, cut, foreign or future file is refused naming why.
-The server-level drops of damaged files are in tests/server/test_session_keeping.py."""
+"""engine/session_file.py, --session-dir's format 3: a session round-trips exactly (every tensor's values, every
+field; an int64 field of the method state whose values fit comes back int32, the rest in their own dtype), files
+of formats 1 and 2 still load, and a damaged, cut, foreign or future file is refused naming why. That a narrowed
+state imports exactly is in tests/server/runtime/test_runtime_session_state.py; the server-level drops of damaged
+files are in tests/server/test_session_keeping.py."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from retopk_server.engine import parallel_crc, session_artifact, session_file
+from retopk_server.engine.safetensors_parts import payload_parts
 from retopk_server.engine.session_artifact import ArtifactError, SessionArtifact, UnsupportedFormat
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session_state import SessionState
@@ -26,7 +29,7 @@ def artifact() -> SessionArtifact:
     kv = (2, 3, 2, 4, 8)  # (layers, blocks, KV heads, P, d)
     state = {"queries": torch.randn(2, 6, 4, 8, generator=g),
              "support": torch.randint(-1, 10, (2, 6, 4, 8), generator=g), "fill": torch.tensor([4, 3]),
-             "tau": torch.randn(2, 6, generator=g)}
+             "step": torch.tensor([2**40, 3]), "tau": torch.randn(2, 6, generator=g)}
     return SessionArtifact(
         state=SessionState(SPEC, torch.randint(0, 100, (10,), generator=g), torch.randn(kv, generator=g).bfloat16(),
                            torch.randn(kv, generator=g).bfloat16(), state),
@@ -44,14 +47,18 @@ def tensors_of(art: SessionArtifact) -> dict[str, torch.Tensor]:
     return session_artifact.contents(art)[0]
 
 
-def assert_same(got: SessionArtifact, want: SessionArtifact) -> None:
+NARROWED = {"state.support", "state.fill"}  # artifact()'s int64 state fields whose values fit int32 ("step" does not)
+
+
+def assert_same(got: SessionArtifact, want: SessionArtifact, narrowed: set[str] = NARROWED) -> None:
     fields = [f.name for f in dataclasses.fields(SessionArtifact) if f.name != "state"]
     assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
     assert got.state.method == want.state.method
     a, b = tensors_of(got), tensors_of(want)
     assert set(a) == set(b)
     for name, t in b.items():
-        assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+        dtype = torch.int32 if name in narrowed else t.dtype
+        assert a[name].dtype == dtype and torch.equal(a[name].to(t.dtype), t), name
 
 
 def test_a_session_round_trips_exactly_and_its_tensors_map_the_file(tmp_path):
@@ -72,8 +79,24 @@ def test_a_file_of_format_1_still_loads(tmp_path):
     path = tmp_path / "old.session"
     path.write_bytes(session_artifact.encode(want))
     assert path.read_bytes().startswith(session_artifact.MAGIC)
-    assert_same(session_file.read(path), want)
+    assert_same(session_file.read(path), want, narrowed=set())  # the wire's format keeps every dtype
     assert session_file.peek(path) is None  # not sized ahead: it loads as it did
+
+
+def format_2(art: SessionArtifact) -> bytes:
+    """``art`` as a file of format 2, an older server's: format 3's layout with every tensor in its own dtype."""
+    tensors, meta = session_artifact.contents(art)
+    metadata = {"retopk_check": "0" * 24, "retopk_format": "2", "retopk": json.dumps(meta)}
+    return resealed(b"".join(bytes(p) for p in payload_parts(tensors, metadata)))
+
+
+def test_a_file_of_format_2_still_loads_and_format_3_is_smaller(tmp_path):
+    want = artifact()
+    (tmp_path / "two").write_bytes(format_2(want))
+    assert_same(session_file.read(tmp_path / "two"), want, narrowed=set())
+    assert session_file.peek(tmp_path / "two") == (10, SPEC)
+    narrowed_bytes = sum(t.numel() * 4 for name, t in tensors_of(want).items() if name in NARROWED)
+    assert written(tmp_path).stat().st_size <= (tmp_path / "two").stat().st_size - narrowed_bytes + 8
 
 
 def test_peek_reads_the_tokens_and_method_from_the_header(tmp_path):
@@ -116,7 +139,7 @@ def test_damaged_cut_or_foreign_files_are_refused_naming_why(tmp_path, monkeypat
             session_file.read(tmp_path / name)
 
 
-def resealed(data: bytes, payload: bytes) -> bytes:
+def resealed(payload: bytes) -> bytes:
     """``payload`` (a safetensors payload starting with the check) with its size and CRC-32 made to match."""
     check = session_file.CHECK
     out = bytearray(payload)
@@ -126,11 +149,11 @@ def resealed(data: bytes, payload: bytes) -> bytes:
 
 
 def test_a_future_format_and_broken_tensors_under_a_matching_checksum_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(session_file, "FORMAT", 3)
+    monkeypatch.setattr(session_file, "FORMAT", 4)
     future = written(tmp_path, name="future").read_bytes()
-    monkeypatch.setattr(session_file, "FORMAT", 2)
+    monkeypatch.setattr(session_file, "FORMAT", 3)
     (tmp_path / "future").write_bytes(future)
-    with pytest.raises(UnsupportedFormat, match="file format '3' is not supported"):
+    with pytest.raises(UnsupportedFormat, match="file format '4' is not supported"):
         session_file.read(tmp_path / "future")
 
     data = written(tmp_path).read_bytes()
@@ -139,7 +162,7 @@ def test_a_future_format_and_broken_tensors_under_a_matching_checksum_are_refuse
     header["token_ids"]["shape"] = [11]  # 11 int64 in the bytes of 10: the library's parser refuses it
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    broken = resealed(data, struct.pack("<Q", len(text)) + text + data[8 + n:])
+    broken = resealed(struct.pack("<Q", len(text)) + text + data[8 + n:])
     (tmp_path / "broken").write_bytes(broken)
     with pytest.raises(ArtifactError, match="the tensors do not parse"):
         session_file.read(tmp_path / "broken")

@@ -1,21 +1,25 @@
-"""A session artifact as a file of --session-dir (engine/session_store.py): format 2, which loads without copying.
+"""A session artifact as a file of --session-dir (engine/session_store.py): format 3, which loads without copying.
 
 Format 1 (engine/session_artifact.py: the magic, a header line, then a safetensors payload) is what crosses the
-wire (ExportSession, ImportSession, the drain's handoff). A file is format 2: the safetensors payload alone, so
+wire (ExportSession, ImportSession, the drain's handoff). A file is format 3: the safetensors payload alone, so
 that the library opens it where it lies (safetensors_parts.open_payload_file: the tensors map the file, and the
 import's write into the pools is the only copy), its check first in the payload's own metadata:
 
     8 bytes   N, the safetensors header's length (a multiple of 8: the first byte is never format 1's "R")
     N bytes   {"__metadata__":{"retopk_check":"<16 hex digits: the file's bytes><8: its CRC-32>",
-              "retopk_format":"2","retopk":"<format 1's metadata object>"},<the tensors' entries>}
-    the rest  the tensors' bytes, as in format 1
+              "retopk_format":"3","retopk":"<format 1's metadata object>"},<the tensors' entries>}
+    the rest  the tensors' bytes, as in format 1, except that an int64 field of the method state whose values
+              all fit int32 is stored as int32 (ReTopK's supports, positions below max_context, are a third of
+              a session's bytes): the import's copy into the pool widens it (SlotPool.write_slot), exactly
 
 The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000": a byte flipped anywhere (the
 header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
 replaces format 1's SHA-256, whose pass took as long as reading the file: the checksum guards against damage, not
 against a forger, who can recompute either. Its pass lies in the first turn of a client coming back after a
-restart: engine/parallel_crc.py hashes the file with ISA-L where installed, split over a few cores. A file of
-format 1 (an older server's) still loads; one of neither format is refused naming why.
+restart: engine/parallel_crc.py hashes the file with ISA-L where installed, split over a few cores.
+
+Versions read: 1 (an older server's files), 2 (format 3 with every tensor as the session holds it: a restart
+across the upgrade keeps its sessions) and 3; a file of another version, or of no format, is refused naming why.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ import struct
 import zlib
 from collections.abc import Callable
 
+import torch
+
 from retopk_server.engine import parallel_crc, session_artifact
 from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
 from retopk_server.engine.session_artifact import MAGIC, MAX_METADATA_BYTES, ArtifactError, SessionArtifact
 from retopk_server.runtime.method_spec import MethodSpec
 
-FORMAT = 2
+FORMAT = 3
+READS = ("2", "3")  # the payload-only versions this server reads (module docstring)
+NARROW = torch.int32  # what an int64 field of the method state is stored as when its values fit
 PREFIX = b'{"__metadata__":{"retopk_check":"'  # at byte 8: the check's digits follow
 CHECK = 8 + len(PREFIX)  # where the 16 + 8 digits start
 BLANK = b"0" * 8
@@ -41,6 +49,7 @@ BLANK = b"0" * 8
 def parts(artifact: SessionArtifact) -> list[bytes | memoryview]:
     """The file's bytes in parts (the header, then views of the artifact's tensors)."""
     tensors, meta = session_artifact.contents(artifact)
+    tensors = {name: _narrowed(t) if name.startswith("state.") else t for name, t in tensors.items()}
     metadata = {"retopk_check": "0" * 24, "retopk_format": str(FORMAT), "retopk": json.dumps(meta)}
     payload = payload_parts(tensors, metadata)
     head = bytearray(payload[0])
@@ -54,11 +63,20 @@ def parts(artifact: SessionArtifact) -> list[bytes | memoryview]:
     return [bytes(head), *payload[1:]]
 
 
+def _narrowed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as NARROW when it is int64 and every value fits (module docstring), else ``t``."""
+    if t.dtype != torch.long or not t.numel():
+        return t
+    lo, hi = torch.aminmax(t)
+    info = torch.iinfo(NARROW)
+    return t.to(NARROW) if info.min <= lo and hi <= info.max else t
+
+
 def read(path: str | os.PathLike, limit: int | None = None, pause: Callable[[], None] | None = None) \
         -> SessionArtifact:
-    """The artifact of the file at ``path``, either format (``limit``: its most bytes); ArtifactError naming what
-    is wrong. ``pause()``, when given, runs between the checksum's pass and the parse (a background load that lets
-    a more urgent one go first)."""
+    """The artifact of the file at ``path``, of any version it reads (a narrowed field comes as int32; ``limit``:
+    the file's most bytes); ArtifactError naming what is wrong. ``pause()``, when given, runs between the
+    checksum's pass and the parse (a background load that lets a more urgent one go first)."""
     with open(path, "rb") as f:
         if f.read(1) == MAGIC[:1]:
             return session_artifact.read_file(path, limit, pause)
@@ -75,9 +93,9 @@ def read(path: str | os.PathLike, limit: int | None = None, pause: Callable[[], 
                                                   MAX_METADATA_BYTES)
         except PayloadError as e:
             raise ArtifactError("artifact", f"the tensors do not parse: {e}") from None
-    if metadata.get("retopk_format") != str(FORMAT):
+    if metadata.get("retopk_format") not in READS:
         raise session_artifact.UnsupportedFormat("artifact", f"file format {metadata.get('retopk_format')!r} is not "
-                                                             f"supported (this server reads 1 and {FORMAT})")
+                                                             f"supported (this server reads 1, {', '.join(READS)})")
     if metadata.get("retopk_check", "")[16:] != f"{crc:08x}":  # the digits the library parsed are the ones checked
         raise ArtifactError("artifact", "corrupted header (the check)")
     try:
@@ -93,8 +111,8 @@ def _checked_crc(fd: int, size: int) -> int:
         raise ArtifactError("artifact", f"truncated, or not a retopk session file ({size} bytes)")
     with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ) as m:
         if m[8:CHECK] != PREFIX:
-            raise ArtifactError("artifact", "not a retopk session file (neither format 1's magic nor format 2's "
-                                            "check at its start)")
+            raise ArtifactError("artifact", "not a retopk session file (neither format 1's magic nor the check of "
+                                            "formats 2 and 3 at its start)")
         digits = m[CHECK:CHECK + 24]
         try:
             stated, want = int(digits[:16], 16), int(digits[16:], 16)
@@ -115,9 +133,9 @@ def _checked_crc(fd: int, size: int) -> int:
 
 
 def peek(path: str | os.PathLike) -> tuple[int, MethodSpec | None] | None:
-    """(tokens, the method whose state it holds, None when it holds none) of a format-2 file, from its header alone,
-    unchecked (sizing the pools before its load); None for a file of format 1 or one that does not parse (its load
-    says why)."""
+    """(tokens, the method whose state it holds, None when it holds none) of a file of format 2 or 3, from its
+    header alone, unchecked (sizing the pools before its load); None for a file of format 1 or one that does not
+    parse (its load says why)."""
     try:
         with open(path, "rb") as f:
             head = f.read(CHECK)

@@ -152,3 +152,33 @@ def test_an_import_into_a_slot_another_session_left_holds_exactly_the_imported_s
     assert any(not torch.equal(left[f], good.state[f]) for f in good.state if left[f].shape == good.state[f].shape)
     for field, t in good.state.items():
         assert torch.equal(again[field], t), field
+
+
+@pytest.mark.parametrize("name", ["retopk", "quest", "loki", "tokenselect"])
+def test_int64_fields_that_come_as_int32_import_exactly_and_stay_bounded(name):
+    """A saved session's file stores an int64 field whose values fit as int32 (engine/session_file.py, format 3):
+    the import widens it on its copy into the pool, so the session holds the same values, as int64, and
+    continues as the never-moved one; a narrowed value out of bounds is refused as an int64 one is, and an
+    integer type narrower still, or an integer where a float belongs, is refused."""
+    model, good = state_of(METHODS[name])
+    narrowed = {f: t.to(torch.int32) if t.dtype == torch.long else t for f, t in good.state.items()}
+    assert any(t.dtype == torch.int32 for t in narrowed.values())
+    b = runner_for(model, METHODS[name], kv_block_size=8, kv_dtype="bfloat16")
+    moved = b.import_session(SessionState(good.method, good.token_ids, good.k, good.v, narrowed))
+    again = b.export_session(moved).state
+    for field, t in good.state.items():
+        assert again[field].dtype == t.dtype and torch.equal(again[field], t), field
+    a = runner_for(model, METHODS[name], kv_block_size=8, kv_dtype="bfloat16")
+    never_moved = a.import_session(good)
+    turn = prompt_ids(9, seed=5)
+    assert greedy(b, moved, turn, 6) == greedy(a, never_moved, turn, 6)
+
+    field = {"retopk": "support", "quest": "n_tokens", "loki": "n_tokens", "tokenselect": "sel"}[name]
+    past = dict(narrowed, **{field: narrowed[field] + good.length})  # positions or counts past the session's
+    narrower = dict(narrowed, **{field: good.state[field].to(torch.int16)})
+    floats = next(f for f, t in good.state.items() if t.is_floating_point())
+    as_int = dict(narrowed, **{floats: good.state[floats].to(torch.int32)})
+    for state in (past, narrower, as_int):
+        with pytest.raises(ValueError, match="must|state field"):
+            b.import_session(SessionState(good.method, good.token_ids, good.k, good.v, state))
+        assert len(b.sessions) == 1
