@@ -9,6 +9,8 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -124,3 +126,32 @@ def test_a_call_for_the_file_the_preload_holds_takes_it_over_at_once(saved):
 
     asyncio.run(run())
     assert [e for e in engine.order() if e[1] == "beta"] == [("check", "beta"), ("import", "beta")]  # once
+
+
+def test_an_imported_files_tensors_are_let_go_off_the_calls_path(saved):
+    """Once imported, the artifact's tensors (mapping the deleted file: the last reference unmaps it and frees
+    its pages) are dropped on the low-priority thread, not on the event loop before the restored call goes on."""
+    sessions, engine, gates, _ = saved
+    for gate in gates.values():
+        gate.set()
+    dropped: list[str] = []
+    imported = []
+    record = engine.import_session
+
+    def watched_import(artifact, *args, **kwargs):
+        imported.append(artifact)
+        weakref.finalize(artifact.state.k, lambda: dropped.append(threading.current_thread().name))
+        return record(artifact, *args, **kwargs)
+
+    engine.import_session = watched_import
+
+    async def run():
+        await sessions.restore("", "alpha", None)
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while not dropped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dropped == ["retopk-drop"] and loop_thread != "retopk-drop"
+    assert imported[0].state is None  # the artifact the engine's command held keeps no tensor

@@ -13,7 +13,8 @@ bytes and checking them while a call waits for another file; and it imports what
 quiet, since the import takes the engine thread from the decode steps. A call that waits for the very file the
 preload holds makes the preload go on at once: that load is the call's. Every load reads, hashes, parses and
 bounds the artifact off the event loop and off the engine thread (Engine.check_artifact); the engine thread only
-allocates the session and copies the tensors in.
+allocates the session and copies the tensors in; a thread of the lowest priority lets go of them after
+(``drop_off_path``).
 
 Each file is loaded once: a call naming a session whose load is under way (a preload's or another call's)
 waits for it. A file that does not parse is dropped; one this server cannot import now (limits, model setup)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +45,24 @@ from retopk_server.service.auth import Caller
 log = logging.getLogger("retopk_server")
 
 QUIET_S = 0.25  # idle time before each preloaded file: a client's next call in a burst of turns comes sooner
+
+
+def drop_off_path(artifact: session_artifact.SessionArtifact) -> None:
+    """Let go of an imported artifact's tensors on a thread of the lowest priority, not on the restored call's
+    path: they map the file (engine/session_file.py), deleted once read, so the last reference unmaps it and
+    frees its page cache, a few ms for a session of 1,000 tokens that its first turn need not wait for. The
+    artifact keeps no tensor (the engine's command may hold it a moment longer)."""
+    box = [artifact.state]
+    artifact.state = None
+
+    def drop() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread alone
+        except (AttributeError, OSError):
+            pass
+        box.clear()
+
+    threading.Thread(target=drop, name="retopk-drop", daemon=True).start()
 
 
 class SavedSessions:
@@ -200,6 +220,7 @@ class SavedSessions:
                 await asyncio.to_thread(self.store.put_back, owner, session_id, artifact)
                 raise
             return False
+        drop_off_path(artifact)
         log.info("session %s of %s restored from %s", session_id, owner or "anonymous", self.store.directory)
         return True
 
