@@ -35,3 +35,15 @@ def test_kv_growth_times_both_doublings(tmp_path):
                              "4", "--rounds", "2", "--threads", "1", "--out", str(tmp_path / "g.json")])
     assert len(result["seconds"]["copy"]) == len(result["seconds"]["in_place"]) == 2
     assert (tmp_path / "g.json").is_file()
+
+
+def test_session_load_times_every_part_of_each_variant(embedded_model, tmp_path):
+    from bench import session_load
+
+    args = session_load.parse_args(["--tokens", "40", "--rounds", "2", "--threads", "1", "--out",
+                                    str(tmp_path / "l.json")])
+    result = session_load.measure(args, *embedded_model)
+    sizes = result["file_bytes"]
+    assert sizes["zlib, int32 state"] < sizes["zlib, int64 state"]  # the narrowed supports: a smaller file
+    assert all(len(times) == 2 for parts in result["seconds"].values() for times in parts.values())
+    assert (tmp_path / "l.json").is_file()

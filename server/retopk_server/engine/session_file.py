@@ -8,9 +8,10 @@ import's write into the pools is the only copy), its check first in the payload'
     8 bytes   N, the safetensors header's length (a multiple of 8: the first byte is never format 1's "R")
     N bytes   {"__metadata__":{"retopk_check":"<16 hex digits: the file's bytes><8: its CRC-32>",
               "retopk_format":"3","retopk":"<format 1's metadata object>"},<the tensors' entries>}
-    the rest  the tensors' bytes, as in format 1, except that an int64 field of the method state whose values
-              all fit int32 is stored as int32 (ReTopK's supports, positions below max_context, are a third of
-              a session's bytes): the import's copy into the pool widens it (SlotPool.write_slot), exactly
+    the rest  the tensors' bytes, as in format 1, except that an int64 field of the method state may be stored
+              as int32 (``parts`` does so where every value fits; ReTopK's supports, positions below max_context,
+              were a third of a session's bytes): the import's copy into the pool widens it exactly
+              (SlotPool.write_slot)
 
 The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000": a byte flipped anywhere (the
 header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
@@ -46,10 +47,12 @@ CHECK = 8 + len(PREFIX)  # where the 16 + 8 digits start
 BLANK = b"0" * 8
 
 
-def parts(artifact: SessionArtifact) -> list[bytes | memoryview]:
-    """The file's bytes in parts (the header, then views of the artifact's tensors)."""
+def parts(artifact: SessionArtifact, narrow: bool = True) -> list[bytes | memoryview]:
+    """The file's bytes in parts (the header, then views of the artifact's tensors); ``narrow=False`` stores every
+    field as the session holds it (bench/session_load.py compares the two)."""
     tensors, meta = session_artifact.contents(artifact)
-    tensors = {name: _narrowed(t) if name.startswith("state.") else t for name, t in tensors.items()}
+    if narrow:
+        tensors = {name: _narrowed(t) if name.startswith("state.") else t for name, t in tensors.items()}
     metadata = {"retopk_check": "0" * 24, "retopk_format": str(FORMAT), "retopk": json.dumps(meta)}
     payload = payload_parts(tensors, metadata)
     head = bytearray(payload[0])
