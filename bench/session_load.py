@@ -4,11 +4,12 @@ the tensors that map the deleted file (service/saved_sessions.py lets go of them
 
 A session of ``--tokens`` random tokens is prefilled on the embedded model's runner and exported once. Each round
 writes it afresh (in the page cache, as a drain leaves it) in every variant and loads it through the server's own
-functions (engine/session_file.py's ``read``, session_transfer's ``check_artifact``, the runner's
-``import_session``), the variants taking turns: the CRC-32's primitive (ISA-L's, where the ``isal`` package is
-installed, and zlib's: engine/parallel_crc.py) times the file's method state (int64 fields narrowed to int32, as
-the server writes them, or as the session holds them). The imported sessions stay open (the pools are sized for
-them first, as a restart's are), so no import grows a pool. Medians and minima are printed, JSON with ``--out``.
+functions on the server's threads (engine/session_file.py's ``read`` and session_transfer's ``check_artifact`` on
+a worker, the runner's ``import_session`` on a thread of its own, as the engine's), the variants taking turns:
+the CRC-32's primitive (ISA-L's, where the ``isal`` package is installed, and zlib's: engine/parallel_crc.py)
+times the file's method state (int64 fields narrowed to int32, as the server writes them, or as the session
+holds them). The imported sessions stay open (the pools are sized for them first, as a restart's are), so no
+import grows a pool. Medians and minima are printed, JSON with ``--out``.
 
     python -m bench.session_load --tokens 1000 --rounds 10
 """
@@ -22,6 +23,7 @@ import statistics
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from retopk_core.models import DEFAULT_MODEL
@@ -76,6 +78,9 @@ def measure(args, model, tokenizer) -> dict:
     name = {(crc, narrow): f"{crc}, {'int32' if narrow else 'int64'} state" for crc, narrow in variants}
     runner.make_room([(artifact.state.length, artifact.state.method)] * (args.rounds * len(variants)))
     times = {name[v]: {part: [] for part in PARTS} for v in variants}
+    # the server's threads: the read and the check on a worker (asyncio.to_thread), the import on the engine's own
+    # thread (an import from this main thread ran 2-4x slower here, loaded)
+    worker, engine = ThreadPoolExecutor(1, "worker"), ThreadPoolExecutor(1, "engine")
     sizes = {}
     directory = Path(tempfile.mkdtemp(prefix="retopk-session-load-"))
     for round_ in range(args.rounds):
@@ -85,18 +90,20 @@ def measure(args, model, tokenizer) -> dict:
             sizes[name[crc, narrow]] = path.stat().st_size
             parallel_crc.part_crc32 = primitives[crc]
             t0 = time.perf_counter()
-            loaded = session_file.read(path)
+            loaded = worker.submit(session_file.read, path).result()
             path.unlink()  # as SessionStore.take_file does
             t1 = time.perf_counter()
-            check_artifact(runner, loaded, "")
+            worker.submit(check_artifact, runner, loaded, "").result()
             t2 = time.perf_counter()
-            runner.import_session(loaded.state, None, checked=True)
+            engine.submit(runner.import_session, loaded.state, None, True).result()
             t3 = time.perf_counter()
             del loaded  # the tensors mapping the deleted file
             t4 = time.perf_counter()
             for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True):
                 times[name[crc, narrow]][part].append(seconds)
     parallel_crc.part_crc32 = primitives[next(iter(primitives))]
+    worker.shutdown()
+    engine.shutdown()
     result = {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads, "file_bytes": sizes,
               "load_average": os.getloadavg(), "seconds": times}
     print(f"one session of {args.tokens} tokens, {args.rounds} rounds, {args.threads} threads, load average "
