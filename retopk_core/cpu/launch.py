@@ -11,7 +11,8 @@ queries and the path, Top-R recall (or the "recent" ablation), candidates = reca
 (``refresh_stagger``), Top-K rerank, softmax-value, and the exact
 Top-K over the whole history for the heads whose path is not REUSE (the group's keys read once for all
 of them), on those heads the per-head threshold update of ``tau_calibration`` (``state.tau``) and, on the
-refresh heads that would have reused, the refresh-period update of ``refresh_guard`` (``state.period``); then the
+refresh heads that would have reused, the refresh-period update of ``refresh_guard`` (``state.period``), and on
+every exact head that would have reused, the threshold raise of ``tau_guard`` (``state.tau``); then the
 FIFO write and the ptr / fill / step advance of ``state``. The source's header
 states the math. The kernel's entry checks shapes, strides, dtypes and devices and raises ValueError
 naming the culprit; this launcher only passes the config along.

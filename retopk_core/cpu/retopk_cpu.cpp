@@ -21,10 +21,14 @@
 //   tau_calibration r* > 0, on the exact heads with a non-empty FIFO (calibrate_tau in retopk.py): the
 //           recall reuse would have had, r = |Ŝ ∩ A_h| / |Ŝ| (mass_recall: r = Σ_{i∈Ŝ∩A_h} softmax(e_Ŝ)_i, the
 //           exact support's weight reuse keeps), moves tau_h when |ρ_max - tau_h| < band:
-//           tau_h += rate (r* - r), clamped to [lo, hi]
+//           tau_h <- min(max(tau_h + rate (r* - r), lo), max(tau_h, hi))   (a tau raised past hi by tau_guard
+//           is its own ceiling)
 //   refresh_guard r_g > 0, on the REFRESH heads with ρ_max >= tau_h (before this step's calibration; guard_period
 //           in retopk.py): the same would-be recall r halves T_h (to lo_T at least) when r < r_g, doubles it (to
 //           T_r at most) when r >= r_g + margin (guard_fresh)
+//   tau_guard r_t > 0, on every exact head with ρ_max >= tau_h (before this step's calibration: it would have
+//           reused; guard_tau in retopk_policy.py), after calibration: when r < r_t,
+//           tau_h <- max(tau_h, min(ρ_max + margin_t, 1))
 // Then, per sequence: ptr <- (ptr + 1) % C, fill <- min(fill + 1, C), step <- step + 1.
 // Keys and values are read through the block table: position i of (b, g) is row
 // (block_table[b, i / P] * H_kv + g) * P + i % P of the pool viewed as (N_blocks * H_kv * P, d).
@@ -296,6 +300,7 @@ struct Params {
   int64_t policy;  // 0 head, 1 promote, 2 group
   Codes code;
   bool mass = false;  // mass_recall: the would-be recall weighs each position of Ŝ by its softmax weight
+  float raise_target = 0.f, raise_margin = 0.f;  // tau_guard (target 0 = off) and how far above ρ_max it raises
 };
 
 using Scored = std::pair<float, int64_t>;  // (score, position)
@@ -756,19 +761,23 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     if (tops.size() < exact_heads.size()) tops.resize(exact_heads.size());
     t.exact(exact_heads, qs.data(), tops);
     for (size_t e = 0; e < exact_heads.size(); ++e) s.heaps[exact_heads[e]].swap(tops[e]);
-    for (int64_t j : exact_heads) {  // tau_calibration and refresh_guard, before this step's entry enters the FIFO
+    // tau_calibration, refresh_guard and tau_guard, before this step's entry enters the FIFO
+    for (int64_t j : exact_heads) {
       if (t.fill == 0) continue;
       const float th = tau_h[j];
+      const bool would_reuse = ms[j] >= th;  // by the threshold this step decided with
       const bool cal = p.cal_target > 0.f && std::fabs(ms[j] - th) < p.cal_band;
-      const bool stale_check = guard && path[j] == p.code.refresh && ms[j] >= th;  // it would have reused
-      if (!cal && !stale_check) continue;
+      const bool stale_check = guard && path[j] == p.code.refresh && would_reuse;
+      const bool raise = p.raise_target > 0.f && would_reuse;
+      if (!cal && !stale_check && !raise) continue;
       const float r = t.would_be_recall(h0 + j, sims.data() + j * p.C, s.heaps[j]);
-      if (cal) tau_h[j] = std::min(std::max(th + p.cal_rate * (p.cal_target - r), p.cal_lo), p.cal_hi);
+      if (cal) tau_h[j] = std::min(std::max(th + p.cal_rate * (p.cal_target - r), p.cal_lo), std::max(th, p.cal_hi));
       if (stale_check) {
         const int64_t T_h = period_h[j];
         if (r < p.guard_target) period_h[j] = std::max(T_h / 2, p.guard_lo);
         else if (r >= p.guard_fresh) period_h[j] = std::min(T_h * 2, p.T_r);
       }
+      if (raise && r < p.raise_target) tau_h[j] = std::max(tau_h[j], std::min(ms[j] + p.raise_margin, 1.f));
     }
   }
   s.acc.resize(p.dv);
@@ -884,7 +893,10 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   for (int64_t h = 0; h < H; ++h)
     CHECK_VALUE(ph[h] >= 0 && ph[h] == ph[h - h % (H / H_kv)], "state.phase[", h, "] = ", ph[h],
                 ": phases must be >= 0 and shared by the heads of a KV group");
-  CHECK_VALUE(calibration.size() == 6, "calibration must be (target, rate, band, lo, hi, mass)");
+  CHECK_VALUE(calibration.size() == 8, "calibration must be (target, rate, band, lo, hi, mass, tau_guard target, "
+              "tau_guard margin), got ", calibration.size(), " values");
+  CHECK_VALUE(calibration[6] >= 0.0 && calibration[6] <= 1.0 && calibration[7] >= 0.0 && calibration[7] <= 1.0,
+              "tau_guard's target and margin must lie in [0, 1], got ", calibration[6], ", ", calibration[7]);
   CHECK_VALUE(guard.size() == 3, "guard must be (target, target + margin, lowest period)");
   const int64_t guard_lo = static_cast<int64_t>(guard[2]);
   CHECK_VALUE(guard[0] <= 0.0 || (refresh_every > 0 && guard_lo >= 1 && guard_lo <= refresh_every),
@@ -924,7 +936,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
            retrieval == "recent", policy,
            Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
                  static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])},
-           calibration[5] != 0.0};
+           calibration[5] != 0.0, static_cast<float>(calibration[6]), static_cast<float>(calibration[7])};
   auto i8 = at::TensorOptions().dtype(at::kChar);
   Outputs o{at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous)),
             at::empty({B, H}, i8), at::empty({B, H}, at::TensorOptions().dtype(at::kFloat)),

@@ -64,17 +64,18 @@ def kernel_specs(small: bool) -> list[tuple]:
                   dict(q_ptr=p["bf16"], k_ptr=p["bf16"], table_ptr=p["i64"], cand_ptr=p["i32"], count_ptr=p["i32"],
                        out_ptr=p["f32"], scale="fp32"),
                   dict(D=D, BLOCK_D=D, BLOCK_M=64), 4))
-    for retopk, calibrate in ((False, False), (True, False), (True, True)):
+    for retopk, calibrate, raise_tau in ((False, False, False), (True, False, False), (True, True, False),
+                                         (True, True, True)):
         specs.append((select_attend.select_attend_kernel,
                       dict(q_ptr=p["bf16"], v_ptr=p["bf16"], table_ptr=p["i64"], path_ptr=p["i8"], cand_ptr=p["i32"],
                            cscore_ptr=p["f32"], count_ptr=p["i32"], exact_ptr=p["i64"], sel_ptr=p["i64"],
                            w_ptr=p["f32"], out_ptr=p["bf16"], slots_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            at_ptr=p["i64"], wptr_ptr=p["i64"], fill_ptr=p["i64"], step_ptr=p["i64"],
                            len_ptr=p["i64"], cal_count_ptr=p["i32"], maxsim_ptr=p["f32"], tau_ptr=p["f32"],
-                           TARGET="fp32", RATE="fp32", BAND="fp32", LO="fp32", HI="fp32", period_ptr=p["i64"],
-                           G_TARGET="fp32", G_FRESH="fp32"),
+                           TARGET="fp32", RATE="fp32", BAND="fp32", LO="fp32", HI="fp32", R_TARGET="fp32",
+                           R_MARGIN="fp32", period_ptr=p["i64"], G_TARGET="fp32", G_FRESH="fp32"),
                       dict(K_PAD=K_pad, N_PAD=n_pad, D=D, BLOCK_D=D, DV=D, BLOCK_DV=D, BLOCK_KV=64, RETOPK=retopk,
-                           CALIBRATE=calibrate, GUARD=calibrate, LOG_N=n_pad.bit_length()), 8))
+                           CALIBRATE=calibrate, GUARD=calibrate, RAISE=raise_tau, LOG_N=n_pad.bit_length()), 8))
     return specs
 
 

@@ -28,12 +28,16 @@ is not empty (ρ_max > -inf) also moves its threshold as ``calibrate_tau`` does:
 have had, r = |Ŝ ∩ A_t| / |Ŝ| (``fidelity.support_recall``; A_t the selector's candidate row, sorted
 ascending, of length cal_count: one vectorised binary search per selected position; with MASS,
 ``mass_recall``, r = Σ_{i∈Ŝ∩A_t} p_i with p the attention weights of Ŝ, ``fidelity.mass_recall``), gives
-    tau_h <- clamp(tau_h + [|ρ_max - tau_h| < BAND] RATE (TARGET - r), LO, HI)
-(``calibration_constants``; TARGET 0: thresholds untouched), written back to state.tau[slot, h] by the head's
-own program. With GUARD (``refresh_guard``) the same recall, on a REFRESH head whose ρ_max >= tau_h (the
-threshold before this step's move), moves its refresh period as ``guard_period`` does:
+    tau_h <- min(max(tau_h + [|ρ_max - tau_h| < BAND] RATE (TARGET - r), LO), max(tau_h, HI))
+(``calibration_constants``; TARGET 0: thresholds untouched; a tau that RAISE lifted past HI is its own ceiling),
+then with RAISE (``tau_guard``), on a head whose ρ_max >= tau_h (the threshold before this step's move: it would
+have reused), as ``guard_tau`` does:
+    tau_h <- max(tau_h, min(ρ_max + R_MARGIN, 1)) if r < R_TARGET
+written back to state.tau[slot, h] by the head's own program. With GUARD (``refresh_guard``) the same recall, on
+a REFRESH head whose ρ_max >= tau_h (the threshold before this step's move), moves its refresh period as
+``guard_period`` does:
     T_h <- max(T_h / 2, G_LO) if r < G_TARGET,  min(2 T_h, T_R) if r >= G_FRESH,  else T_h
-(``guard_constants``), written back to state.period[slot, h].
+(``guard_constants``), written back to state.period[slot, h]. CALIBRATE is on with any of the three.
 """
 
 from __future__ import annotations
@@ -50,13 +54,13 @@ def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_t
                          path_ptr, cand_ptr, cscore_ptr, count_ptr, exact_ptr,
                          sel_ptr, w_ptr, out_ptr, stride_ob, stride_oh,
                          slots_ptr, cq_ptr, sup_ptr, at_ptr, wptr_ptr, fill_ptr, step_ptr, len_ptr, DENSE_BELOW,
-                         cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI,
+                         cal_count_ptr, maxsim_ptr, tau_ptr, TARGET, RATE, BAND, LO, HI, R_TARGET, R_MARGIN,
                          period_ptr, G_TARGET, G_FRESH, G_LO, T_R,
                          K, H, H_KV, P, G, C,
                          K_PAD: tl.constexpr, N_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                          DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_KV: tl.constexpr,
-                         RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, MASS: tl.constexpr,
-                         LOG_N: tl.constexpr):
+                         RETOPK: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr, RAISE: tl.constexpr,
+                         MASS: tl.constexpr, LOG_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * H + h
@@ -109,9 +113,14 @@ def select_attend_kernel(q_ptr, stride_qb, stride_qh, v_ptr, table_ptr, stride_t
                 recall = tl.sum(hit.to(tl.float32), 0) / tl.maximum(tl.sum(valid.to(tl.float32), 0), 1.0)
             tau_at = tau_ptr + tl.load(slots_ptr + b) * H + h
             th = tl.load(tau_at)
+            tau_new = th
             if TARGET > 0:
                 move = tl.where(tl.abs(rho - th) < BAND, RATE * (TARGET - recall), 0.0)
-                tl.store(tau_at, tl.minimum(tl.maximum(th + move, LO), HI))
+                tau_new = tl.minimum(tl.maximum(th + move, LO), tl.maximum(th, HI))
+            if RAISE:  # it would have reused (by th, this step's threshold), and reuse would have missed
+                raised = tl.maximum(tau_new, tl.minimum(rho + R_MARGIN, 1.0))
+                tau_new = tl.where((rho >= th) & (recall < R_TARGET), raised, tau_new)
+            tl.store(tau_at, tau_new)
             if GUARD:
                 if (path == 2) & (rho >= th):  # a refresh where the head would have reused
                     per_at = period_ptr + tl.load(slots_ptr + b) * H + h

@@ -14,7 +14,7 @@ on exact paths), and for reuse heads the candidate positions sorted ascending an
 of a row of width N_PAD >= R*K + W (int32) with their count M_t in ``count`` (0 for exact-path heads).
 With ALL_CAND (the "group" GQA policy, where a head below tau may still reuse with its group)
 fallback heads get candidates and a count too; the launcher then applies the policy on the device and
-fixes count / n_scored. With CALIBRATE (``tau_calibration`` or ``refresh_guard``) every head builds A_t,
+fixes count / n_scored. With CALIBRATE (``tau_calibration``, ``refresh_guard`` or ``tau_guard``) every head builds A_t,
 whatever its path, and writes M_t to ``cal_count`` as well: stage 3 measures on the exact heads the recall reuse would
 have had (``count`` stays the reuse heads' own, so the indexed QK and the reuse selection ignore them).
 Head 0 of each sequence also copies the FIFO's write pointer ptr[slot] to ``at[b]``: stage 3 writes the

@@ -16,7 +16,8 @@ head's threshold is state.tau[slot, h]; with ``tau_calibration`` the selector bu
 candidates A_t and the select + attend launch moves the thresholds of the exact (non-DENSE) heads by
 the recall reuse would have had (``calibrate_tau``); with ``refresh_guard`` the selector decides each head's
 refresh on its own period state.period[slot, h] and select + attend moves the periods of the refresh heads
-that would have reused by the same recall (``guard_period``).
+that would have reused by the same recall (``guard_period``); with ``tau_guard`` select + attend raises the
+thresholds of the exact heads that would have reused and whose recall missed the target (``guard_tau``).
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     n_scored = torch.empty(B, H, dtype=torch.int32, device=dev)
     cand = ws.get("cand", (B, H, N_pad), torch.int32)
     count = ws.get("cand_count", (B, H), torch.int32)  # M_t of the heads that reuse, else 0
-    calibrate, guard = cfg.tau_calibration > 0, cfg.refresh_guard > 0
-    observe = calibrate or guard  # exact heads measure the recall reuse would have had
+    calibrate, guard, raise_tau = cfg.tau_calibration > 0, cfg.refresh_guard > 0, cfg.tau_guard > 0
+    observe = calibrate or guard or raise_tau  # exact heads measure the recall reuse would have had
     cal_count = ws.get("cand_count_all", (B, H), torch.int32) if observe else count  # every head's M_t
     cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
     at = ws.get("fifo_at", (B,), torch.long)  # each row's FIFO write position, for stage 3
@@ -152,7 +153,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), RUN=K if K & (K - 1) == 0 else 0,
         ALL_CAND=cfg.gqa_policy == "group", CALIBRATE=observe, GUARD=guard, num_warps=8 if big else 4)
     if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
-        tau = state.tau.index_select(0, slots) if calibrate else None  # (B, H), as the torch path's
+        tau = state.tau.index_select(0, slots) if calibrate or raise_tau else None  # (B, H), as the torch path's
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg, tau)
         count.masked_fill_(path != Path.REUSE, 0)  # cal_count keeps every head's M_t
         n_scored = torch.where(path == Path.REUSE, count, kv.lengths.to(torch.int32).view(B, 1))
@@ -197,7 +198,8 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         path, cand, cand_scores, count, N_pad, slots, at, state, dense_below = retopk
         queries, support, C = state.queries, state.support, state.queries.shape[2]
         ptr, fill, step = state.ptr, state.fill, state.step
-    cal_count, max_sim, tau, (target, rate, band, lo, hi, mass) = cal[:4] if cal else (exact_keys,) * 3 + ((0.0,) * 6,)
+    cal_count, max_sim, tau, (target, rate, band, lo, hi, mass, r_target, r_margin) = \
+        cal[:4] if cal else (exact_keys,) * 3 + ((0.0,) * 8,)
     guard = cal is not None and len(cal) > 4
     period, (g_target, g_fresh, g_lo), T_r = cal[4] if guard else (exact_keys, (0.0, 0.0, 1), 0)  # unused: GUARD off
     select_attend_kernel[(B, H)](
@@ -205,10 +207,12 @@ def _attend(q: torch.Tensor, kv: PagedKV, K: int, ws: Workspace, exact_keys: tor
         path, cand, cand_scores, count, exact_keys,
         sel, weights, out, out.stride(0), out.stride(1),
         slots, queries, support, at, ptr, fill, step, kv.lengths, dense_below,
-        cal_count, max_sim, tau, target, rate, band, lo, hi, period, g_target, g_fresh, int(g_lo), T_r,
+        cal_count, max_sim, tau, target, rate, band, lo, hi, r_target, r_margin, period, g_target, g_fresh, int(g_lo),
+        T_r,
         K, H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, C,
         K_PAD=K_pad, N_PAD=N_pad, D=D, BLOCK_D=next_pow2(D, 16), DV=DV, BLOCK_DV=next_pow2(DV, 16),
-        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, GUARD=guard, MASS=bool(mass),
+        BLOCK_KV=64, RETOPK=retopk is not None, CALIBRATE=cal is not None, GUARD=guard, RAISE=r_target > 0,
+        MASS=bool(mass),
         LOG_N=N_pad.bit_length(),
         num_warps=8 if max(N_pad, K_pad) >= 1024 else 4)
     return out, sel

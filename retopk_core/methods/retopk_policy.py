@@ -141,9 +141,11 @@ def _tau_bounds(tau0: float) -> tuple[float, float]:
 
 
 def calibration_constants(cfg: ReTopKConfig) -> list[float]:
-    """calibrate_tau's (target, rate, band, lo, hi) for ``cfg`` and whether the recall it and guard_period
-    observe is ``mass_recall``'s (1.0) or the support's (0.0), as the fused CPU and Triton kernels take them."""
-    return [cfg.tau_calibration, _CAL_RATE, _CAL_BAND, *_tau_bounds(cfg.tau), float(cfg.mass_recall)]
+    """The constants of the per-head threshold's online moves, as the fused CPU and Triton kernels take them:
+    calibrate_tau's (target, rate, band, lo, hi) for ``cfg``, whether the recall it, guard_period and guard_tau
+    observe is ``mass_recall``'s (1.0) or the support's (0.0), then guard_tau's (target, margin) (target 0 = off)."""
+    return [cfg.tau_calibration, _CAL_RATE, _CAL_BAND, *_tau_bounds(cfg.tau), float(cfg.mass_recall),
+            cfg.tau_guard, cfg.tau_guard_margin]
 
 
 # guard_period's constants: a head's refresh period stays within [T_r / 2^LEVELS, T_r]; it lengthens only when
