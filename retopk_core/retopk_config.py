@@ -68,16 +68,15 @@ class ReTopKConfig(MethodConfig):
                                       "retopk_policy.guard_period)",
                                  low=0.0, high=1.0)
 
-    mass_recall: bool = param(False, "tau_calibration and refresh_guard measure the recall reuse would have had as "
-                                     "attention mass: the share of the exact Top-K's softmax weight on the positions "
-                                     "reuse would have found, instead of the share of its positions (a missed token "
-                                     "counts by its weight; see fidelity.mass_recall)")
+    mass_recall: bool = param(False, "tau_calibration, refresh_guard and tau_guard measure the recall reuse would "
+                                     "have had as attention mass: the share of the exact Top-K's softmax weight on the "
+                                     "positions reuse would have found, instead of the share of its positions (a "
+                                     "missed token counts by its weight; see fidelity.mass_recall)")
 
     tau_guard: float = param(0.0, "r_t: on an exact step where a head would have reused (a refresh or a promotion "
                                   "with rho_max >= its tau), a recall reuse would have had under r_t raises that "
                                   "head's tau to rho_max + tau_guard_margin (at most 1), so its similar queries fall "
-                                  "back; tau_calibration may lower it again; the torch code only, which the cpu and "
-                                  "triton backends then run (retopk_policy.guard_tau); 0 = off",
+                                  "back; tau_calibration may lower it again (retopk_policy.guard_tau); 0 = off",
                              low=0.0, high=1.0)
     tau_guard_margin: float = param(0.05, "tau_guard: how far above the missing step's rho_max the raised tau lies; "
                                           "under calibration's band (0.05) the fallbacks it causes lie within the "

@@ -137,6 +137,42 @@ def test_refresh_guard_matches_torch_path(case, policy, calibration, mass):
     assert {1, 8} <= periods and len(periods) > 2, periods  # from the floor up to T_r, through the levels
 
 
+# (tau_calibration, refresh_guard, mass_recall, tau_guard_margin): the guard alone, under calibration (whose ceiling
+# keeps a raised tau), under the period guard, and all three with mass recall
+GUARDED = [(0.0, 0.0, False, 0.05), (0.8, 0.0, False, 0.05), (0.0, 0.8, False, 0.02), (0.8, 0.8, True, 0.02)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("calibration,refresh_guard,mass,margin", GUARDED,
+                         ids=["guard", "calibrated", "period-guard", "all-mass"])
+@pytest.mark.parametrize("case,policy", [(0, ("head", 0.0)), (1, ("group", 0.0))], ids=["mha-head", "gqa3-group"])
+def test_tau_guard_matches_torch_path(case, policy, calibration, refresh_guard, mass, margin):
+    """tau_guard in the kernel: an exact head that would have reused (ρ_max >= its tau) and whose would-be reuse
+    recall misses r_t has its tau raised to ρ_max + margin, after calibration, whose ceiling is then that raised tau;
+    paths, selections, n_scored and state.tau equal the torch path's step by step (assert_same_step), some tau
+    rose above tau0, and (calibrated) calibration observed a head whose tau stood above tau0."""
+    from tests.core.test_retopk import CASES
+
+    case = CASES[case]
+    cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=refresh_guard, mass_recall=mass,
+                           tau_guard=0.9, tau_guard_margin=margin)
+    cfg.update(tau=0.8, refresh_every=4)
+    B = len(case[8])
+    trace = make_trace(B=B, H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24, T=case[4] + 2,
+                       noise=0.4)
+    assert make_method("retopk", backend="cpu", **cfg).steps.name == "cpu"  # the kernel's own step, not torch's
+    raised, above_observed, before = False, False, None
+    for a, b, sa, sb in twin_run(cfg, trace, case[0], case[1], use_paged=True):
+        assert_same_step(a, b, sa, sb)
+        raised |= bool((sb.tau > 0.8 + 1e-6).any())
+        if before is not None:  # a calibration observation (exact, within the band) of a tau above tau0
+            near = (a.path != Path.REUSE) & ((a.max_sim - before).abs() < 0.05)
+            above_observed |= bool((near & (before > 0.8 + 1e-6)).any())
+        before = sb.tau[:B].clone()  # slots 0..B-1: the thresholds the next step decides with
+    assert raised
+    assert above_observed or not calibration
+
+
 @needs_kernel
 @every_case
 def test_matches_reference_loop(case, policy):

@@ -225,8 +225,8 @@ def test_tau_guard_matches_reference(case, policy, calibration, refresh_guard):
 
 def test_tau_guard_rule_and_backend():
     """guard_tau by hand: a miss raises tau to ρ + 0.05 (capped at 1, never lowered), a hit keeps it; calibration
-    keeps a raised tau as its ceiling; a tau_guard method runs the torch code on every backend (the kernels
-    lack the rule)."""
+    keeps a raised tau as its ceiling; a tau_guard method runs its backend's own step (the fused CPU kernel where
+    it loads, as the same method without the guard does)."""
     from retopk_core.methods.retopk_policy import calibrate_tau, guard_tau
 
     tau = torch.tensor([0.8, 0.8, 0.99, 0.9])
@@ -237,7 +237,10 @@ def test_tau_guard_rule_and_backend():
     # calibration from a raised tau 0.95 (tau0 0.85): a good observation lowers it, a bad one cannot raise it
     up = calibrate_tau(torch.tensor([0.95, 0.95]), torch.tensor([0.93, 0.93]), torch.tensor([1.0, 0.0]), 0.8, 0.85)
     torch.testing.assert_close(up, torch.tensor([0.93, 0.95]))
-    assert make_method("retopk", top_k=8, tau_guard=0.9, backend="cpu").steps.name == "torch"
+    for backend in ("cpu", "triton"):  # cpu: the torch steps only where the kernel is not built, guard or not
+        steps = make_method("retopk", top_k=8, tau_guard=0.9, backend=backend).steps.name
+        assert steps == make_method("retopk", top_k=8, backend=backend).steps.name
+    assert make_method("retopk", top_k=8, tau_guard=0.9, backend="triton").steps.name == "triton"
 
 
 def test_guard_period_rule():

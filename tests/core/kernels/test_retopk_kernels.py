@@ -152,6 +152,29 @@ def test_refresh_guard_on_the_device_matches_torch(policy, calibration, mass):
     assert len(periods) > 1, periods  # T_r = 3: from the floor 1 to 2 or 3
 
 
+# (policy, tau_calibration, refresh_guard, mass_recall): the guard alone, under calibration (whose ceiling keeps a
+# raised tau) and the group policy, and under the period guard with mass recall
+GUARDED = [(("head", 0.0, 0.8), 0.0, 0.0, False), (("group", 0.0, 0.8), 0.8, 0.0, False),
+           (("promote", 0.0, 0.8), 0.8, 0.8, True)]
+
+
+@pytest.mark.parametrize("policy,calibration,refresh_guard,mass", GUARDED,
+                         ids=["head", "group-calibrated", "promote-calibrated-period-mass"])
+def test_tau_guard_on_the_device_matches_torch(policy, calibration, refresh_guard, mass):
+    """tau_guard in the kernels: select + attend raises the tau of an exact head that would have reused (ρ_max >= its
+    tau) and whose would-be reuse recall misses r_t to ρ_max + margin, after calibration, whose ceiling is then that
+    raised tau; paths, supports, outputs, thresholds and periods equal the torch path's, and some tau rose above
+    tau0."""
+    assert ReTopK(ReTopKConfig(tau_guard=0.9), backend="triton").steps.name == "triton"
+    raised = False
+    for a, b, st, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [40, 20], 16, "similarity", (0, 1), steps=8, policy=policy,
+                                noise=0.75, tau_calibration=calibration, refresh_guard=refresh_guard,
+                                mass_recall=mass, tau_guard=0.9):
+        _assert_same_step(a, b, st, sk)
+        raised |= bool((sk.tau > 0.8 + 1e-6).any())
+    assert raised, sk.tau
+
+
 def _assert_same_step(a, b, st, sk, skip_max_sim=None):
     """One step of the triton path (b, sk) equals the torch path's (a, st), thresholds included."""
     assert torch.equal(a.path, b.path), (a.path, b.path)

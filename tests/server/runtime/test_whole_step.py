@@ -18,7 +18,9 @@ pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused C
 RETOPK = MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=5, dense_below=32, tau=0.3,
                        tau_calibration=0.8)
 METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_topk", top_k=8), "retopk": RETOPK,
-           "retopk-floor": MethodSpec.of("retopk", top_k=8, cache_size=8, dense_below=200)}  # plain floor steps
+           "retopk-floor": MethodSpec.of("retopk", top_k=8, cache_size=8, dense_below=200),  # plain floor steps
+           "retopk-guard": MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=4,
+                                         dense_below=32, tau=0.3, tau_calibration=0.8, tau_guard=0.9)}
 
 
 def _state(runner, session) -> list[torch.Tensor]:
@@ -47,7 +49,8 @@ def _spy(monkeypatch, module, name: str) -> list:
 def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
     """Two pairs of sessions on the same prompts, decoded as batches of two: one pair in one call per step, the
     other layer by layer. Every step's logits and statistics, and in the end every KV row and state tensor,
-    are equal; the one-call path really ran (a spy counts its calls). With int8 activations as well."""
+    are equal; the one-call path really ran (a spy counts its calls). With int8 activations as well; with
+    tau_guard, some head's tau rose above tau0 (the guard acted in both)."""
     runner = runner_for(tiny_model("llama", layers=3), METHODS[name], weights="int4", kv_dtype="bfloat16",
                         activations=activations)
     assert runner.decoder.fused
@@ -78,8 +81,12 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
         for x, y in zip(_state(runner, s), _state(runner, t), strict=True):
             assert torch.equal(x, y)
     expected = {"full": {Path.DENSE}, "exact_topk": {Path.EXACT}, "retopk-floor": {Path.DENSE},
-                "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}}[name]
+                "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}, "retopk-guard": {Path.REUSE, Path.REFRESH}}[name]
     assert {int(p) for p in expected} <= paths
+    if name == "retopk-guard":
+        group = runner.method_group(METHODS[name])
+        assert any(bool((pool.tau[slot] > 0.3 + 1e-6).any()) for sessions, _ in pairs for s in sessions
+                   for pool, slot in zip(group.states, s.slots, strict=True))
 
 
 def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
