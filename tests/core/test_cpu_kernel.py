@@ -296,7 +296,7 @@ def test_long_history_many_blocks_and_threads(block):
 
 
 @needs_kernel
-def test_launcher_checks_name_the_culprit():
+def test_launcher_checks_name_the_culprit(monkeypatch):
     method = make_method("retopk", backend="cpu", top_k=4, cache_size=2, window=2, recall=1)
     state = method.init_state(4, 2, 8, capacity=2)
     slots = torch.tensor([state.alloc(), state.alloc()])
@@ -325,6 +325,11 @@ def test_launcher_checks_name_the_culprit():
     other = make_method("retopk", backend="cpu", top_k=5, cache_size=2, window=2, recall=1)
     with pytest.raises(ValueError, match="state.support"):
         run(other, q, kv, state, slots, 0.3)
+    constants = launch.calibration_constants(method.config)
+    for bad, match in ((constants[:6], "calibration must be"), (constants[:6] + [1.5, 0.05], "tau_guard's target")):
+        monkeypatch.setattr(launch, "calibration_constants", lambda cfg, bad=bad: bad)
+        with pytest.raises(ValueError, match=match):
+            run(method, q, kv, state, slots, 0.3)
 
 
 @pytest.fixture
