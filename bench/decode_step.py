@@ -11,6 +11,11 @@ the layers in one call of the fused CPU library (the runner's default where the 
 runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations`` does the
 same with the block products' activations float32 and int8 (RuntimeConfig.activations), and ``--activations``
 picks them for a plain run.
+
+``--step-turns`` opens one session per method and decodes them one after another within every step, the order
+rotating, so a loaded machine's drift hits each method alike: per method the median step and attention time
+(StepStats.attention_s), the per-step median ratio of the first method's times to its, and its share of
+(layer, KV group) reads. The A/B of two specs of one method on a busy machine.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch  # noqa: E402 - after the huge pages
 
 from bench.e2e_cpu import parse_method  # noqa: E402 - after the huge pages
 from bench.eval.common import load_corpus  # noqa: E402 - after the huge pages
+from retopk_core.methods import Path  # noqa: E402 - after the huge pages
 from retopk_server.runtime import ModelRunner, RuntimeConfig  # noqa: E402 - after the huge pages
 from retopk_server.runtime.runtime_config import ACTIVATIONS  # noqa: E402 - after the huge pages
 
@@ -46,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
                    help="the block products' activations (RuntimeConfig.activations) of a plain run")
     p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop / -activations")
+    p.add_argument("--step-turns", action="store_true",
+                   help="one session per method, decoded one after another within every step (ratios to the first)")
     return p.parse_args(argv)
 
 
@@ -76,6 +84,34 @@ def taking_turns(runner: ModelRunner, spec, ids: list[int], args, ways: dict) ->
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def step_turns(runner: ModelRunner, texts: list[str], ids: list[int], warmup: int, steps: int) -> None:
+    """Decode one session per method spec in ``texts``, one after another within every step (the order rotating),
+    and print each method's median step and attention times, the per-step median ratios first / it, and its reads."""
+    specs = [parse_method(t) for t in texts]
+    sessions = [runner.open_session(spec) for spec in specs]
+    tokens = [int(runner.prefill(s, ids).argmax()) for s in sessions]
+    H, H_kv = runner.info.num_heads, runner.info.num_kv_heads
+    wall, attention, reads = ([[] for _ in texts] for _ in range(3))
+    for i in range(warmup + steps):
+        for m in [(i + j) % len(texts) for j in range(len(texts))]:
+            start = time.perf_counter()
+            logits, stats = runner.decode([sessions[m]], [tokens[m]], with_stats=True)
+            took = time.perf_counter() - start
+            tokens[m] = int(logits[0].argmax())
+            if i >= warmup:
+                wall[m].append(took)
+                attention[m].append(stats[0].attention_s)
+                read = (stats[0].path.view(-1, H_kv, H // H_kv) != Path.REUSE).any(-1)  # (layers, H_kv)
+                reads[m].append(float(read.float().mean()))
+    for s in sessions:
+        runner.close_session(s)
+    for m, text in enumerate(texts):
+        ratio = [statistics.median(a / b for a, b in zip(t[0], t[m], strict=True)) for t in (wall, attention)]
+        print(f"{text}: median {1e3 * statistics.median(wall[m]):.2f} ms, attention "
+              f"{1e3 * statistics.median(attention[m]):.2f} ms; first / this per step {ratio[0]:.3f} (attention "
+              f"{ratio[1]:.3f}); group reads {100 * statistics.mean(reads[m]):.1f}%")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -84,6 +120,9 @@ def main(argv=None) -> None:
     print(f"# decode_step: L = {len(ids)}, {args.threads} threads, {args.steps} steps, weights "
           f"{runner.info.weight_format}")
     with torch.inference_mode():
+        if args.step_turns:
+            step_turns(runner, args.methods, ids, args.warmup, args.steps)
+            return
         for text in args.methods:
             spec = parse_method(text)
             if args.compare_layer_loop:

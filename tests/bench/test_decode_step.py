@@ -8,19 +8,36 @@ from bench import decode_step
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 
 
-def test_time_steps_times_each_step_after_the_warmup_and_closes_its_session():
+def _tiny_runner(spec) -> ModelRunner:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                          bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    return ModelRunner(RuntimeConfig(model="tiny", default_method=spec), model=model)
+
+
+def test_time_steps_times_each_step_after_the_warmup_and_closes_its_session():
     spec = decode_step.parse_method("retopk:top_k=8,cache_size=4")
-    runner = ModelRunner(RuntimeConfig(model="tiny", default_method=spec), model=model)
+    runner = _tiny_runner(spec)
     with torch.inference_mode():
         times = decode_step.time_steps(runner, spec, list(range(3, 40)), warmup=2, steps=5)
     assert len(times) == 5 and all(t > 0 for t in times)
     assert runner.memory().kv_used == 0  # the session closed: none of its blocks held
+
+
+def test_step_turns_prints_each_method_against_the_first_and_closes_the_sessions(capsys):
+    """--step-turns: a line per method, the first's ratio to itself 1, reads of a dense method (Full) all groups."""
+    texts = ["retopk:top_k=8,cache_size=4,tau_guard=0.5", "full"]
+    runner = _tiny_runner(decode_step.parse_method(texts[0]))
+    with torch.inference_mode():
+        decode_step.step_turns(runner, texts, list(range(3, 40)), warmup=1, steps=3)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(": median")[0] for line in lines] == texts
+    assert "first / this per step 1.000 (attention 1.000)" in lines[0]
+    assert lines[1].endswith("group reads 100.0%")
+    assert runner.memory().kv_used == 0
 
 
 @pytest.mark.full
