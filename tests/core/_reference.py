@@ -23,7 +23,7 @@ class RefHead:
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
                  phase: int = 0, calibration: float = 0.0, guard: float = 0.0, mass: bool = False,
-                 tau_guard: float = 0.0, tau_guard_margin: float = 0.05):
+                 tau_guard: float = 0.0, tau_guard_margin: float = 0.05, successors: bool = False):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
@@ -32,6 +32,7 @@ class RefHead:
         self.mass = mass  # mass_recall: both rules measure the support's softmax weight reuse keeps, not its count
         self.tau_guard = tau_guard  # tau_guard: a miss where the head would have reused raises its tau (raise_tau)
         self.tau_guard_margin = tau_guard_margin  # ... to max_sim + this margin
+        self.successors = successors  # recall_successors: A_t also holds p + 1 for each recalled position p
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -44,6 +45,8 @@ class RefHead:
         cand = set(range(max(0, L - self.W), L))  # eq. 8
         for c in recalled:
             cand |= set(self.fifo[c][1])  # eq. 9
+            if self.successors:
+                cand |= {p + 1 for p in self.fifo[c][1] if p + 1 < L}
         return cand
 
     def calibrate(self, max_sim: float, recall: float) -> None:

@@ -34,7 +34,7 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
                      T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0),
                      cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False), cfg.get("tau_guard", 0.0),
-                     cfg.get("tau_guard_margin", 0.05))
+                     cfg.get("tau_guard_margin", 0.05), cfg.get("recall_successors", False))
              for h in range(H)] for _ in range(B)]
     if keep is not None:
         keep.update(state=state, slots=slots, refs=refs)
@@ -221,6 +221,21 @@ def test_tau_guard_matches_reference(case, policy, calibration, refresh_guard):
         raised |= bool((ref_tau > 0.8 + 1e-6).any())
     assert {Path.REUSE, Path.FALLBACK, Path.REFRESH} <= seen
     assert raised
+
+
+@pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
+def test_recall_successors_match_reference(case, calibration):
+    """recall_successors: A_t also holds p + 1 for every position p of the recalled supports (torch core vs the
+    reference loop's sets): paths, candidate counts, supports, outputs and thresholds agree step by step."""
+    cfg, _ = case_scenario(case, ("head", 0.0), tau_calibration=calibration, recall_successors=True)
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
+                       T=case[4] + 2, noise=0.4)
+    seen = set()
+    for out, rows in run_both(cfg, trace, case[0], case[1]):
+        seen |= assert_step_matches_reference(out, rows)
+    assert Path.REUSE in seen
+    assert make_method("retopk", top_k=8, recall_successors=True, backend="cpu").steps.name == "torch"
 
 
 def test_tau_guard_rule_and_backend():
