@@ -503,7 +503,7 @@ def test_policies_rows_carry_the_paired_change_against_the_server_default(tmp_pa
     from retopk_server.runtime.runtime_config import DEFAULT_METHOD_PARAMS
 
     spec = "retopk:" + "+".join(f"{k}={v}" for k, v in DEFAULT_METHOD_PARAMS.items())
-    runs = common.parse_methods(f"exact_topk,{spec},{spec}+refresh_every=32", 64, 64)
+    runs = common.parse_methods(f"exact_topk,{spec},{spec}+recall=2", 64, 64)
     args = policies.parse_args(["--out", str(tmp_path), "--lengths", "7", "--suffix", "2"])
     default, other = runs[1].label, runs[2].label
     assert policies.versus_label(args, runs, 64) == default
