@@ -8,9 +8,9 @@
     swiglu(gu) -> silu(g) * u for gu = [g, u]
     attn_in(x, w_attn, eps, qkv, cos, sin, rot_heads, d) -> rope(rms_norm(x) W_qkv^T (+ b)) on its first rot_heads heads
     mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
-    decode_layers(x, layer weights, ..., attention) -> every layer of a decode step in one call: attn_in, the
-      step's keys and values stored, the attention (cpu/launch.py's LayerAttention), mlp_out, layer by layer
-    LayerPlan(layer weights, ..., attention)(x, ...) -> the same, its per-model arguments converted once
+    LayerPlan(layer weights, ..., attention)(x, ...) -> every layer of a decode step in one call (its per-model
+      arguments converted once): attn_in, the step's keys and values stored, the attention (cpu/launch.py's
+      LayerAttention), mlp_out, layer by layer
 
 ``attn_in`` and ``mlp_out`` are a decode layer's two halves around its attention, each the ops above in the
 order the unfused path calls them (so each result equals that path's); their weights are ``Blocks``.
@@ -40,7 +40,7 @@ ISA_NAMES = ("scalar", "avx2", "avx512")
 ACTIVATIONS = ("float32", "int8")  # what the block products multiply the weights with (the source's codes 0, 1)
 
 __all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "LayerPlan", "activation_code", "attn_in", "available", "best_isa",
-           "block_matmul", "decode_layers", "isa", "layer_arguments", "mlp_out", "quantize_activations", "rms_norm",
+           "block_matmul", "isa", "layer_arguments", "mlp_out", "quantize_activations", "rms_norm",
            "rope_", "store_kv", "swiglu"]
 
 
@@ -128,7 +128,7 @@ _NO_BIAS = torch.empty(0)
 
 
 def layer_arguments(layers: list[tuple]) -> tuple[list[torch.Tensor], list[int]]:
-    """Per layer (attn_norm, qkv, o, mlp_norm, gate_up, down), the products as Blocks -> ``decode_layers``'s
+    """Per layer (attn_norm, qkv, o, mlp_norm, gate_up, down), the products as Blocks -> ``LayerPlan``'s
     weights (14 tensors a layer, an empty tensor for a missing bias) and bits (4 a layer)."""
     weights, bits = [], []
     for attn_norm, qkv, o, mlp_norm, gate_up, down in layers:
@@ -142,7 +142,7 @@ def layer_arguments(layers: list[tuple]) -> tuple[list[torch.Tensor], list[int]]
 
 
 class LayerPlan:
-    """``decode_layers``' arguments that stay the same from step to step, converted once (decode_layers.cpp's
+    """The one-call step's arguments that stay the same from step to step, converted once (decode_layers.cpp's
     DecodeLayers): the weights and bits of ``layer_arguments``, eps, shape = (H, H_kv, d), each layer's pools,
     the attention (cpu/launch.py's LayerAttention) and the activations. The pools and the attention's state are
     held weakly: prepare a new plan whenever they are reallocated (a step on a reallocated one raises
@@ -168,15 +168,3 @@ class LayerPlan:
         res = self._layers.run(x, cos, sin, rows, table, lengths, _NO_BIAS if slots is None else slots, with_stats)
         return res[0], float(res[1]), [tuple(res[i:i + 3]) for i in range(2, len(res), 3)]
 
-
-def decode_layers(x: torch.Tensor, weights: list[torch.Tensor], bits: list[int], eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor, shape: tuple[int, int, int], k_pools: list[torch.Tensor],
-                  v_pools: list[torch.Tensor], rows: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
-                  attention: LayerAttention, slots: torch.Tensor | None,
-                  activations: str = "float32") -> tuple[torch.Tensor, float, list[tuple]]:
-    """Every layer of a decode step in one call (decode_layers.cpp), the same kernels in the same order as
-    ``attn_in``, ``store_kv``, the attention step and ``mlp_out`` called layer by layer: x (B, D) float32 ->
-    (x (B, D), seconds spent in the attention, per layer (path, max_sim, n_scored) for ReTopK, else []).
-    ``LayerPlan`` for one step; a caller that steps again on the same pools and state keeps the plan."""
-    plan = LayerPlan(weights, bits, eps, shape, k_pools, v_pools, attention, activations)
-    return plan(x, cos, sin, rows, table, lengths, slots)

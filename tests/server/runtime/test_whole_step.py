@@ -1,4 +1,4 @@
-"""A decode step's layers in one call (runtime/whole_step.py, decoder_ops.decode_layers) against the same step
+"""A decode step's layers in one call (runtime/whole_step.py, decoder_ops.LayerPlan) against the same step
 layer by layer: logits, statistics, KV cache and method state equal bit for bit, for every method with a
 fused CPU step, batched; and the steps that must stay layer by layer do."""
 

@@ -80,7 +80,7 @@ class Decoder:
 
     @functools.cached_property
     def layer_arguments(self) -> tuple[list[torch.Tensor], list[int]]:
-        """The fused layers' weights as ``decoder_ops.decode_layers`` takes them (only where ``fused``)."""
+        """The fused layers' weights as ``decoder_ops.LayerPlan`` takes them (only where ``fused``)."""
         return decoder_ops.layer_arguments([(layer.attn_norm, layer.qkv.blocks, layer.o.blocks, layer.mlp_norm,
                                              layer.gate_up.blocks, layer.down.blocks) for layer in self.layers])
 
