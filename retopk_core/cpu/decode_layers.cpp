@@ -84,8 +84,8 @@ class DecodeLayers {
     TORCH_CHECK_VALUE(kind != kDenseFloor || static_cast<int64_t>(state.size()) == layers,
                       "decode_layers: the dense floor needs each layer's step counter");
     TORCH_CHECK_VALUE(kind != kReTopK || (static_cast<int64_t>(state.size()) == kStatePerLayer * layers &&
-                                         ints_.size() == 4 && floats_.size() == 1),
-                      "decode_layers: ReTopK needs ", kStatePerLayer, " state tensors per layer, 4 integer and 1 "
+                                         ints_.size() == 5 && floats_.size() == 1),
+                      "decode_layers: ReTopK needs ", kStatePerLayer, " state tensors per layer, 5 integer and 1 "
                       "float parameters");
     TORCH_CHECK_VALUE(kind == kReTopK || ints_.size() == 2, "decode_layers: dense attention needs (top_k, exact)");
     for (int64_t l = 0; kind == kDenseFloor && l < layers; ++l) {
@@ -139,8 +139,8 @@ class DecodeLayers {
         const at::Tensor* s = state.data() + kStatePerLayer * l;
         std::vector<at::Tensor> r = decode(q_, k_pool, v_pool, block_table, lengths, s[0], s[1], s[2], s[3], s[4],
                                            slots[l], s[5], s[6], s[7], ints_[0], ints_[1], ints_[2], ints_[3],
-                                           retrieval_, gqa_policy_, floats_[0], scale, path_codes_, calibration_,
-                                           guard_);
+                                           ints_[4] != 0, retrieval_, gqa_policy_, floats_[0], scale, path_codes_,
+                                           calibration_, guard_);
         out = r[0];
         if (with_stats) {
           result.push_back(r[1]);  // path

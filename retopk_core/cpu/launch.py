@@ -7,8 +7,9 @@
 The same step as the torch reference ``ReTopK._sparse_step`` (retopk_core/methods/retopk.py), eq. 6-13
 and the GQA policy of ``gqa_paths``, for every (sequence, head) of the batch: similarity to the cached
 queries and the path, Top-R recall (or the "recent" ablation), candidates = recalled supports ∪ window
-(deduplicated), their exact scores through the block table, scheduled refreshes at each KV group's phase
-(``refresh_stagger``), Top-K rerank, softmax-value, and the exact
+(deduplicated; ``recall_successors``: ∪ each recalled position's successor p + 1 <= L - 1), their exact
+scores through the block table, scheduled refreshes at each KV group's phase (``refresh_stagger``), Top-K
+rerank, softmax-value, and the exact
 Top-K over the whole history for the heads whose path is not REUSE (the group's keys read once for all
 of them), on those heads the per-head threshold update of ``tau_calibration`` (``state.tau``) and, on the
 refresh heads that would have reused, the refresh-period update of ``refresh_guard`` (``state.period``), and on
@@ -105,8 +106,8 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     out, path, max_sim, n_scored, selected = extension().decode(
         q, kv.k_pool, kv.v_pool, kv.block_table, kv.lengths, state.queries, state.support, state.fill, state.ptr,
         state.step, slots, state.tau, state.period, state.phase, cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every,
-        cfg.retrieval, cfg.gqa_policy, float(cfg.group_tau_min), float(scale), PATH_CODES, calibration_constants(cfg),
-        guard_constants(cfg))
+        cfg.recall_successors, cfg.retrieval, cfg.gqa_policy, float(cfg.group_tau_min), float(scale), PATH_CODES,
+        calibration_constants(cfg), guard_constants(cfg))
     return StepOutput(out=out, path=path, max_sim=max_sim, n_scored=n_scored, selected=selected)
 
 
@@ -117,7 +118,8 @@ RETOPK_STEP, DENSE_STEP, FLOOR_STEP = 0, 1, 2
 @dataclass(frozen=True)
 class LayerAttention:
     """A method's attention at every layer of a decode step, as ``decode_layers`` (decode_layers.cpp) runs it:
-    kind RETOPK_STEP ReTopK's sparse step on each layer's FIFO state (``state``: 8 tensors a layer), DENSE_STEP
+    kind RETOPK_STEP ReTopK's sparse step on each layer's FIFO state (``state``: 8 tensors a layer; ints = (top_k,
+    recall, window, refresh_every, recall_successors)), DENSE_STEP
     ``dense_decode`` (ints = (top_k, exact)), FLOOR_STEP ReTopK's plain dense-floor step: Full attention and each
     row's step counter advanced (``state``: each layer's step tensor). A step passes its rows' state slots
     (layers, B) beside it. ``path``: the path code a dense kind reports for every head."""
@@ -164,6 +166,7 @@ def layer_attention(method, states: list, kind: int) -> LayerAttention:
         return LayerAttention(FLOOR_STEP, [0, 0], int(Path.DENSE), [s.step for s in states])
     cfg = method.config
     state = [t for s in states for t in (s.queries, s.support, s.fill, s.ptr, s.step, s.tau, s.period, s.phase)]
-    return LayerAttention(RETOPK_STEP, [cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every], int(Path.REUSE), state,
+    return LayerAttention(RETOPK_STEP, [cfg.top_k, cfg.recall, cfg.window, cfg.refresh_every,
+                                        int(cfg.recall_successors)], int(Path.REUSE), state,
                           cfg.retrieval, cfg.gqa_policy, [float(cfg.group_tau_min)], calibration_constants(cfg),
                           guard_constants(cfg))

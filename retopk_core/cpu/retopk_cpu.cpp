@@ -15,7 +15,8 @@
 //           a read group's heads take FALLBACK (own ρ_max < tau_h) or PROMOTED, an unread one's REUSE;
 //           REFRESH heads stay.
 //   REUSE:  R_h = TopR_c ρ_hc (retrieval "recent": the R newest entries), A_h = Unique(∪_{c∈R_h} Ŝ_c ∪
-//           {L-W..L-1}) (eq. 8, 9), e_i = (q_h * scale) · k_i for i ∈ A_h (eq. 10), Ŝ = TopK_{A_h} e (eq. 11)
+//           {L-W..L-1}) (eq. 8, 9; recall_successors: also {p + 1 : p ∈ Ŝ_c, p + 1 <= L - 1}),
+//           e_i = (q_h * scale) · k_i for i ∈ A_h (eq. 10), Ŝ = TopK_{A_h} e (eq. 11)
 //   others: e_i for every i < L (the group's keys read once for all its exact heads), Ŝ = TopK e (eq. 1)
 //   o_h    = Σ_{i∈Ŝ} softmax(e_Ŝ)_i v_i (eq. 12); FIFO row ptr of (slot, h) <- (q̄_h, Ŝ -1 padded)
 //   tau_calibration r* > 0, on the exact heads with a non-empty FIFO (calibrate_tau in retopk.py): the
@@ -298,6 +299,7 @@ struct Params {
   int64_t guard_lo;                                      // its shortest refresh period
   bool recent;
   int64_t policy;  // 0 head, 1 promote, 2 group
+  bool successors;  // recall_successors: A_t also holds p + 1 of every recalled support position p
   Codes code;
   bool mass = false;  // mass_recall: the would-be recall weighs each position of Ŝ by its softmax weight
   float raise_target = 0.f, raise_margin = 0.f;  // tau_guard (target 0 = off) and how far above ρ_max it raises
@@ -487,7 +489,8 @@ struct Task {
     uint64_t* seen = s.seen.data();
     const int64_t lo = std::max<int64_t>(0, L - p.W);
     std::vector<int64_t>& cand = s.cand;
-    cand.resize(L - lo + static_cast<int64_t>(recalled.size()) * p.K);  // room for every position offered
+    // room for every position offered: the window, the recalled supports and (recall_successors) their successors
+    cand.resize(L - lo + static_cast<int64_t>(recalled.size()) * p.K * (p.successors ? 2 : 1));
     int64_t* out = cand.data();
     int64_t n = 0;
     for (int64_t pos = lo; pos < L; ++pos) out[n++] = pos;  // the window first: nothing to test
@@ -499,16 +502,23 @@ struct Task {
     // a coin toss to a branch predictor, so the test is arithmetic: every position is written at out[n],
     // and n moves past it only when it is new (-1 padding, and defensively a position past the history,
     // is never new and marks nothing).
+    auto mark = [&](int64_t pos, bool valid) {
+      const int64_t at = valid ? pos : 0;
+      const uint64_t bit = static_cast<uint64_t>(valid) << (at & 63), word = seen[at >> 6];
+      out[n] = pos;
+      n += (word & bit) != bit ? 1 : 0;  // bit = 0 (invalid) never counts
+      seen[at >> 6] = word | bit;
+    };
     for (int64_t c : recalled) {
       const int64_t* sup = fifo_s(h, c);
-      for (int64_t j = 0; j < p.K; ++j) {
-        const int64_t pos = sup[j];
-        const bool valid = static_cast<uint64_t>(pos) < static_cast<uint64_t>(L);
-        const int64_t at = valid ? pos : 0;
-        const uint64_t bit = static_cast<uint64_t>(valid) << (at & 63), word = seen[at >> 6];
-        out[n] = pos;
-        n += (word & bit) != bit ? 1 : 0;  // bit = 0 (invalid) never counts
-        seen[at >> 6] = word | bit;
+      if (p.successors) {  // p and p + 1 (p + 1 <= L - 1, so p in [0, L - 2]; -1 padding has no successor)
+        for (int64_t j = 0; j < p.K; ++j) {
+          const int64_t pos = sup[j];
+          mark(pos, static_cast<uint64_t>(pos) < static_cast<uint64_t>(L));
+          mark(pos + 1, static_cast<uint64_t>(pos) < static_cast<uint64_t>(L - 1));
+        }
+      } else {
+        for (int64_t j = 0; j < p.K; ++j) mark(sup[j], static_cast<uint64_t>(sup[j]) < static_cast<uint64_t>(L));
       }
     }
     cand.resize(n);
@@ -861,7 +871,8 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
                                const at::Tensor& slots, at::Tensor tau, at::Tensor period, const at::Tensor& phase,
                                int64_t top_k,
                                int64_t recall, int64_t window,
-                               int64_t refresh_every, const std::string& retrieval, const std::string& gqa_policy,
+                               int64_t refresh_every, bool successors, const std::string& retrieval,
+                               const std::string& gqa_policy,
                                double group_tau_min, double scale, std::vector<int64_t> path_codes,
                                std::vector<double> calibration, std::vector<double> guard) {
   // ---- the launcher's checks: shapes, strides, dtypes, devices, and the block table's reach --------
@@ -933,7 +944,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
            static_cast<float>(calibration[0]), static_cast<float>(calibration[1]), static_cast<float>(calibration[2]),
            static_cast<float>(calibration[3]), static_cast<float>(calibration[4]),
            static_cast<float>(guard[0]), static_cast<float>(guard[1]), guard_lo,
-           retrieval == "recent", policy,
+           retrieval == "recent", policy, successors,
            Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
                  static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])},
            calibration[5] != 0.0, static_cast<float>(calibration[6]), static_cast<float>(calibration[7])};
@@ -1061,7 +1072,7 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
   CHECK_VALUE(top_k >= 0 && (top_k > 0 || !exact), "top_k must be >= 0 (> 0 with exact), got ", top_k);
   const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
   Params p{B, H, H_kv, H / H_kv, d, dv, 0, top_k, 0, 0, P, P_shift, 0, bt_stride, 0.f, static_cast<float>(scale),
-           0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1, false, 0, Codes{}};
+           0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1, false, 0, false, Codes{}};
   at::Tensor out = at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor selected = at::full({B, top_k > 0 ? H : 0, top_k}, -1, at::TensorOptions().dtype(at::kLong));
   const int64_t* bt = block_table.data_ptr<int64_t>();

@@ -138,8 +138,10 @@ class ReTopK(AttentionMethod):
         super().__init__(config, backend)
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
-        # methods/backend_steps.py; recall_successors is in the torch code only, which such a method runs anywhere
-        self.steps = steps_for("torch" if self.config.recall_successors else self.backend)
+        # methods/backend_steps.py; recall_successors is in the torch code and the fused CPU kernel, not yet in the
+        # Triton selector, where such a method runs the torch code
+        triton_successors = self.config.recall_successors and self.backend == "triton"
+        self.steps = steps_for("torch" if triton_successors else self.backend)
         self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
@@ -394,8 +396,10 @@ class ReTopK(AttentionMethod):
         supports = state.support.view(-1, cfg.top_k).index_select(0, rows.view(-1)).view(P, -1)  # (P, R*K)
         if not bool(r_ok.all()):  # fewer than R entries cached yet
             supports = supports.masked_fill(~r_ok.repeat_interleave(cfg.top_k, dim=1), -1)
-        if cfg.recall_successors:  # each recalled position's successor, p + 1 <= L - 1 (a support precedes its step)
-            supports = torch.cat([supports, torch.where(supports >= 0, supports + 1, supports)], dim=1)  # (P, 2*R*K)
+        if cfg.recall_successors:  # each recalled position's successor p + 1 <= L - 1 (the history's last; a support
+            # precedes its step, so only a stale FIFO has p = L - 1, whose successor the kernels drop as well)
+            ok = (supports >= 0) & (supports + 1 < length.view(P, 1))  # (P, R*K)
+            supports = torch.cat([supports, torch.where(ok, supports + 1, -1)], dim=1)  # (P, 2*R*K)
         window = length.view(P, 1) - cfg.window + torch.arange(cfg.window, device=sim.device).view(1, -1)  # (P, W)
         return _unique_rows(torch.cat([supports, window], dim=1), int(length.max()) + 1)  # (P, N + W) -> (P, M)
 

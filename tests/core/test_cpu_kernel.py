@@ -80,16 +80,28 @@ def assert_same_step(a, b, sa, sb, tol: float = 1e-5) -> None:
     assert torch.equal(sa.period, sb.period), (sa.period, sb.period)  # per-head refresh periods (refresh_guard)
 
 
+def beyond_bound(out, cfg) -> bool:
+    """Some reuse head scored more candidates than R*K + W, which only recall_successors' p + 1 can give."""
+    reuse = out.path == Path.REUSE
+    return bool((out.n_scored[reuse] > cfg["recall"] * cfg["top_k"] + cfg["window"]).any())
+
+
 @needs_kernel
+@pytest.mark.parametrize("successors", [False, True], ids=["supports", "successors"])
 @pytest.mark.parametrize("use_paged", [False, True])
 @every_case
-def test_matches_torch_path(case, policy, use_paged):
-    cfg, trace = case_scenario(case, policy)
-    seen = set()
+def test_matches_torch_path(case, policy, use_paged, successors):
+    """Every case and GQA policy, with ``recall_successors`` too (A_t also holds each recalled p + 1: the same
+    candidate counts n_scored and selections as the torch code's)."""
+    cfg, trace = case_scenario(case, policy, recall_successors=successors)
+    assert make_method("retopk", backend="cpu", **cfg).steps.name == "cpu"  # the kernel's own step, not torch's
+    seen, grown = set(), False
     for a, b, sa, sb in twin_run(cfg, trace, case[0], case[1], use_paged):
         assert_same_step(a, b, sa, sb)
         seen |= set(b.path.flatten().tolist())
+        grown |= beyond_bound(b, cfg)
     assert_case_exercised(seen, case, policy)
+    assert not grown or successors
 
 
 @needs_kernel
@@ -143,19 +155,21 @@ GUARDED = [(0.0, 0.0, False, 0.05), (0.8, 0.0, False, 0.05), (0.0, 0.8, False, 0
 
 
 @needs_kernel
+@pytest.mark.parametrize("successors", [False, True], ids=["supports", "successors"])
 @pytest.mark.parametrize("calibration,refresh_guard,mass,margin", GUARDED,
                          ids=["guard", "calibrated", "period-guard", "all-mass"])
 @pytest.mark.parametrize("case,policy", [(0, ("head", 0.0)), (1, ("group", 0.0))], ids=["mha-head", "gqa3-group"])
-def test_tau_guard_matches_torch_path(case, policy, calibration, refresh_guard, mass, margin):
+def test_tau_guard_matches_torch_path(case, policy, calibration, refresh_guard, mass, margin, successors):
     """tau_guard in the kernel: an exact head that would have reused (ρ_max >= its tau) and whose would-be reuse
     recall misses r_t has its tau raised to ρ_max + margin, after calibration, whose ceiling is then that raised tau;
     paths, selections, n_scored and state.tau equal the torch path's step by step (assert_same_step), some tau
-    rose above tau0, and (calibrated) calibration observed a head whose tau stood above tau0."""
+    rose above tau0, and (calibrated) calibration observed a head whose tau stood above tau0. With
+    ``recall_successors`` the would-be recall those rules measure is over the same A_t, successors included."""
     from tests.core.test_retopk import CASES
 
     case = CASES[case]
     cfg, _ = case_scenario(case, policy, tau_calibration=calibration, refresh_guard=refresh_guard, mass_recall=mass,
-                           tau_guard=0.9, tau_guard_margin=margin)
+                           tau_guard=0.9, tau_guard_margin=margin, recall_successors=successors)
     cfg.update(tau=0.8, refresh_every=4)
     B = len(case[8])
     trace = make_trace(B=B, H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24, T=case[4] + 2,
@@ -217,9 +231,11 @@ def test_recent_retrieval_and_strided_query(retrieval):
 
 
 @needs_kernel
-def test_empty_cache_then_reuse_and_head_dim_not_a_multiple_of_8():
-    """No prefill: every head falls back first (max_sim = -inf); d = 12 takes the scalar dot products."""
-    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0)
+@pytest.mark.parametrize("successors", [False, True], ids=["supports", "successors"])
+def test_empty_cache_then_reuse_and_head_dim_not_a_multiple_of_8(successors):
+    """No prefill: every head falls back first (max_sim = -inf), the second step recalls one entry of R = 2
+    (``recall_successors``: and its successors); d = 12 takes the scalar dot products."""
+    cfg = dict(top_k=8, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=0, recall_successors=successors)
     trace = make_trace(B=2, H=6, H_kv=3, d=12, prompt_lens=(30, 17), steps=8, outlier_p=0.0)
     outs = []
     for a, b, sa, sb in twin_run(cfg, trace, 6, 3, no_prefill=True):
@@ -243,6 +259,60 @@ def test_exact_pass_head_dims_and_head_counts(d, dtype):
         assert_same_step(a, b, sa, sb, tol=1e-5 if dtype == torch.float32 else 2e-2)
         paths |= set(b.path.flatten().tolist())
     assert {Path.REFRESH, Path.FALLBACK, Path.REUSE} <= paths
+
+
+@needs_kernel
+@pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
+@pytest.mark.parametrize("policy", ["head", "group"])
+def test_successors_of_a_crafted_fifo(policy, calibration):
+    """recall_successors on a crafted FIFO: a (stale) support at L - 1, whose successor L lies past the history
+    and is no candidate, one at L - 2 (its successor L - 1, the current token), successors inside the window and
+    of a support past it, repeats, -1 padding (no successor), fewer entries than R in one row. The kernel's paths,
+    n_scored (counted here by hand from the sets) and selections equal the torch code's; no selected position
+    reaches L."""
+    K, C, W, R, d, H, H_kv = 6, 4, 3, 3, 16, 4, 2
+    cfg = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0, gqa_policy=policy,
+               recall_successors=True, tau_calibration=calibration)
+    lengths = torch.tensor([30, 12])
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, H_kv, 30, d, generator=g), torch.randn(2, H_kv, 30, d, generator=g)
+    methods = {name: make_method("retopk", backend=name, **cfg) for name in ("torch", "cpu")}
+    assert methods["cpu"].steps.name == "cpu"
+    state = methods["torch"].init_state(H, H_kv, d, capacity=2)
+    slots = torch.tensor([state.alloc(), state.alloc()])
+    state.queries[:] = torch.nn.functional.normalize(torch.randn(2, H, C, d, generator=g), dim=-1)
+    sup = torch.full((2, H, C, K), -1, dtype=torch.long)
+    sup[0, :, 0] = torch.tensor([29, 28, 3, 4, 10, -1])  # 29 = L - 1: successor 30 dropped; 28 -> 29 (the window)
+    sup[0, :, 1] = torch.tensor([5, 3, 17, 16, 26, 0])  # 3 -> 4 repeats; 26 -> 27 in the window {27, 28, 29}
+    sup[0, :, 2] = torch.tensor([20, 21, 22, -1, -1, -1])
+    sup[0, :, 3] = torch.tensor([1, 2, 6, 7, 8, 9])
+    sup[1, :, 0] = torch.tensor([11, 0, 5, 6, -1, -1])  # L = 12: 11 = L - 1 (stale)
+    sup[1, :, 1] = torch.tensor([10, 7, 1, -1, -1, -1])  # 10 -> 11 = L - 1, the current token
+    state.support[:] = sup
+    state.fill[:] = torch.tensor([C, 2])  # row 1 holds 2 < R entries
+    state.ptr[:] = torch.tensor([0, 2])
+    state.step[:] = 1
+    q = 2 * state.queries[:, :, 0] + 0.1 * torch.randn(2, H, d, generator=g)  # near entry 0: reuse
+    q[0, 1] = torch.randn(d, generator=g)  # a fresh head: a fallback (group: maybe reused with its group)
+    kv = paged(keys, values, lengths, block=8, seed=1)
+    states = {"torch": state, "cpu": copy.deepcopy(state)}
+    outs = {name: methods[name].decode(q, kv, states[name], slots) for name in ("torch", "cpu")}
+    a, b = outs["torch"], outs["cpu"]
+    assert_same_step(a, b, states["torch"], states["cpu"])
+    assert (b.selected < lengths.view(2, 1, 1)).all()
+    assert bool((b.path == Path.REUSE).all()) if policy == "group" else bool((b.path == Path.FALLBACK).sum() == 1), \
+        b.path  # group: the fresh head reuses with its group's candidates; head: it falls back (calibration measures)
+    order = (-torch.nn.functional.normalize(q, dim=-1).unsqueeze(2).mul(state.queries).sum(-1)).argsort(-1)  # (2, H, C)
+    for bb, L in enumerate(lengths.tolist()):
+        for hh in range(H):
+            if b.path[bb, hh] != Path.REUSE:
+                continue
+            recalled = [c for c in order[bb, hh].tolist() if c < int(state.fill[bb])][:R]
+            cand = set(range(max(0, L - W), L))
+            for c in recalled:
+                pos = [p for p in sup[bb, hh, c].tolist() if p >= 0]
+                cand |= set(pos) | {p + 1 for p in pos if p + 1 < L}
+            assert int(b.n_scored[bb, hh]) == len(cand), (bb, hh)
 
 
 @needs_kernel

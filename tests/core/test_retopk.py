@@ -223,19 +223,26 @@ def test_tau_guard_matches_reference(case, policy, calibration, refresh_guard):
     assert raised
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("calibration", [0.0, 0.8], ids=["fixed-tau", "calibrated"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha", "gqa"])
-def test_recall_successors_match_reference(case, calibration):
-    """recall_successors: A_t also holds p + 1 for every position p of the recalled supports (torch core vs the
-    reference loop's sets): paths, candidate counts, supports, outputs and thresholds agree step by step."""
-    cfg, _ = case_scenario(case, ("head", 0.0), tau_calibration=calibration, recall_successors=True)
+def test_recall_successors_match_reference(case, calibration, backend):
+    """recall_successors: A_t also holds p + 1 for every position p of the recalled supports (the torch core, and
+    the fused CPU kernel where it loads, vs the reference loop's sets): paths, candidate counts, supports, outputs
+    and thresholds agree step by step, and the method runs its backend's own step."""
+    from retopk_core.cpu import launch
+
+    cfg, _ = case_scenario(case, ("head", 0.0), tau_calibration=calibration, recall_successors=True, backend=backend)
     trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
                        T=case[4] + 2, noise=0.4)
-    seen = set()
-    for out, rows in run_both(cfg, trace, case[0], case[1]):
+    seen, keep = set(), {}
+    for out, rows in run_both(cfg, trace, case[0], case[1], keep=keep):
         seen |= assert_step_matches_reference(out, rows)
     assert Path.REUSE in seen
-    assert make_method("retopk", top_k=8, recall_successors=True, backend="cpu").steps.name == "torch"
+    ref_tau = torch.tensor([[h.tau for h in heads] for heads in keep["refs"]], dtype=torch.float64)  # (B, H)
+    torch.testing.assert_close(keep["state"].tau[keep["slots"]].double(), ref_tau, atol=1e-5, rtol=0)
+    own = backend if backend == "torch" or launch.available() else "torch"
+    assert make_method("retopk", top_k=8, recall_successors=True, backend=backend).steps.name == own
 
 
 def test_tau_guard_rule_and_backend():

@@ -20,7 +20,10 @@ RETOPK = MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refr
 METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_topk", top_k=8), "retopk": RETOPK,
            "retopk-floor": MethodSpec.of("retopk", top_k=8, cache_size=8, dense_below=200),  # plain floor steps
            "retopk-guard": MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=4,
-                                         dense_below=32, tau=0.3, tau_calibration=0.8, tau_guard=0.9)}
+                                         dense_below=32, tau=0.3, tau_calibration=0.8, tau_guard=0.9),
+           "retopk-successors": MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=4,
+                                              dense_below=32, tau=0.3, tau_calibration=0.8, tau_guard=0.9,
+                                              recall_successors=True)}
 
 
 def _state(runner, session) -> list[torch.Tensor]:
@@ -50,7 +53,8 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
     """Two pairs of sessions on the same prompts, decoded as batches of two: one pair in one call per step, the
     other layer by layer. Every step's logits and statistics, and in the end every KV row and state tensor,
     are equal; the one-call path really ran (a spy counts its calls). With int8 activations as well; with
-    tau_guard, some head's tau rose above tau0 (the guard acted in both)."""
+    tau_guard, some head's tau rose above tau0 (the guard acted in both); with recall_successors, some reuse head
+    scored more candidates than R*K + W (the successors were among them in both)."""
     runner = runner_for(tiny_model("llama", layers=3), METHODS[name], weights="int4", kv_dtype="bfloat16",
                         activations=activations)
     assert runner.decoder.fused
@@ -61,7 +65,7 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
         tokens = [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts, strict=True)]
         pairs.append((sessions, tokens))
     calls = _spy(monkeypatch, decoder_ops.LayerPlan, "__call__")
-    paths = set()
+    paths, grown = set(), False
     for _ in range(12):
         out = []
         for one_call, (sessions, tokens) in zip((True, False), pairs, strict=True):
@@ -76,14 +80,17 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
             assert torch.equal(x.max_sim.nan_to_num(-9), y.max_sim.nan_to_num(-9))
             assert x.attention_s > 0
             paths |= set(x.path.flatten().tolist())
+            grown |= bool((x.n_scored[x.path == Path.REUSE] > 2 * 8 + 8).any())  # R*K + W
     assert len(calls) == 12
     for s, t in zip(*(pair[0] for pair in pairs), strict=True):
         for x, y in zip(_state(runner, s), _state(runner, t), strict=True):
             assert torch.equal(x, y)
     expected = {"full": {Path.DENSE}, "exact_topk": {Path.EXACT}, "retopk-floor": {Path.DENSE},
-                "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}, "retopk-guard": {Path.REUSE, Path.REFRESH}}[name]
+                "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}, "retopk-guard": {Path.REUSE, Path.REFRESH},
+                "retopk-successors": {Path.REUSE, Path.REFRESH}}[name]
     assert {int(p) for p in expected} <= paths
-    if name == "retopk-guard":
+    assert grown == (name == "retopk-successors")
+    if name in ("retopk-guard", "retopk-successors"):
         group = runner.method_group(METHODS[name])
         assert any(bool((pool.tau[slot] > 0.3 + 1e-6).any()) for sessions, _ in pairs for s in sessions
                    for pool, slot in zip(group.states, s.slots, strict=True))
