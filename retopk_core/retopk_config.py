@@ -76,8 +76,7 @@ class ReTopKConfig(MethodConfig):
     recall_successors: bool = param(False, "A_t also holds the successor p + 1 of every recalled support position "
                                            "(eq. 9 shifted by one): a head that copies a span (an induction head "
                                            "reading a number out of the context) attends one position further each "
-                                           "step, which supports recalled from earlier steps miss; the torch code "
-                                           "and the fused CPU kernel (a triton method runs the torch code)")
+                                           "step, which supports recalled from earlier steps miss")
     tau_guard: float = param(0.0, "r_t: on an exact step where a head would have reused (a refresh or a promotion "
                                   "with rho_max >= its tau), a recall reuse would have had under r_t raises that "
                                   "head's tau to rho_max + tau_guard_margin (at most 1), so its similar queries fall "

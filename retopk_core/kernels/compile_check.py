@@ -48,10 +48,14 @@ def kernel_specs(small: bool) -> list[tuple]:
     specs.append((exact_support.merge_topk_kernel,
                   dict(in_ptr=p["i64"], len_ptr=p["i64"], heads_ptr=p["i32"], n_ptr=p["i32"], out_ptr=p["i64"]),
                   dict(FAN=fan, K_PAD=K_pad), 8))
-    # run: K when a power of two (merge-only path for sorted supports), 0 otherwise (full sort only)
-    for recent, all_cand, calibrate, run in ((False, False, False, n_sort // 4), (True, False, False, 0),
-                                             (False, True, False, n_sort // 4), (False, False, True, n_sort // 4),
-                                             (False, True, True, n_sort // 4)):
+    # run: K when a power of two (merge-only path for sorted supports), 0 otherwise (full sort only); succ:
+    # recall_successors, whose 2 R runs of K fill the same N_SORT (K = N_SORT / 8)
+    for recent, all_cand, calibrate, run, succ in ((False, False, False, n_sort // 4, False),
+                                                   (True, False, False, 0, False),
+                                                   (False, True, False, n_sort // 4, False),
+                                                   (False, False, True, n_sort // 4, False),
+                                                   (False, True, True, n_sort // 4, False),
+                                                   (False, False, True, n_sort // 8, True)):
         specs.append((selector.selector_kernel,
                       dict(q_ptr=p["bf16"], slots_ptr=p["i64"], len_ptr=p["i64"], cq_ptr=p["f32"], sup_ptr=p["i64"],
                            fill_ptr=p["i64"], wptr_ptr=p["i64"], step_ptr=p["i64"], phase_ptr=p["i64"],
@@ -59,7 +63,7 @@ def kernel_specs(small: bool) -> list[tuple]:
                            maxsim_ptr=p["f32"], nscored_ptr=p["i32"], cand_ptr=p["i32"], count_ptr=p["i32"],
                            cal_count_ptr=p["i32"], at_ptr=p["i64"], merged_ptr=p["i8"], tau_ptr=p["f32"]),
                       dict(R=4, RECENT=recent, D=D, BLOCK_D=D, BLOCK_C=32, N_PAD=n_pad, N_SORT=n_sort, BLOCK_W=32,
-                           RUN=run, ALL_CAND=all_cand, CALIBRATE=calibrate, GUARD=calibrate), 8))
+                           RUN=run, ALL_CAND=all_cand, CALIBRATE=calibrate, GUARD=calibrate, SUCC=succ), 8))
     specs.append((indexed_qk.indexed_qk_kernel,
                   dict(q_ptr=p["bf16"], k_ptr=p["bf16"], table_ptr=p["i64"], cand_ptr=p["i32"], count_ptr=p["i32"],
                        out_ptr=p["f32"], scale="fp32"),

@@ -7,11 +7,13 @@
              φ_h the head's refresh phase, 0 unless ``refresh_stagger``; T_h = state.period[slot, h] with
              GUARD (``refresh_guard``), else T_r)
     A_t    = Unique(∪_{c∈R_t} Ŝ_c ∪ {L-W, ..., L-1} ∩ [0, L))            (eq. 8, 9)
+             with SUCC (``recall_successors``) also ∪ {p + 1 : p ∈ Ŝ_c, c ∈ R_t, p >= 0, p + 1 <= L - 1}
 
 tau is the head's own threshold state.tau[slot, h] (every head's cfg.tau unless ``tau_calibration``
 moves them). Written per head: path (int8, the head's own decision), ρ_max, n_scored (M_t on reuse, L
 on exact paths), and for reuse heads the candidate positions sorted ascending and packed at the front
-of a row of width N_PAD >= R*K + W (int32) with their count M_t in ``count`` (0 for exact-path heads).
+of a row of width N_PAD >= N + W (int32; N = R*K support entries, 2*R*K with SUCC) with their count M_t in
+``count`` (0 for exact-path heads).
 With ALL_CAND (the "group" GQA policy, where a head below tau may still reuse with its group)
 fallback heads get candidates and a count too; the launcher then applies the policy on the device and
 fixes count / n_scored. With CALIBRATE (``tau_calibration``, ``refresh_guard`` or ``tau_guard``) every head builds A_t,
@@ -20,8 +22,10 @@ have had (``count`` stays the reuse heads' own, so the indexed QK and the reuse 
 Head 0 of each sequence also copies the FIFO's write pointer ptr[slot] to ``at[b]``: stage 3 writes the
 new entry there while it advances ptr itself.
 
-Deduplication sorts only the R*K recalled support entries (N_SORT = next_pow2(R*K) keys: 2048 at
-K = 512, R = 4, not next_pow2(R*K + W) = 4096 with half of them padding): the window
+Deduplication sorts only the N recalled support entries (N_SORT = next_pow2(N) keys: 2048 at
+K = 512, R = 4, not next_pow2(R*K + W) = 4096 with half of them padding): with SUCC entry R*K + j is the
+successor of entry j (runs R..2R-1 repeat runs 0..R-1 shifted by one; a successor past L - 1 or of -1
+padding is padding itself, so a run sorted by position, -1s last, gives a sorted run of successors). The window
 {w0, ..., L-1}, w0 = max(L-W, 0), is a run of consecutive positions that are candidates anyway, so
 support entries inside it become w0 and are dropped after the sort (duplicates), -1 padding becomes
 POS_PAD, and the window is written by arithmetic behind the kept entries below w0 (entries >= L, which
@@ -37,7 +41,8 @@ with K a power of two (constexpr RUN = K), odd runs are read back to front and o
 comparison over N_SORT (run boundaries ignored) tells whether every run is sorted the way the bitonic
 network's stage log K leaves them (even ascending, odd descending; padding runs are all POS_PAD). If
 so only the merging stages run (``bitonic_merge_sort``: stages log K + 1 .. log N_SORT, 10 + 11 = 21
-compare-exchange steps at K = 512, R = 4), else the full sort (66 steps); both give the same row, and
+compare-exchange steps at K = 512, R = 4; 12 more with SUCC), else the full sort (66 steps; 78 with SUCC);
+both give the same row, and
 ``merged`` records which ran (1 / 0; -1 for heads that build no candidates). K not a power of two:
 always the full sort.
 """
@@ -57,7 +62,8 @@ def selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                     tau_ptr, T_R, H, C, K, W,
                     R: tl.constexpr, RECENT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_C: tl.constexpr, N_PAD: tl.constexpr, N_SORT: tl.constexpr, BLOCK_W: tl.constexpr,
-                    RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr):
+                    RUN: tl.constexpr, ALL_CAND: tl.constexpr, CALIBRATE: tl.constexpr, GUARD: tl.constexpr,
+                    SUCC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b)
@@ -84,9 +90,14 @@ def selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
         tl.store(at_ptr + b, tl.load(wptr_ptr + slot))
     reusable = (path == 0) | (ALL_CAND & (path == 1))  # may reuse: gets M_t in count
     if reusable | CALIBRATE:
-        # recall: entry id and validity of each of the R recalled entries, spread over their K slots
+        # recall: entry id and validity of each of the R recalled entries, spread over their K slots (SUCC: twice,
+        # runs r and R + r)
         i = tl.arange(0, N_SORT)
         r_of = i // K
+        if SUCC:
+            src = tl.where(r_of >= R, r_of - R, r_of)  # the recalled entry a run reads (>= R: padding runs)
+        else:
+            src = r_of
         rid = tl.zeros((N_SORT,), tl.int64)
         rok = tl.zeros((N_SORT,), tl.int1)
         work = sim
@@ -98,12 +109,18 @@ def selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
                 ok = tl.max(work, 0) > float("-inf")
                 idx = tl.argmax(work, 0)
                 work = tl.where(c == idx, float("-inf"), work)
-            rid = tl.where(r_of == r, idx, rid)
-            rok = tl.where(r_of == r, ok, rok)
+            rid = tl.where(src == r, idx, rid)
+            rok = tl.where(src == r, ok, rok)
         w = i % K  # slot in the run
         if RUN > 0:  # odd runs read back to front: stored ascending, the merge stages want them descending
             w = tl.where(r_of % 2 == 1, K - 1 - w, w)
-        sup = tl.load(sup_ptr + ((slot * H + h) * C + rid) * K + w, mask=(i < R * K) & rok, other=-1)
+        if SUCC:
+            n_ent = 2 * R * K
+        else:
+            n_ent = R * K
+        sup = tl.load(sup_ptr + ((slot * H + h) * C + rid) * K + w, mask=(i < n_ent) & rok, other=-1)
+        if SUCC:  # runs R.. hold p + 1 <= L - 1 of their entry's positions p >= 0, else padding
+            sup = tl.where((i >= R * K) & (sup >= 0), tl.where(sup + 1 < L, sup + 1, -1), sup)
         w0 = tl.maximum(L - W, 0)  # the window {w0, ..., L-1}
         n_win = (L - w0).to(tl.int32)
         # entries inside the window are its duplicates: they become w0 (dropped below), -1 padding POS_PAD;

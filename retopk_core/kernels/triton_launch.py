@@ -130,7 +130,8 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         raise ValueError(f"state.tau must be a contiguous float32 (S, H) = ({S}, {H}) tensor")
     ws = ws or WORKSPACES.shared(q.device)
     dev = q.device
-    N_pad = next_pow2(R * K + W, 16)  # candidate row width (M_t <= R*K + W)
+    N = R * K * (2 if cfg.recall_successors else 1)  # support entries offered: R*K, and their successors
+    N_pad = next_pow2(N + W, 16)  # candidate row width (M_t <= N + W)
     path = torch.empty(B, H, dtype=torch.int8, device=dev)
     max_sim = torch.empty(B, H, dtype=torch.float32, device=dev)
     n_scored = torch.empty(B, H, dtype=torch.int32, device=dev)
@@ -141,7 +142,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
     cal_count = ws.get("cand_count_all", (B, H), torch.int32) if observe else count  # every head's M_t
     cand_scores = ws.get("cand_scores", (B, H, N_pad), torch.float32)
     at = ws.get("fifo_at", (B,), torch.long)  # each row's FIFO write position, for stage 3
-    N_sort = next_pow2(R * K, 2)  # the selector sorts the recalled supports only, not the window
+    N_sort = next_pow2(N, 2)  # the selector sorts the recalled supports (and successors) only, not the window
     merged = ws.get("cand_merged", (B, H), torch.int8)  # 1: merge stages only (sorted runs), 0: full sort
     big = N_sort >= 1024
     selector_kernel[(B, H)](
@@ -151,7 +152,8 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         state.tau, cfg.refresh_every, H, C, K, W,
         R=R, RECENT=cfg.retrieval == "recent", D=D, BLOCK_D=next_pow2(D, 16), BLOCK_C=next_pow2(C, 2),
         N_PAD=N_pad, N_SORT=N_sort, BLOCK_W=next_pow2(W, 2), RUN=K if K & (K - 1) == 0 else 0,
-        ALL_CAND=cfg.gqa_policy == "group", CALIBRATE=observe, GUARD=guard, num_warps=8 if big else 4)
+        ALL_CAND=cfg.gqa_policy == "group", CALIBRATE=observe, GUARD=guard, SUCC=cfg.recall_successors,
+        num_warps=8 if big else 4)
     if cfg.gqa_policy != "head":  # per-group verdicts on the device; only the final reuse heads keep candidates
         tau = state.tau.index_select(0, slots) if calibrate or raise_tau else None  # (B, H), as the torch path's
         path = gqa_paths(path, max_sim, kv.num_kv_heads, cfg, tau)
@@ -168,7 +170,7 @@ def retopk_decode(method, q: torch.Tensor, kv: PagedKV, state, slots: torch.Tens
         # here, and select + attend (by the same test) selects nothing and pushes nothing for them
         exact_path = path.masked_fill(plain_dense(kv.lengths, cfg).view(B, 1), Path.REUSE)
     block_m = 64
-    indexed_qk_kernel[(B, H, triton.cdiv(R * K + W, block_m))](  # blocks up to the largest M_t
+    indexed_qk_kernel[(B, H, triton.cdiv(N + W, block_m))](  # blocks up to the largest M_t
         q, q.stride(0), q.stride(1), kv.k_pool, kv.block_table, kv.block_table.stride(0), cand, count, cand_scores,
         float(scale), H, kv.num_kv_heads, kv.block_size, H // kv.num_kv_heads, N_pad,
         D=D, BLOCK_D=next_pow2(D, 16), BLOCK_M=block_m)

@@ -138,10 +138,7 @@ class ReTopK(AttentionMethod):
         super().__init__(config, backend)
         self.prefill_queries = self.config.cache_size
         self._ws = Workspace()  # gathered candidate keys and selected values, reused across steps
-        # methods/backend_steps.py; recall_successors is in the torch code and the fused CPU kernel, not yet in the
-        # Triton selector, where such a method runs the torch code
-        triton_successors = self.config.recall_successors and self.backend == "triton"
-        self.steps = steps_for("torch" if triton_successors else self.backend)
+        self.steps = steps_for(self.backend)  # methods/backend_steps.py
         self._layers = 0  # init_state is called once per model layer, in layer order (as FidelityProbe's)
 
     def init_state(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",

@@ -158,18 +158,21 @@ GUARDED = [(("head", 0.0, 0.8), 0.0, 0.0, False), (("group", 0.0, 0.8), 0.8, 0.0
            (("promote", 0.0, 0.8), 0.8, 0.8, True)]
 
 
+@pytest.mark.parametrize("successors", [False, True], ids=["supports", "successors"])
 @pytest.mark.parametrize("policy,calibration,refresh_guard,mass", GUARDED,
                          ids=["head", "group-calibrated", "promote-calibrated-period-mass"])
-def test_tau_guard_on_the_device_matches_torch(policy, calibration, refresh_guard, mass):
+def test_tau_guard_on_the_device_matches_torch(policy, calibration, refresh_guard, mass, successors):
     """tau_guard in the kernels: select + attend raises the tau of an exact head that would have reused (ρ_max >= its
     tau) and whose would-be reuse recall misses r_t to ρ_max + margin, after calibration, whose ceiling is then that
     raised tau; paths, supports, outputs, thresholds and periods equal the torch path's, and some tau rose above
-    tau0."""
-    assert ReTopK(ReTopKConfig(tau_guard=0.9), backend="triton").steps.name == "triton"
+    tau0. With ``recall_successors`` the selector's A_t (the reuse candidates, and the would-be recall the rules
+    measure) also holds each recalled p + 1: n_scored and the thresholds still equal the torch code's (the first
+    step's reuse heads score more candidates with successors than without, so a selector without them fails)."""
+    assert ReTopK(ReTopKConfig(tau_guard=0.9, recall_successors=successors), backend="triton").steps.name == "triton"
     raised = False
     for a, b, st, sk, _ in _run(1, 3, 64, 8, 4, 4, 2, [40, 20], 16, "similarity", (0, 1), steps=8, policy=policy,
                                 noise=0.75, tau_calibration=calibration, refresh_guard=refresh_guard,
-                                mass_recall=mass, tau_guard=0.9):
+                                mass_recall=mass, tau_guard=0.9, recall_successors=successors):
         _assert_same_step(a, b, st, sk)
         raised |= bool((sk.tau > 0.8 + 1e-6).any())
     assert raised, sk.tau
@@ -247,20 +250,25 @@ def _score_order(state):
     state.support[:] = state.support.sort(-1, descending=True).values
 
 
-@pytest.mark.parametrize("order,K", [("by position", 8), ("score order", 8), ("by position", 6)])
-def test_selector_candidates_equal_torch_candidates(order, K):
+@pytest.mark.parametrize("order,K,successors", [("by position", 8, False), ("score order", 8, False),
+                                                ("by position", 6, False), ("by position", 8, True),
+                                                ("score order", 8, True)])
+def test_selector_candidates_equal_torch_candidates(order, K, successors):
     """Stage 1 alone: the packed candidate rows written by the selector are the sorted unique union,
     from the merge stages alone when every recalled run is sorted (the prefill's and the kernel's rows;
     K a power of two), from the full sort when some run is not (a state with unsorted supports: every
-    entry at the first step) or K is not a power of two; ``cand_merged`` says which ran."""
+    entry at the first step) or K is not a power of two; ``cand_merged`` says which ran. With
+    ``recall_successors`` (2 R runs, R = 3: the successors' runs alternate the other way) the same, the
+    successors of sorted runs being sorted runs."""
     from retopk_core.kernels.workspace_cache import WORKSPACES
 
     H_kv, G, d, C, W, R = 1, 3, 64, 8, 6, 3
     edit = _score_order if order == "score order" else None
     for step, (a, _b, _, _sk, (q, kv, pre_t, _, ref, _)) in enumerate(
-            _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1), steps=2, edit=edit)):
+            _run(H_kv, G, d, K, C, W, R, [150, 120], 16, "similarity", (0, 1), steps=2, edit=edit,
+                 recall_successors=successors)):
         B, H = q.shape[:2]
-        N_pad = next_pow2(R * K + W, 16)
+        N_pad = next_pow2(R * K * (2 if successors else 1) + W, 16)
         ws = WORKSPACES.shared(q.device)
         cand, count = ws.get("cand", (B, H, N_pad), torch.int32), ws.get("cand_count", (B, H), torch.int32)
         merged = ws.get("cand_merged", (B, H), torch.int8).cpu()
@@ -294,19 +302,22 @@ def test_retopk_decode_allocates_no_scratch_after_first_step():
     assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts
 
 
+@pytest.mark.parametrize("successors", [False, True], ids=["supports", "successors"])
 @pytest.mark.parametrize("order", ["as crafted", "by position"])
-def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order):
+def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order, successors):
     """A crafted FIFO: supports holding positions inside the window (dropped after the selector's sort,
     the window is appended in order), below it, repeated across entries, -1 padding, a stale position
     >= L (after the window), R*K = 24 not a power of two, a row with fewer than R entries, L < W. As
     crafted the rows are unsorted (full sort) except where the window covers every entry (L = 4: every
     entry maps to w0, a sorted run); by position every run is sorted (merge stages only), the stale
-    position and the window's entries included."""
+    position and the window's entries included. With ``recall_successors`` the successors of L - 1 (39 at
+    L = 40; 11 and the stale 12 at L = 12; 3 at L = 4) lie past the history and are padding: at L = 4 the
+    crafted run's successors are then no longer all w0 (unsorted: the full sort); by position they stay sorted."""
     from retopk_core.kernels.workspace_cache import WORKSPACES
 
     K, C, W, R, d, H = 8, 4, 6, 3, 16, 2
-    ref = ReTopK(ReTopKConfig(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0))
-    tri = ReTopK(ReTopKConfig(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0), backend="triton")
+    params = dict(top_k=K, cache_size=C, window=W, recall=R, tau=0.5, refresh_every=0, recall_successors=successors)
+    ref, tri = ReTopK(ReTopKConfig(**params)), ReTopK(ReTopKConfig(**params), backend="triton")
     lengths = [40, 12, 4]
     B = len(lengths)
     kv, _, _ = make_kv(B, 1, 40, d, lengths, torch.float32, 8, seed=4)
@@ -335,7 +346,7 @@ def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order):
     pre = copy.deepcopy(st)
     a, b = ref.decode(q, kv, st, slots), tri.decode(q, kv, sk, slots)
     assert (a.path == Path.REUSE).all(), a.path
-    N_pad = next_pow2(R * K + W, 16)
+    N_pad = next_pow2(R * K * (2 if successors else 1) + W, 16)
     ws = WORKSPACES.shared(q.device)
     cand, count = ws.get("cand", (B, H, N_pad), torch.int32), ws.get("cand_count", (B, H), torch.int32)
     sim, _ = ref._similarity(q.float() / q.float().norm(dim=-1, keepdim=True), pre, slots)
@@ -348,7 +359,11 @@ def test_selector_drops_window_duplicates_and_keeps_union_with_torch(order):
             assert cand[bb, hh, :len(want)].tolist() == want
     assert 12 in cand[1, 0, :int(count[1, 0])].tolist()  # the stale position was recalled
     merged = ws.get("cand_merged", (B, H), torch.int8).cpu()
-    assert merged.tolist() == ([[1] * H] * B if order == "by position" else [[0] * H, [0] * H, [1] * H]), merged
+    assert merged.tolist() == ([[1] * H] * B if order == "by position" else
+                               [[0] * H, [0] * H, [0 if successors else 1] * H]), merged
+    if successors:  # with successors, < L: 40 at L = 40, 12 (of 11) and 13 (of the stale 12) at L = 12 are not
+        assert 40 not in cand[0, 0, :int(count[0, 0])].tolist() and 13 not in cand[1, 0, :int(count[1, 0])].tolist()
+        assert 6 in cand[0, 0, :int(count[0, 0])].tolist()  # the successor of 5, no support's position
     written = sk.support[torch.arange(B), :, pre.ptr]  # (B, H, K): the entry each row's step wrote
     assert_rows_by_position(sk.support if order == "by position" else written)
     torch.testing.assert_close(b.max_sim, a.max_sim, atol=1e-5, rtol=1e-5)
