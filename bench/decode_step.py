@@ -13,9 +13,11 @@ same with the block products' activations float32 and int8 (RuntimeConfig.activa
 picks them for a plain run.
 
 ``--step-turns`` opens one session per method and decodes them one after another within every step, the order
-rotating, so a loaded machine's drift hits each method alike: per method the median step and attention time
-(StepStats.attention_s), the per-step median ratio of the first method's times to its, and its share of
-(layer, KV group) reads. The A/B of two specs of one method on a busy machine.
+rotating, so a loaded machine's drift hits each method alike: per method the median step, attention
+(StepStats.attention_s) and CPU time of the step's thread (``time.thread_time``: the step's whole CPU time with
+``--threads 1``, what a loaded machine's other work does not inflate), the per-step median ratios of the first
+method's times to its, the share of keys scored (Σ n_scored / (layers · H · L_t)), the mean M_t = |A_t| of its
+reuse heads, and its share of (layer, KV group) reads. The A/B of two specs of one method on a busy machine.
 """
 
 from __future__ import annotations
@@ -86,30 +88,39 @@ def taking_turns(runner: ModelRunner, spec, ids: list[int], args, ways: dict) ->
 
 def step_turns(runner: ModelRunner, texts: list[str], ids: list[int], warmup: int, steps: int) -> None:
     """Decode one session per method spec in ``texts``, one after another within every step (the order rotating),
-    and print each method's median step and attention times, the per-step median ratios first / it, and its reads."""
+    and print each method's median step, attention and thread CPU times, the per-step median ratios first / it,
+    the share of keys it scored, its reuse heads' mean M_t and its reads."""
     specs = [parse_method(t) for t in texts]
     sessions = [runner.open_session(spec) for spec in specs]
     tokens = [int(runner.prefill(s, ids).argmax()) for s in sessions]
     H, H_kv = runner.info.num_heads, runner.info.num_kv_heads
-    wall, attention, reads = ([[] for _ in texts] for _ in range(3))
+    wall, attention, cpu, reads, scored, m_t = ([[] for _ in texts] for _ in range(6))
     for i in range(warmup + steps):
+        L_t = len(ids) + 1 + i  # positions attended this step, its token included
         for m in [(i + j) % len(texts) for j in range(len(texts))]:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             logits, stats = runner.decode([sessions[m]], [tokens[m]], with_stats=True)
-            took = time.perf_counter() - start
+            took, cpu_took = time.perf_counter() - start, time.thread_time() - cpu_start
             tokens[m] = int(logits[0].argmax())
             if i >= warmup:
                 wall[m].append(took)
                 attention[m].append(stats[0].attention_s)
+                cpu[m].append(cpu_took)
                 read = (stats[0].path.view(-1, H_kv, H // H_kv) != Path.REUSE).any(-1)  # (layers, H_kv)
                 reads[m].append(float(read.float().mean()))
+                n = stats[0].n_scored.double()  # (layers, H)
+                scored[m].append(float(n.mean()) / L_t)
+                m_t[m] += n[stats[0].path == Path.REUSE].tolist()
     for s in sessions:
         runner.close_session(s)
     for m, text in enumerate(texts):
-        ratio = [statistics.median(a / b for a, b in zip(t[0], t[m], strict=True)) for t in (wall, attention)]
+        ratio = [statistics.median(a / b for a, b in zip(t[0], t[m], strict=True)) for t in (wall, attention, cpu)]
+        reuse = f"{statistics.mean(m_t[m]):.0f}" if m_t[m] else "-"
         print(f"{text}: median {1e3 * statistics.median(wall[m]):.2f} ms, attention "
-              f"{1e3 * statistics.median(attention[m]):.2f} ms; first / this per step {ratio[0]:.3f} (attention "
-              f"{ratio[1]:.3f}); group reads {100 * statistics.mean(reads[m]):.1f}%")
+              f"{1e3 * statistics.median(attention[m]):.2f} ms, CPU {1e3 * statistics.median(cpu[m]):.2f} ms; "
+              f"first / this per step {ratio[0]:.3f} (attention {ratio[1]:.3f}, CPU {ratio[2]:.3f}); scored "
+              f"{100 * statistics.mean(scored[m]):.1f}% of keys, reuse M_t {reuse}; group reads "
+              f"{100 * statistics.mean(reads[m]):.1f}%")
 
 
 def main(argv=None) -> None:

@@ -28,15 +28,18 @@ def test_time_steps_times_each_step_after_the_warmup_and_closes_its_session():
 
 
 def test_step_turns_prints_each_method_against_the_first_and_closes_the_sessions(capsys):
-    """--step-turns: a line per method, the first's ratio to itself 1, reads of a dense method (Full) all groups."""
+    """--step-turns: a line per method, the first's ratios to itself 1, a dense method (Full) scoring every key
+    (no reuse heads) and reading all groups, ReTopK scoring fewer."""
     texts = ["retopk:top_k=8,cache_size=4,tau_guard=0.5", "full"]
     runner = _tiny_runner(decode_step.parse_method(texts[0]))
     with torch.inference_mode():
         decode_step.step_turns(runner, texts, list(range(3, 40)), warmup=1, steps=3)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(": median")[0] for line in lines] == texts
-    assert "first / this per step 1.000 (attention 1.000)" in lines[0]
-    assert lines[1].endswith("group reads 100.0%")
+    assert "first / this per step 1.000 (attention 1.000, CPU 1.000)" in lines[0]
+    assert lines[1].endswith("scored 100.0% of keys, reuse M_t -; group reads 100.0%")
+    scored = float(lines[0].split("scored ")[1].split("%")[0])
+    assert 0 < scored < 100 and "reuse M_t -" not in lines[0]
     assert runner.memory().kv_used == 0
 
 
