@@ -18,6 +18,18 @@ import torch
 MAX_RUNS = 8
 
 
+def id_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive ids in ``ids``, in order: [(start, stop), ...] covering ``ids``, where
+    ids[start:stop] == range(ids[start], ids[start] + stop - start) and each run is as long as it can be. Blocks
+    ids[start:stop] of a pool are then the slice pool[ids[start]:ids[start] + stop - start], a view."""
+    spans, start = [], 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            spans.append((start, j))
+            start = j
+    return spans
+
+
 @dataclass
 class PagedKV:
     k_pool: torch.Tensor  # (N_blocks, H_kv, P, d), contiguous
@@ -97,14 +109,10 @@ class PagedKV:
         L = int(self.lengths[b]) if length is None else length
         n = max(1, -(-L // self.block_size))
         ids = self.block_table[b, :n].tolist()
-        runs, start = [], 0
-        for j in range(1, n + 1):
-            if j == n or ids[j] != ids[j - 1] + 1:
-                runs.append(pool[ids[start]:ids[start] + j - start])  # (j - start, H_kv, P, d) view
-                start = j
-                if len(runs) > max_runs:
-                    return [pool[self.block_table[b, :n]]]  # (n, H_kv, P, d) copy
-        return runs
+        spans = id_runs(ids)
+        if len(spans) > max_runs:
+            return [pool[self.block_table[b, :n]]]  # (n, H_kv, P, d) copy
+        return [pool[ids[start]:ids[start] + stop - start] for start, stop in spans]  # (stop - start, H_kv, P, d) views
 
     def _history(self, pool: torch.Tensor, b: int, g: int, length: int | None) -> torch.Tensor:
         L = int(self.lengths[b]) if length is None else length

@@ -182,10 +182,12 @@ class SlotPool:
                 raise ValueError(f"state field {name!r}: {t.dtype} {tuple(t.shape)}, this method holds "
                                  f"{want.dtype} {tuple(shape)}")
 
-    def write_slot(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Slot ``slot`` takes ``tensors`` (``read_slot``'s form), checked first (``check_slot``); a growing
-        field's entries past what ``tensors`` brings are a fresh slot's."""
-        self.check_slot(tensors)
+    def write_slot(self, slot: int, tensors: dict[str, torch.Tensor], checked: bool = False) -> None:
+        """Slot ``slot`` takes ``tensors`` (``read_slot``'s form), checked first (``check_slot``; ``checked``: the
+        caller has just run it on these tensors, as a write of every layer that checks all before it writes any);
+        a growing field's entries past what ``tensors`` brings are a fresh slot's."""
+        if not checked:
+            self.check_slot(tensors)
         with self._own_mode():
             if self._growing:
                 name, dim = next(iter(self._growing.items()))

@@ -180,7 +180,7 @@ class MethodGroup:
         for state, layer in zip(self.states, layers, strict=True):  # every layer checked before any is written
             state.check_slot(layer)
         for state, s, layer in zip(self.states, slots, layers, strict=True):
-            state.write_slot(s, layer)
+            state.write_slot(s, layer, checked=True)  # checked just above: once is enough
 
     def reset(self, slots: list[int]) -> None:
         """Per layer, slot ``slots[l]`` back to a fresh session's state (a session rewound, engine/turn.py)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from retopk_core.kv import id_runs
 from retopk_server.runtime.attention import MethodGroup
 from retopk_server.runtime.kv_pool import KVPool
 from retopk_server.runtime.method_spec import MethodSpec
@@ -121,10 +122,14 @@ def restore(pool: KVPool, group: MethodGroup | None, session: Session, state: Se
     if L:
         device = pool.k[0].device
         if state.k.shape[3] == pool.block_size:  # the same block size: block for block
-            blocks = torch.tensor(session.blocks[:state.k.shape[1]], dtype=torch.long, device=device)
+            # one slice copy per run of consecutive block ids (a session's blocks are mostly one run): a plain
+            # copy of contiguous memory, where index_copy_ addresses every element through the index
+            ids = session.blocks[:state.k.shape[1]]
+            runs = [(start, stop, ids[start]) for start, stop in id_runs(ids)]
             for layer in range(pool.num_layers):
-                pool.k[layer].index_copy_(0, blocks, state.k[layer].to(device))
-                pool.v[layer].index_copy_(0, blocks, state.v[layer].to(device))
+                for dst, src in ((pool.k[layer], state.k[layer]), (pool.v[layer], state.v[layer])):
+                    for start, stop, first in runs:  # src[start:stop]: (stop - start, H_kv, P, d)
+                        dst[first:first + stop - start].copy_(src[start:stop])
         else:  # position for position
             table = pool.block_table([session.blocks], device)  # (1, blocks)
             rows = pool.rows(table, torch.zeros(1, dtype=torch.long, device=device), L)  # (1, H_kv, L)

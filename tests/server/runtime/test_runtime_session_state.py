@@ -182,3 +182,61 @@ def test_int64_fields_that_come_as_int32_import_exactly_and_stay_bounded(name):
         with pytest.raises(ValueError, match="must|state field"):
             b.import_session(SessionState(good.method, good.token_ids, good.k, good.v, state))
         assert len(b.sessions) == 1
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 2, 3, 4], [9, 3, 4, 5, 1], [7, 6, 5, 4, 3]])
+def test_a_restore_block_for_block_writes_each_block_where_the_session_holds_it(ids):
+    """The same block size on both sides: block j of the state lands in the session's block ``ids[j]``, its
+    blocks one run of consecutive ids, several, or each its own; every other block of the pool stays as it was.
+    The reference reads the pool by advanced indexing, block by block."""
+    from retopk_server.runtime.kv_pool import KVPool
+    from retopk_server.runtime.session import Session
+    from retopk_server.runtime.session_state import capture, restore
+
+    layers, heads, P, d, L = 2, 2, 4, 3, 18  # 5 blocks, the last holding 2 positions
+    pool = KVPool(layers, heads, d, P, torch.float32, "cpu", initial_blocks=12)
+    before = [(k.clone(), v.clone()) for k, v in zip(pool.k, pool.v, strict=True)]
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(layers, len(ids), heads, P, d, generator=gen) for _ in range(2))
+    state = SessionState(MethodSpec("full"), torch.arange(L), k, v, None)
+    session = Session("s", MethodSpec("full"), None, 0, 0)
+    session.blocks = list(ids)
+    restore(pool, None, session, state)
+    held = torch.tensor(ids)
+    for layer in range(layers):
+        assert torch.equal(pool.k[layer][held], k[layer]) and torch.equal(pool.v[layer][held], v[layer])
+        others = torch.tensor([b for b in range(pool.k[layer].shape[0]) if b not in ids])
+        assert torch.equal(pool.k[layer][others], before[layer][0][others])
+        assert torch.equal(pool.v[layer][others], before[layer][1][others])
+    assert session.token_ids == list(range(L))
+    again = capture(pool, None, session)  # the rows past L come back zero, as a captured state holds them
+    assert torch.equal(again.positions(again.k), state.positions(k)) and torch.equal(again.positions(again.v),
+                                                                                    state.positions(v))
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_state_of_another_shape_than_the_pools_is_refused_whether_or_not_the_import_was_checked(checked):
+    """``import_session(checked=True)`` skips ``check_import`` (the bounds, run off the engine thread before), not
+    the shapes and dtypes against this runner's pools (``SlotPool.check_slot``, which the bounds do not cover: a
+    FIFO of another depth is in bounds by its own shape), which every layer passes before any is written; once
+    checked there, a layer is not checked again as it is written. Unchecked, the bounds refuse what they cover."""
+    model, good = state_of()
+    b = runner_for(model, METHODS["retopk"], kv_block_size=8, kv_dtype="bfloat16")
+    deeper = {f: torch.cat([t, t[:, :, -1:]], dim=2) if f in ("queries", "support") else t.clone()
+              for f, t in good.state.items()}  # each FIFO one entry deeper than cache_size: bounded, but no fit
+    bad = SessionState(good.method, good.token_ids, good.k, good.v, deeper)
+    with pytest.raises(ValueError, match="state field 'queries'"):
+        b.import_session(bad, checked=checked)
+    assert not b.sessions and b.memory().kv_used == 0  # nothing half-made
+    support = good.state["support"].clone()
+    support[-1, 0, 0, 0] = good.length  # in shape, out of bounds: the bounds' to refuse, on the unchecked path
+    if not checked:
+        with pytest.raises(ValueError, match="support must"):
+            b.import_session(SessionState(good.method, good.token_ids, good.k, good.v,
+                                          dict(good.state, support=support)))
+        assert not b.sessions
+    pool = b.method_group(good.method).states[0]
+    layer0 = {f: t[0] for f, t in deeper.items()}
+    with pytest.raises(ValueError, match="state field 'queries'"):  # a write of one slot alone checks it
+        pool.write_slot(0, layer0)
+    assert b.import_session(good, checked=checked).length == good.length
