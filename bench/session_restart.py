@@ -20,6 +20,11 @@ session had to come back from the directory first. The load average is reported 
 times mean little; their ratios, from one run, compare). Since the two phases lie minutes apart and a shared
 machine's load drifts between them, each restored session's first turn is also compared with that session's next
 turn on B, sent right after it (in memory by then: an uninterrupted turn seconds later, under the same load).
+The uninterrupted figure is one turn of each session, and a session's worst ratio can come from that one turn
+being fast as much as from its restored turn being slow; so the restored turn is also compared with the median of
+``--baseline-turns`` uninterrupted turns of its session: the one on A, the next turn on B and as many more after
+that on B (printed beside the ratio to A's turn, which stays as it was; the extra turns come after every figure
+measured before, so the saved sessions and the restored turns are what they were).
 
     python -m bench.session_restart --sessions 16 --tokens 1000 --threads 2 --out docs/bench/session_restart.json
 """
@@ -41,6 +46,9 @@ def own_options(p) -> None:
     p.add_argument("--tokens", type=int, default=1000, help="prompt tokens of each session (default %(default)s)")
     p.add_argument("--turn", type=int, default=8, help="new tokens of each timed turn (default %(default)s)")
     p.add_argument("--after-preload", action="store_true", help="the turns after B preloaded every session")
+    p.add_argument("--baseline-turns", type=int, default=3,
+                   help="uninterrupted turns of each session whose median the restored turn is also compared with: "
+                        "the one on A, then the next turns on B (default %(default)s)")
 
 
 def parse_args(argv=None):
@@ -93,7 +101,7 @@ def measure(args, model, tokenizer) -> dict:
     t0 = time.perf_counter()
     second = LocalServer(config, model, tokenizer)  # from here on B takes calls: its pools sized for the saved ones
     start_s = time.perf_counter() - t0
-    after, again, preload_s = [], [], None
+    after, again, baseline_turns, preload_s = [], [], [], None
     with Client(second.address, timeout=3600) as client:
         if args.after_preload:
             t0 = time.perf_counter()
@@ -103,18 +111,27 @@ def measure(args, model, tokenizer) -> dict:
         for i in range(args.sessions):
             first_token, last[f"s{i}"] = short_turn(client, f"s{i}", last[f"s{i}"])
             after.append(first_token)
-            again.append(short_turn(client, f"s{i}", last[f"s{i}"])[0])  # the same session, in memory now
+            turns = [before[i]]  # the session's uninterrupted turns: A's, then B's with the session in memory
+            for _ in range(max(1, args.baseline_turns - 1)):
+                first_token, last[f"s{i}"] = short_turn(client, f"s{i}", last[f"s{i}"])
+                turns.append(first_token)
+            again.append(turns[1])  # the same session's next turn, in memory now
+            baseline_turns.append(turns)
     second.close()
 
     ratios = [a / b for a, b in zip(after, before, strict=True)]
     adjacent = [a / b for a, b in zip(after, again, strict=True)]
+    to_median = [a / statistics.median(turns) for a, turns in zip(after, baseline_turns, strict=True)]
     result = {"sessions": args.sessions, "tokens": args.tokens, "turn_tokens": args.turn, "threads": args.threads,
               "load_average": os.getloadavg(), "saved_bytes": saved, "drain_s": drain_s, "start_s": start_s,
               "after_preload": args.after_preload, "preload_wait_s": preload_s, "first_token_uninterrupted_s": before,
               "first_token_after_restart_s": after, "median_uninterrupted_s": statistics.median(before),
               "median_after_restart_s": statistics.median(after), "median_ratio": statistics.median(ratios),
               "worst_ratio": max(ratios), "first_token_next_turn_s": again,
-              "median_ratio_to_next_turn": statistics.median(adjacent), "worst_ratio_to_next_turn": max(adjacent)}
+              "median_ratio_to_next_turn": statistics.median(adjacent), "worst_ratio_to_next_turn": max(adjacent),
+              "first_token_uninterrupted_turns_s": baseline_turns,
+              "median_ratio_to_session_median": statistics.median(to_median),
+              "worst_ratio_to_session_median": max(to_median)}
     print(f"{args.sessions} sessions of {args.tokens} tokens, {saved / 2**20:.0f} MiB saved, drain {drain_s:.2f} s, "
           f"B's start {start_s:.2f} s, {args.threads} threads, load average {result['load_average'][0]:.1f}")
     if preload_s is not None:
@@ -124,6 +141,9 @@ def measure(args, model, tokenizer) -> dict:
     print(f"  ratio after / uninterrupted: median {result['median_ratio']:.2f}, worst {result['worst_ratio']:.2f}")
     print(f"  ratio after / the same session's next turn on B: median {result['median_ratio_to_next_turn']:.2f}, "
           f"worst {result['worst_ratio_to_next_turn']:.2f}")
+    print(f"  ratio after / the median of the session's {len(baseline_turns[0])} uninterrupted turns (A's, B's next): "
+          f"median "
+          f"{result['median_ratio_to_session_median']:.2f}, worst {result['worst_ratio_to_session_median']:.2f}")
     return write_result(args, result)
 
 

@@ -3,6 +3,8 @@ asserted): the moved and the restarted sessions continue, and every figure the r
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from bench import handoff, session_restart
@@ -26,6 +28,11 @@ def test_session_restart_reports_every_session(embedded_model, after_preload):
     result = session_restart.measure(args, *embedded_model)
     assert len(result["first_token_after_restart_s"]) == 2 and result["saved_bytes"] > 0
     assert (result["preload_wait_s"] is not None) == after_preload
+    turns = result["first_token_uninterrupted_turns_s"]  # A's turn (the uninterrupted figure), B's next turns
+    assert [t[0] for t in turns] == result["first_token_uninterrupted_s"] and all(len(t) == 3 for t in turns)
+    assert [t[1] for t in turns] == result["first_token_next_turn_s"]
+    assert result["worst_ratio_to_session_median"] == max(
+        a / statistics.median(t) for a, t in zip(result["first_token_after_restart_s"], turns, strict=True))
 
 
 def test_kv_growth_times_both_doublings(tmp_path):
@@ -45,5 +52,6 @@ def test_session_load_times_every_part_of_each_variant(embedded_model, tmp_path)
     result = session_load.measure(args, *embedded_model)
     sizes = result["file_bytes"]
     assert sizes["zlib, int32 state"] < sizes["zlib, int64 state"]  # the narrowed supports: a smaller file
-    assert all(len(times) == 2 for parts in result["seconds"].values() for times in parts.values())
+    for figure in ("seconds", "thread_cpu_seconds"):
+        assert all(len(times) == 2 for parts in result[figure].values() for times in parts.values())
     assert (tmp_path / "l.json").is_file()
