@@ -28,9 +28,13 @@ ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 # dense attention below 1K tokens. Issue 35 cross-validated it over four corpora (tuned on the technical
 # documentation and the modern prose, held out on the source code and the KJV): ΔPPL <= 1% against Exact Top-K
 # and group reads <= 25% at 4K and 8K on all four, where r* = 0.8 alone (the previous default, tuned on the KJV)
-# missed three of those eight points. The core's ReTopKConfig() keeps the paper's defaults.
+# missed three of those eight points. recall_successors (A_t also holds p + 1 of each recalled position) lets a
+# copying head follow the text it copies, which reuse alone misses (needles copied with a digit dropped); it
+# also recalls more of the exact supports, so fewer heads fall back (docs/evaluation.md, issue 35).
+# The core's ReTopKConfig() keeps the paper's defaults.
 DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "tau_calibration": 0.72, "refresh_every": 32,
-                         "tau_guard": 0.5, "cache_size": 128, "window": 128, "dense_below": 1024}
+                         "tau_guard": 0.5, "recall_successors": True, "cache_size": 128, "window": 128,
+                         "dense_below": 1024}
 
 
 def default_method_spec() -> MethodSpec:
