@@ -20,7 +20,8 @@
 //   and each block's integer dot is exact (u8 x s8 pairs summed in int16 without saturation, then int32):
 //     Q4_1: y[o] = sum_b (d_b dx_b) sum_j q_bj qx_bj + m_b sx_b,   Q8_0: y[o] = sum_b (d_b dx_b) sum_j q_bj qx_bj
 //   so the loops of every level differ only in the float rounding of that sum over blocks. AVX2 does it with
-//   maddubs (u8 nibbles x s8 activations; Q8_0 as |w| x sign(qx, w)), on AVX-512 machines too.
+//   maddubs (u8 nibbles x s8 activations; Q8_0 as |w| x sign(qx, w)), AVX-512 without VNNI too; AVX-512 VNNI
+//   with dpbusd, in the AVX2 loop's float order, so its results equal AVX2's bit for bit.
 //
 //   quantize_activations(x (M, in), isa) -> qx (M, in) int8, xs (M, in / 32, 2) = (dx, sx): the int8 path's x.
 //   rms_norm(x (M, D), w (D,), eps) -> x / sqrt(mean(x^2) + eps) * w, rows in parallel only when large.
@@ -39,8 +40,9 @@
 //   swiglu(gu (M, 2F)) -> (M, F), the same product alone.
 //   attn_in_to, mlp_out_to: the same into a given output (the whole step's buffers, decode_layers.cpp).
 //
-// The loops exist for AVX-512, AVX2 (both with FMA and F16C) and plain C++, chosen per call by ``isa``
-// (best_isa() unless a caller asks for a lower one, as the tests do to cover every path on one machine).
+// The loops exist for AVX-512 (with VNNI for int8 activations), AVX2 (both with FMA and F16C) and plain C++,
+// chosen per call by ``isa``: 0 plain, 1 AVX2, 2 AVX-512 F/BW/VL/DQ, 3 the same with AVX-512 VNNI; best_isa()
+// unless a caller asks for a lower one, as the tests do to cover every path on one machine.
 // Every product of attn_in, mlp_out (and decode_layers) takes the one ``activations`` setting its call gets.
 
 #include <torch/extension.h>
@@ -61,11 +63,13 @@
 #define RETOPK_X86 1
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 #endif
 
 namespace {
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// Each level has every instruction set of the levels below it (AVX-512 VNNI needs AVX-512F).
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 enum Activations : int64_t { kFloat32 = 0, kInt8 = 1 };
 // Rows of x per pass over a weight row. Each row's sums run in the same order whatever the batch (its own
 // accumulators, blocks in file order), so a request's tokens do not depend on what it is batched with.
@@ -286,7 +290,7 @@ TARGET_AVX2 __attribute__((always_inline)) inline void q4_q8_block_avx2(const ui
     const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx));
     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, y), _mm256_set1_epi16(1));
     a[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[r * lds]), _mm256_cvtepi32_ps(p), a[r]);
-    mins[r] += m * xs[r * lds + 1];
+    mins[r] = std::fma(m, xs[r * lds + 1], mins[r]);  // one rounding, as q4_q8_dot_avx512 repeats it
   }
 }
 
@@ -411,6 +415,124 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
   }
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
+
+// The int8 loops with AVX-512 VNNI: dpbusd sums four u8 x s8 products into each int32 lane (no int16 step), the
+// same four elements per lane as maddubs + madd, so each block's eight int32 lanes equal the AVX2 loop's. Two
+// blocks share a 512-bit register, the even one in the low 256 bits and the odd one in the high: each half then
+// takes exactly the float operations of q4_q8_dot_avx2's a0 and a1 (the scales d dx, the products d dx p, the
+// FMAs, blocks in the same order), the minimum's terms as its m0 and m1 (lanes 1 and 3 of `mins`), and the
+// final sums are its own. So the result equals the AVX2 loop's bit for bit: a session's tokens do not depend on
+// whether its replica has VNNI.
+
+// d dx for the even block in lanes 0..7 and for the odd one in lanes 8..15, from ds (d dx, _, d dx, _).
+TARGET_AVX512_VNNI inline __m512 pair_scales(__m128 ds) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                               _mm512_castps128_ps512(ds));
+}
+
+// Two floats into lanes 0 and 1, zeros above (a lone block's (d, m) or (dx, sx)).
+TARGET_AVX512_VNNI inline __m128 load_pair(const float* p) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+}
+
+// acc[r] from a[r] (a0 | a1) and mins[r] (lanes 1, 3: m0, m1): q4_q8_dot_avx2's last line.
+TARGET_AVX512_VNNI inline float finish_pair(__m512 a, __m128 mins) {
+  const float total = hsum256(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+  return total + (_mm_cvtss_f32(_mm_movehdup_ps(mins)) + _mm_cvtss_f32(_mm_permute_ps(mins, 3)));
+}
+
+template <int MR>
+TARGET_AVX512_VNNI void q4_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx,
+                                         const float* xs, int64_t ldx, int64_t lds, float* acc) {
+  __m512 a[MR];
+  __m128 mins[MR];
+  for (int r = 0; r < MR; ++r) {
+    a[r] = _mm512_setzero_ps();
+    mins[r] = _mm_setzero_ps();
+  }
+  const __m512i low = _mm512_set1_epi8(15);
+  float s[2 * kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + 2 * c0, 2 * nc, s);
+    int64_t i = 0;
+    for (; i + 2 <= nc; i += 2) {
+      const int64_t b = c0 + i;
+      // [q_b | q_b+1] -> 128-bit lanes q_b, q_b >> 4, q_b+1, q_b+1 >> 4, masked to nibbles: elements 0..31 of
+      // block b, then of block b + 1, the order of the activations' bytes
+      const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * b)));
+      const __m512i dup = _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
+      const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(dup, 0xFF00FF00u, dup, 4), low);
+      const __m128 dm = _mm_loadu_ps(s + 2 * i);  // (d, m) of both blocks
+      for (int r = 0; r < MR; ++r) {
+        const __m512i y = _mm512_loadu_si512(qx + r * ldx + 32 * b);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, y);
+        const __m128 ds = _mm_loadu_ps(xs + r * lds + 2 * b);  // (dx, sx) of both blocks
+        a[r] = _mm512_fmadd_ps(pair_scales(_mm_mul_ps(dm, ds)), _mm512_cvtepi32_ps(p), a[r]);
+        mins[r] = _mm_fmadd_ps(dm, ds, mins[r]);  // lanes 1, 3: m sx into m0, m1 (lanes 0, 2 unused)
+      }
+    }
+    if (i < nc) {  // a last, even block alone: the low half only, as q4_q8_dot_avx2 puts it into a0
+      const int64_t b = c0 + i;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b));
+      const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+      const __m128 dm = load_pair(s + 2 * i);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx + 32 * b));
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, y);
+        const __m128 ds = load_pair(xs + r * lds + 2 * b);
+        a[r] = _mm512_mask3_fmadd_ps(pair_scales(_mm_mul_ps(dm, ds)), _mm512_cvtepi32_ps(_mm512_zextsi256_si512(p)),
+                                     a[r], 0x00FF);
+        mins[r] = _mm_fmadd_ps(dm, ds, mins[r]);  // lane 1 only: lanes 2, 3 add 0 x 0
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = finish_pair(a[r], mins[r]);
+}
+
+// Q8_0: dpbusd needs one unsigned operand, so |w| x sign(qx, w) as in q8_q8_block_avx2 (AVX-512 has no byte
+// sign instruction: qx is negated where w < 0, which is the same where w != 0; where w = 0, |w| = 0 anyway).
+template <int MR>
+TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const int8_t* qx,
+                                         const float* xs, int64_t ldx, int64_t lds, float* acc) {
+  __m512 a[MR];
+  for (int r = 0; r < MR; ++r) a[r] = _mm512_setzero_ps();
+  float s[kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + c0, nc, s);
+    int64_t i = 0;
+    for (; i + 2 <= nc; i += 2) {
+      const int64_t b = c0 + i;
+      const __m512i w = _mm512_loadu_si512(qs + 32 * b);  // blocks b and b + 1
+      const __m512i aw = _mm512_abs_epi8(w);  // |-128| reads as the unsigned 128
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      const __m128 d = load_pair(s + i);
+      const __m128 dd = _mm_unpacklo_ps(d, d);  // (d_b, d_b, d_b+1, d_b+1)
+      for (int r = 0; r < MR; ++r) {
+        const __m512i y = _mm512_loadu_si512(qx + r * ldx + 32 * b);
+        const __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy);
+        const __m128 ds = _mm_mul_ps(dd, _mm_loadu_ps(xs + r * lds + 2 * b));  // lanes 0, 2: d dx of each block
+        a[r] = _mm512_fmadd_ps(pair_scales(ds), _mm512_cvtepi32_ps(p), a[r]);
+      }
+    }
+    if (i < nc) {  // a last, even block alone: into the low half
+      const int64_t b = c0 + i;
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * b));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      const __m128 d = _mm_set_ss(s[i]);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx + 32 * b));
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(y, w));
+        const __m128 ds = _mm_mul_ps(d, _mm_set_ss(xs[r * lds + 2 * b]));
+        a[r] = _mm512_mask3_fmadd_ps(pair_scales(ds), _mm512_cvtepi32_ps(_mm512_zextsi256_si512(p)), a[r], 0x00FF);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    acc[r] = hsum256(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1)));
+}
 #endif
 
 // fn<mr> for 1 <= mr <= kRows
@@ -425,7 +547,7 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
 // The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows).
 DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #ifdef RETOPK_X86
-  if (isa == kAvx512) {
+  if (isa >= kAvx512) {
     if (bits == 4) RETOPK_PICK(q4_dot_avx512) else RETOPK_PICK(q8_dot_avx512)
   }
   if (isa == kAvx2) {
@@ -435,9 +557,12 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
   if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
 }
 
-// The loop for `bits` against quantized x: AVX2's on AVX-512 machines too (no VNNI loop here).
+// The loop for `bits` against quantized x: AVX-512 without VNNI keeps AVX2's (its results are the same).
 QDotFn qdot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #ifdef RETOPK_X86
+  if (isa >= kAvx512Vnni) {
+    if (bits == 4) RETOPK_PICK(q4_q8_dot_avx512) else RETOPK_PICK(q8_q8_dot_avx512)
+  }
   if (isa >= kAvx2) {
     if (bits == 4) RETOPK_PICK(q4_q8_dot_avx2) else RETOPK_PICK(q8_q8_dot_avx2)
   }
@@ -479,7 +604,7 @@ int64_t detect_isa() {
     const bool f16c = (c >> 29) & 1;
     if (f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return kAvx512;
+      return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
     if (f16c) return kAvx2;
   }
 #endif

@@ -21,9 +21,10 @@ shapes and dtypes (ValueError naming the argument). The block products take ``ac
 activations, and integer block dots). ``available()`` says whether the library loads;
 callers fall back to torch when it does not.
 
-The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512) unless ``RETOPK_CPU_ISA``
-(``scalar``, ``avx2``, ``avx512``) asks for a lower one, read once: a way to time an AVX2 machine's path
-on an AVX-512 one. The tests pass ``isa`` to cover every level this CPU has.
+The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI, which
+only the int8 products use) unless ``RETOPK_CPU_ISA`` (``scalar``, ``avx2``, ``avx512``, ``avx512_vnni``) asks for
+a lower one, read once: a way to time an AVX2 machine's path on an AVX-512 one. The tests pass ``isa`` to cover
+every level this CPU has.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from retopk_core.cpu.launch import PATH_CODES, LayerAttention, available, extension
 
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni")
 ACTIVATIONS = ("float32", "int8")  # what the block products multiply the weights with (the source's codes 0, 1)
 
 __all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "LayerPlan", "activation_code", "attn_in", "available", "best_isa",

@@ -1,8 +1,9 @@
 """Block products with int8-quantized activations (decoder_ops.cpp's ``activations`` int8): the quantizer against
 its rounding rule written in torch, and the products against the same formula in float64 (x quantized the same
-way, dequantized, multiplied by the float64 weights), the AVX2 loop against the plain C++ one, on shapes whose
-input is not a multiple of 64, one to eight rows and a batch; then the runtime option that selects them
-(RuntimeConfig.activations) and what it refuses."""
+way, dequantized, multiplied by the float64 weights), the SIMD loops (AVX2, and AVX-512 VNNI where the CPU has it)
+against the plain C++ one and against each other bit for bit, for Q4_1, Q4_0 and Q8_0 weights with extreme blocks,
+on shapes whose input is not a multiple of 64, one to eight rows and a batch; then the runtime option that selects
+them (RuntimeConfig.activations) and what it refuses."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from runtime_helpers import prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import RuntimeConfig
-from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, from_float, wide_dtype
+from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, Int8Linear, from_float, wide_dtype
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -22,6 +23,23 @@ MIN_AMAX = 127 * torch.finfo(torch.float32).tiny  # below it a block quantizes t
 
 def _levels() -> list[int]:
     return list(range(decoder_ops.best_isa() + 1))
+
+
+def block_linear(fmt: str, n_out: int, n_in: int, bias: torch.Tensor | None = None) -> Int4Linear | Int8Linear:
+    """Random GGUF-style blocks (out, in) in ``fmt``: q4_1 and q8_0 quantized from a float weight, q4_0 as random
+    nibbles with m = -8 d (GGUF's Q4_0, w = d (q - 8)). Row 0 holds the extremes: block 0 at the largest code
+    (nibbles 15, or 127), block 1 at the smallest (nibbles 0, or -128, which GGUF's quantizer never writes but a
+    file may hold); row 1's block 1 at the largest code too."""
+    if fmt == "q4_0":
+        d = (torch.rand(n_out, n_in // 32) * 0.02 + 1e-3).half().float()
+        lin = Int4Linear.from_values(torch.randint(0, 16, (n_out, n_in)), d, -8 * d, bias)
+    else:
+        lin = from_float(torch.randn(n_out, n_in) * 0.1, bias, {"q4_1": "int4", "q8_0": "int8"}[fmt])
+    step = 16 if lin.bits == 4 else 32  # bytes per block
+    lin.qs[0, :step] = 0xFF if lin.bits == 4 else 127
+    lin.qs[0, step:2 * step] = 0 if lin.bits == 4 else -128
+    lin.qs[1, step:2 * step] = 0xFF if lin.bits == 4 else 127
+    return lin
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,17 +88,23 @@ def test_quantizer_rounds_half_to_even_per_block_at_every_level():
     assert (err <= want_s[..., :1].double() * (0.5 + 2 * EPS32) + MIN_AMAX).all()
 
 
-@pytest.mark.parametrize("cls", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
 @pytest.mark.parametrize("shape", [(1, 96, 40), (2, 160, 72), (3, 576, 64), (4, 224, 33), (5, 96, 80), (8, 288, 48),
-                                   (WIDE_ROWS[wide_dtype()] - 1, 352, 24)])
-def test_int8_block_matmul_equals_the_float64_formula(cls, shape):
+                                   (3, 32 * 131, 17), (WIDE_ROWS[wide_dtype()] - 1, 352, 24)])
+def test_int8_block_matmul_equals_the_float64_formula(fmt, shape):
     """y = quantized(x) W^T + b + residual through the block kernel at every SIMD level equals the float64 product
     of x quantized by the rule and dequantized with the float64 weights, within float32 rounding of its sum over
-    blocks (each block's integer dot is exact); the AVX2 and plain loops agree as tightly."""
+    blocks (each block's integer dot is exact); the SIMD and plain loops agree as tightly, and the SIMD loops
+    (AVX2's, which AVX-512 without VNNI runs, and VNNI's) equal each other bit for bit: the same integer lanes
+    and float operations in the same order. x's row 0 has a block of zeros (dx = 0) then a block at qx = +-127
+    against row 0's extreme weight blocks (block_linear); 131 blocks span three chunks of widened scales."""
     rows, n_in, n_out = shape
     torch.manual_seed(n_in + rows)
-    lin = from_float(torch.randn(n_out, n_in) * 0.1, torch.randn(n_out), cls)
+    lin = block_linear(fmt, n_out, n_in, torch.randn(n_out))
     x, res = torch.randn(rows, n_in) * 3, torch.randn(rows, n_out)
+    x[0, :32] = 0
+    x[0, 32:64] = torch.tensor([5.0, -5.0]).repeat(16)  # qx = 127, -127, ...
+    x[-1, 32:64] = -2.0  # qx = -127 throughout: against nibbles 0 / -128 in row 0's block 1
     qx, xs = quantize(x)
     xq = (qx.double().unflatten(1, (-1, 32)) * xs[..., :1].double()).flatten(1)  # (M, in): the dequantized activations
     w, w_abs = weights64(lin)
@@ -97,18 +121,20 @@ def test_int8_block_matmul_equals_the_float64_formula(cls, shape):
         ys.append(y.double())
     for y in ys[1:]:
         assert ((y - ys[0]).abs() <= tol).all()
+    for level, y in enumerate(ys[2:], start=2):
+        assert torch.equal(y, ys[1]), f"isa level {level} against AVX2's"
     # and the quantization error itself is bounded: at most half a step of each block's grid per input
     f32 = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res)
     step = (xs[..., :1].double() / 2).expand(-1, -1, 32).flatten(1)  # (M, in)
     assert ((ys[-1] - f32.double()).abs() <= step @ w.abs().T + 2 * tol).all()
 
 
-@pytest.mark.parametrize("cls", ["int4", "int8"])
-def test_int8_rows_do_not_depend_on_their_batch(cls):
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
+def test_int8_rows_do_not_depend_on_their_batch(fmt):
     """Each row of a batch through the int8 path is bit for bit the row alone, at every level (the batch shares
     each weight block's unpacking, not the sums)."""
     torch.manual_seed(3)
-    lin = from_float(torch.randn(40, 160), None, cls)
+    lin = block_linear(fmt, 40, 160)
     x = torch.randn(11, 160)
     for level in _levels():
         batch = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, None, None, level, activations="int8")
@@ -116,6 +142,25 @@ def test_int8_rows_do_not_depend_on_their_batch(cls):
             alone = decoder_ops.block_matmul(x[i:i + 1], lin.qs, lin.scales, lin.bits, None, None, level,
                                              activations="int8")
             assert torch.equal(batch[i:i + 1], alone), f"row {i}, isa level {level}"
+
+
+def test_simd_level_follows_the_cpu_flags():
+    """best_isa() against the CPU's flags as Linux reports them: 3 (AVX-512 VNNI, the int8 products' dpbusd
+    loop) only with avx512_vnni beside AVX-512 F/BW/VL/DQ, so an AVX-512 CPU without VNNI keeps level 2 (the AVX2
+    int8 loop); 1 with AVX2, FMA and F16C."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if not flags or "sse2" not in flags:
+        pytest.skip("needs an x86 Linux /proc/cpuinfo")
+    want = 0
+    if {"avx2", "fma", "f16c"} <= flags:
+        want = 1
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            want = 3 if "avx512_vnni" in flags else 2
+    assert decoder_ops.best_isa() == want
 
 
 def test_int8_block_matmul_refuses_unknown_activations():
