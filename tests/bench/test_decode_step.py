@@ -75,3 +75,17 @@ def test_block_products_times_both_activations_per_shape(capsys):
     assert f"a step's products, 3 rows / 1 row, 1 thread(s): float32 {1e3 * many:.1f} / " in out
     # a row of SmolLM2-135M: 30 layers of QKV, o, gate-up and down, then the LM head
     assert block_products.step_macs(block_products.SHAPES) == 30 * 576 * (960 + 576 + 3072 + 1536) + 49152 * 576
+
+
+def test_block_products_times_the_int8_way_at_each_named_level(capsys):
+    """--int8-isa: one int8 way per level, the first's figures also as "int8", and the step's totals per way."""
+    from bench import block_products
+    from retopk_core.cpu import decoder_ops
+
+    levels = ["scalar", decoder_ops.ISA_NAMES[decoder_ops.best_isa()]]
+    rows = block_products.main(["--shapes", "o", "--threads", "1", "--rows", "1", "--reps", "2", "--rounds", "1",
+                                "--int8-isa", *levels])
+    keys = [f"int8_{name}_s" for name in levels]
+    assert all(r[k] > 0 for r in rows for k in keys) and all(r["int8_s"] == r[keys[0]] for r in rows)
+    out = capsys.readouterr().out
+    assert f"int8 {levels[0]}/int8 {levels[1]}" in out and "a step's products at 1 row(s), 1 thread(s): " in out
