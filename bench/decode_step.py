@@ -9,8 +9,8 @@ commits, run it in a worktree of each, taking turns (the machine's speed drifts)
 ``--compare-layer-loop`` times each method's step both ways in one process, in ``--rounds`` that take turns:
 the layers in one call of the fused CPU library (the runner's default where the step allows it,
 runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations`` does the
-same with the block products' activations float32 and int8 (RuntimeConfig.activations), and ``--activations``
-picks them for a plain run.
+same with the block products' activations float32 and int8 (RuntimeConfig.activations), on the step thread's
+CPU clock with ``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run.
 
 ``--step-turns`` opens one session per method and decodes them one after another within every step, the order
 rotating, so a loaded machine's drift hits each method alike: per method the median step, attention
@@ -59,29 +59,31 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def time_steps(runner: ModelRunner, spec, ids: list[int], warmup: int, steps: int) -> list[float]:
-    """Seconds of each timed greedy step after prefilling ``ids`` in a fresh session of ``spec``."""
+def time_steps(runner: ModelRunner, spec, ids: list[int], warmup: int, steps: int,
+               clock=time.perf_counter) -> list[float]:
+    """Seconds of each timed greedy step (on ``clock``) after prefilling ``ids`` in a fresh session of ``spec``."""
     session = runner.open_session(spec)
     token = int(runner.prefill(session, ids).argmax())
     times = []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start = clock()
         logits, _ = runner.decode([session], [token])
         token = int(logits[0].argmax())
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     runner.close_session(session)
     return times
 
 
-def taking_turns(runner: ModelRunner, spec, ids: list[int], args, ways: dict) -> dict[str, float]:
-    """Median step seconds of each way (name -> a function that sets the runner up for it), ``args.rounds`` turns
-    each; the first way is left set up."""
+def taking_turns(runner: ModelRunner, spec, ids: list[int], args, ways: dict,
+                 clock=time.perf_counter) -> dict[str, float]:
+    """Median step seconds (on ``clock``) of each way (name -> a function that sets the runner up for it),
+    ``args.rounds`` turns each; the first way is left set up."""
     times = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, setup in ways.items():
             setup()
-            times[name] += time_steps(runner, spec, ids, args.warmup, args.steps)
+            times[name] += time_steps(runner, spec, ids, args.warmup, args.steps, clock)
     next(iter(ways.values()))()
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -144,10 +146,12 @@ def main(argv=None) -> None:
                       f"{1e3 * t['layer by layer']:.2f} ms, layer by layer / one call "
                       f"{t['layer by layer'] / t['one call']:.3f}x")
             elif args.compare_activations:
+                # one thread: the step's CPU time, which a loaded machine's other work does not inflate
+                clock, kind = (time.thread_time, "thread CPU") if args.threads == 1 else (time.perf_counter, "wall")
                 t = taking_turns(runner, spec, ids, args,
-                                 {a: (lambda a=a: runner.decoder.set_activations(a)) for a in ACTIVATIONS})
-                print(f"{text}: float32 activations median {1e3 * t['float32']:.2f} ms, int8 {1e3 * t['int8']:.2f} ms, "
-                      f"float32 / int8 {t['float32'] / t['int8']:.3f}x")
+                                 {a: (lambda a=a: runner.decoder.set_activations(a)) for a in ACTIVATIONS}, clock)
+                print(f"{text}: float32 activations median {1e3 * t['float32']:.2f} ms, int8 {1e3 * t['int8']:.2f} ms "
+                      f"({kind} time), float32 / int8 {t['float32'] / t['int8']:.3f}x")
             else:
                 times = sorted(time_steps(runner, spec, ids, args.warmup, args.steps))
                 print(f"{text}: median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms")

@@ -56,6 +56,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -422,7 +423,8 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
 // takes exactly the float operations of q4_q8_dot_avx2's a0 and a1 (the scales d dx, the products d dx p, the
 // FMAs, blocks in the same order), the minimum's terms as its m0 and m1 (lanes 1 and 3 of `mins`), and the
 // final sums are its own. So the result equals the AVX2 loop's bit for bit: a session's tokens do not depend on
-// whether its replica has VNNI.
+// whether its replica has VNNI. (Its one accumulator per row is a latency chain for a single row; splitting it
+// would change the order and, measured, gains little: docs/bench/history.md, 2026-12-06.)
 
 // d dx for the even block in lanes 0..7 and for the odd one in lanes 8..15, from ds (d dx, _, d dx, _).
 TARGET_AVX512_VNNI inline __m512 pair_scales(__m128 ds) {
@@ -430,7 +432,20 @@ TARGET_AVX512_VNNI inline __m512 pair_scales(__m128 ds) {
                                _mm512_castps128_ps512(ds));
 }
 
-// Two floats into lanes 0 and 1, zeros above (a lone block's (d, m) or (dx, sx)).
+// 4, 2 or 1 float16 scales as floats in the low lanes, zeros above: a Q4_1 pair's (d, m, d, m), a lone Q4_1
+// block's (d, m) or a Q8_0 pair's (d, d), a lone Q8_0 block's d. Exact conversions, the values widen_halves gives
+// the AVX2 loop; converted where they are used, which spares a one-row product widen_halves' pass and stores.
+TARGET_AVX512_VNNI inline __m128 halves4(const uint16_t* h) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+}
+TARGET_AVX512_VNNI inline __m128 halves2(const uint16_t* h) {
+  uint32_t v;
+  std::memcpy(&v, h, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(v)));
+}
+TARGET_AVX512_VNNI inline __m128 halves1(const uint16_t* h) { return _mm_cvtph_ps(_mm_cvtsi32_si128(*h)); }
+
+// Two floats into lanes 0 and 1, zeros above (a lone block's (dx, sx)).
 TARGET_AVX512_VNNI inline __m128 load_pair(const float* p) {
   return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
 }
@@ -451,40 +466,33 @@ TARGET_AVX512_VNNI void q4_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
     mins[r] = _mm_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(15);
-  float s[2 * kScaleChunk];
-  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
-    const int64_t nc = std::min(kScaleChunk, nb - c0);
-    widen_halves(sc + 2 * c0, 2 * nc, s);
-    int64_t i = 0;
-    for (; i + 2 <= nc; i += 2) {
-      const int64_t b = c0 + i;
-      // [q_b | q_b+1] -> 128-bit lanes q_b, q_b >> 4, q_b+1, q_b+1 >> 4, masked to nibbles: elements 0..31 of
-      // block b, then of block b + 1, the order of the activations' bytes
-      const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * b)));
-      const __m512i dup = _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
-      const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(dup, 0xFF00FF00u, dup, 4), low);
-      const __m128 dm = _mm_loadu_ps(s + 2 * i);  // (d, m) of both blocks
-      for (int r = 0; r < MR; ++r) {
-        const __m512i y = _mm512_loadu_si512(qx + r * ldx + 32 * b);
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, y);
-        const __m128 ds = _mm_loadu_ps(xs + r * lds + 2 * b);  // (dx, sx) of both blocks
-        a[r] = _mm512_fmadd_ps(pair_scales(_mm_mul_ps(dm, ds)), _mm512_cvtepi32_ps(p), a[r]);
-        mins[r] = _mm_fmadd_ps(dm, ds, mins[r]);  // lanes 1, 3: m sx into m0, m1 (lanes 0, 2 unused)
-      }
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    // [q_b | q_b+1] -> 128-bit lanes q_b, q_b >> 4, q_b+1, q_b+1 >> 4, masked to nibbles: elements 0..31 of
+    // block b, then of block b + 1, the order of the activations' bytes
+    const __m512i two = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * b)));
+    const __m512i dup = _mm512_shuffle_i64x2(two, two, _MM_SHUFFLE(1, 1, 0, 0));
+    const __m512i w = _mm512_and_si512(_mm512_mask_srli_epi16(dup, 0xFF00FF00u, dup, 4), low);
+    const __m128 dm = halves4(sc + 2 * b);  // (d, m) of both blocks
+    for (int r = 0; r < MR; ++r) {
+      const __m512i y = _mm512_loadu_si512(qx + r * ldx + 32 * b);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, y);
+      const __m128 ds = _mm_loadu_ps(xs + r * lds + 2 * b);  // (dx, sx) of both blocks
+      a[r] = _mm512_fmadd_ps(pair_scales(_mm_mul_ps(dm, ds)), _mm512_cvtepi32_ps(p), a[r]);
+      mins[r] = _mm_fmadd_ps(dm, ds, mins[r]);  // lanes 1, 3: m sx into m0, m1 (lanes 0, 2 unused)
     }
-    if (i < nc) {  // a last, even block alone: the low half only, as q4_q8_dot_avx2 puts it into a0
-      const int64_t b = c0 + i;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b));
-      const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
-      const __m128 dm = load_pair(s + 2 * i);
-      for (int r = 0; r < MR; ++r) {
-        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx + 32 * b));
-        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, y);
-        const __m128 ds = load_pair(xs + r * lds + 2 * b);
-        a[r] = _mm512_mask3_fmadd_ps(pair_scales(_mm_mul_ps(dm, ds)), _mm512_cvtepi32_ps(_mm512_zextsi256_si512(p)),
-                                     a[r], 0x00FF);
-        mins[r] = _mm_fmadd_ps(dm, ds, mins[r]);  // lane 1 only: lanes 2, 3 add 0 x 0
-      }
+  }
+  if (b < nb) {  // a last, even block alone: the low half only, as q4_q8_dot_avx2 puts it into a0
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b));
+    const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+    const __m128 dm = halves2(sc + 2 * b);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx + 32 * b));
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, y);
+      const __m128 ds = load_pair(xs + r * lds + 2 * b);
+      a[r] = _mm512_mask3_fmadd_ps(pair_scales(_mm_mul_ps(dm, ds)), _mm512_cvtepi32_ps(_mm512_zextsi256_si512(p)),
+                                   a[r], 0x00FF);
+      mins[r] = _mm_fmadd_ps(dm, ds, mins[r]);  // lane 1 only: lanes 2, 3 add 0 x 0
     }
   }
   for (int r = 0; r < MR; ++r) acc[r] = finish_pair(a[r], mins[r]);
@@ -497,37 +505,30 @@ TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
                                          const float* xs, int64_t ldx, int64_t lds, float* acc) {
   __m512 a[MR];
   for (int r = 0; r < MR; ++r) a[r] = _mm512_setzero_ps();
-  float s[kScaleChunk];
-  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
-    const int64_t nc = std::min(kScaleChunk, nb - c0);
-    widen_halves(sc + c0, nc, s);
-    int64_t i = 0;
-    for (; i + 2 <= nc; i += 2) {
-      const int64_t b = c0 + i;
-      const __m512i w = _mm512_loadu_si512(qs + 32 * b);  // blocks b and b + 1
-      const __m512i aw = _mm512_abs_epi8(w);  // |-128| reads as the unsigned 128
-      const __mmask64 neg = _mm512_movepi8_mask(w);
-      const __m128 d = load_pair(s + i);
-      const __m128 dd = _mm_unpacklo_ps(d, d);  // (d_b, d_b, d_b+1, d_b+1)
-      for (int r = 0; r < MR; ++r) {
-        const __m512i y = _mm512_loadu_si512(qx + r * ldx + 32 * b);
-        const __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy);
-        const __m128 ds = _mm_mul_ps(dd, _mm_loadu_ps(xs + r * lds + 2 * b));  // lanes 0, 2: d dx of each block
-        a[r] = _mm512_fmadd_ps(pair_scales(ds), _mm512_cvtepi32_ps(p), a[r]);
-      }
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m512i w = _mm512_loadu_si512(qs + 32 * b);  // blocks b and b + 1
+    const __m512i aw = _mm512_abs_epi8(w);  // |-128| reads as the unsigned 128
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    const __m128 d = halves2(sc + b);
+    const __m128 dd = _mm_unpacklo_ps(d, d);  // (d_b, d_b, d_b+1, d_b+1)
+    for (int r = 0; r < MR; ++r) {
+      const __m512i y = _mm512_loadu_si512(qx + r * ldx + 32 * b);
+      const __m512i sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, sy);
+      const __m128 ds = _mm_mul_ps(dd, _mm_loadu_ps(xs + r * lds + 2 * b));  // lanes 0, 2: d dx of each block
+      a[r] = _mm512_fmadd_ps(pair_scales(ds), _mm512_cvtepi32_ps(p), a[r]);
     }
-    if (i < nc) {  // a last, even block alone: into the low half
-      const int64_t b = c0 + i;
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * b));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      const __m128 d = _mm_set_ss(s[i]);
-      for (int r = 0; r < MR; ++r) {
-        const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx + 32 * b));
-        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(y, w));
-        const __m128 ds = _mm_mul_ps(d, _mm_set_ss(xs[r * lds + 2 * b]));
-        a[r] = _mm512_mask3_fmadd_ps(pair_scales(ds), _mm512_cvtepi32_ps(_mm512_zextsi256_si512(p)), a[r], 0x00FF);
-      }
+  }
+  if (b < nb) {  // a last, even block alone: into the low half
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * b));
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    const __m128 d = halves1(sc + b);
+    for (int r = 0; r < MR; ++r) {
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * ldx + 32 * b));
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(y, w));
+      const __m128 ds = _mm_mul_ps(d, _mm_set_ss(xs[r * lds + 2 * b]));
+      a[r] = _mm512_mask3_fmadd_ps(pair_scales(ds), _mm512_cvtepi32_ps(_mm512_zextsi256_si512(p)), a[r], 0x00FF);
     }
   }
   for (int r = 0; r < MR; ++r)
