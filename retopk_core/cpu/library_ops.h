@@ -13,9 +13,9 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
                                at::Tensor support, at::Tensor fill, at::Tensor ptr, at::Tensor step,
                                const at::Tensor& slots, at::Tensor tau, at::Tensor period, const at::Tensor& phase,
                                int64_t top_k, int64_t recall, int64_t window, int64_t refresh_every,
-                               bool successors, const std::string& retrieval, const std::string& gqa_policy, double group_tau_min,
-                               double scale, std::vector<int64_t> path_codes, std::vector<double> calibration,
-                               std::vector<double> guard);
+                               bool successors, const std::string& retrieval, const std::string& gqa_policy,
+                               double group_tau_min, double scale, std::vector<int64_t> path_codes,
+                               std::vector<double> calibration, std::vector<double> guard);
 std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                      const at::Tensor& block_table, const at::Tensor& lengths, double scale,
                                      int64_t top_k, bool exact);
