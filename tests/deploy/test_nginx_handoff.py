@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from retopk_client import Client, RetryPolicy
-from retopk_server.engine.session_artifact import decode
+from retopk_server.engine.session_file import decode
 from tests.deploy.nginx_cluster import access_log, holder, logged_since, nginx_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(900)]

@@ -172,3 +172,65 @@ def test_a_file_over_the_limit_is_refused_before_it_is_read(tmp_path):
     path = written(tmp_path)
     with pytest.raises(ArtifactError, match="exceeds 100 bytes"):
         session_file.read(path, limit=100)
+
+
+def received(data: bytes, size: int, limit: int | None = None) -> SessionArtifact:
+    """``data`` through a Receiver in pieces of ``size`` bytes (ImportSession's chunks)."""
+    receiver = session_file.Receiver(limit)
+    try:
+        for at in range(0, len(data), size):
+            receiver.feed(data[at:at + size])
+        return receiver.finish()
+    finally:
+        receiver.close()
+
+
+def test_a_stream_of_any_version_is_read_as_its_file_is_in_chunks_of_any_size(tmp_path):
+    """Receiver, what ImportSession reads: the same artifact, or the same refusal, as ``read`` of the whole file,
+    wherever the chunk boundaries fall (inside the 24 digits of the check, just after them, one byte at a time),
+    for a file's bytes and an older server's format 1; a stated size over the limit and a byte past the stated
+    size are refused as they arrive, before the rest."""
+    data = written(tmp_path).read_bytes()
+    old = session_artifact.encode(artifact())
+    check = session_file.CHECK
+    for size in (1, 7, check + 3, check + 16, check + 24, 4096, len(data)):
+        assert_same(received(data, size), artifact())
+        assert_same(received(old, size), artifact(), narrowed=set())
+    cases = {
+        "a tensor byte": flipped(data, len(data) - 3),
+        "the size's digits": data[:check] + b"1" + data[check + 1:],
+        "cut short": data[:len(data) // 2],
+        "cut inside the check": data[:check + 10],
+        "the checksum's digits": data[:check + 23] + b"g" + data[check + 24:],
+    }
+    for name, damaged in cases.items():
+        (tmp_path / name).write_bytes(damaged)
+        with pytest.raises(ArtifactError) as by_file:
+            session_file.read(tmp_path / name)
+        for size in (1, check + 16, 4096):
+            with pytest.raises(ArtifactError) as by_stream:
+                received(damaged, size)
+            assert str(by_stream.value) == str(by_file.value), (name, size)
+
+    class Counted(session_file.Receiver):
+        fed = 0
+
+        def feed(self, piece):
+            Counted.fed += 1
+            super().feed(piece)
+
+    def pieces(bad: bytes) -> list[bytes]:
+        return [bad[at:at + check + 16] for at in range(0, len(bad), check + 16)]
+
+    over = data[:check] + b"%016x" % (1 << 40) + data[check + 16:]
+    for bad, words, refused_at in ((pieces(over), "exceeds 1000000 bytes", 1),  # the piece completing the size
+                                   ([data, b"\0"], "more bytes than the", 2),  # the piece past it
+                                   (pieces(b"\x08" + b"\0" * 200), "not a retopk session artifact", 1),
+                                   ([], "not a retopk session artifact", None)):
+        receiver, Counted.fed = Counted(limit=1_000_000), 0
+        with pytest.raises(ArtifactError, match=re.escape(words)):
+            for piece in bad:
+                receiver.feed(piece)
+            receiver.finish()
+        receiver.close()
+        assert Counted.fed == (refused_at or 0), words

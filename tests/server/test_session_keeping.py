@@ -235,3 +235,21 @@ def test_the_flags_and_their_environment_variables():
                           "--handoff-peer", "router:8080"], environ={"RETOPK_PEER_KEY": "s3cret"})
     assert (config.session_dir, config.session_dir_bytes) == ("/var/lib/retopk", 2 << 30)
     assert (config.handoff_peer, config.peer_key) == ("router:8080", "s3cret")
+
+
+def test_the_handoff_requests_are_the_messages_protobuf_serializes_in_chunks_within_the_bound(monkeypatch):
+    """handoff.import_requests frames each chunk by hand (tag, varint length, bytes): each equals the protobuf
+    library's serialization of ImportSessionRequest(data=chunk) and parses back to it, the chunks within the bound
+    wherever the parts' boundaries fall, and together they are the parts' bytes in order (lengths across the
+    varint's 1-, 2- and 3-byte forms)."""
+    from retopk_proto.retopk.v1 import retopk_pb2 as pb
+
+    monkeypatch.setattr(handoff, "SESSION_CHUNK_BYTES", 20000)
+    parts = (b"head", memoryview(bytes(range(256)) * 200), b"", b"x" * 127, b"y" * 128, memoryview(b"tail"))
+    whole = b"".join(bytes(p) for p in parts)
+    messages = list(handoff.import_requests(parts))
+    got = [pb.ImportSessionRequest.FromString(m) for m in messages]
+    assert b"".join(m.data for m in got) == whole
+    assert all(0 < len(m.data) <= 20000 and not m.HasField("session_id") for m in got)
+    assert [m.SerializeToString() for m in got] == messages
+    assert {len(m.data) for m in got} >= {4, 127, 128, 20000}

@@ -17,7 +17,7 @@ import pytest
 
 from retopk_client import Client, FailedPrecondition, InvalidArgument, NotFound
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_server.engine import session_artifact
+from retopk_server.engine import session_artifact, session_file
 from retopk_server.engine.session_artifact import MAGIC, chunks
 from retopk_server.runtime.method_spec import MethodSpec
 from tests.server.fake_runner import FakeRunner, greedy_reference
@@ -96,39 +96,66 @@ def import_status(server, data: bytes, key: str = "alice", chunks=None) -> tuple
 
 
 def with_header(data: bytes, **changes) -> bytes:
-    """The artifact with its header line's fields changed (the payload as it is)."""
+    """The format-1 artifact with its header line's fields changed (the payload as it is)."""
     end = data.index(b"\n", len(MAGIC))
     header = json.loads(data[len(MAGIC):end]) | changes
     return MAGIC + json.dumps(header).encode() + data[end:]
 
 
 def resealed(data: bytes, payload: bytes) -> bytes:
-    """The artifact with another payload, its size and checksum in the header made to match (the damage only the
-    safetensors parser sees)."""
+    """The format-1 artifact with another payload, its size and checksum in the header made to match (the damage
+    only the safetensors parser sees)."""
     return with_header(data[:data.index(b"\n", len(MAGIC)) + 1] + payload, payload_bytes=len(payload),
                        payload_sha256=hashlib.sha256(payload).hexdigest())
 
 
-def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_healthy(pair):
+def with_check(data: bytes, size: int | None = None, crc: int | None = None) -> bytes:
+    """The file-format artifact with the size or the CRC-32 its check states replaced."""
+    at = session_file.CHECK
+    size_digits = data[at:at + 16] if size is None else b"%016x" % size
+    crc_digits = data[at + 16:at + 24] if crc is None else b"%08x" % crc
+    return data[:at] + size_digits + crc_digits + data[at + 24:]
+
+
+def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_healthy(pair, monkeypatch):
+    """ExportSession streams a session file's bytes (engine/session_file.py); an older server's format 1 is read
+    too. Each is refused when damaged, whatever the damage."""
     a, b, data, _ = pair
-    flipped = bytearray(data)
+    assert not data.startswith(MAGIC)
+    old = session_artifact.encode(session_file.decode(data))  # format 1, as an older server exports
+    flipped, old_flipped = bytearray(data), bytearray(old)
     flipped[-10] ^= 0xFF
+    old_flipped[-10] ^= 0xFF
+    monkeypatch.setattr(session_file, "FORMAT", 4)
+    future = b"".join(bytes(p) for p in session_file.parts(session_file.decode(data)))
+    monkeypatch.undo()
+    crc = int(data[session_file.CHECK + 16:session_file.CHECK + 24], 16)
     cases = {
         "truncated": (data[:-100], grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
+        "cut inside the check": (data[:session_file.CHECK + 5], grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
         "corrupted": (bytes(flipped), grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
-        "wrong checksum": (with_header(data, payload_sha256=hashlib.sha256(b"x").hexdigest()),
-                           grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
-        "tensors cut short, checksum resealed": (resealed(data, data[data.index(b"\n", len(MAGIC)) + 1:-8]),
-                                                 grpc.StatusCode.INVALID_ARGUMENT, "the tensors do not parse"),
+        "wrong checksum": (with_check(data, crc=crc ^ 1), grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        "bytes past the stated size": (data + b"\0", grpc.StatusCode.INVALID_ARGUMENT, "more bytes than"),
+        "future format": (future, grpc.StatusCode.FAILED_PRECONDITION, "file format '4'"),
+        "stating an oversized artifact": (with_check(data, size=1 << 50), grpc.StatusCode.INVALID_ARGUMENT,
+                                          "exceeds"),
+        "format 1 truncated": (old[:-100], grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
+        "format 1 corrupted": (bytes(old_flipped), grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        "format 1 wrong checksum": (with_header(old, payload_sha256=hashlib.sha256(b"x").hexdigest()),
+                                    grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        "format 1 tensors cut short, checksum resealed": (
+            resealed(old, old[old.index(b"\n", len(MAGIC)) + 1:-8]), grpc.StatusCode.INVALID_ARGUMENT,
+            "the tensors do not parse"),
+        "format 1 future format": (with_header(old, format=2), grpc.StatusCode.FAILED_PRECONDITION, "format 2"),
+        "format 1 announcing an oversized payload": (with_header(old, payload_bytes=1 << 50),
+                                                     grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
         "not an artifact": (b"GARBAGE" * 100, grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
         "empty": (b"", grpc.StatusCode.INVALID_ARGUMENT, "not a retopk session artifact"),
-        "future format": (with_header(data, format=2), grpc.StatusCode.FAILED_PRECONDITION, "format 2"),
         "foreign key": (data, grpc.StatusCode.PERMISSION_DENIED, "another key"),
-        "announcing an oversized payload": (with_header(data, payload_bytes=1 << 50), grpc.StatusCode.INVALID_ARGUMENT,
-                                            "exceeds"),
+        "format 1 foreign key": (old, grpc.StatusCode.PERMISSION_DENIED, "another key"),
     }
     for name, (bad, code, words) in cases.items():
-        got = import_status(b, bad, key="bob" if name == "foreign key" else "alice")
+        got = import_status(b, bad, key="bob" if "foreign key" in name else "alice")
         assert got[0] == code and words in got[1] and got[1].startswith(("artifact", "data")), (name, got)
     over = import_status(b, b"", chunks=[pb.ImportSessionRequest(data=b"\0" * ((1 << 20) + 1))])
     assert over[0] == grpc.StatusCode.INVALID_ARGUMENT and over[1].startswith("data: a chunk holds at most")
@@ -144,6 +171,7 @@ def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_heal
         with pytest.raises(NotFound):
             bob_b.get_session("s")
         assert import_status(b, data)[0] == grpc.StatusCode.ALREADY_EXISTS
+        assert alice_b.import_session(old, session_id="s1").turns == 2  # and so does an older server's export
         # healthy: a new request is served, greedy as the definition says
         out = alice_b.complete("Fine.", temperature=0, max_new_tokens=4)
         assert list(out.token_ids) == greedy_reference(enc("Fine."), 4)
@@ -151,7 +179,7 @@ def test_bad_artifacts_are_refused_with_a_clear_status_and_the_server_stays_heal
 
 
 def test_an_export_streams_in_chunks_within_the_bound_without_joining_its_parts():
-    """ExportSession's chunks (session_artifact.chunks over encode_parts): none exceeds the bound, whatever the
+    """ExportSession's chunks (session_artifact.chunks over session_file.parts): none exceeds the bound, whatever the
     parts' sizes against it, and together they are the artifact's bytes in order."""
     parts = (b"head\n", memoryview(bytes(range(256)) * 3), b"", b"x" * 7, memoryview(b"tail"))
     whole = b"".join(bytes(p) for p in parts)
@@ -183,7 +211,7 @@ def test_a_method_this_server_cannot_run_is_refused_naming_it(pair):
     """The same model, but the session's method config is out of this server's bounds (a top_k past its
     context): FAILED_PRECONDITION naming the method and the field, and nothing is opened."""
     _, b, data, _ = pair
-    artifact = session_artifact.decode(data)
+    artifact = session_file.decode(data)
     artifact.state.method = MethodSpec.of("exact_topk", top_k=1 << 30)
     code, details = import_status(b, session_artifact.encode(artifact))
     assert code == grpc.StatusCode.FAILED_PRECONDITION, details

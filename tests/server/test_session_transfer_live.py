@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from retopk_client import Client, DeadlineExceeded
-from retopk_server.engine.session_artifact import decode
+from retopk_server.engine.session_file import decode
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retopk_server.engine.safetensors_parts import PayloadError, payload_parts, read_payload
+from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
+from retopk_server.engine.spool import Spool
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session_state import SessionState
 
@@ -38,6 +39,7 @@ FORMAT = 1
 MAX_HEADER_BYTES = 512  # the JSON line after the magic
 MAX_METADATA_BYTES = 64 << 20  # the safetensors header: the conversation's text is the bulk of it
 MAX_PENDING = 64  # tokens produced but not fed: one after a turn (the last sample)
+READ_BYTES = 1 << 20  # a file's payload is read, hashed and spooled in pieces of this size
 # What the model fingerprint lists (ModelInfo fields): an artifact moves only between servers equal in all of them.
 MODEL_FIELDS = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
                 "weight_format", "weight_bytes", "kv_dtype")
@@ -50,6 +52,11 @@ class ArtifactError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def too_large(limit: int) -> ArtifactError:
+    """The error of an artifact that states more than ``limit`` bytes."""
+    return ArtifactError("data", f"the artifact exceeds {limit} bytes (ModelInfo.limits.max_session_artifact_bytes)")
 
 
 class UnsupportedFormat(ArtifactError):
@@ -147,9 +154,9 @@ def read_file(path, limit: int | None = None, pause=None) -> SessionArtifact:
 class ArtifactReader:
     """An artifact read as its bytes arrive (ImportSession's chunks): ``feed`` each piece in order, then
     ``finish`` -> the SessionArtifact. The header is checked as soon as it is in (an artifact announcing more
-    than ``limit`` payload bytes is refused before its payload arrives); the payload is hashed as it comes, then
-    joined (one copy, none when it came in one piece) for the safetensors library to parse
-    (safetensors_parts.read_payload)."""
+    than ``limit`` payload bytes is refused before its payload arrives); the payload is hashed as it comes and
+    written to a Spool (engine/spool.py), which the safetensors library parses once the checksum matched, its
+    tensors mapping the spool's pages (safetensors_parts.open_payload_file)."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit
@@ -157,7 +164,7 @@ class ArtifactReader:
         self._digest = ""
         self._hash = hashlib.sha256()
         self._size: int | None = None  # the payload's bytes, once the header is in
-        self._parts: list[bytes] = []  # the payload's pieces so far
+        self._spool: Spool | None = None  # the payload so far, once the header is in
         self._received = 0
 
     def feed(self, data) -> None:
@@ -166,23 +173,31 @@ class ArtifactReader:
             data = self._header()
             if self._size is None:
                 return
-        self._take(bytes(data))
+        self._take(data)
 
-    def _take(self, data: bytes) -> None:
-        if self._received + len(data) > self._size:
+    def _take(self, data) -> None:
+        n = memoryview(data).nbytes
+        if self._received + n > self._size:
             raise ArtifactError("artifact", f"corrupted: more payload bytes than the {self._size} the header says")
-        if data:
+        if n:
             self._hash.update(data)
-            self._parts.append(data)
-            self._received += len(data)
+            self._spool.write(data)
+            self._received += n
 
     def read_rest(self, f) -> None:
-        """Feed the rest of the binary file ``f`` (the payload in one read)."""
+        """Feed the rest of the binary file ``f`` (the payload in pieces of READ_BYTES)."""
         if self._size is None:
             return
-        self._take(f.read(self._size - self._received))  # short when truncated: finish says so
+        while self._received < self._size and (data := f.read(min(READ_BYTES, self._size - self._received))):
+            self._take(data)  # short when truncated: finish says so
         if f.read(1):
             raise ArtifactError("artifact", f"corrupted: more payload bytes than the {self._size} the header says")
+
+    def close(self) -> None:
+        """Drop what was received (``finish`` does so itself)."""
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
 
     def _header(self) -> bytes:
         """Parse the header once it is in -> the payload bytes that came with it (b"" before)."""
@@ -205,13 +220,18 @@ class ArtifactReader:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
             raise ArtifactError("artifact", "corrupted header (payload_bytes, payload_sha256)")
         if self.limit is not None and size > self.limit:
-            raise ArtifactError("data", f"the artifact exceeds {self.limit} bytes "
-                                        "(ModelInfo.limits.max_session_artifact_bytes)")
-        self._digest, self._size = digest, size
+            raise too_large(self.limit)
+        self._digest, self._size, self._spool = digest, size, Spool()
         rest, self._head = head[end + 1:], b""
         return rest
 
     def finish(self) -> SessionArtifact:
+        try:
+            return self._finish()
+        finally:
+            self.close()
+
+    def _finish(self) -> SessionArtifact:
         if self._size is None:
             if len(self._head) < len(MAGIC) or not self._head.startswith(MAGIC):
                 raise ArtifactError("artifact", "not a retopk session artifact (it must start with RETOPK-SESSION)")
@@ -221,11 +241,8 @@ class ArtifactReader:
                                             f"{self._size}")
         if self._hash.hexdigest() != self._digest:
             raise ArtifactError("artifact", "checksum mismatch: the payload is corrupted")
-        parts, self._parts = self._parts, []
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        del parts
         try:
-            metadata, tensors = read_payload(payload, MAX_METADATA_BYTES)
+            metadata, tensors = open_payload_file(self._spool.path, MAX_METADATA_BYTES)
         except PayloadError as e:
             raise ArtifactError("artifact", f"the tensors do not parse: {e}") from None
         try:

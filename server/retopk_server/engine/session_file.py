@@ -37,6 +37,7 @@ import torch
 from retopk_server.engine import parallel_crc, session_artifact
 from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
 from retopk_server.engine.session_artifact import MAGIC, MAX_METADATA_BYTES, ArtifactError, SessionArtifact
+from retopk_server.engine.spool import Spool
 from retopk_server.runtime.method_spec import MethodSpec
 
 FORMAT = 3
@@ -85,8 +86,7 @@ def read(path: str | os.PathLike, limit: int | None = None, pause: Callable[[], 
             return session_artifact.read_file(path, limit, pause)
         size = os.fstat(f.fileno()).st_size
         if limit is not None and size > limit:
-            raise ArtifactError("data", f"the artifact exceeds {limit} bytes "
-                                        "(ModelInfo.limits.max_session_artifact_bytes)")
+            raise session_artifact.too_large(limit)
         crc = _checked_crc(f.fileno(), size)
         if pause is not None:
             pause()
@@ -155,3 +155,74 @@ def peek(path: str | os.PathLike) -> tuple[int, MethodSpec | None] | None:
     except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
         return None
     return length, spec
+
+
+class Receiver:
+    """An artifact of any version ``read`` reads, as its bytes arrive (ImportSession's chunks): ``feed`` each piece
+    in order, then ``finish`` -> the SessionArtifact. One of format 1 (an older server's export: its magic first)
+    goes to session_artifact.ArtifactReader; a file's bytes (what ExportSession and the drain's handoff send) to a
+    Spool (engine/spool.py), which ``read`` then checks and parses as the file it is, the tensors mapping its pages.
+    The size a file states is checked as soon as it is in (more than ``limit`` is refused before the rest
+    arrives), and so is every byte past it; ``read`` checks the rest (truncation, the CRC-32, the format)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._format_1: session_artifact.ArtifactReader | None = None
+        self._spool: Spool | None = None
+        self._head = b""  # a file's first CHECK + 16 bytes, until they are in: they state its size
+        self._size: int | None = None
+
+    def feed(self, data) -> None:
+        if self._format_1 is None and self._spool is None and len(data):
+            if data[:1] == MAGIC[:1]:
+                self._format_1 = session_artifact.ArtifactReader(self.limit)
+            else:
+                self._spool = Spool()
+        if self._format_1 is not None:
+            self._format_1.feed(data)
+        elif self._spool is not None:
+            self._take(data)
+
+    def _take(self, data) -> None:
+        if self._size is None:
+            self._head += bytes(data[:CHECK + 16 - len(self._head)])
+            if len(self._head) == CHECK + 16:
+                self._size = self._stated()
+        if self._size is not None and self._spool.size + len(data) > self._size:
+            raise ArtifactError("artifact", f"corrupted: more bytes than the {self._size} the file states")
+        self._spool.write(data)
+
+    def _stated(self) -> int:
+        if self._head[8:CHECK] != PREFIX:
+            raise ArtifactError("artifact", "not a retopk session artifact (neither format 1's magic nor the check "
+                                            "of formats 2 and 3 at its start)")
+        try:
+            size = int(self._head[CHECK:], 16)
+        except ValueError:
+            raise ArtifactError("artifact", "corrupted header (the check)") from None
+        if self.limit is not None and size > self.limit:
+            raise session_artifact.too_large(self.limit)
+        return size
+
+    def finish(self) -> SessionArtifact:
+        try:
+            if self._spool is None:  # format 1, or no byte at all (which its reader refuses)
+                return (self._format_1 or session_artifact.ArtifactReader(self.limit)).finish()
+            return read(self._spool.path, self.limit)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop what was received (``finish`` does so itself)."""
+        if self._format_1 is not None:
+            self._format_1.close()
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
+
+
+def decode(data) -> SessionArtifact:
+    """The artifact of ``data``, bytes of any version ``read`` reads (ExportSession's chunks joined)."""
+    receiver = Receiver()
+    receiver.feed(data)
+    return receiver.finish()

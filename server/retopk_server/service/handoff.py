@@ -1,7 +1,7 @@
 """At a drain, the sessions left go on elsewhere: to a peer (--handoff-peer) and/or to --session-dir.
 
 ``keep_sessions`` runs once the server's last requests ended (service/server.py), on the still running engine:
-every idle named session, most recently used first, is exported (the artifact of engine/session_artifact.py) and
+every idle named session, most recently used first, is exported (a session file's bytes, engine/session_file.py) and
 
 - sent to the peer with ImportSession, carrying its own ``x-session-id`` and the servers' shared peer key
   (``x-retopk-peer-key``: the peer opens it for its owner). With the router as the peer, its consistent hash on
@@ -32,9 +32,7 @@ import time
 import grpc
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
-from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
-from retopk_server.engine import Engine
-from retopk_server.engine.session_artifact import chunks, encode_parts
+from retopk_server.engine import Engine, session_file
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.service.gateway import PEER_METADATA
 from retopk_server.service.handoff_notices import HandoffNotices
@@ -46,10 +44,32 @@ log = logging.getLogger("retopk_server")
 KEEP_BYTES_PER_S = 16 << 20  # the drain allows the sessions' bytes this rate at least (module docstring)
 
 
-def import_requests(parts: tuple[bytes, ...]):
-    """The ImportSession stream of an artifact's parts (session_artifact.encode_parts)."""
-    for chunk in chunks(parts, SESSION_CHUNK_BYTES):
-        yield pb.ImportSessionRequest(data=chunk)
+_IMPORT = pb.DESCRIPTOR.services_by_name["ReTopKService"].methods_by_name["ImportSession"]
+IMPORT_PATH = f"/{_IMPORT.containing_service.full_name}/{_IMPORT.name}"
+# ImportSessionRequest's ``data``, a length-delimited field: its tag (field number, wire type 2) precedes the length
+DATA_TAG = bytes([pb.ImportSessionRequest.DESCRIPTOR.fields_by_name["data"].number << 3 | 2])
+
+
+def varint(n: int) -> bytes:
+    """``n`` >= 0 as a protobuf varint: 7 bits a byte, least significant first, the high bit set on all but the
+    last."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def import_requests(parts: tuple[bytes | memoryview, ...]):
+    """The ImportSession stream of an artifact's parts (session_file.parts), each message serialized: an
+    ImportSessionRequest holding only ``data`` is its tag, its length and its bytes, so each is one join of a view
+    of the parts (building the message and serializing it would copy each byte twice more)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for at in range(0, view.nbytes, SESSION_CHUNK_BYTES):
+            piece = view[at:at + SESSION_CHUNK_BYTES]
+            yield b"".join((DATA_TAG, varint(piece.nbytes), piece))
 
 
 async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_key: str | None,
@@ -69,7 +89,8 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
     channel = grpc.aio.insecure_channel(peer, options=[("grpc.max_send_message_length", 2 * SESSION_CHUNK_BYTES)]) \
         if peer else None
     try:
-        stub = pb_grpc.ReTopKServiceStub(channel) if channel is not None else None
+        send = None if channel is None else channel.stream_unary(  # its requests come serialized (import_requests)
+            IMPORT_PATH, request_serializer=None, response_deserializer=pb.SessionInfo.FromString)
         for i, (owner, session_id, _) in enumerate(idle):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -77,11 +98,11 @@ async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_
                 log.warning("drain: out of time, %d sessions not kept (the least recently used)", len(idle) - i)
                 break
             artifact = await asyncio.wrap_future(engine.commands.export_session(session_id, owner))
-            parts = await asyncio.to_thread(encode_parts, artifact)
-            if stub is not None:
+            parts = await asyncio.to_thread(session_file.parts, artifact)
+            if send is not None:
                 metadata = [(SESSION_METADATA, session_id)] + ([(PEER_METADATA, peer_key)] if peer_key else [])
                 try:
-                    await stub.ImportSession(import_requests(parts), metadata=metadata, timeout=left)
+                    await send(import_requests(parts), metadata=metadata, timeout=left)
                     moved += 1
                     if notices is not None:  # recorded first: a call from now on is told where it went
                         notices.record(owner, session_id, address or peer)

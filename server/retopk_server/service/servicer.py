@@ -23,7 +23,7 @@ import grpc
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
-from retopk_server.engine import session_artifact
+from retopk_server.engine import session_artifact, session_file
 from retopk_server.service import wire
 from retopk_server.service.auth import Caller
 from retopk_server.service.gateway import PEER, CallError, Gateway, Metadata
@@ -150,7 +150,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             await self.gateway.restore_saved(caller, session_id)
             artifact = await self._engine(self.engine.commands.export_session(session_id, caller.name,
                                                                               request.close))
-            parts = await asyncio.to_thread(session_artifact.encode_parts, artifact)
+            parts = await asyncio.to_thread(session_file.parts, artifact)
         except BaseException as exc:  # every error becomes a status; a cancellation goes on
             if (error := call.stopped(exc, _cancelled_code(context))) is None:
                 raise
@@ -166,27 +166,31 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
 
     @functools.partial(_unary, peer=True)
     async def ImportSession(self, request_iterator, context, caller: Caller) -> pb.SessionInfo:
-        """Read the artifact's chunks as they arrive (each and all bounded; ArtifactReader checks the header and
-        hashes the payload on the way), parse it off the engine thread, open the session."""
+        """Read the artifact's chunks as they arrive (each and all bounded; session_file.Receiver checks the sizes
+        it states on the way), check and parse it off the engine thread, open the session."""
         total, session_id, first = 0, None, True
         limit, step = self.gateway.limits.max_session_artifact_bytes, self.gateway.limits.max_session_chunk_bytes
-        reader = session_artifact.ArtifactReader(limit)
+        reader = session_file.Receiver(limit)
         try:
-            async for message in request_iterator:
-                if len(message.data) > step:
-                    raise InvalidArgument("data", f"a chunk holds at most {step} bytes (ModelInfo.limits."
-                                                  f"max_session_chunk_bytes), got {len(message.data)}")
-                if message.HasField("session_id"):
-                    if not first:
-                        raise InvalidArgument("session_id", "set it in the first message only")
-                    session_id = wire.identifier("session_id", message.session_id)
-                first = False
-                total += len(message.data)
-                if total > limit:
-                    raise InvalidArgument("data", f"the artifact exceeds {limit} bytes "
-                                                  "(ModelInfo.limits.max_session_artifact_bytes)")
-                reader.feed(message.data)
-            artifact = await asyncio.to_thread(reader.finish)
+            try:
+                async for message in request_iterator:
+                    data = message.data  # each read of the field is a copy of its bytes
+                    if len(data) > step:
+                        raise InvalidArgument("data", f"a chunk holds at most {step} bytes (ModelInfo.limits."
+                                                      f"max_session_chunk_bytes), got {len(data)}")
+                    if message.HasField("session_id"):
+                        if not first:
+                            raise InvalidArgument("session_id", "set it in the first message only")
+                        session_id = wire.identifier("session_id", message.session_id)
+                    first = False
+                    total += len(data)
+                    if total > limit:
+                        raise session_artifact.too_large(limit)
+                    reader.feed(data)
+            except BaseException:
+                reader.close()  # refused, or the stream ended early: what came goes now
+                raise
+            artifact = await asyncio.to_thread(reader.finish)  # which closes it
         except session_artifact.UnsupportedFormat as e:
             raise CallError("FAILED_PRECONDITION", str(e)) from None
         except session_artifact.ArtifactError as e:
