@@ -8,15 +8,14 @@ The format, as the library defines it:
                 and "__metadata__" -> {str: str}; padded with spaces to a multiple of 8
     the rest    every tensor's bytes (little-endian, row-major) at [b, e) of it, back to back, no gaps
 
-``read_payload`` parses with the library (``safetensors.torch.load``): a payload comes from outside the process
-(an ImportSession stream, a file in --session-dir), and the library's parser is the one the ecosystem keeps
-hardened against malformed headers (unknown dtypes, sizes that do not match the shapes, gaps, overlaps, bytes
-past the end); its error becomes a ``PayloadError``. The library returns the tensors only, so the metadata is
-read from the header it has just validated. It copies each tensor's bytes once, out of the payload.
-``open_payload_file`` parses a payload that is a whole file, with the library's ``safe_open``: the same checks, and
-the tensors map the file instead of copying it (privately: writing one does not reach the file; unlinking the file
-leaves them valid). Python's own copies of a large buffer fault in every page of fresh memory, so for a saved
-session these are most of the load: reading it into ``bytes`` and the library's copy out of them.
+``open_payload_file`` parses a payload that is a whole file with the library's ``safe_open``: a payload comes from
+outside the process (an ImportSession stream, spooled to a file in memory by engine/spool.py; a file in
+--session-dir), and the library's parser is the one the ecosystem keeps hardened against malformed headers (unknown
+dtypes, sizes that do not match the shapes, gaps, overlaps, bytes past the end); its error becomes a
+``PayloadError``. The tensors map the file instead of copying it (privately: writing one does not reach the file;
+unlinking the file leaves them valid): Python's own copies of a large buffer fault in every page of fresh memory,
+so reading a payload into ``bytes`` and the library's copy out of them (``safetensors.torch.load``) were most of a
+load.
 
 ``payload_parts`` writes the payload without copying the tensors: the 8-byte length and the header, then a view
 of each tensor's memory, laid out in the order the library's writer uses (the larger element first, then by
@@ -34,7 +33,6 @@ import json
 import struct
 
 import safetensors
-import safetensors.torch
 import torch
 
 # dtype <-> the format's name, in the order the library's writer lays tensors out (larger elements first).
@@ -82,23 +80,10 @@ def _header_bytes(n: int, max_header_bytes: int) -> int:
     return n
 
 
-def read_payload(data: bytes, max_header_bytes: int) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(metadata, tensors) of the safetensors payload ``data``, parsed by the library (module docstring); a
-    header longer than ``max_header_bytes`` is refused before it is parsed. PayloadError when it is malformed."""
-    if len(data) < 8:
-        raise PayloadError("truncated payload")
-    n = _header_bytes(struct.unpack("<Q", data[:8])[0], max_header_bytes)
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as e:  # noqa: BLE001 - SafetensorError, or a dtype torch lacks: either way malformed here
-        raise PayloadError(_reason(e)) from None
-    metadata = json.loads(data[8:8 + n]).get("__metadata__") or {}  # valid JSON: the library parsed it
-    return metadata, tensors
-
-
 def open_payload_file(path: str, max_header_bytes: int) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """``read_payload`` of the file at ``path`` (a safetensors file, nothing before or after its payload), the
-    tensors mapping the file (module docstring). PayloadError when it is malformed."""
+    """(metadata, tensors) of the safetensors file at ``path`` (nothing before or after its payload), parsed by the
+    library, the tensors mapping the file (module docstring); a header longer than ``max_header_bytes`` is refused
+    before it is parsed. PayloadError when it is malformed."""
     with open(path, "rb") as f:
         head = f.read(8)
     if len(head) < 8:
@@ -107,7 +92,7 @@ def open_payload_file(path: str, max_header_bytes: int) -> tuple[dict[str, str],
     try:
         with safetensors.safe_open(path, framework="pt") as f:
             return f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - no iterator
-    except Exception as e:  # noqa: BLE001 - as read_payload's
+    except Exception as e:  # noqa: BLE001 - SafetensorError, or a dtype torch lacks: either way malformed here
         raise PayloadError(_reason(e)) from None
 
 

@@ -18,7 +18,8 @@ The checksum (SHA-256 of the payload) catches a truncated or corrupted artifact 
 ``decode`` then bounds every size and type (ArtifactError, the caller's INVALID_ARGUMENT) and
 ``check_model`` names what differs from the importing server (FAILED_PRECONDITION). A session keeps no
 sampling state between turns (each Generate brings its own sampling and seed), so none is carried.
-This is the wire's format; a file of --session-dir is format 2 (engine/session_file.py), which reads these too.
+Servers before format 3 (engine/session_file.py) sent this over the wire and wrote it to --session-dir; they now send
+and write format 3 and read this one still (session_file.Receiver, session_file.read).
 """
 
 from __future__ import annotations

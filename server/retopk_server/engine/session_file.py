@@ -1,9 +1,12 @@
-"""A session artifact as a file of --session-dir (engine/session_store.py): format 3, which loads without copying.
+"""A session artifact as a file of --session-dir (engine/session_store.py) and on the wire: format 3, which loads
+without copying.
 
-Format 1 (engine/session_artifact.py: the magic, a header line, then a safetensors payload) is what crosses the
-wire (ExportSession, ImportSession, the drain's handoff). A file is format 3: the safetensors payload alone, so
-that the library opens it where it lies (safetensors_parts.open_payload_file: the tensors map the file, and the
-import's write into the pools is the only copy), its check first in the payload's own metadata:
+ExportSession and the drain's handoff send a file's bytes; ImportSession reads them with ``Receiver`` into a file
+in memory (engine/spool.py) that ``read`` then reads as any file. Format 1 (engine/session_artifact.py: the
+magic, a header line, then a safetensors payload under a SHA-256) is what older servers sent and wrote; both paths
+read it still. A file is format 3: the safetensors payload alone, so that the library opens it where it lies
+(safetensors_parts.open_payload_file: the tensors map the file, and the import's write into the pools is the only
+copy), its check first in the payload's own metadata:
 
     8 bytes   N, the safetensors header's length (a multiple of 8: the first byte is never format 1's "R")
     N bytes   {"__metadata__":{"retopk_check":"<16 hex digits: the file's bytes><8: its CRC-32>",
@@ -17,7 +20,7 @@ The CRC-32 (zlib's) is of the whole file with its own 8 digits read as "00000000
 header, the conversation, the tensors) or a file cut short is refused before the library parses anything. It
 replaces format 1's SHA-256, whose pass took as long as reading the file: the checksum guards against damage, not
 against a forger, who can recompute either. Its pass lies in the first turn of a client coming back after a
-restart: engine/parallel_crc.py hashes the file with ISA-L where installed, split over a few cores.
+restart and in a handoff: engine/parallel_crc.py hashes the file with ISA-L where installed, split over a few cores.
 
 Versions read: 1 (an older server's files), 2 (format 3 with every tensor as the session holds it: a restart
 across the upgrade keeps its sessions) and 3; a file of another version, or of no format, is refused naming why.
