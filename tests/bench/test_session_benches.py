@@ -1,5 +1,6 @@
-"""bench/handoff.py and bench/session_restart.py run end to end on the embedded model at toy sizes (no timing
-asserted): the moved and the restarted sessions continue, and every figure the reports print is there."""
+"""bench/handoff.py, bench/handoff_parts.py and bench/session_restart.py run end to end on the embedded model at toy
+sizes (no timing asserted): the moved and the restarted sessions continue, and every figure the reports print is
+there."""
 
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ def test_handoff_reports_the_ratio_and_the_moved_session_continues(embedded_mode
     assert result["same_tokens"] and result["artifact_bytes"] > 0
     assert result["handoff_over_reprefill"] == result["handoff_s"] / result["reprefill_s"]
     assert (tmp_path / "h.json").is_file()
+
+
+def test_handoff_parts_times_every_part(embedded_model, tmp_path):
+    from bench import handoff_parts
+
+    args = handoff_parts.parse_args(["--tokens", "48", "--rounds", "2", "--threads", "1", "--cache-bytes",
+                                     str(256 << 20), "--out", str(tmp_path / "p.json")])
+    result = handoff_parts.measure(args, *embedded_model)  # it checks that the transfer counted every byte sent
+    assert list(result["parts"]) == ["handoff (keep_sessions; process CPU)", "export", "encode", "frame",
+                                     "transfer (process CPU)", "parse", "receive", "finish", "check", "import"]
+    assert all(t["cpu_s"] >= 0 and t["wall_s"] > 0 for t in result["parts"].values())
+    assert (tmp_path / "p.json").is_file()
 
 
 @pytest.mark.parametrize("after_preload", [False, True])
