@@ -12,7 +12,8 @@
 //   Each weight is widened exactly (d q is exact in float32, + m is the one rounding of a fused
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
-//   for up to kRows rows of x, which is what makes a batch cheaper than its rows one by one.
+//   for up to rows_per_pass rows of x (kRows; kWideRows for AVX-512's float32 loops), which is what makes a batch
+//   cheaper than its rows one by one.
 //   With ``activations`` kInt8 (llama.cpp's Q8_0 / Q8_1 activations), x is quantized first, per row and
 //   block of 32 (quantize_activations):
 //     dx = max_j |x_j| / 127, qx_j = nearbyint(x_j * (1 / dx)) in -127..127 (round half to even; 0 where
@@ -72,9 +73,11 @@ namespace {
 // Each level has every instruction set of the levels below it (AVX-512 VNNI needs AVX-512F).
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 enum Activations : int64_t { kFloat32 = 0, kInt8 = 1 };
-// Rows of x per pass over a weight row. Each row's sums run in the same order whatever the batch (its own
-// accumulators, blocks in file order), so a request's tokens do not depend on what it is batched with.
+// Rows of x per pass over a weight row: kRows, or kWideRows where AVX-512's 32 registers hold that many rows'
+// accumulators (rows_per_pass). Each row's sums run in the same order whatever the batch (its own accumulators,
+// blocks in file order), so a request's tokens do not depend on what it is batched with, nor on the pass width.
 constexpr int64_t kRows = 4;
+constexpr int64_t kWideRows = 8;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
@@ -392,6 +395,52 @@ TARGET_AVX512 void q4_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
   }
 }
 
+// q4_dot_avx512's sums for 5..8 rows, whose four accumulators a row would need more than 32 registers: its
+// even blocks feed a[r][0..1] and its odd blocks a[r][2..3] (block b goes to u = b % 2: chunks start at
+// multiples of kScaleChunk, which is even), two chains that never meet until the end. So each chunk of blocks
+// takes two passes, the even blocks into every row's even accumulators, then the odd blocks into the odd
+// ones, 16 registers live in each; every accumulator sees the same blocks in the same order as there, and the
+// end sums them as there: the results equal q4_dot_avx512's bit for bit (and so its one-row loop's), while
+// each block is widened once for all MR rows instead of once per kRows.
+template <int MR>
+TARGET_AVX512 __attribute__((always_inline)) inline void q4_parity_pass(const uint8_t* qs, const float* s, int64_t c0,
+                                                                       int64_t nc, int64_t first, const float* x,
+                                                                       int64_t ldx, __m512 (*acc)[2]) {
+  __m512 a[MR][2];
+  for (int r = 0; r < MR; ++r) a[r][0] = acc[r][0], a[r][1] = acc[r][1];
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i = first; i < nc; i += 2) {
+    const int64_t b = c0 + i;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * i]), _mm512_set1_ps(s[2 * i + 1]));
+    const __m512 w0 = _mm512_permutexvar_ps(v, table);
+    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = x + r * ldx + 32 * b;
+      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r][0] = a[r][0], acc[r][1] = a[r][1];
+}
+
+template <int MR>
+TARGET_AVX512 void q4_dot_avx512_wide(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                                      float* acc) {
+  __m512 even[MR][2], odd[MR][2];  // q4_dot_avx512's a[r][0..1] and a[r][2..3]
+  for (int r = 0; r < MR; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
+  float s[2 * kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + 2 * c0, 2 * nc, s);
+    q4_parity_pass<MR>(qs, s, c0, nc, 0, x, ldx, even);
+    q4_parity_pass<MR>(qs, s, c0, nc, 1, x, ldx, odd);
+  }
+  for (int r = 0; r < MR; ++r)
+    acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(even[r][0], even[r][1]), odd[r][0]),
+                                                odd[r][1]));
+}
+
 template <int MR>
 TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
                                  float* acc) {
@@ -544,12 +593,35 @@ TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
     case 3: return fn<3>;                                                                            \
     default: return fn<4>;                                                                           \
   }
+// fn<mr> for 1 <= mr <= kWideRows, wide<mr> from 5 rows on
+#define RETOPK_PICK_WIDE(fn, wide)                                                                   \
+  switch (mr) {                                                                                      \
+    case 1: return fn<1>;                                                                            \
+    case 2: return fn<2>;                                                                            \
+    case 3: return fn<3>;                                                                            \
+    case 4: return fn<4>;                                                                            \
+    case 5: return wide<5>;                                                                          \
+    case 6: return wide<6>;                                                                          \
+    case 7: return wide<7>;                                                                          \
+    default: return wide<8>;                                                                         \
+  }
 
-// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kRows).
+// Rows of x the loops of `isa` take per pass over a weight row: kWideRows for AVX-512's float32 loops, else
+// kRows (AVX2's 16 registers hold four rows' accumulators; AVX-512 VNNI's int8 loops, measured at eight rows a
+// pass, were slower than at four: docs/bench/history.md, 2026-12-06, helper h39).
+int64_t rows_per_pass(int64_t isa, int64_t activations) {
+#ifdef RETOPK_X86
+  if (isa >= kAvx512 && activations == kFloat32) return kWideRows;
+#endif
+  return kRows;
+}
+
+// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= rows_per_pass(isa, kFloat32)).
 DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #ifdef RETOPK_X86
   if (isa >= kAvx512) {
-    if (bits == 4) RETOPK_PICK(q4_dot_avx512) else RETOPK_PICK(q8_dot_avx512)
+    if (bits == 4) RETOPK_PICK_WIDE(q4_dot_avx512, q4_dot_avx512_wide)
+    else RETOPK_PICK_WIDE(q8_dot_avx512, q8_dot_avx512)
   }
   if (isa == kAvx2) {
     if (bits == 4) RETOPK_PICK(q4_dot_avx2) else RETOPK_PICK(q8_dot_avx2)
@@ -558,7 +630,8 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
   if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
 }
 
-// The loop for `bits` against quantized x: AVX-512 without VNNI keeps AVX2's (its results are the same).
+// The loop for `bits` against quantized x (1 <= mr <= kRows): AVX-512 without VNNI keeps AVX2's (its results are
+// the same).
 QDotFn qdot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #ifdef RETOPK_X86
   if (isa >= kAvx512Vnni) {
@@ -570,6 +643,7 @@ QDotFn qdot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #endif
   if (bits == 4) RETOPK_PICK(q4_q8_dot_scalar) else RETOPK_PICK(q8_q8_dot_scalar)
 #undef RETOPK_PICK
+#undef RETOPK_PICK_WIDE
 }
 
 // x (M, in) -> qx (M, in) int8 and xs (M, in / 32, 2) = (dx, sx) per block, as the header states.
@@ -649,7 +723,8 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1), chunk = kRows;
+  const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1);
+  const int64_t chunk = rows_per_pass(isa, activations);
   const DotFn full = dot_fn(isa, bits, std::min(chunk, M)), tail = dot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
   const QDotFn qfull = qdot_fn(isa, bits, std::min(chunk, M)), qtail = qdot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
   const bool int8 = activations == kInt8;
@@ -657,7 +732,7 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   std::vector<float> xs(int8 ? 2 * M * nb : 0);
   if (int8) quantize_rows(xp, M, in, qx.data(), xs.data(), isa);
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    float acc[kRows];
+    float acc[kWideRows];
     for (int64_t o = begin; o < end; ++o) {
       if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
         const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);

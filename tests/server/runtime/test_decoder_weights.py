@@ -142,6 +142,35 @@ def test_block_matmul_rows_do_not_depend_on_their_batch(cls):
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("n_in", [32, 96, 2080])
+def test_every_batch_size_gives_each_row_its_one_row_result(cls, activations, n_in):
+    """Batches of 1 to 17 rows (one and two passes of 4 or 8 rows, full or not, as the SIMD level's loops take
+    them) over 1, 3 and 65 blocks (an odd count; 65 spans two chunks of widened scales): every row bit for bit
+    the row alone, whose one-row loop the pass width does not touch, at every SIMD level; with float32
+    activations, also within float32 rounding of the float64 product with the dequantized weights."""
+    levels = _levels()
+    if not levels:
+        pytest.skip("the fused CPU library is not built")
+    torch.manual_seed(n_in)
+    lin = from_float(torch.randn(21, n_in) * 0.1, torch.randn(21), cls)
+    ref_w = lin.dequantized().double()
+    f32 = torch.finfo(torch.float32).eps
+    for rows in range(1, 18):
+        x = torch.randn(rows, n_in)
+        ref = x.double() @ ref_w.T + lin.bias.double()
+        scale = x.abs().double() @ ref_w.abs().T + lin.bias.abs().double()
+        for level in levels:
+            batch = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, None, level, activations)
+            for i in range(rows):
+                alone = decoder_ops.block_matmul(x[i:i + 1], lin.qs, lin.scales, lin.bits, lin.bias, None, level,
+                                                 activations)
+                assert torch.equal(batch[i:i + 1], alone), (rows, level, i)
+            if activations == "float32":
+                assert ((batch.double() - ref).abs() <= 8 * f32 * scale).all(), (rows, level)
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
 def test_prefill_rows_multiply_through_the_wide_copy_in_its_dtype(cls):
     """From WIDE_ROWS[dtype] rows on, the product runs through the dequantized copy: within bfloat16 rounding of x
     and y in bfloat16, within float32 rounding once the copy is float32 (the float32 KV configuration)."""
