@@ -161,7 +161,9 @@ def greedy_tokens(samplers: list[Sampler], logits: torch.Tensor) -> dict[int, in
     if not rows:
         return {}
     picked = logits if len(rows) == len(samplers) else logits[rows]  # (n, V)
-    return dict(zip(rows, picked.argmax(dim=-1).tolist(), strict=True))
+    # max's indices are argmax's (the first of equal maxima), from a reduction that costs less than torch's argmax
+    # over the rows of a batch on a CPU (measured: docs/bench/history.md, 2026-12-06, helper h39)
+    return dict(zip(rows, picked.max(dim=-1).indices.tolist(), strict=True))
 
 
 class StopChecker:

@@ -202,3 +202,16 @@ def test_greedy_tokens_of_a_batch_equal_each_plain_greedy_rows_sample():
     for row, token in picked.items():
         assert token == samplers[row].sample(logits[row], [], [])
     assert greedy_tokens(samplers[1:4], logits[1:4]) == {}
+
+
+def test_greedy_tokens_take_the_first_of_equal_maxima_as_argmax_does():
+    """Rows the width of a vocabulary with ties for the maximum (within and across SIMD lanes' strides, and a
+    row of equal values): each row's token is torch.argmax's, the first maximal index."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 49152)
+    for row, places in enumerate([(7, 8), (3, 40000), (16, 32), (49150, 49151), (0, 49151)]):
+        logits[row, list(places)] = 9.0
+    logits[5] = 0.0
+    picked = greedy_tokens([Sampler(SamplingParams()) for _ in range(6)], logits)
+    assert picked == {row: int(torch.argmax(logits[row])) for row in range(6)}
+    assert [picked[row] for row in range(5)] == [7, 3, 16, 49150, 0] and picked[5] == 0
