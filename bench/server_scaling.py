@@ -6,13 +6,20 @@ length, and prints tokens/s, the ratio to one stream, TTFT and inter-token laten
 Sampling is greedy (temperature 0, --temperature to change it) so that runs compare with one another
 and with the recorded results, whatever the server's default sampling.
 
+With a server it starts, it also prints the server process's CPU time (all its threads, from Linux's /proc)
+per generated token at each level and the ratio of tokens per CPU-second to the first level's: what a
+loaded machine's other work inflates less than tokens/s, which is wall time. With one thread for the
+model (``--server-args "--threads 1"``) that ratio is what the streams gain on one core.
+
     python bench/server_scaling.py --concurrency 1 2 4 8 --max-new-tokens 32
+    python -m bench.server_scaling --concurrency 1 8 --server-args "--threads 1"   # on a loaded machine
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -73,28 +80,50 @@ def start_server(extra: str, timeout: float = 300.0) -> tuple[subprocess.Popen, 
     return proc, found[0]
 
 
-def run(address: str, args) -> list[dict]:
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux's /proc), or None where there is
+    no /proc."""
+    try:
+        fields = FsPath(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3, the state
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14, 15: utime, stime
+
+
+def run(address: str, args, pid: int | None = None) -> list[dict]:
+    """One load per concurrency level -> its report's dict; with the server's ``pid``, also its CPU seconds over
+    the level (``server_cpu_s``) and per generated token (``server_cpu_ms_per_token``)."""
     rows = []
     for n in args.concurrency:
+        cpu = process_cpu_seconds(pid) if pid is not None else None
         report = run_bench(BenchConfig(address=address, concurrency=n, requests=n * args.requests_per_stream,
                                        prompt=args.prompt, max_new_tokens=args.max_new_tokens,
                                        generate_kwargs={"temperature": args.temperature}))
         row = report.to_dict()
+        if cpu is not None:
+            row["server_cpu_s"] = process_cpu_seconds(pid) - cpu
+            row["server_cpu_ms_per_token"] = 1e3 * row["server_cpu_s"] / max(1, row["generated_tokens"])
         rows.append(row)
-        print(f"concurrency {n}: {row['tokens_per_second']:.1f} tokens/s", flush=True)
+        used = f", server CPU {row['server_cpu_ms_per_token']:.1f} ms a token" if cpu is not None else ""
+        print(f"concurrency {n}: {row['tokens_per_second']:.1f} tokens/s{used}", flush=True)
     base = rows[0]["tokens_per_second"]
     for r in rows:
         r["vs_first"] = r["tokens_per_second"] / base if base else float("nan")
+        if "server_cpu_ms_per_token" in r:  # tokens per CPU-second against the first level's
+            r["cpu_vs_first"] = rows[0]["server_cpu_ms_per_token"] / r["server_cpu_ms_per_token"]
     return rows
 
 
 def table(rows: list[dict]) -> str:
+    cpu = "server_cpu_ms_per_token" in rows[0]
     lines = ["| streams | tokens/s | vs 1st row | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p90 ms | ITL p99 ms "
-             "| errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "| errors |" + (" server CPU ms/token | tokens/CPU-s vs 1st |" if cpu else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cpu else "")]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['tokens_per_second']:.1f} | {r['vs_first']:.2f}x | "
                      f"{r['ttft']['p50_ms']:.0f} | {r['ttft']['p99_ms']:.0f} | {r['itl']['p50_ms']:.0f} | "
-                     f"{r['itl']['p90_ms']:.0f} | {r['itl']['p99_ms']:.0f} | {r['requests_failed']} |")
+                     f"{r['itl']['p90_ms']:.0f} | {r['itl']['p99_ms']:.0f} | {r['requests_failed']} |"
+                     + (f" {r['server_cpu_ms_per_token']:.1f} | {r['cpu_vs_first']:.2f}x |" if cpu else ""))
     return "\n".join(lines)
 
 
@@ -105,7 +134,7 @@ def main(argv=None) -> list[dict]:
     if address is None:
         proc, address = start_server(args.server_args)
     try:
-        rows = run(address, args)
+        rows = run(address, args, proc.pid if proc is not None else None)
     finally:
         if proc is not None:
             proc.terminate()

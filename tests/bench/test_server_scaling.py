@@ -1,6 +1,10 @@
 """bench/server_scaling.py against the shared live server at a tiny size (structure, no timings)."""
 
 import json
+import os
+import time
+
+import pytest
 
 from bench import server_scaling
 
@@ -16,3 +20,16 @@ def test_scaling_rows_count_every_token(live_server, tmp_path, capsys):
     assert rows[0]["vs_first"] == 1.0
     assert json.loads(out.with_suffix(".json").read_text())[1]["concurrency"] == 3
     assert "| 3 |" in capsys.readouterr().out
+
+
+def test_process_cpu_seconds_equal_this_process_cpu_clock():
+    """/proc's user + system time of this process equals its own CPU clock (time.process_time) within the two
+    clock ticks /proc rounds each of them down to."""
+    sum(i * i for i in range(200_000))  # some CPU time to read
+    before = time.process_time()
+    proc = server_scaling.process_cpu_seconds(os.getpid())
+    after = time.process_time()
+    if proc is None:
+        pytest.skip("no /proc on this system")
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - 2 * tick <= proc <= after
