@@ -1,0 +1,111 @@
+"""Where a batched decode step's time goes: the runner's step at 1 row and at M rows (as the server runs M
+streams), split into parts, so that what scales worse than M x one row's is found.
+
+Opens M sessions of the server's default method on one chat prompt, then per timed step: ``runner.decode`` over
+the first 1 or M of them (the whole step: the one-call layers, the LM head, the framework), the batch's greedy
+tokens (``sampling.greedy_tokens``, as the engine takes them), and, alone on the same weights at the same rows,
+each layer's ``attn_in`` (RMSNorm, QKV product, RoPE), each layer's ``mlp_out`` (o product, RMSNorm, gate-up,
+SwiGLU, down) and the LM head with its norm. All on one thread's CPU clock (``time.thread_time``, what a loaded
+machine's other work inflates least) but attention, which is ``StepStats.attention_s`` (wall time inside the
+step); "other" is the step less the three products and attention (a loaded machine's wall time in attention can
+make it small or even negative). Printed per part: the median ms at 1 row and
+at M rows over ``--rounds`` rounds of ``--steps`` steps, M rows / 1 row, and M rows / (M x 1 row): 1.0 means
+the batch shares nothing, lower is better.
+
+    python -m bench.step_parts --rows 8 --steps 12 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from retopk_core.cpu import decoder_ops
+from retopk_server.runtime import ModelRunner, RuntimeConfig
+from retopk_server.runtime.decoder.llama import rms_norm, rope_tables
+from retopk_server.runtime.sampling import Sampler, SamplingParams, greedy_tokens
+
+PARTS = ("step", "attn_in", "mlp_out", "lm_head", "attention", "sampling", "other")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=8, help="the batch, M")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per round and batch")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="rounds, each timing 1 row then M rows")
+    p.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message.")
+    return p.parse_args(argv)
+
+
+def products(runner: ModelRunner, M: int, position: int) -> dict[str, float]:
+    """Thread CPU seconds of every layer's attn_in, every layer's mlp_out and the LM head at M rows."""
+    dec = runner.decoder
+    H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
+    x, a = torch.randn(M, dec.norm.numel()), torch.randn(M, H * d)  # (M, D), (M, H d)
+    cos, sin = rope_tables(dec.rotary, x, torch.full((M, 1), position))
+    t0 = time.thread_time()
+    for layer in dec.layers:
+        decoder_ops.attn_in(x, layer.attn_norm, dec.eps, layer.qkv.blocks, cos, sin, H + H_kv, d, dec.activations)
+    t1 = time.thread_time()
+    for layer in dec.layers:
+        decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, dec.eps, layer.gate_up.blocks, layer.down.blocks,
+                            dec.activations)
+    t2 = time.thread_time()
+    dec.lm_head(rms_norm(x, dec.norm, dec.eps))
+    return {"attn_in": t1 - t0, "mlp_out": t2 - t1, "lm_head": time.thread_time() - t2}
+
+
+def time_batch(runner: ModelRunner, ids: list[int], M: int, args) -> dict[str, list[float]]:
+    """Per part, the seconds of each timed step of M fresh sessions after ``ids``."""
+    sessions = [runner.open_session() for _ in range(M)]
+    samplers = [Sampler(SamplingParams()) for _ in range(M)]  # plain greedy, the engine's batched argmax
+    tokens = [int(runner.prefill(s, ids).argmax()) for s in sessions]
+    times = {part: [] for part in PARTS}
+    for i in range(args.warmup + args.steps):
+        t0 = time.thread_time()
+        logits, stats = runner.decode(sessions, tokens, with_stats=True)
+        t1 = time.thread_time()
+        picked = greedy_tokens(samplers, logits)
+        t2 = time.thread_time()
+        tokens = [picked[r] for r in range(M)]
+        alone = products(runner, M, len(ids) + i)
+        if i >= args.warmup:
+            times["step"].append(t1 - t0)
+            times["sampling"].append(t2 - t1)
+            times["attention"].append(stats[0].attention_s)
+            for part, seconds in alone.items():
+                times[part].append(seconds)
+            times["other"].append(t1 - t0 - sum(alone.values()) - stats[0].attention_s)
+    for s in sessions:
+        runner.close_session(s)
+    return times
+
+
+def main(argv=None) -> dict[str, dict[int, float]]:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    runner = ModelRunner(RuntimeConfig())
+    ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
+    print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.info.weight_format}, one thread")
+    times = {M: {part: [] for part in PARTS} for M in (1, args.rows)}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for M in times:
+                for part, t in time_batch(runner, ids, M, args).items():
+                    times[M][part] += t
+    M = args.rows
+    med = {part: {m: 1e3 * statistics.median(times[m][part]) for m in times} for part in PARTS}
+    print(f"{'part':>10} {'1 row ms':>9} {f'{M} rows ms':>10} {f'{M} / 1':>7} {f'{M} / ({M} x 1)':>10}")
+    for part in PARTS:
+        one, many = med[part][1], med[part][M]
+        ratios = f"{many / one:>7.2f} {many / (M * one):>10.2f}" if one > 0 else f"{'-':>7} {'-':>10}"
+        print(f"{part:>10} {one:>9.2f} {many:>10.2f} {ratios}")
+    return med
+
+
+if __name__ == "__main__":
+    main()

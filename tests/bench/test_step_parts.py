@@ -1,0 +1,14 @@
+"""bench/step_parts.py on the embedded model (its block weights are what the parts time): `make test-full`."""
+
+import pytest
+
+from bench import step_parts
+
+
+@pytest.mark.full
+def test_step_parts_prints_every_part_at_one_row_and_at_the_batch(capsys):
+    med = step_parts.main(["--rows", "2", "--steps", "1", "--warmup", "1", "--rounds", "1"])
+    assert list(med) == list(step_parts.PARTS) and all(set(v) == {1, 2} for v in med.values())
+    assert all(med[part][m] > 0 for part in ("step", "attn_in", "mlp_out", "lm_head") for m in (1, 2))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[2:]] == list(step_parts.PARTS)
