@@ -13,7 +13,8 @@
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
 //   for up to rows_per_pass rows of x (kRows; kWideRows for AVX-512's float32 loops), which is what makes a batch
-//   cheaper than its rows one by one.
+//   cheaper than its rows one by one; AVX-512's float32 Q8_0 loop takes two weight rows a pass from kPairRows rows
+//   of x on, each load of x feeding both (pair_fn). None of it changes the order of any row's sums.
 //   With ``activations`` kInt8 (llama.cpp's Q8_0 / Q8_1 activations), x is quantized first, per row and
 //   block of 32 (quantize_activations):
 //     dx = max_j |x_j| / 127, qx_j = nearbyint(x_j * (1 / dx)) in -127..127 (round half to even; 0 where
@@ -78,6 +79,9 @@ enum Activations : int64_t { kFloat32 = 0, kInt8 = 1 };
 // blocks in file order), so a request's tokens do not depend on what it is batched with, nor on the pass width.
 constexpr int64_t kRows = 4;
 constexpr int64_t kWideRows = 8;
+// Rows of x from which AVX-512's float32 Q8_0 products take two weight rows a pass (pair_fn): measured faster from
+// 4 rows on, about even below (docs/bench/history.md, 2026-12-06, helper h39)
+constexpr int64_t kPairRows = 4;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
@@ -466,6 +470,71 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+// Two Q8_0 weight rows o, o + 1 against MR rows of x (MR <= kWideRows): each load of x feeds both rows' FMAs. With
+// one weight row a pass, each FMA needs its own 64-byte load of x, and those loads, not the FMAs, set the pace
+// (bench/fma_floor.cpp). Every (row of x, weight row) keeps q8_dot_avx512's two chains (each block's first and
+// second 16 values), fed the same blocks in the same order, and the end sums them as it does, so acc holds its
+// results bit for bit. 2 MR accumulators of a chain are as many as fit at once, so each chain is its own pass over
+// a chunk of blocks; each half block is widened once either way. (The same for Q4_1, whose four chains a row make
+// each pass widen its half blocks again, was slower than q4_dot_avx512_wide: docs/bench/history.md, 2026-12-06,
+// helper h39.) acc: (2, kWideRows), weight row o's MR results, then o + 1's.
+using PairFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, int64_t row_bytes, int64_t row_scales,
+                        const float* x, int64_t ldx, float* acc);
+
+// x[r] for the pass over half H of a block, in a register: the compiler would otherwise fold the load into both
+// FMAs as their memory operand, two loads again.
+TARGET_AVX512 __attribute__((always_inline)) inline __m512 x_once(const float* p) {
+  __m512 v = _mm512_loadu_ps(p);
+  __asm__("" : "+v"(v));
+  return v;
+}
+
+// Q8_0's chain of half H over the blocks of the chunk at c0, both weight rows.
+template <int MR, int H>
+TARGET_AVX512 __attribute__((always_inline)) inline void q8_pair_pass(const uint8_t* const* qs, const float* const* s,
+                                                                     int64_t c0, int64_t nc, const float* x,
+                                                                     int64_t ldx, __m512 (*acc)[MR]) {
+  __m512 a[2][MR];
+  for (int o = 0; o < 2; ++o)
+    for (int r = 0; r < MR; ++r) a[o][r] = acc[o][r];
+  for (int64_t i = 0; i < nc; ++i) {
+    const int64_t b = c0 + i;
+    __m512 w[2];
+    for (int o = 0; o < 2; ++o) {
+      const __m128i* q = reinterpret_cast<const __m128i*>(qs[o] + 32 * b + 16 * H);
+      w[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), _mm512_set1_ps(s[o][i]));
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xr = x_once(x + r * ldx + 32 * b + 16 * H);
+      a[0][r] = _mm512_fmadd_ps(w[0], xr, a[0][r]);
+      a[1][r] = _mm512_fmadd_ps(w[1], xr, a[1][r]);
+    }
+  }
+  for (int o = 0; o < 2; ++o)
+    for (int r = 0; r < MR; ++r) acc[o][r] = a[o][r];
+}
+
+template <int MR>
+TARGET_AVX512 void q8_pair_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, int64_t row_bytes,
+                                  int64_t row_scales, const float* x, int64_t ldx, float* acc) {
+  __m512 c[2][2][MR];  // q8_dot_avx512's a0, a1
+  for (int k = 0; k < 2; ++k)
+    for (int o = 0; o < 2; ++o)
+      for (int r = 0; r < MR; ++r) c[k][o][r] = _mm512_setzero_ps();
+  float s0[kScaleChunk], s1[kScaleChunk];
+  const uint8_t* q[2] = {qs, qs + row_bytes};
+  const float* s[2] = {s0, s1};
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + c0, nc, s0);
+    widen_halves(sc + row_scales + c0, nc, s1);
+    q8_pair_pass<MR, 0>(q, s, c0, nc, x, ldx, c[0]);
+    q8_pair_pass<MR, 1>(q, s, c0, nc, x, ldx, c[1]);
+  }
+  for (int o = 0; o < 2; ++o)
+    for (int r = 0; r < MR; ++r) acc[o * kWideRows + r] = _mm512_reduce_add_ps(_mm512_add_ps(c[0][o][r], c[1][o][r]));
+}
+
 // The int8 loops with AVX-512 VNNI: dpbusd sums four u8 x s8 products into each int32 lane (no int16 step), the
 // same four elements per lane as maddubs + madd, so each block's eight int32 lanes equal the AVX2 loop's. Two
 // blocks share a 512-bit register, the even one in the low 256 bits and the odd one in the high: each half then
@@ -630,6 +699,15 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
   if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
 }
 
+// The two-weight-row loop for `bits` on `isa` with mr rows of x (1 <= mr <= kWideRows), or null where there is
+// none (Q4_1, below AVX-512, int8 activations).
+PairFn pair_fn(int64_t isa, int64_t bits, int64_t activations, int64_t mr) {
+#ifdef RETOPK_X86
+  if (isa >= kAvx512 && activations == kFloat32 && bits == 8) RETOPK_PICK_WIDE(q8_pair_avx512, q8_pair_avx512)
+#endif
+  return nullptr;
+}
+
 // The loop for `bits` against quantized x (1 <= mr <= kRows): AVX-512 without VNNI keeps AVX2's (its results are
 // the same).
 QDotFn qdot_fn(int64_t isa, int64_t bits, int64_t mr) {
@@ -731,29 +809,45 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   std::vector<int8_t> qx(int8 ? M * in : 0);  // x quantized once for every output row
   std::vector<float> xs(int8 ? 2 * M * nb : 0);
   if (int8) quantize_rows(xp, M, in, qx.data(), xs.data(), isa);
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    float acc[kWideRows];
-    for (int64_t o = begin; o < end; ++o) {
-      if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
-        const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
-        for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
-        const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
-        for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
-      }
+  // From kPairRows rows on, two weight rows a pass where the level has a loop for them (pair_fn)
+  const PairFn pfull = M >= kPairRows ? pair_fn(isa, bits, activations, std::min(chunk, M)) : nullptr;
+  const PairFn ptail = pair_fn(isa, bits, activations, std::max<int64_t>(1, M % chunk));
+  const int64_t step = pfull ? 2 : 1;  // weight rows a pass
+  const auto prefetch = [&](int64_t o) {
+    const char* q = reinterpret_cast<const char*>(qp + o * row_bytes);
+    for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
+    const char* sc = reinterpret_cast<const char*>(sp + o * row_scales);
+    for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
+  };
+  const auto store = [&](int64_t o, int64_t r0, int64_t mr, const float* acc) {
+    for (int64_t r = 0; r < mr; ++r) {
+      float v = acc[r];
+      if (bp) v += bp[o];
+      if (rp) v += rp[(r0 + r) * out + o];
+      yp[(r0 + r) * out + o] = v;
+    }
+  };
+  // tasks over groups of `step` weight rows, so that a pair never straddles two
+  at::parallel_for(0, (out + step - 1) / step, 16 / step, [&](int64_t begin, int64_t end) {
+    float acc[2 * kWideRows];
+    const int64_t o_end = std::min(out, end * step);
+    for (int64_t o = begin * step; o < o_end; o += step) {
+      // the rows ahead on their way from memory while these are multiplied
+      for (int64_t k = o + kAhead; k < std::min(o + kAhead + step, o_end); ++k) prefetch(k);
+      const bool two = step == 2 && o + 1 < o_end;
       for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // every pass over the row after the first reads it from L1
         const int64_t mr = std::min(chunk, M - r0);
         const bool whole = mr == chunk || M < chunk;
         if (int8)
           (whole ? qfull : qtail)(qp + o * row_bytes, sp + o * row_scales, nb, qx.data() + r0 * in,
                                   xs.data() + r0 * 2 * nb, in, 2 * nb, acc);
+        else if (two)
+          (whole ? pfull : ptail)(qp + o * row_bytes, sp + o * row_scales, nb, row_bytes, row_scales, xp + r0 * in,
+                                  in, acc);
         else
           (whole ? full : tail)(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
-        for (int64_t r = 0; r < mr; ++r) {
-          float v = acc[r];
-          if (bp) v += bp[o];
-          if (rp) v += rp[(r0 + r) * out + o];
-          yp[(r0 + r) * out + o] = v;
-        }
+        store(o, r0, mr, acc);
+        if (two) store(o + 1, r0, mr, acc + kWideRows);
       }
     }
   });
