@@ -13,8 +13,7 @@
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
 //   for up to rows_per_pass rows of x (kRows; kWideRows for AVX-512's float32 loops), which is what makes a batch
-//   cheaper than its rows one by one; AVX-512's float32 loops take two weight rows a pass for some batches, each
-//   load of x feeding both (two_weight_rows). None of it changes the order of any row's sums.
+//   cheaper than its rows one by one.
 //   With ``activations`` kInt8 (llama.cpp's Q8_0 / Q8_1 activations), x is quantized first, per row and
 //   block of 32 (quantize_activations):
 //     dx = max_j |x_j| / 127, qx_j = nearbyint(x_j * (1 / dx)) in -127..127 (round half to even; 0 where
@@ -79,11 +78,6 @@ enum Activations : int64_t { kFloat32 = 0, kInt8 = 1 };
 // blocks in file order), so a request's tokens do not depend on what it is batched with, nor on the pass width.
 constexpr int64_t kRows = 4;
 constexpr int64_t kWideRows = 8;
-// Whether AVX-512's float32 products of M rows of x take two weight rows a pass (pair_fn), as measured
-// (docs/bench/history.md, 2026-12-06, helper h39): Q8_0 from 4 rows on (about even below); Q4_1 at 4 rows, where
-// two weight rows' accumulators fill the registers (even at 2 and 3 rows; from 5 rows on, its one-weight-row loop
-// widens each block once for all of them, which was faster).
-bool two_weight_rows(int64_t bits, int64_t M) { return bits == 8 ? M >= 4 : M == 4; }
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
@@ -472,70 +466,6 @@ TARGET_AVX512 void q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
-// Two Q8_0 weight rows o, o + 1 against MR rows of x (MR <= kWideRows): each load of x feeds both rows' FMAs. With
-// one weight row a pass, each FMA needs its own 64-byte load of x, and those loads, not the FMAs, set the pace
-// (bench/fma_floor.cpp). Every (row of x, weight row) keeps q8_dot_avx512's two chains (each block's first and
-// second 16 values), fed the same blocks in the same order, and the end sums them as it does, so acc holds its
-// results bit for bit. 2 MR accumulators of a chain are as many as fit at once, so each chain is its own pass over
-// a chunk of blocks; each half block is widened once either way. acc: (2, kWideRows), weight row o's MR results,
-// then o + 1's. (Q4_1's four chains a row: q4_pair_avx512.)
-using PairFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, int64_t row_bytes, int64_t row_scales,
-                        const float* x, int64_t ldx, float* acc);
-
-// 16 values of x in a register for both weight rows' FMAs: the compiler would otherwise fold the load into each
-// FMA as its memory operand, two loads again.
-TARGET_AVX512 __attribute__((always_inline)) inline __m512 x_once(const float* p) {
-  __m512 v = _mm512_loadu_ps(p);
-  __asm__("" : "+v"(v));
-  return v;
-}
-
-// Q8_0's chain of half H over the blocks of the chunk at c0, both weight rows.
-template <int MR, int H>
-TARGET_AVX512 __attribute__((always_inline)) inline void q8_pair_pass(const uint8_t* const* qs, const float* const* s,
-                                                                     int64_t c0, int64_t nc, const float* x,
-                                                                     int64_t ldx, __m512 (*acc)[MR]) {
-  __m512 a[2][MR];
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r) a[o][r] = acc[o][r];
-  for (int64_t i = 0; i < nc; ++i) {
-    const int64_t b = c0 + i;
-    __m512 w[2];
-    for (int o = 0; o < 2; ++o) {
-      const __m128i* q = reinterpret_cast<const __m128i*>(qs[o] + 32 * b + 16 * H);
-      w[o] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), _mm512_set1_ps(s[o][i]));
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xr = x_once(x + r * ldx + 32 * b + 16 * H);
-      a[0][r] = _mm512_fmadd_ps(w[0], xr, a[0][r]);
-      a[1][r] = _mm512_fmadd_ps(w[1], xr, a[1][r]);
-    }
-  }
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r) acc[o][r] = a[o][r];
-}
-
-template <int MR>
-TARGET_AVX512 void q8_pair_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, int64_t row_bytes,
-                                  int64_t row_scales, const float* x, int64_t ldx, float* acc) {
-  __m512 c[2][2][MR];  // q8_dot_avx512's a0, a1
-  for (int k = 0; k < 2; ++k)
-    for (int o = 0; o < 2; ++o)
-      for (int r = 0; r < MR; ++r) c[k][o][r] = _mm512_setzero_ps();
-  float s0[kScaleChunk], s1[kScaleChunk];
-  const uint8_t* q[2] = {qs, qs + row_bytes};
-  const float* s[2] = {s0, s1};
-  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
-    const int64_t nc = std::min(kScaleChunk, nb - c0);
-    widen_halves(sc + c0, nc, s0);
-    widen_halves(sc + row_scales + c0, nc, s1);
-    q8_pair_pass<MR, 0>(q, s, c0, nc, x, ldx, c[0]);
-    q8_pair_pass<MR, 1>(q, s, c0, nc, x, ldx, c[1]);
-  }
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r) acc[o * kWideRows + r] = _mm512_reduce_add_ps(_mm512_add_ps(c[0][o][r], c[1][o][r]));
-}
-
 // The int8 loops with AVX-512 VNNI: dpbusd sums four u8 x s8 products into each int32 lane (no int16 step), the
 // same four elements per lane as maddubs + madd, so each block's eight int32 lanes equal the AVX2 loop's. Two
 // blocks share a 512-bit register, the even one in the low 256 bits and the odd one in the high: each half then
@@ -700,74 +630,6 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
   if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
 }
 
-// Two Q4_1 weight rows against MR <= kRows rows of x: q4_dot_avx512's four chains a row, its even blocks'
-// (low and high halves) and its odd blocks', for both weight rows are 16 accumulators at 4 rows, so a pass over
-// the even blocks and one over the odd blocks (as q4_dot_avx512_wide) hold them, each block widened once for both
-// weight rows' passes; the end sums the chains as q4_dot_avx512 does. acc as q8_pair_avx512's.
-// One pass: parity P's blocks of the chunk at c0, both weight rows, both halves.
-template <int MR, int P>
-TARGET_AVX512 __attribute__((always_inline)) inline void q4_pair_pass(const uint8_t* const* qs, const float* const* s,
-                                                                     int64_t c0, int64_t nc, const float* x,
-                                                                     int64_t ldx, __m512 (*acc)[MR][2]) {
-  __m512 a[2][MR][2];
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r) a[o][r][0] = acc[o][r][0], a[o][r][1] = acc[o][r][1];
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t i = P; i < nc; i += 2) {
-    const int64_t b = c0 + i;
-    __m512 w[2][2];
-    for (int o = 0; o < 2; ++o) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs[o] + 16 * b)));
-      const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[o][2 * i]), _mm512_set1_ps(s[o][2 * i + 1]));
-      w[o][0] = _mm512_permutexvar_ps(v, table);
-      w[o][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512 x0 = x_once(x + r * ldx + 32 * b), x1 = x_once(x + r * ldx + 32 * b + 16);
-      for (int o = 0; o < 2; ++o) {
-        a[o][r][0] = _mm512_fmadd_ps(w[o][0], x0, a[o][r][0]);
-        a[o][r][1] = _mm512_fmadd_ps(w[o][1], x1, a[o][r][1]);
-      }
-    }
-  }
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r) acc[o][r][0] = a[o][r][0], acc[o][r][1] = a[o][r][1];
-}
-
-template <int MR>
-TARGET_AVX512 void q4_pair_avx512(const uint8_t* qs, const uint16_t* sc, int64_t nb, int64_t row_bytes,
-                                  int64_t row_scales, const float* x, int64_t ldx, float* acc) {
-  __m512 even[2][MR][2], odd[2][MR][2];
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r) even[o][r][0] = even[o][r][1] = odd[o][r][0] = odd[o][r][1] = _mm512_setzero_ps();
-  float s0[2 * kScaleChunk], s1[2 * kScaleChunk];
-  const uint8_t* q[2] = {qs, qs + row_bytes};
-  const float* s[2] = {s0, s1};
-  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
-    const int64_t nc = std::min(kScaleChunk, nb - c0);
-    widen_halves(sc + 2 * c0, 2 * nc, s0);
-    widen_halves(sc + row_scales + 2 * c0, 2 * nc, s1);
-    q4_pair_pass<MR, 0>(q, s, c0, nc, x, ldx, even);
-    q4_pair_pass<MR, 1>(q, s, c0, nc, x, ldx, odd);
-  }
-  for (int o = 0; o < 2; ++o)
-    for (int r = 0; r < MR; ++r)
-      acc[o * kWideRows + r] = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(even[o][r][0], even[o][r][1]), odd[o][r][0]), odd[o][r][1]));
-}
-
-// The two-weight-row loop for `bits` on `isa` with mr rows of x (1 <= mr <= kWideRows for Q8_0, kRows for Q4_1), or
-// null where there is none (below AVX-512, int8 activations).
-PairFn pair_fn(int64_t isa, int64_t bits, int64_t activations, int64_t mr) {
-#ifdef RETOPK_X86
-  if (isa >= kAvx512 && activations == kFloat32) {
-    if (bits == 8) RETOPK_PICK_WIDE(q8_pair_avx512, q8_pair_avx512)
-    else RETOPK_PICK(q4_pair_avx512)
-  }
-#endif
-  return nullptr;
-}
-
 // The loop for `bits` against quantized x (1 <= mr <= kRows): AVX-512 without VNNI keeps AVX2's (its results are
 // the same).
 QDotFn qdot_fn(int64_t isa, int64_t bits, int64_t mr) {
@@ -869,45 +731,29 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   std::vector<int8_t> qx(int8 ? M * in : 0);  // x quantized once for every output row
   std::vector<float> xs(int8 ? 2 * M * nb : 0);
   if (int8) quantize_rows(xp, M, in, qx.data(), xs.data(), isa);
-  // two weight rows a pass where the batch and the level call for it (Q4_1 only at M = 4: no tail pass)
-  const PairFn pfull = two_weight_rows(bits, M) ? pair_fn(isa, bits, activations, std::min(chunk, M)) : nullptr;
-  const PairFn ptail = pair_fn(isa, bits, activations, std::max<int64_t>(1, M % chunk));
-  const int64_t step = pfull ? 2 : 1;  // weight rows a pass
-  const auto prefetch = [&](int64_t o) {
-    const char* q = reinterpret_cast<const char*>(qp + o * row_bytes);
-    for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
-    const char* sc = reinterpret_cast<const char*>(sp + o * row_scales);
-    for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
-  };
-  const auto store = [&](int64_t o, int64_t r0, int64_t mr, const float* acc) {
-    for (int64_t r = 0; r < mr; ++r) {
-      float v = acc[r];
-      if (bp) v += bp[o];
-      if (rp) v += rp[(r0 + r) * out + o];
-      yp[(r0 + r) * out + o] = v;
-    }
-  };
-  // tasks over groups of `step` weight rows, so that a pair never straddles two
-  at::parallel_for(0, (out + step - 1) / step, 16 / step, [&](int64_t begin, int64_t end) {
-    float acc[2 * kWideRows];
-    const int64_t o_end = std::min(out, end * step);
-    for (int64_t o = begin * step; o < o_end; o += step) {
-      // the rows ahead on their way from memory while these are multiplied
-      for (int64_t k = o + kAhead; k < std::min(o + kAhead + step, o_end); ++k) prefetch(k);
-      const bool two = step == 2 && o + 1 < o_end;
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    float acc[kWideRows];
+    for (int64_t o = begin; o < end; ++o) {
+      if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
+        const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
+        for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
+        const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
+        for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
+      }
       for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // every pass over the row after the first reads it from L1
         const int64_t mr = std::min(chunk, M - r0);
         const bool whole = mr == chunk || M < chunk;
         if (int8)
           (whole ? qfull : qtail)(qp + o * row_bytes, sp + o * row_scales, nb, qx.data() + r0 * in,
                                   xs.data() + r0 * 2 * nb, in, 2 * nb, acc);
-        else if (two)
-          (whole ? pfull : ptail)(qp + o * row_bytes, sp + o * row_scales, nb, row_bytes, row_scales, xp + r0 * in,
-                                  in, acc);
         else
           (whole ? full : tail)(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
-        store(o, r0, mr, acc);
-        if (two) store(o + 1, r0, mr, acc + kWideRows);
+        for (int64_t r = 0; r < mr; ++r) {
+          float v = acc[r];
+          if (bp) v += bp[o];
+          if (rp) v += rp[(r0 + r) * out + o];
+          yp[(r0 + r) * out + o] = v;
+        }
       }
     }
   });
