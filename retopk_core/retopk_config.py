@@ -52,6 +52,13 @@ class ReTopKConfig(MethodConfig):
                                 "those scores into the FIFO, so the first sparse step at L_min finds exact supports; "
                                 "0 = never (the paper)", low=0,
                              context=True)
+    refresh_first: int = param(0, "N: the first N decode steps after each prefill (a turn's prompt) refresh every "
+                                  "head: the prefill sets t_dec to -N and a step with t_dec < 0 takes REFRESH. The "
+                                  "FIFO's seeds are the prompt's queries, whose supports miss what an answer's first "
+                                  "tokens read (a needle the question asks for) at similarities reuse trusts; the "
+                                  "onset's exact supports enter the FIFO for later steps to recall. Scheduled "
+                                  "refreshes then count from the onset's end; 0 = off (t_dec counts from the first "
+                                  "prefill, the paper)", low=0, context=True)
     refresh_stagger: bool = param(False, "stagger scheduled refreshes over (layer, KV group): each refreshes every "
                                          "T_r steps at its own phase (same average rate), so no step refreshes every "
                                          "layer at once; False = the paper (all at t_dec = T_r, 2T_r, ...)")

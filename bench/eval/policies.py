@@ -112,7 +112,8 @@ def short_label(run) -> str:
         parts.append(f"min={d['group_tau_min']:g}")
     names = {"cache_size": "C", "window": "W", "recall": "R", "refresh_every": "T_r", "retrieval": "retrieval",
              "tau_calibration": "r*", "refresh_stagger": "stagger", "refresh_guard": "r_g",
-             "mass_recall": "mass", "tau_guard": "r_t", "tau_guard_margin": "m_t", "recall_successors": "succ"}
+             "mass_recall": "mass", "tau_guard": "r_t", "tau_guard_margin": "m_t", "recall_successors": "succ",
+             "refresh_first": "onset"}
     parts += [f"{n}={d[k]}" for k, n in names.items() if d[k] != getattr(base, k)]
     return " ".join(parts)
 

@@ -8,7 +8,8 @@ The same step as the torch reference ``ReTopK._sparse_step`` (retopk_core/method
 and the GQA policy of ``gqa_paths``, for every (sequence, head) of the batch: similarity to the cached
 queries and the path, Top-R recall (or the "recent" ablation), candidates = recalled supports ∪ window
 (deduplicated; ``recall_successors``: ∪ each recalled position's successor p + 1 <= L - 1), their exact
-scores through the block table, scheduled refreshes at each KV group's phase (``refresh_stagger``), Top-K
+scores through the block table, scheduled refreshes at each KV group's phase (``refresh_stagger``) and on every
+head while t_dec < 0 (a turn's first ``refresh_first`` steps), Top-K
 rerank, softmax-value, and the exact
 Top-K over the whole history for the heads whose path is not REUSE (the group's keys read once for all
 of them), on those heads the per-head threshold update of ``tau_calibration`` (``state.tau``) and, on the

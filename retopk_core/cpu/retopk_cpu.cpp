@@ -6,7 +6,8 @@
 //   q̄_h   = q_h / max(||q_h||, 1e-12)                                  (float32)
 //   ρ_hc  = q̄_h · q̄_c for the fill valid FIFO entries c, ρ_max = max_c ρ_hc (-inf when empty)  eq. 6, 7
 //   path_h: REFRESH when T_r > 0, t_dec > 0, (t_dec + φ_g) % T_h == 0 (φ_g = phase[h], the group's refresh
-//           phase, 0 unless refresh_stagger; T_h = state.period[slot, h] under refresh_guard, else T_r); else
+//           phase, 0 unless refresh_stagger; T_h = state.period[slot, h] under refresh_guard, else T_r), or when
+//           t_dec < 0 (refresh_first: the prefill set t_dec = -N); else
 //           FALLBACK when ρ_max < tau_h; else REUSE
 //           (eq. 13; tau_h = state.tau[slot, h]), then the GQA policy over the group's heads (as gqa_paths):
 //             head     unchanged
@@ -713,7 +714,8 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
   bool any_refresh = false, all_refresh = true;
   for (int64_t j = 0; j < G; ++j) {
     const int64_t T_h = guard ? period_h[j] : p.T_r;
-    refresh[j] = p.T_r > 0 && t.t_dec > 0 && (t.t_dec + phase[h0]) % T_h == 0;
+    // t_dec < 0: a turn's first refresh_first steps (the prefill set it to -N)
+    refresh[j] = t.t_dec < 0 || (p.T_r > 0 && t.t_dec > 0 && (t.t_dec + phase[h0]) % T_h == 0);
     any_refresh |= refresh[j] != 0;
     all_refresh &= refresh[j] != 0;
   }

@@ -3,9 +3,9 @@
     q̄      = q / ||q||                                                  unit query
     ρ_c    = q̄ · q̄_c  for the fill_b valid FIFO entries, -inf elsewhere   (eq. 6)
     ρ_max  = max_c ρ_c;  R_t = TopR_c ρ_c (or the R newest entries)        (eq. 7)
-    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_h == 0 else FALLBACK if ρ_max < tau_h else REUSE (eq. 13;
-             φ_h the head's refresh phase, 0 unless ``refresh_stagger``; T_h = state.period[slot, h] with
-             GUARD (``refresh_guard``), else T_r)
+    path   = REFRESH if T_r > 0, t > 0, (t + φ_h) % T_h == 0 or if t < 0 else FALLBACK if ρ_max < tau_h else REUSE
+             (eq. 13; φ_h the head's refresh phase, 0 unless ``refresh_stagger``; T_h = state.period[slot, h] with
+             GUARD (``refresh_guard``), else T_r; t < 0: a turn's first ``refresh_first`` steps)
     A_t    = Unique(∪_{c∈R_t} Ŝ_c ∪ {L-W, ..., L-1} ∩ [0, L))            (eq. 8, 9)
              with SUCC (``recall_successors``) also ∪ {p + 1 : p ∈ Ŝ_c, c ∈ R_t, p >= 0, p + 1 <= L - 1}
 
@@ -82,6 +82,7 @@ def selector_kernel(q_ptr, stride_qb, stride_qh, slots_ptr, len_ptr,
         refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.load(period_ptr + slot * H + h) == 0)
     else:
         refresh = (T_R > 0) & (step > 0) & ((step + tl.load(phase_ptr + h)) % tl.maximum(T_R, 1) == 0)
+    refresh = refresh | (step < 0)  # a turn's first refresh_first steps (the prefill set t_dec to -N)
     path = tl.where(refresh, 2, tl.where(max_sim < tl.load(tau_ptr + slot * H + h), 1, 0))
     row = b * H + h
     tl.store(path_ptr + row, path.to(tl.int8))

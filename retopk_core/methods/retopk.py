@@ -13,7 +13,9 @@ step with current query q_t over L_t cached keys:
 Path (eq. 13): REFRESH when T_r > 0 and t_dec ∈ {T_r, 2T_r, ...} (t_dec = 0 on the first decode
 step after the first prefill; with ``refresh_stagger``, t_dec > 0 and t_dec + φ ≡ 0 mod T_r for the
 phase φ of the head's (layer, KV group), see ``refresh_phases``; with ``refresh_guard`` the head's own
-period T_h, a power-of-two divisor of T_r moved online by ``guard_period``, replaces T_r); else FALLBACK
+period T_h, a power-of-two divisor of T_r moved online by ``guard_period``, replaces T_r), and on every
+step with t_dec < 0 (``refresh_first`` = N: each prefill sets t_dec = -N, so the first N steps of each
+turn's answer are exact); else FALLBACK
 to Exact Top-K when ρ_max < tau (an empty cache has ρ_max = -inf); else REUSE. Under GQA the G heads of a KV group share
 its keys, and a group is read in full when any of its heads takes an exact path: ``config.gqa_policy``
 turns the per-head decisions into per-group ones (``gqa_paths``: the paper's per-head rule, "promote"
@@ -70,7 +72,8 @@ class QuerySupportCache(SlotPool):
                                    the torch and CPU code read them as sets, in any order
     fill    (S,) int64             valid entries (every head of a sequence inserts on every step,
     ptr     (S,) int64             so the fill count and write pointer are shared by its heads)
-    step    (S,) int64             decode steps taken since the first prefill (t_dec)
+    step    (S,) int64             decode steps taken since the first prefill (t_dec); with
+                                   ``refresh_first`` = N, since the last prefill, less N
     tau     (S, H) float32         each head's fallback threshold (config.tau; moved by ``calibrate_tau``;
                                    the CPU and Triton kernels read and move it in place)
     period  (S, H) int64           each head's refresh period T_h (config.refresh_every; under
@@ -159,7 +162,7 @@ class ReTopK(AttentionMethod):
         state_bounds.integers_within(tensors, "support", -1, length - 1, "positions of the session's tokens")
         state_bounds.integers_within(tensors, "fill", 0, C)
         state_bounds.integers_within(tensors, "ptr", 0, max(C, 1) - 1)
-        state_bounds.integers_within(tensors, "step", 0, 2**62)
+        state_bounds.integers_within(tensors, "step", -self.config.refresh_first, 2**62)
         state_bounds.finite(tensors, "queries", "tau")
         T_r = self.config.refresh_every
         state_bounds.integers_within(tensors, "period", min(guard_floor(T_r), T_r), T_r,
@@ -172,10 +175,13 @@ class ReTopK(AttentionMethod):
         layer in one write. Skipped when the dense floor will refill the FIFO first: after a prompt of L
         positions with L + C < dense_below, the decode steps at L_t = dense_below - C, ..., dense_below - 1
         (L_t counts the current token) are C dense steps that each push an exact support (``_dense_step``)
-        before the first sparse one."""
+        before the first sparse one. With ``refresh_first`` = N the turn's decode starts at t_dec = -N: its first N
+        steps refresh (``head_paths``)."""
         cfg = self.config
         if q is None or q.shape[1] == 0:
             return
+        if cfg.refresh_first:
+            state.step[slot] = -cfg.refresh_first
         L = int(kv.lengths[0])
         if L + cfg.cache_size < cfg.dense_below:
             return

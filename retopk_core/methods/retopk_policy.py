@@ -34,7 +34,8 @@ def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,
 
     max_sim (B, H) float32, step (B,) int64 t_dec, phase (H,) int64 φ_h (None = 0), tau (B, H) the heads'
     thresholds (None = cfg.tau), period (B, H) int64 the heads' refresh periods T_h (None = T_r)  ->  (B, H)
-    int8 Path codes; refresh when T_r > 0, t_dec > 0 and (t_dec + φ_h) % T_h == 0.
+    int8 Path codes; refresh when T_r > 0, t_dec > 0 and (t_dec + φ_h) % T_h == 0, or when t_dec < 0 (the first
+    ``refresh_first`` steps after a prefill, ``ReTopK.prefill``).
     """
     B, H = max_sim.shape
     T_r = cfg.refresh_every
@@ -43,6 +44,7 @@ def head_paths(max_sim: torch.Tensor, step: torch.Tensor, cfg: ReTopKConfig,
         refresh = (step.view(B, 1) > 0) & (t % (T_r if period is None else period) == 0)
     else:
         refresh = torch.zeros(B, 1, dtype=torch.bool, device=max_sim.device)
+    refresh = refresh | (step.view(B, 1) < 0)  # a turn's onset (refresh_first)
     path = torch.where(max_sim < (cfg.tau if tau is None else tau), Path.FALLBACK, Path.REUSE).to(torch.int8)
     return torch.where(refresh, torch.tensor(Path.REFRESH, dtype=torch.int8), path)
 

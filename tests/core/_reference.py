@@ -23,7 +23,7 @@ class RefHead:
 
     def __init__(self, C: int, K: int, W: int, R: int, tau: float, T_r: int, retrieval: str = "similarity",
                  phase: int = 0, calibration: float = 0.0, guard: float = 0.0, mass: bool = False,
-                 tau_guard: float = 0.0, tau_guard_margin: float = 0.05, successors: bool = False):
+                 tau_guard: float = 0.0, tau_guard_margin: float = 0.05, successors: bool = False, first: int = 0):
         self.C, self.K, self.W, self.R, self.tau, self.T_r, self.retrieval = C, K, W, R, tau, T_r, retrieval
         self.tau0, self.calibration = tau, calibration  # tau_calibration: this head's tau moves (calibrate)
         self.phase = phase  # staggered refresh: this head refreshes when (t_dec + phase) % period == 0
@@ -33,6 +33,8 @@ class RefHead:
         self.tau_guard = tau_guard  # tau_guard: a miss where the head would have reused raises its tau (raise_tau)
         self.tau_guard_margin = tau_guard_margin  # ... to max_sim + this margin
         self.successors = successors  # recall_successors: A_t also holds p + 1 for each recalled position p
+        self.first = first  # refresh_first: each prefill owes this many exact (REFRESH) steps, the turn's onset
+        self.onset = 0  # onset steps still owed
         self.fifo: list[tuple[torch.Tensor, list[int]]] = []
         self.t_dec = 0
 
@@ -78,7 +80,10 @@ class RefHead:
             self.fifo.pop(0)
 
     def prefill(self, queries: torch.Tensor, positions: list[int], keys: torch.Tensor, scale: float) -> None:
-        """queries (T, d) at absolute positions; each gets its exact causal Top-K support."""
+        """queries (T, d) at absolute positions; each gets its exact causal Top-K support. With ``first`` the
+        turn's onset begins: ``first`` refreshes, then the schedule's clock restarts at t_dec = 0."""
+        if self.first:
+            self.onset, self.t_dec = self.first, 0
         for q, p in list(zip(queries, positions, strict=True))[-self.C:]:
             scores = {i: float(q.double() @ keys[i].double()) * scale for i in range(p + 1)}
             self._push(q.double(), topk_positions(scores, self.K))
@@ -89,13 +94,22 @@ class RefHead:
         qbar = q / q.norm()
         sims = [float(qbar @ qc) for qc, _ in self.fifo]  # eq. 6
         max_sim = max(sims) if sims else -math.inf  # eq. 7
+        if self.onset:
+            return REFRESH, max_sim
         if self.T_r > 0 and self.t_dec > 0 and (self.t_dec + self.phase) % self.period == 0:  # eq. 13
             return REFRESH, max_sim
         return (FALLBACK if max_sim < self.tau else REUSE), max_sim
 
     def plain_step(self) -> None:
         """A dense-floor step more than C steps below the floor: it selects and pushes nothing, but counts."""
-        self.t_dec += 1
+        self._count()
+
+    def _count(self) -> None:
+        """A step taken: one onset step fewer, else the schedule's clock on."""
+        if self.onset:
+            self.onset -= 1
+        else:
+            self.t_dec += 1
 
     def step(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, path: int | None = None):
         """One decode step over keys/values (L, d) (the current token included); ``path`` overrides the
@@ -129,7 +143,7 @@ class RefHead:
         w = torch.tensor([math.exp(scores[i] - m) for i in support], dtype=torch.float64)
         out = (w / w.sum()) @ values[support].double()  # eq. 12
         self._push(q, support)
-        self.t_dec += 1
+        self._count()
         return path, max_sim, sorted(cand), support, out
 
 

@@ -15,9 +15,12 @@ from tests.core._scenario import make_trace, paged
 from tests.core.kernels._helpers import assert_rows_by_position
 
 
-def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None):
+def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no_prefill=False, layer=0, keep=None,
+             turns=()):
     """Drive core and reference through the same trace; yield per step (core output, reference rows).
     ``layer``: the state is the method's layer-th (the refresh phases under refresh_stagger depend on it).
+    ``turns``: decode steps before which every sequence prefills again (a later turn's prompt: the prompt's
+    queries pushed once more, over the keys of the sequence so far).
     ``keep``: a dict that receives the core's state, its slots and the reference heads.
     ``cfg`` may name the core's ``backend`` ("torch", "cpu": the fused CPU kernel)."""
     B = len(trace.prompt_lens)
@@ -34,23 +37,29 @@ def run_both(cfg: dict, trace, H, H_kv, use_paged=False, dtype=torch.float32, no
     refs = [[RefHead(cfg["cache_size"], cfg["top_k"], cfg["window"], cfg["recall"], cfg["tau"],
                      T_r, cfg.get("retrieval", "similarity"), phase[h], cfg.get("tau_calibration", 0.0),
                      cfg.get("refresh_guard", 0.0), cfg.get("mass_recall", False), cfg.get("tau_guard", 0.0),
-                     cfg.get("tau_guard_margin", 0.05), cfg.get("recall_successors", False))
+                     cfg.get("tau_guard_margin", 0.05), cfg.get("recall_successors", False),
+                     cfg.get("refresh_first", 0))
              for h in range(H)] for _ in range(B)]
     if keep is not None:
         keep.update(state=state, slots=slots, refs=refs)
     keys, values = trace.keys.to(dtype), trace.values.to(dtype)
-    for b, P in enumerate(trace.prompt_lens):
-        if no_prefill:
-            continue
-        T = trace.prompt_queries.shape[2]
-        pos = torch.arange(P - T, P).clamp(min=0)
-        kv_b = PagedKV.contiguous(keys[b:b + 1], values[b:b + 1], torch.tensor([P]))
-        method.prefill(state, int(slots[b]), trace.prompt_queries[b].to(dtype), pos, kv_b)
-        for h in range(H):
-            refs[b][h].prefill(trace.prompt_queries[b, h].to(dtype).double(), pos.tolist(),
-                               keys[b, h // G].double(), scale)
+
+    def prefill(lengths):
+        for b, P in enumerate(trace.prompt_lens):
+            T = trace.prompt_queries.shape[2]
+            pos = torch.arange(P - T, P).clamp(min=0)
+            kv_b = PagedKV.contiguous(keys[b:b + 1], values[b:b + 1], lengths[b:b + 1])
+            method.prefill(state, int(slots[b]), trace.prompt_queries[b].to(dtype), pos, kv_b)
+            for h in range(H):
+                refs[b][h].prefill(trace.prompt_queries[b, h].to(dtype).double(), pos.tolist(),
+                                   keys[b, h // G].double(), scale)
+
+    if not no_prefill:
+        prefill(torch.tensor(trace.prompt_lens))
     for t in range(trace.queries.shape[0]):
         lengths = trace.lengths_at(t)
+        if t in turns:
+            prefill(lengths - 1)  # the keys before this step's token
         kv = paged(keys, values, lengths, block=8, seed=t) if use_paged else PagedKV.contiguous(keys, values, lengths)
         q = trace.queries[t].to(dtype)
         out = method.decode(q, kv, state, slots)
@@ -243,6 +252,40 @@ def test_recall_successors_match_reference(case, calibration, backend):
     torch.testing.assert_close(keep["state"].tau[keep["slots"]].double(), ref_tau, atol=1e-5, rtol=0)
     own = backend if backend == "torch" or launch.available() else "torch"
     assert make_method("retopk", top_k=8, recall_successors=True, backend=backend).steps.name == own
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["mha-refresh5", "gqa-no-refresh"])
+def test_refresh_first_matches_reference(case, backend):
+    """refresh_first = N: the first N decode steps after each prefill (the first turn's and a later one's) refresh
+    every head, and the scheduled refreshes count from the onset's end (the torch core, and the fused CPU kernel
+    where it loads, vs the reference loop's own onset counter): paths, supports, outputs and the calibrated and
+    guarded thresholds agree step by step."""
+    from retopk_core.cpu import launch
+
+    N, turn = 3, 11
+    cfg, _ = case_scenario(case, ("head", 0.0), tau_calibration=0.8, tau_guard=0.5, recall_successors=True,
+                           refresh_first=N, backend=backend)
+    trace = make_trace(B=len(case[8]), H=case[0], H_kv=case[1], d=case[2], prompt_lens=case[8], steps=24,
+                       T=case[4] + 2, noise=0.4)
+    keep, paths = {}, []
+    for out, rows in run_both(cfg, trace, case[0], case[1], keep=keep, turns=(turn,)):
+        assert_step_matches_reference(out, rows)
+        paths.append(out.path)
+    onset = set(range(N)) | set(range(turn, turn + N))
+
+    def scheduled(t):  # t_dec counts from the onset's end: a refresh at t_dec > 0, a multiple of T_r
+        start = turn + N if t >= turn else N
+        return case[7] > 0 and t > start and (t - start) % case[7] == 0
+
+    for t, path in enumerate(paths):
+        assert bool((path == Path.REFRESH).all()) == (t in onset or scheduled(t)), t
+    assert any(bool((p == Path.REUSE).any()) for p in paths)
+    ref_tau = torch.tensor([[h.tau for h in heads] for heads in keep["refs"]], dtype=torch.float64)  # (B, H)
+    torch.testing.assert_close(keep["state"].tau[keep["slots"]].double(), ref_tau, atol=1e-5, rtol=0)
+    assert keep["state"].step[keep["slots"]].tolist() == [24 - turn - N] * len(case[8])  # from the onset's end
+    own = backend if backend == "torch" or launch.available() else "torch"
+    assert make_method("retopk", top_k=8, refresh_first=N, backend=backend).steps.name == own
 
 
 def test_tau_guard_rule_and_backend():

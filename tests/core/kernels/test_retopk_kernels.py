@@ -245,6 +245,18 @@ def test_staggered_refresh_matches_torch(layer):
     assert seen_split
 
 
+def test_refresh_first_on_the_device_matches_torch():
+    """refresh_first: the prefill sets t_dec = -N and the selector refreshes every head of a row while its t_dec < 0
+    (row 0: its first 2 steps; row 1, moved on to t_dec = 1 after its prefill, reaches its scheduled refresh at
+    t_dec = 3 instead); paths, supports, outputs and thresholds equal the torch code's."""
+    refreshed = []
+    for a, b, st, sk, _ in _run(1, 3, 64, 8, 8, 4, 2, [200, 90], 16, "similarity", (0, 1), steps=5,
+                                refresh_first=2, tau_calibration=0.8, recall_successors=True):
+        _assert_same_step(a, b, st, sk)
+        refreshed.append((a.path == Path.REFRESH).all(-1).tolist())  # (B,) per step
+    assert refreshed == [[True, False], [True, False], [False, True], [False, False], [False, False]], refreshed
+
+
 def _score_order(state):
     """Supports by descending position (-1s still last): unsorted runs, as supports in score order are."""
     state.support[:] = state.support.sort(-1, descending=True).values

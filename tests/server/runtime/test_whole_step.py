@@ -23,7 +23,9 @@ METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_top
                                          dense_below=32, tau=0.3, tau_calibration=0.8, tau_guard=0.9),
            "retopk-successors": MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=4,
                                               dense_below=32, tau=0.3, tau_calibration=0.8, tau_guard=0.9,
-                                              recall_successors=True)}
+                                              recall_successors=True),
+           "retopk-onset": MethodSpec.of("retopk", top_k=8, cache_size=8, window=8, recall=2, refresh_every=4,
+                                         dense_below=32, tau=0.3, tau_calibration=0.8, refresh_first=3)}
 
 
 def _state(runner, session) -> list[torch.Tensor]:
@@ -87,13 +89,30 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
             assert torch.equal(x, y)
     expected = {"full": {Path.DENSE}, "exact_topk": {Path.EXACT}, "retopk-floor": {Path.DENSE},
                 "retopk": {Path.REUSE, Path.FALLBACK, Path.REFRESH}, "retopk-guard": {Path.REUSE, Path.REFRESH},
-                "retopk-successors": {Path.REUSE, Path.REFRESH}}[name]
+                "retopk-successors": {Path.REUSE, Path.REFRESH}, "retopk-onset": {Path.REUSE, Path.REFRESH}}[name]
     assert {int(p) for p in expected} <= paths
     assert grown == (name == "retopk-successors")
     if name in ("retopk-guard", "retopk-successors"):
         group = runner.method_group(METHODS[name])
         assert any(bool((pool.tau[slot] > 0.3 + 1e-6).any()) for sessions, _ in pairs for s in sessions
                    for pool, slot in zip(group.states, s.slots, strict=True))
+
+
+def test_refresh_first_refreshes_the_first_steps_of_each_turn():
+    """refresh_first = 3 through the runner: after the first prompt's prefill and after a later turn's, the first 3
+    decode steps refresh every head of every layer, and the 2 after them do not (they reuse at tau = 0.3)."""
+    spec = METHODS["retopk-onset"]
+    runner = runner_for(tiny_model("llama", layers=2), spec, weights="int4", kv_dtype="bfloat16")
+    session = runner.open_session(spec)
+    token = int(runner.prefill(session, prompt_ids(40, 1)).argmax())
+    for turn in range(2):
+        refreshed = []
+        for _ in range(5):
+            logits, stats = runner.decode([session], [token], with_stats=True)
+            token = int(logits[0].argmax())
+            refreshed.append(bool((stats[0].path == Path.REFRESH).all()))
+        assert refreshed == [True, True, True, False, False], (turn, refreshed)
+        token = int(runner.prefill(session, prompt_ids(6, 2 + turn)).argmax())  # the next turn's prompt
 
 
 def test_layer_by_layer_where_one_call_cannot_run(monkeypatch):
