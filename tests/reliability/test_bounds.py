@@ -130,7 +130,7 @@ def test_check_context_reads_the_declarations():
     from retopk_core.retopk_config import ReTopKConfig
 
     declared = {f.name for f in dataclasses.fields(ReTopKConfig) if f.metadata.get("context")}
-    assert declared == {"top_k", "cache_size", "window", "refresh_every", "dense_below"}
+    assert declared == {"top_k", "cache_size", "window", "refresh_every", "refresh_first", "dense_below"}
     check_context(ReTopKConfig(top_k=100), 100)
     with pytest.raises(ParamError):
         check_context(ReTopKConfig(top_k=101), 100)

@@ -31,10 +31,15 @@ ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 # missed three of those eight points. recall_successors (A_t also holds p + 1 of each recalled position) lets a
 # copying head follow the text it copies, which reuse alone misses (needles copied with a digit dropped); it
 # also recalls more of the exact supports, so fewer heads fall back (docs/evaluation.md, issue 35).
+# refresh_first 8 (each turn's first 8 decode steps refresh every head): the FIFO's seeds are the prompt's queries,
+# and at an answer's first tokens the reuse heads missed half the needle positions Exact Top-K read, at
+# similarities no threshold distrusts; on jargon's NIAH, where the default lost to Exact Top-K at the list's first
+# item, it answered every case as Exact Top-K did, for 0.4-1.5 more points of group reads over 128 steps (most of
+# a turn's first steps fall back anyway; docs/evaluation.md, "Quality across corpora").
 # The core's ReTopKConfig() keeps the paper's defaults.
 DEFAULT_METHOD_PARAMS = {"top_k": 64, "gqa_policy": "head", "tau": 0.85, "tau_calibration": 0.72, "refresh_every": 32,
-                         "tau_guard": 0.5, "recall_successors": True, "cache_size": 128, "window": 128,
-                         "dense_below": 1024}
+                         "tau_guard": 0.5, "recall_successors": True, "refresh_first": 8, "cache_size": 128,
+                         "window": 128, "dense_below": 1024}
 
 
 def default_method_spec() -> MethodSpec:
