@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TURNS = ["Name a colour.", "Why that one?", "And a fruit?", "Which is sweeter?"]
 # The default ReTopK attends densely below 1,024 tokens (dense_below) and fills its FIFOs in the last C steps
-# below; a first message past that makes its FIFOs live (reused, refreshed) before the move.
+# below; a first message past that makes its FIFOs live (reused, refreshed) before the move. Its first
+# refresh_first (8) decode steps of each turn are exact, so a turn of 16 tokens also takes sparse steps after them.
+NEW_TOKENS = 16
 LONG = "Here is a list of colours: " + ", ".join(["red", "green", "blue", "yellow", "purple"] * 180) + ". "
 
 
@@ -32,7 +34,7 @@ def runners(embedded_model):
 
 def chat_turn(client: Client, session_id: str, text: str) -> list[int]:
     reply = client.complete(messages=[{"role": "user", "content": text}], session_id=session_id, temperature=0,
-                            max_new_tokens=8, ignore_eos=True)
+                            max_new_tokens=NEW_TOKENS, ignore_eos=True)
     return list(reply.token_ids)
 
 
