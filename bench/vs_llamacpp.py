@@ -470,6 +470,7 @@ def main(argv=None) -> list[dict]:
             "llama_cpp_system": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
             "torch": torch.__version__, "cpu": _cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node(),
             "load_average_before": load_before, "cores": os.cpu_count(), "openmp": openmp_runtimes(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "retopk_weights": runner.info.weight_format, "retopk_kv_dtype": runner.info.kv_dtype,
             "retopk_activations": runner.info.dtype, "retopk_backend": runner.info.backend}
     print(f"# vs_llamacpp: {path.name} ({gguf_bytes / 1e6:.1f} MB of tensors, {trained} trained positions), "
@@ -484,6 +485,10 @@ def main(argv=None) -> list[dict]:
         print(f"# WARNING: load average {load_before:.2f} before the run on {os.cpu_count()} cores: other processes "
               "compete for the cores, and these timings are not an idle machine's (llama.cpp's threads wait on "
               "each other at every operation, so it loses most)", flush=True)
+    if (meta["omp_wait_policy"] or "").upper() == "PASSIVE":  # `make test` sets it; a shell may keep it
+        print("# WARNING: OMP_WAIT_POLICY=PASSIVE: both engines' OpenMP threads sleep between operations instead of "
+              "spinning, which slows llama.cpp's decode most (its threads meet at every operation), "
+              "retopk's less: unset it for the yardstick (history.md, 2026-12-06, session 21)", flush=True)
     rows: list[dict] = []
 
     def save() -> None:  # after every length, so a stopped run keeps what it measured
