@@ -34,7 +34,7 @@ ROPE_TYPES = ("linear", "yarn", "longrope", "llama3")
 # refresh_first 8 (each turn's first 8 decode steps refresh every head): the FIFO's seeds are the prompt's queries,
 # and at an answer's first tokens the reuse heads missed half the needle positions Exact Top-K read, at
 # similarities no threshold distrusts; on jargon's NIAH, where the default lost to Exact Top-K at the list's first
-# item, it answered every case as Exact Top-K did, for 0.3-1.8 more points of group reads over 128 steps (most of
+# item, it answered every case as Exact Top-K did, for 0.3-2.5 more points of group reads over 128 steps (most of
 # a turn's first steps fall back anyway; a short answer pays a larger share; docs/evaluation.md, "Quality across
 # corpora").
 # The core's ReTopKConfig() keeps the paper's defaults.
