@@ -124,12 +124,13 @@ def encode(artifact: SessionArtifact) -> bytes:
     return b"".join(encode_parts(artifact))
 
 
-def chunks(parts: tuple[bytes, ...], size: int):
-    """The bytes of ``parts`` (``encode_parts``) in pieces of at most ``size``, without joining them first."""
+def chunks(parts: tuple[bytes | memoryview, ...], size: int):
+    """The bytes of ``parts`` (``encode_parts``, session_file.parts) in pieces of at most ``size``: views of them,
+    neither joined nor copied (the caller copies a piece into its message)."""
     for part in parts:
-        view = memoryview(part)
-        for at in range(0, len(part), size):
-            yield bytes(view[at:at + size])
+        view = memoryview(part).cast("B")
+        for at in range(0, view.nbytes, size):
+            yield view[at:at + size]
 
 
 def decode(data) -> SessionArtifact:

@@ -33,6 +33,7 @@ import grpc
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_server.engine import Engine, session_file
+from retopk_server.engine.session_artifact import chunks
 from retopk_server.engine.session_store import SessionStore
 from retopk_server.service.gateway import PEER_METADATA
 from retopk_server.service.handoff_notices import HandoffNotices
@@ -65,11 +66,8 @@ def import_requests(parts: tuple[bytes | memoryview, ...]):
     """The ImportSession stream of an artifact's parts (session_file.parts), each message serialized: an
     ImportSessionRequest holding only ``data`` is its tag, its length and its bytes, so each is one join of a view
     of the parts (building the message and serializing it would copy each byte twice more)."""
-    for part in parts:
-        view = memoryview(part).cast("B")
-        for at in range(0, view.nbytes, SESSION_CHUNK_BYTES):
-            piece = view[at:at + SESSION_CHUNK_BYTES]
-            yield b"".join((DATA_TAG, varint(piece.nbytes), piece))
+    for piece in chunks(parts, SESSION_CHUNK_BYTES):
+        yield b"".join((DATA_TAG, varint(piece.nbytes), piece))
 
 
 async def keep_sessions(engine: Engine, deadline: float, peer: str | None, peer_key: str | None,

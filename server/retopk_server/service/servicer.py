@@ -157,7 +157,7 @@ class ReTopKServicer(pb_grpc.ReTopKServiceServicer):
             await context.abort(error.grpc_status, error.message, error.trailers)
         try:
             for chunk in session_artifact.chunks(parts, self.gateway.limits.max_session_chunk_bytes):
-                yield pb.SessionChunk(data=chunk)
+                yield pb.SessionChunk(data=bytes(chunk))
         except asyncio.CancelledError:
             call.code = _cancelled_code(context)
             raise
