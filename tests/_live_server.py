@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,14 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the test process dies, so no server outlives it (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+def with_parent_death_signal(command: list[str]) -> list[str]:
+    """``command`` run under ``setpriv --pdeathsig TERM`` where util-linux has it (Linux): the child gets SIGTERM
+    when the thread that started it dies, so no server outlives the test process. A prefix, not a
+    ``preexec_fn``: Popen with a preexec_fn must fork() the whole test process, and late in the suite its
+    address space is large enough that the kernel may refuse the fork's commit (ENOMEM); without one Popen
+    uses vfork, which copies nothing."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    return [setpriv, "--pdeathsig", "TERM", *command] if setpriv else command
 
 
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -129,9 +130,8 @@ def wait_serving(address: str, timeout: float) -> None:
 def _spawn(args: tuple[str, ...], env: dict[str, str] | None) -> LiveServer:
     command = [sys.executable, "-m", "retopk_server.cli", "--host", "127.0.0.1", "--port", "0",
                "--metrics-port", "0", *args]
-    process = subprocess.Popen(command, cwd=REPO, env=_child_env(env), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, bufsize=1,
-                               preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    process = subprocess.Popen(with_parent_death_signal(command), cwd=REPO, env=_child_env(env),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     return LiveServer(process)
 
 

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
-from tests._live_server import REPO, LiveServer, _child_env, _die_with_parent
+from tests._live_server import REPO, LiveServer, _child_env, with_parent_death_signal
 from tests.server.fake_runner import FakeRunner, greedy_reference
 
 pytestmark = pytest.mark.timeout(60)
@@ -267,9 +267,9 @@ def test_sighup_reloads_the_keys_file_of_a_running_server(tmp_path):
     path.write_text(line("alice") + "\n")
     stamp = path.stat()
     process = subprocess.Popen(
-        [sys.executable, "-c", FAKE_SERVE, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-         "--api-keys-file", str(path)], cwd=REPO, env=_child_env(None), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, bufsize=1, preexec_fn=_die_with_parent)
+        with_parent_death_signal([sys.executable, "-c", FAKE_SERVE, "--host", "127.0.0.1", "--port", "0",
+                                  "--metrics-port", "0", "--api-keys-file", str(path)]),
+        cwd=REPO, env=_child_env(None), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     server = LiveServer(process)
     try:
         server.wait_ready(60)
