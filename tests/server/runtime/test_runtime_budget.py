@@ -225,3 +225,39 @@ def test_an_aborted_prefill_leaves_the_session_as_it_was():
         out, _ = runner.decode([a, b], [tok, tok])
         torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
         la = out[0]
+
+
+def _cgroup(root, files: dict[str, str]):
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_available_ram_is_capped_by_the_memory_cgroups_limit(tmp_path):
+    """A container's /proc/meminfo is the host's: the cgroup's limit less its usage (inactive page cache not
+    counted, as the kernel reclaims it first) caps MemAvailable; without a limit MemAvailable stands."""
+    from retopk_server.runtime.budget import available_ram, cgroup_free_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 268435456 kB\nMemAvailable: 200000000 kB\n")  # a 256 GiB host
+    gib = 1 << 30
+    v2 = _cgroup(tmp_path / "v2", {"memory.max": f"{8 * gib}\n", "memory.current": f"{3 * gib}\n",
+                                   "memory.stat": f"anon {2 * gib}\ninactive_file {gib}\nactive_file 5\n"})
+    none = tmp_path / "absent"
+    assert cgroup_free_bytes(v2, none) == 8 * gib - (3 * gib - gib)
+    assert available_ram(meminfo, v2, none) == 6 * gib
+    v1 = _cgroup(tmp_path / "v1", {"memory.limit_in_bytes": f"{4 * gib}\n", "memory.usage_in_bytes": f"{5 * gib}\n",
+                                   "memory.stat": "cache 7\ntotal_inactive_file 0\n"})
+    assert cgroup_free_bytes(none, v1) == 0  # over its limit: nothing left, not a negative budget
+    assert available_ram(meminfo, none, v1) == 0
+    # No limit (v2 "max", v1's page-rounded 2^63) or no cgroup: the host's MemAvailable.
+    v2max = _cgroup(tmp_path / "v2max", {"memory.max": "max\n", "memory.current": "1\n"})
+    assert cgroup_free_bytes(v2max, none) is None
+    unlimited = _cgroup(tmp_path / "v1max", {"memory.limit_in_bytes": "9223372036854771712\n",
+                                             "memory.usage_in_bytes": "1\n"})
+    assert cgroup_free_bytes(none, unlimited) is None
+    assert available_ram(meminfo, none, none) == 200000000 * 1024
+    # A cgroup with room to spare does not raise the figure above MemAvailable.
+    roomy = _cgroup(tmp_path / "roomy", {"memory.max": f"{1024 * gib}\n", "memory.current": "0\n"})
+    assert available_ram(meminfo, roomy, none) == 200000000 * 1024
