@@ -10,18 +10,26 @@ view's storage never moves: whoever holds a view of the first rows keeps seeing 
 the view no longer covers them.
 
 The reservation is address space, not memory: the KV pool (kv_pool.py) reserves what its budget could ever hold
-and is charged for the rows it views. Where the system refuses the reservation (a strict overcommit policy,
-``vm.overcommit_memory=2``) ``reserve`` returns None and the caller grows by copying instead.
+and is charged for the rows it views. It is mapped MAP_NORESERVE, so the kernel's overcommit accounting does
+not charge it either: without the flag a process holding a few such pools (adjacent ones merge into one
+mapping) could no longer fork(), whose copy of the address space is charged mapping by mapping, once one
+mapping outgrew the machine's memory. Where the system refuses the reservation (a strict overcommit policy,
+``vm.overcommit_memory=2``, charges it anyway) ``reserve`` returns None and the caller grows by copying instead.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import platform
+import sys
 
 import torch
 
 PAGE = mmap.PAGESIZE
+# mmap.MAP_NORESERVE is Python 3.12's; its value is Linux's on these architectures.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux")
+                        and platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") else 0)
 
 
 class ReservedRows:
@@ -30,7 +38,8 @@ class ReservedRows:
     def __init__(self, rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.rows, self.row_shape = rows, tuple(row_shape)
         self.row_nbytes = math.prod(self.row_shape) * torch.empty((), dtype=dtype).element_size()
-        self._map = mmap.mmap(-1, max(1, rows * self.row_nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._map = mmap.mmap(-1, max(1, rows * self.row_nbytes),
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
         if hasattr(mmap, "MADV_HUGEPAGE"):  # as torch's allocator asks (retopk_core/hugepages.py): fewer TLB misses
             self._map.madvise(mmap.MADV_HUGEPAGE)
         with torch.inference_mode(False):  # a pool made outside inference mode stays writable outside it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from retopk_server.runtime import MethodSpec, kv_pool
 from retopk_server.runtime.attention import HOLD_S
 from retopk_server.runtime.budget import CacheBudget
 from retopk_server.runtime.kv_pool import KVPool
+from retopk_server.runtime.reserved_rows import reserve
 
 
 def test_pool_write_and_history_round_trip_across_growth():
@@ -234,3 +236,26 @@ def test_a_pool_grows_by_copying_where_the_reservation_is_refused(monkeypatch):
     pool.alloc(3)
     assert pool.capacity == 4 and pool.k[0].data_ptr() != before
     assert bool((pool.k[0][:2] == 1).all()) and not bool(pool.k[0][2:].any())
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_a_reservation_is_not_charged_to_the_overcommit_accounting():
+    """ReservedRows maps MAP_NORESERVE ("nr" in the mapping's VmFlags): a large pool's untouched address space
+    does not count against the machine's memory, so the process can still fork() beside it."""
+    rows = reserve(1 << 16, (64,), torch.float32)  # 16 MiB, far past what it will hold
+    assert rows is not None
+    rows.view(4)[:] = 1.0
+    assert "nr" in vm_flags(rows.base.data_ptr())
