@@ -110,6 +110,7 @@ def measure(args, model, tokenizer) -> dict:
                 times[name[crc, narrow]][part].append(seconds)
                 cpu_times[name[crc, narrow]][part].append(cpu)
     parallel_crc.part_crc32 = primitives[next(iter(primitives))]
+    directory.rmdir()  # each round unlinked its file
     worker.shutdown()
     engine.shutdown()
     result = {"tokens": args.tokens, "rounds": args.rounds, "threads": args.threads, "file_bytes": sizes,

@@ -60,12 +60,17 @@ def main(argv=None) -> dict:
 
 
 def measure(args, model, tokenizer) -> dict:
-    """The run of ``main`` on a loaded (model, tokenizer) (the tests pass the embedded model they hold)."""
+    """The run of ``main`` on a loaded (model, tokenizer) (the tests pass the embedded model they hold). The
+    session directory is removed afterwards: at 16 sessions of 1,000 tokens it holds several hundred MB."""
+    with tempfile.TemporaryDirectory(prefix="retopk-sessions-") as directory:
+        return _measure(args, model, tokenizer, directory)
+
+
+def _measure(args, model, tokenizer, directory: str) -> dict:
     import torch
 
     from retopk_client import Client
 
-    directory = tempfile.mkdtemp(prefix="retopk-sessions-")
     config = server_config(args, max_sessions=max(64, args.sessions), max_sessions_per_key=args.sessions,
                            session_dir=directory)
     gen = torch.Generator().manual_seed(0)
