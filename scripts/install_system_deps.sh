@@ -8,13 +8,15 @@
 #               one kind of text
 #   nginx       the gRPC router with session affinity that tests/deploy/test_nginx_affinity.py runs on
 #               loopback in front of real server processes (its service is not started or enabled)
+#   util-linux  setpriv, under which the tests start their servers (tests/_live_server.py: SIGTERM when the test
+#               process dies; Debian marks it essential, so this only states the dependency)
 # Non-interactive as root (CI). Where they are missing and cannot be installed (not root, no apt-get) it
 # says what to install and exits 1, so `make test` fails rather than let the tests that need them skip
 # unnoticed. RETOPK_SKIP_SYSTEM_DEPS=1 (`RETOPK_SKIP_SYSTEM_DEPS=1 make test`) is the explicit opt-out:
 # exit 0, and those tests skip with their own reason.
 set -euo pipefail
 
-PACKAGES=(prometheus bible-kjv nginx debian-reference-en jargon-text libpython3-stdlib)
+PACKAGES=(prometheus bible-kjv nginx debian-reference-en jargon-text libpython3-stdlib util-linux)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
