@@ -27,9 +27,9 @@ import sys
 import torch
 
 PAGE = mmap.PAGESIZE
-# mmap.MAP_NORESERVE is Python 3.12's; its value is Linux's on these architectures.
+# mmap.MAP_NORESERVE is Python 3.12's; 0x4000 is Linux's value on x86-64 and arm64 (elsewhere: no flag).
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux")
-                        and platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") else 0)
+                        and platform.machine() in ("x86_64", "aarch64") else 0)
 
 
 class ReservedRows:
