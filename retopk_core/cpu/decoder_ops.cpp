@@ -24,6 +24,21 @@
 //   maddubs (u8 nibbles x s8 activations; Q8_0 as |w| x sign(qx, w)), AVX-512 without VNNI too; AVX-512 VNNI
 //   with dpbusd, in the AVX2 loop's float order, so its results equal AVX2's bit for bit.
 //
+//   With ``activations`` kBf16x2 (Q4_1 only, on CPUs with AMX-BF16: amx_available()), each x is split into two
+//   bf16 limbs, hi = bf16(x) (round to nearest even) and lo = bf16(x - hi), so |x - hi - lo| <= 2^-17 |x|, and
+//   each block's product runs on AMX tiles (products of bf16 exact, sums in float32):
+//     Q4_1: y[o] = sum_b d_b (sum_j q_bj hi_bj + sum_j q_bj lo_bj) + m_b sx_b,   sx_b = sum_j x_bj in float32
+//   so |y - y_exact| <= about 2^-17 sum_j |W_oj x_j| plus float32's rounding of the sums. qs is then pack_amx's
+//   units (scales are not read), out must be a multiple of 16, and a row's outputs are the same bit for bit alone
+//   or in any batch. Q8_0 products (the LM head) keep the float32 loops under kBf16x2, so they equal kFloat32's
+//   (a later step can put them on the tiles: their int8 weights are exact in bf16).
+//   pack_amx(qs, scales) -> units uint8 (out, in / 32 * 20): the bytes of (out / 16, in / 32) units of 320, unit
+//     (g, b) for outputs 16 g..16 g + 15 and block b, laid out as one tdpbf16ps reads B: pair row k (k < 16)
+//     holds, for each of the 16 outputs n, (q[n][2 k], q[n][2 k + 1]) as bf16; the unit's 64-byte chunk c (c < 4)
+//     holds pair rows 4c..4c+3, its byte 2i + s (i < 32, s < 2) = q[i / 2][2 r + i % 2] | q[i / 2][2 (r + 1) + i % 2]
+//     << 4 with r = 4c + 2s (q[n][k]: the nibble of W[16 g + n, 32 b + k]); bytes 256..287 the 16 outputs' d,
+//     288..319 their m (float16, as stored). The same bytes per weight as qs and scales; viewed (out, ...) so
+//     that its first dim counts outputs as qs's does.
 //   quantize_activations(x (M, in), isa) -> qx (M, in) int8, xs (M, in / 32, 2) = (dx, sx): the int8 path's x.
 //   rms_norm(x (M, D), w (D,), eps) -> x / sqrt(mean(x^2) + eps) * w, rows in parallel only when large.
 //   rope_(x (N, heads, d) strided, cos, sin (N, d)): in place, x <- x cos + rotate_half(x) sin with
@@ -43,7 +58,9 @@
 //
 // The loops exist for AVX-512 (with VNNI for int8 activations), AVX2 (both with FMA and F16C) and plain C++,
 // chosen per call by ``isa``: 0 plain, 1 AVX2, 2 AVX-512 F/BW/VL/DQ, 3 the same with AVX-512 VNNI; best_isa()
-// unless a caller asks for a lower one, as the tests do to cover every path on one machine.
+// unless a caller asks for a lower one, as the tests do to cover every path on one machine. The bf16x2 products
+// use AMX whatever ``isa`` (amx_available() implies AVX-512); their functions carry their own target attributes,
+// so the library builds without -mamx flags and runs where AMX is missing (bf16x2 is then refused).
 // Every product of attn_in, mlp_out (and decode_layers) takes the one ``activations`` setting its call gets.
 
 #include <torch/extension.h>
@@ -66,19 +83,27 @@
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+#define TARGET_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+#endif
+#if defined(RETOPK_X86) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define RETOPK_AMX 1
 #endif
 
 namespace {
 
 // Each level has every instruction set of the levels below it (AVX-512 VNNI needs AVX-512F).
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
-enum Activations : int64_t { kFloat32 = 0, kInt8 = 1 };
+enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2 };
 // Rows of x per pass over a weight row: kRows, or kWideRows where AVX-512's 32 registers hold that many rows'
 // accumulators (rows_per_pass). Each row's sums run in the same order whatever the batch (its own accumulators,
 // blocks in file order), so a request's tokens do not depend on what it is batched with, nor on the pass width.
 constexpr int64_t kRows = 4;
 constexpr int64_t kWideRows = 8;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
+constexpr int64_t kUnit = 320;  // bytes of a pack_amx unit: 256 of nibbles, then 16 d and 16 m as float16
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
 using DotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc);
@@ -583,6 +608,172 @@ TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
   for (int r = 0; r < MR; ++r)
     acc[r] = hsum256(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1)));
 }
+
+// ---- bf16x2 activations on AMX (activations kBf16x2, Q4_1): the header's pack_amx units ----
+// Each unit holds one block (32 inputs) of 16 outputs in the order one tdpbf16ps reads them (pack_amx). A pass
+// takes up to kAmxRows rows of x, each as its two limbs: A (2 mr, 32 bf16) has row r = hi(x_r) and row mr + r =
+// lo(x_r) over the block's 32 inputs; B (16 pair rows, 16 outputs x 2 bf16) is widened from the unit's nibbles
+// on every use (the q are exact in bf16); C (2 mr, 16) = A . B in float32; then per row, in AVX-512,
+//   acc[r] = fma(d, C[mr + r] + C[r], acc[r]);  acc[r] = fma(m, sx_r, acc[r])   (sx_r: the block's sum of x_r)
+// Every row's C row depends on its own A rows alone, and the rest is per row: a row's outputs are the same bit
+// for bit whatever its batch. Tiles: 0, 1 B; 2, 3 A; 4, 5 C (two blocks in turn, so that the next block's B
+// need not wait for this one's product).
+constexpr int64_t kUnitChunk = 6;    // blocks whose B are built, multiplied, then combined together (phases)
+constexpr int64_t kAheadUnits = 16;  // units prefetched ahead of the one being widened
+constexpr int64_t kAmxRows = 8;      // rows of x a pass: their two limbs fill A's 16 tile rows
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+TARGET_AMX void configure_tiles(int64_t a_rows) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  const int64_t rows[6] = {16, 16, a_rows, a_rows, a_rows, a_rows};
+  for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(rows[t]);
+  // not gcc 12's _tile_loadconfig, whose asm says it reads 8 bytes: the compiler dropped the other stores
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+TARGET_AMX void release_tiles() { _tile_release(); }
+
+// mr rows of x (rows of `in`) -> xl (nb, 2 mr, 32) bf16: row l mr + r of block b holds limb l of x_r's 32 inputs
+// (hi = bf16(x) rounded to nearest even, lo = bf16(x - hi), x - hi exact in float32); sx (mr, nb): the blocks'
+// sums of x in float32.
+TARGET_AMX void split_limbs(const float* x, int64_t mr, int64_t in, uint16_t* xl, float* sx) {
+  const int64_t nb = in / 32;
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512 v[2] = {_mm512_loadu_ps(x + r * in + 32 * b), _mm512_loadu_ps(x + r * in + 32 * b + 16)};
+      sx[r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      for (int64_t l = 0; l < 2; ++l) {
+        uint16_t* row = xl + (b * 2 * mr + l * mr + r) * 32;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bf = (__m256i)_mm512_cvtneps_pbh(v[h]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * h), bf);
+          v[h] = _mm512_sub_ps(v[h], _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16)));
+        }
+      }
+    }
+}
+
+// B's 16 pair rows (64 bytes each) into bbuf from a unit's nibbles (16-bit lane i of its 64-byte chunk c shifted
+// right by 0, 4, 8, 12: pair rows 4c..4c+3's word i in the low 4 bits); table[e] = bf16(e & 15).
+TARGET_AMX inline void build_b(const uint8_t* unit, uint16_t* bbuf, __m512i table) {
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_loadu_si512(unit + 64 * c);
+    uint16_t* rows = bbuf + 4 * c * 32;
+    _mm512_store_si512(rows, _mm512_permutexvar_epi16(v, table));
+    _mm512_store_si512(rows + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
+    _mm512_store_si512(rows + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table));
+    _mm512_store_si512(rows + 96, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table));
+  }
+}
+
+// C = A . B on tiles TC, TA, TB (literals: the intrinsics paste them into their assembly). gcc 12's tileloadd and
+// tilestored do not tell the compiler that they read or write memory: a barrier before keeps B's stores before
+// the load (and the callers put one before C is read).
+#define RETOPK_AMX_PRODUCT(TB, TA, TC, B_ROWS, A_ROWS, C_OUT) \
+  __asm__ volatile("" ::: "memory");                          \
+  _tile_loadd(TB, B_ROWS, 64);                                \
+  _tile_loadd(TA, A_ROWS, 64);                                \
+  _tile_zero(TC);                                             \
+  _tile_dpbf16ps(TC, TA, TB);                                 \
+  _tile_stored(TC, C_OUT, 64);
+
+// y rows [0, MR) (ldy apart), outputs of groups [g0, g1) = units' x W^T (+ bias) (+ residual), from xl / sx of
+// split_limbs; tiles configured for 2 MR rows of A.
+template <int MR>
+TARGET_AMX void amx_groups(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1, const uint16_t* xl,
+                           const float* sx, const float* bias, const float* residual, float* y, int64_t ldy) {
+  constexpr int64_t LM = 2 * MR;
+  alignas(64) uint16_t bbuf[kUnitChunk * 512];  // (kUnitChunk, 16, 32) bf16
+  alignas(64) float cbuf[kUnitChunk * 256];     // (kUnitChunk, <= 16, 16)
+  alignas(64) uint16_t tab[32];
+  for (int e = 0; e < 32; ++e) tab[e] = c10::BFloat16(static_cast<float>(e & 15)).x;  // exact
+  const __m512i table = _mm512_load_si512(tab);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* gu = units + g * nb * kUnit;
+    for (int64_t b0 = 0; b0 < nb; b0 += kUnitChunk) {
+      const int64_t nc = std::min(kUnitChunk, nb - b0);
+      for (int64_t i = 0; i < nc; ++i) {
+        const uint8_t* unit = gu + (b0 + i) * kUnit;
+        for (int64_t k = 0; k < kUnit; k += 64) __builtin_prefetch(unit + kAheadUnits * kUnit + k, 0, 3);
+        build_b(unit, bbuf + i * 512, table);
+      }
+      int64_t i = 0;
+      for (; i + 2 <= nc; i += 2) {
+        const uint16_t* a0 = xl + (b0 + i) * LM * 32;
+        RETOPK_AMX_PRODUCT(0, 2, 4, bbuf + i * 512, a0, cbuf + i * 256)
+        RETOPK_AMX_PRODUCT(1, 3, 5, bbuf + (i + 1) * 512, a0 + LM * 32, cbuf + (i + 1) * 256)
+      }
+      if (i < nc) {
+        RETOPK_AMX_PRODUCT(0, 2, 4, bbuf + i * 512, xl + (b0 + i) * LM * 32, cbuf + i * 256)
+      }
+      __asm__ volatile("" ::: "memory");  // C's tile stores before its loads
+      for (int64_t k = 0; k < nc; ++k) {
+        const uint8_t* unit = gu + (b0 + k) * kUnit;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
+        const float* c = cbuf + k * 256;
+        for (int r = 0; r < MR; ++r) {
+          const __m512 t = _mm512_add_ps(_mm512_load_ps(c + (MR + r) * 16), _mm512_load_ps(c + r * 16));
+          acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b0 + k]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {  // block_matmul's order: the product, + bias, + residual
+      __m512 v = acc[r];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * g));
+      if (residual) v = _mm512_add_ps(v, _mm512_loadu_ps(residual + r * ldy + 16 * g));
+      _mm512_storeu_ps(y + r * ldy + 16 * g, v);
+    }
+  }
+}
+#undef RETOPK_AMX_PRODUCT
+
+using AmxFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, const float*, const float*,
+                       const float*, float*, int64_t);
+
+AmxFn amx_fn(int64_t mr) {
+  switch (mr) {
+    case 1: return amx_groups<1>;
+    case 2: return amx_groups<2>;
+    case 3: return amx_groups<3>;
+    case 4: return amx_groups<4>;
+    case 5: return amx_groups<5>;
+    case 6: return amx_groups<6>;
+    case 7: return amx_groups<7>;
+    default: return amx_groups<8>;
+  }
+}
+
+// y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_amx's units, rows in passes of kAmxRows. x's limbs
+// are split once for every task; one task per range of groups of 16 outputs, which loads the tile
+// configuration for each pass and releases the tiles at its end (the configuration is per thread). A pass over
+// more than kAmxRows rows reads the task's units again (from L2 for a decode step's shapes).
+void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int64_t out, const float* bias,
+                const float* residual, float* y) {
+  const int64_t nb = in / 32;
+  std::vector<uint16_t> xl(2 * M * in);  // per pass of rows r0..: (nb, 2 mr, 32) at 2 r0 in
+  std::vector<float> sx(M * nb);
+  for (int64_t r0 = 0; r0 < M; r0 += kAmxRows)
+    split_limbs(x + r0 * in, std::min(kAmxRows, M - r0), in, xl.data() + 2 * r0 * in, sx.data() + r0 * nb);
+  at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
+      const int64_t mr = std::min(kAmxRows, M - r0);
+      configure_tiles(2 * mr);
+      amx_fn(mr)(units, nb, g0, g1, xl.data() + 2 * r0 * in, sx.data() + r0 * nb, bias,
+                 residual ? residual + r0 * out : nullptr, y + r0 * out, out);
+    }
+    release_tiles();
+  });
+}
 #endif
 
 // fn<mr> for 1 <= mr <= kRows
@@ -611,7 +802,7 @@ TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
 // pass, were slower than at four: docs/bench/history.md, 2026-12-06, helper h39).
 int64_t rows_per_pass(int64_t isa, int64_t activations) {
 #ifdef RETOPK_X86
-  if (isa >= kAvx512 && activations == kFloat32) return kWideRows;
+  if (isa >= kAvx512 && activations != kInt8) return kWideRows;  // bf16x2's Q8_0 products are float32 ones
 #endif
   return kRows;
 }
@@ -694,18 +885,108 @@ int64_t best_isa() {
 }
 
 namespace {
+// AMX-TILE and AMX-BF16 (cpuid 7.0 edx bits 24, 22) with AVX-512 BF16 (7.1 eax bit 5) and AVX-512 F/BW/VL/DQ,
+// the tile state enabled by the OS (XCR0 bits 17, 18), and Linux's permission for this process to use it
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): Linux hands out the tile state only on request).
+bool detect_amx() {
+#ifdef RETOPK_AMX
+  if (best_isa() < kAvx512) return false;
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+  if (a < 7) return false;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  const bool tile = (d >> 24) & 1, amx_bf16 = (d >> 22) & 1;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+  const bool avx512_bf16 = (a >> 5) & 1;
+  if (!tile || !amx_bf16 || !avx512_bf16) return false;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+  if (!((c >> 27) & 1)) return false;  // OSXSAVE: xgetbv is there
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if (((lo >> 17) & 3) != 3) return false;
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+bool amx_available() {
+  static const bool ok = detect_amx();  // once: the permission is the process's
+  return ok;
+}
+
+at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
+  CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 && qs.scalar_type() == at::kByte,
+              "qs must be a contiguous (out, in / 2) uint8 CPU tensor, got ", qs.sizes(), " ", qs.scalar_type());
+  const int64_t out = qs.size(0), in = 2 * qs.size(1), nb = in / 32;
+  CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
+  CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
+  CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == out * nb * 2,
+              "scales must be contiguous float16 with ", out * nb * 2, " elements");
+  at::Tensor units = at::empty({out, nb * kUnit / 16}, qs.options());
+  const uint8_t* q = qs.data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  uint8_t* up = units.data_ptr<uint8_t>();
+  auto nibble = [&](int64_t o, int64_t b, int64_t k) {  // q of W[o, 32 b + k]
+    const uint8_t byte = q[o * (in / 2) + 16 * b + (k & 15)];
+    return k < 16 ? byte & 15 : byte >> 4;
+  };
+  at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* u = up + (g * nb + b) * kUnit;
+        for (int64_t c = 0; c < 4; ++c)
+          for (int64_t i = 0; i < 32; ++i)
+            for (int64_t s = 0; s < 2; ++s) {
+              const int64_t row = 4 * c + 2 * s, o = 16 * g + i / 2;
+              u[64 * c + 2 * i + s] =
+                  static_cast<uint8_t>(nibble(o, b, 2 * row + i % 2) | nibble(o, b, 2 * (row + 1) + i % 2) << 4);
+            }
+        uint16_t* us = reinterpret_cast<uint16_t*>(u + 256);
+        for (int64_t n = 0; n < 16; ++n) {
+          us[n] = sc[((16 * g + n) * nb + b) * 2];
+          us[16 + n] = sc[((16 * g + n) * nb + b) * 2 + 1];
+        }
+      }
+  });
+  return units;
+}
+
+namespace {
 // y (M, out) <- x W^T (+ bias) (+ residual): block_matmul into a given output.
 void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa,
                      int64_t activations) {
   CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   CHECK_VALUE(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not available on this CPU (best ", best_isa(), ")");
-  CHECK_VALUE(activations == kFloat32 || activations == kInt8, "activations must be 0 (float32) or 1 (int8), got ",
-              activations);
+  CHECK_VALUE(activations >= kFloat32 && activations <= kBf16x2,
+              "activations must be 0 (float32), 1 (int8) or 2 (bf16x2), got ", activations);
   CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
   const int64_t M = x.size(0), in = x.size(1), out = qs.size(0), nb = in / 32;
   check_f32_matrix(x, "x", -1, in);
   CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
+  if (bias) CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
+                        "bias must be a contiguous float32 (out,) tensor");
+  if (residual) check_f32_matrix(*residual, "residual", M, out);
+  check_f32_matrix(y, "y", M, out);
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  if (activations == kBf16x2 && bits == 4) {  // qs holds pack_amx's units; scales are not read
+    CHECK_VALUE(amx_available(), "activations bf16x2 needs AMX-BF16 (with Linux's permission for the tiles), "
+                "which this CPU or process does not have");
+    CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 && qs.scalar_type() == at::kByte &&
+                    out % 16 == 0 && qs.size(1) == nb * kUnit / 16,
+                "with activations bf16x2, qs must be pack_amx's units: a contiguous (out, ", nb * kUnit / 16,
+                ") uint8 CPU tensor with out a multiple of 16, got ", qs.sizes(), " ", qs.scalar_type());
+#ifdef RETOPK_X86
+    amx_matmul(x.data_ptr<float>(), M, in, static_cast<const uint8_t*>(qs.data_ptr()), out, bp, rp,
+               y.data_ptr<float>());
+#endif
+    return;
+  }
   CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
                   qs.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && qs.size(1) == in * bits / 8,
               "qs must be a contiguous (out, ", in * bits / 8, ") ", bits == 4 ? "uint8" : "int8", " CPU tensor, got ",
@@ -713,15 +994,9 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   scales.numel() == out * nb * (bits == 4 ? 2 : 1),
               "scales must be contiguous float16 with ", out * nb * (bits == 4 ? 2 : 1), " elements");
-  if (bias) CHECK_VALUE(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
-                        "bias must be a contiguous float32 (out,) tensor");
-  if (residual) check_f32_matrix(*residual, "residual", M, out);
-  check_f32_matrix(y, "y", M, out);
   const float* xp = x.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1);
   const int64_t chunk = rows_per_pass(isa, activations);

@@ -22,6 +22,8 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
 
 // decoder_ops.cpp: the decoder's ops.
 int64_t best_isa();
+bool amx_available();
+at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa,
                         int64_t activations);
