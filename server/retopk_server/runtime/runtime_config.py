@@ -11,7 +11,7 @@ from retopk_server.runtime.method_spec import MethodSpec
 
 WEIGHTS = ("auto", "as-stored", "float32", "bfloat16", "float16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
-ACTIVATIONS = ("float32", "int8")  # retopk_core.cpu.decoder_ops.ACTIVATIONS, which the block products take
+ACTIVATIONS = ("float32", "int8", "bf16x2")  # retopk_core.cpu.decoder_ops.ACTIVATIONS, which the block products take
 BACKENDS = ("auto", "torch", "triton", "cpu")
 FUSED_CPU = ("retopk", "full", "exact_topk")  # methods with a step in retopk_core/cpu
 # "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
@@ -72,7 +72,9 @@ class RuntimeConfig:
     activations     what the block formats' decode products (int4 / int8 weights, on a CPU) multiply their
                     weights with: "float32" (x as it is: the dequantized model's products up to the order of
                     the sums) or "int8" (x quantized per row and block of 32 to int8 with one float scale, as
-                    llama.cpp does, then integer block dots: retopk_core/cpu/decoder_ops.cpp). Prefill GEMMs
+                    llama.cpp does, then integer block dots: retopk_core/cpu/decoder_ops.cpp) or "bf16x2" (x as
+                    two bf16 limbs, hi + lo, on AMX tiles: int4 products only, on CPUs with AMX-BF16, refused
+                    elsewhere; about 16 bits of x, where float32 keeps 24). Prefill GEMMs
                     through the dequantized copy, norms and the residual stream stay as they are. Refused for
                     a device other than the CPU and for a model without block weights
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
