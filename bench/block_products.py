@@ -14,11 +14,14 @@ With one thread a call's time is the CPU time of the calling thread (``time.thre
 one-thread call on it), which a loaded machine's other work does not inflate; with more, wall time.
 ``--int8-isa`` times the int8 way at each of the named SIMD levels (decoder_ops.ISA_NAMES, up to the CPU's best)
 as separate ways taking turns with the others, e.g. AVX2's int8 loop (which level avx512 runs) against AVX-512
-VNNI's: per shape the first level's time / each other's.
+VNNI's: per shape the first level's time / each other's. ``--bf16x2`` adds bf16x2 activations (AMX tiles, the
+int4 products on decoder_ops.pack_amx's units; the LM head's Q8_0 keeps float32's loops) as a way taking turns too,
+printed in the int8 columns' place after them (int8's time / bf16x2's) and in the step's lines.
 
     python -m bench.block_products --threads 1 2 --rows 1 8
     python -m bench.block_products --threads 1 --rows 8     # the step's ratio at 8 rows, one thread
     python -m bench.block_products --threads 1 --rows 1 8 --int8-isa avx512 avx512_vnni
+    python -m bench.block_products --threads 1 2 --rows 1 8 --bf16x2
 """
 
 from __future__ import annotations
@@ -57,28 +60,34 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="alternating turns of each way")
     p.add_argument("--int8-isa", nargs="+", choices=decoder_ops.ISA_NAMES,
                    help="time the int8 way at each of these SIMD levels (default: the ops' own level)")
+    p.add_argument("--bf16x2", action="store_true", help="time bf16x2 activations too (needs AMX-BF16)")
     return p.parse_args(argv)
 
 
-def ways(int8_isa: list[str] | None) -> dict[str, tuple[str, int | None]]:
+def ways(int8_isa: list[str] | None, bf16x2: bool = False) -> dict[str, tuple[str, int | None]]:
     """The timed ways, name -> (activations, SIMD level or None for the ops' own): float32, then int8 once or at
-    each level of ``int8_isa`` (named "int8 LEVEL")."""
+    each level of ``int8_isa`` (named "int8 LEVEL"), then bf16x2 with ``bf16x2``."""
+    if bf16x2 and not decoder_ops.amx_available():
+        raise SystemExit("--bf16x2: this CPU has no AMX-BF16")
+    extra = {"bf16x2": ("bf16x2", None)} if bf16x2 else {}
     if not int8_isa:
-        return {"float32": ("float32", None), "int8": ("int8", None)}
+        return {"float32": ("float32", None), "int8": ("int8", None), **extra}
     best = decoder_ops.best_isa()
     for name in int8_isa:
         if decoder_ops.ISA_NAMES.index(name) > best:
             raise SystemExit(f"--int8-isa {name}: this CPU's best level is {decoder_ops.ISA_NAMES[best]}")
-    return {"float32": ("float32", None), **{f"int8 {n}": ("int8", decoder_ops.ISA_NAMES.index(n)) for n in int8_isa}}
+    return {"float32": ("float32", None), **{f"int8 {n}": ("int8", decoder_ops.ISA_NAMES.index(n)) for n in int8_isa},
+            **extra}
 
 
 def per_call(lin, x: torch.Tensor, way: tuple[str, int | None], reps: int, clock) -> float:
     """Median seconds of one block_matmul call over ``reps`` calls, on ``clock``."""
     activations, level = way
+    qs = lin.units if activations == "bf16x2" and lin.bits == 4 else lin.qs  # pack_amx's, set in main
     times = []
     for _ in range(reps):
         start = clock()
-        decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, None, level, activations)
+        decoder_ops.block_matmul(x, qs, lin.scales, lin.bits, lin.bias, None, level, activations)
         times.append(clock() - start)
     return statistics.median(times)
 
@@ -87,14 +96,17 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     torch.manual_seed(0)
     rows = []
-    named = ways(args.int8_isa)
+    named = ways(args.int8_isa, args.bf16x2)
     int8 = [w for w in named if w != "float32"]
     print(f"{'shape':>8} {'out x in':>11} {'M':>2} {'thr':>3} {'f32 us':>8} "
           + " ".join(f"{w + ' us':>{max(8, len(w) + 3)}}" for w in int8)
           + f" {'f32/int8':>8}" + "".join(f" {int8[0] + '/' + w:>{len(int8[0]) + len(w) + 1}}" for w in int8[1:])
-          + f" {'f32 M/(M x 1)':>13} {'int8 M/(M x 1)':>14}")
+          + f" {'f32 M/(M x 1)':>13} {'int8 M/(M x 1)':>14}" + (f" {'bf16x2 M/(M x 1)':>16}" if args.bf16x2 else ""))
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     lins = {name: from_float(torch.randn(out, n_in) * 0.05, None, fmt) for name, out, n_in, fmt in shapes}
+    for lin in lins.values():
+        if args.bf16x2 and lin.bits == 4:
+            lin.units = decoder_ops.pack_amx(lin.qs, lin.scales)
     for threads in args.threads:
         torch.set_num_threads(threads)
         clock = time.thread_time if threads == 1 else time.perf_counter
@@ -119,7 +131,8 @@ def main(argv=None) -> list[dict]:
                       + " ".join(f"{1e6 * med[(w, M)]:>{max(8, len(w) + 3)}.1f}" for w in int8)
                       + f" {r['float32_s'] / r['int8_s']:>8.2f}"
                       + "".join(f" {med[(int8[0], M)] / med[(w, M)]:>{len(int8[0]) + len(w) + 1}.2f}" for w in int8[1:])
-                      + f" {r['batch_vs_rows_float32']:>13.2f} {r['batch_vs_rows_int8']:>14.2f}")
+                      + f" {r['batch_vs_rows_float32']:>13.2f} {r['batch_vs_rows_int8']:>14.2f}"
+                      + (f" {r['batch_vs_rows_bf16x2']:>16.2f}" if args.bf16x2 else ""))
         for M in (m for m in args.rows if m > 1):
             print_step([r for r in rows if r["threads"] == threads and r["M"] == M], shapes, named)
         print_step_totals([r for r in rows if r["threads"] == threads], shapes, named)
