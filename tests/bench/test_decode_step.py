@@ -89,3 +89,18 @@ def test_block_products_times_the_int8_way_at_each_named_level(capsys):
     assert all(r[k] > 0 for r in rows for k in keys) and all(r["int8_s"] == r[keys[0]] for r in rows)
     out = capsys.readouterr().out
     assert f"int8 {levels[0]}/int8 {levels[1]}" in out and "a step's products at 1 row(s), 1 thread(s): " in out
+
+
+def test_block_products_times_bf16x2_as_a_way(capsys):
+    """--bf16x2: a third way on pack_amx's units (int4) and the float32 loops (the LM head's int8), with its batch
+    column and its part of the step lines."""
+    from bench import block_products
+    from retopk_core.cpu import decoder_ops
+
+    if not decoder_ops.amx_available():
+        pytest.skip("bf16x2 needs AMX-BF16")
+    rows = block_products.main(["--shapes", "o", "lm_head", "--threads", "1", "--rows", "1", "2", "--reps", "2",
+                                "--rounds", "1", "--bf16x2"])
+    assert all(r["bf16x2_s"] > 0 and r["batch_vs_rows_bf16x2"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "bf16x2 M/(M x 1)" in out and "; bf16x2 " in out
