@@ -79,7 +79,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                    help="KV cache dtype (RuntimeConfig.kv_dtype; the server's auto is bfloat16)")
     g.add_argument("--activations", default="float32", choices=ACTIVATIONS,
-                   help="the block products' activations (RuntimeConfig.activations): float32 or int8")
+                   help="the block products' activations (RuntimeConfig.activations; the server's --activations)")
     g.add_argument("--backend", default="torch", choices=["torch", "triton", "cpu"])
     g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="extend the context past the model's positions, e.g. linear:4 or yarn:8")
