@@ -8,9 +8,10 @@ commits, run it in a worktree of each, taking turns (the machine's speed drifts)
 
 ``--compare-layer-loop`` times each method's step both ways in one process, in ``--rounds`` that take turns:
 the layers in one call of the fused CPU library (the runner's default where the step allows it,
-runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations`` does the
-same with the block products' activations float32 and int8 (RuntimeConfig.activations), on the step thread's
-CPU clock with ``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run.
+runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations [A ...]`` does
+the same with the block products' activations (RuntimeConfig.activations; float32 and int8 unless named, e.g.
+``float32 bf16x2`` on a CPU with AMX), each against the first, on the step thread's CPU clock with
+``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run.
 
 ``--step-turns`` opens one session per method and decodes them one after another within every step, the order
 rotating, so a loaded machine's drift hits each method alike: per method the median step, attention
@@ -49,8 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--compare-layer-loop", action="store_true",
                    help="time each method with its layers in one call and layer by layer, taking turns")
-    p.add_argument("--compare-activations", action="store_true",
-                   help="time each method with float32 and int8 activations into the block products, taking turns")
+    p.add_argument("--compare-activations", nargs="*", choices=ACTIVATIONS, default=None, metavar="A",
+                   help="time each method with these activations into the block products (none named: float32 "
+                        "int8), taking turns; ratios to the first")
     p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
                    help="the block products' activations (RuntimeConfig.activations) of a plain run")
     p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop / -activations")
@@ -145,13 +147,15 @@ def main(argv=None) -> None:
                 print(f"{text}: one call median {1e3 * t['one call']:.2f} ms, layer by layer "
                       f"{1e3 * t['layer by layer']:.2f} ms, layer by layer / one call "
                       f"{t['layer by layer'] / t['one call']:.3f}x")
-            elif args.compare_activations:
+            elif args.compare_activations is not None:
                 # one thread: the step's CPU time, which a loaded machine's other work does not inflate
                 clock, kind = (time.thread_time, "thread CPU") if args.threads == 1 else (time.perf_counter, "wall")
-                ways = {a: (lambda a=a: runner.decoder.set_activations(a)) for a in ("float32", "int8")}
+                names = args.compare_activations or ["float32", "int8"]
+                ways = {a: (lambda a=a: runner.decoder.set_activations(a)) for a in names}
                 t = taking_turns(runner, spec, ids, args, ways, clock)
-                print(f"{text}: float32 activations median {1e3 * t['float32']:.2f} ms, int8 {1e3 * t['int8']:.2f} ms "
-                      f"({kind} time), float32 / int8 {t['float32'] / t['int8']:.3f}x")
+                first = names[0]
+                print(f"{text}: " + ", ".join(f"{a} activations median {1e3 * t[a]:.2f} ms" for a in names)
+                      + f" ({kind} time), " + ", ".join(f"{first} / {a} {t[first] / t[a]:.3f}x" for a in names[1:]))
             else:
                 times = sorted(time_steps(runner, spec, ids, args.warmup, args.steps))
                 print(f"{text}: median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms")
