@@ -14,9 +14,9 @@ With one thread a call's time is the CPU time of the calling thread (``time.thre
 one-thread call on it), which a loaded machine's other work does not inflate; with more, wall time.
 ``--int8-isa`` times the int8 way at each of the named SIMD levels (decoder_ops.ISA_NAMES, up to the CPU's best)
 as separate ways taking turns with the others, e.g. AVX2's int8 loop (which level avx512 runs) against AVX-512
-VNNI's: per shape the first level's time / each other's. ``--bf16x2`` adds bf16x2 activations (AMX tiles, the
-int4 products on decoder_ops.pack_amx's units; the LM head's Q8_0 keeps float32's loops) as a way taking turns too,
-printed in the int8 columns' place after them (int8's time / bf16x2's) and in the step's lines.
+VNNI's: per shape the first level's time / each other's. ``--bf16x2`` adds bf16x2 activations (AMX tiles, every
+product on decoder_ops.pack_amx's units) as a way taking turns too, printed in the int8 columns' place after them
+(int8's time / bf16x2's) and in the step's lines.
 
     python -m bench.block_products --threads 1 2 --rows 1 8
     python -m bench.block_products --threads 1 --rows 8     # the step's ratio at 8 rows, one thread
@@ -83,7 +83,7 @@ def ways(int8_isa: list[str] | None, bf16x2: bool = False) -> dict[str, tuple[st
 def per_call(lin, x: torch.Tensor, way: tuple[str, int | None], reps: int, clock) -> float:
     """Median seconds of one block_matmul call over ``reps`` calls, on ``clock``."""
     activations, level = way
-    qs = lin.units if activations == "bf16x2" and lin.bits == 4 else lin.qs  # pack_amx's, set in main
+    qs = lin.units if activations == "bf16x2" else lin.qs  # pack_amx's, set in main
     times = []
     for _ in range(reps):
         start = clock()
@@ -105,7 +105,7 @@ def main(argv=None) -> list[dict]:
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     lins = {name: from_float(torch.randn(out, n_in) * 0.05, None, fmt) for name, out, n_in, fmt in shapes}
     for lin in lins.values():
-        if args.bf16x2 and lin.bits == 4:
+        if args.bf16x2:
             lin.units = decoder_ops.pack_amx(lin.qs, lin.scales)
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -24,21 +24,25 @@
 //   maddubs (u8 nibbles x s8 activations; Q8_0 as |w| x sign(qx, w)), AVX-512 without VNNI too; AVX-512 VNNI
 //   with dpbusd, in the AVX2 loop's float order, so its results equal AVX2's bit for bit.
 //
-//   With ``activations`` kBf16x2 (Q4_1 only, on CPUs with AMX-BF16: amx_available()), each x is split into two
-//   bf16 limbs, hi = bf16(x) (round to nearest even) and lo = bf16(x - hi), so |x - hi - lo| <= 2^-17 |x|, and
-//   each block's product runs on AMX tiles (products of bf16 exact, sums in float32):
+//   With ``activations`` kBf16x2 (on CPUs with AMX-BF16: amx_available()), each x is split into two bf16 limbs,
+//   hi = bf16(x) (round to nearest even) and lo = bf16(x - hi), so |x - hi - lo| <= 2^-17 |x|, and each block's
+//   product runs on AMX tiles (products of bf16 exact: q in 0..15 or -127..127 is exact in bf16; sums in float32):
 //     Q4_1: y[o] = sum_b d_b (sum_j q_bj hi_bj + sum_j q_bj lo_bj) + m_b sx_b,   sx_b = sum_j x_bj in float32
+//     Q8_0: y[o] = sum_b d_b (sum_j q_bj hi_bj + sum_j q_bj lo_bj)
 //   so |y - y_exact| <= about 2^-17 sum_j |W_oj x_j| plus float32's rounding of the sums. qs is then pack_amx's
 //   units (scales are not read), out must be a multiple of 16, and a row's outputs are the same bit for bit alone
-//   or in any batch. Q8_0 products (the LM head) keep the float32 loops under kBf16x2, so they equal kFloat32's
-//   (a later step can put them on the tiles: their int8 weights are exact in bf16).
-//   pack_amx(qs, scales) -> units uint8 (out, in / 32 * 20): the bytes of (out / 16, in / 32) units of 320, unit
-//     (g, b) for outputs 16 g..16 g + 15 and block b, laid out as one tdpbf16ps reads B: pair row k (k < 16)
-//     holds, for each of the 16 outputs n, (q[n][2 k], q[n][2 k + 1]) as bf16; the unit's 64-byte chunk c (c < 4)
-//     holds pair rows 4c..4c+3, its byte 2i + s (i < 32, s < 2) = q[i / 2][2 r + i % 2] | q[i / 2][2 (r + 1) + i % 2]
-//     << 4 with r = 4c + 2s (q[n][k]: the nibble of W[16 g + n, 32 b + k]); bytes 256..287 the 16 outputs' d,
-//     288..319 their m (float16, as stored). The same bytes per weight as qs and scales; viewed (out, ...) so
-//     that its first dim counts outputs as qs's does.
+//   or in any batch.
+//   pack_amx(qs, scales) -> units of the weight's format (qs's dtype says which), viewed (out, ...) so that their
+//   first dim counts outputs as qs's does, with the same bytes per weight as qs and scales. Unit (g, b) holds
+//   outputs 16 g..16 g + 15 and block b, laid out as one tdpbf16ps reads B: pair row k (k < 16) holds, for each
+//   of the 16 outputs n, (q[n][2 k], q[n][2 k + 1]) as bf16 (q[n][k]: the q of W[16 g + n, 32 b + k]).
+//   Q4_1, qs uint8 -> units uint8 (out, in / 32 * 20): (out / 16, in / 32) units of 320, the unit's 64-byte chunk
+//     c (c < 4) holding pair rows 4c..4c+3, its byte 2i + s (i < 32, s < 2) = q[i / 2][2 r + i % 2] |
+//     q[i / 2][2 (r + 1) + i % 2] << 4 with r = 4c + 2s (q: nibbles); bytes 256..287 the 16 outputs' d,
+//     288..319 their m (float16, as stored).
+//   Q8_0, qs int8 -> units int8 (out, in / 32 * 34): (out / 16, in / 32) units of 544, byte 32 k + 2 n + s =
+//     q[n][2 k + s] (k < 16, n < 16, s < 2: B's pair rows as int8), then bytes 512..543 the 16 outputs' d
+//     (float16, as stored).
 //   quantize_activations(x (M, in), isa) -> qx (M, in) int8, xs (M, in / 32, 2) = (dx, sx): the int8 path's x.
 //   rms_norm(x (M, D), w (D,), eps) -> x / sqrt(mean(x^2) + eps) * w, rows in parallel only when large.
 //   rope_(x (N, heads, d) strided, cos, sin (N, d)): in place, x <- x cos + rotate_half(x) sin with
@@ -103,7 +107,8 @@ enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2 };
 constexpr int64_t kRows = 4;
 constexpr int64_t kWideRows = 8;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
-constexpr int64_t kUnit = 320;  // bytes of a pack_amx unit: 256 of nibbles, then 16 d and 16 m as float16
+constexpr int64_t kUnit4 = 320;  // bytes of a Q4_1 pack_amx unit: 256 of nibbles, then 16 d and 16 m as float16
+constexpr int64_t kUnit8 = 544;  // bytes of a Q8_0 pack_amx unit: 512 of int8 q, then 16 d as float16
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
 using DotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc);
@@ -609,12 +614,13 @@ TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
     acc[r] = hsum256(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1)));
 }
 
-// ---- bf16x2 activations on AMX (activations kBf16x2, Q4_1): the header's pack_amx units ----
+// ---- bf16x2 activations on AMX (activations kBf16x2): the header's pack_amx units ----
 // Each unit holds one block (32 inputs) of 16 outputs in the order one tdpbf16ps reads them (pack_amx). A pass
 // takes up to kAmxRows rows of x, each as its two limbs: A (2 mr, 32 bf16) has row r = hi(x_r) and row mr + r =
-// lo(x_r) over the block's 32 inputs; B (16 pair rows, 16 outputs x 2 bf16) is widened from the unit's nibbles
-// on every use (the q are exact in bf16); C (2 mr, 16) = A . B in float32; then per row, in AVX-512,
-//   acc[r] = fma(d, C[mr + r] + C[r], acc[r]);  acc[r] = fma(m, sx_r, acc[r])   (sx_r: the block's sum of x_r)
+// lo(x_r) over the block's 32 inputs; B (16 pair rows, 16 outputs x 2 bf16) is widened from the unit's q on
+// every use (the q are exact in bf16); C (2 mr, 16) = A . B in float32; then per row, in AVX-512,
+//   acc[r] = fma(d, C[mr + r] + C[r], acc[r]);  acc[r] = fma(m, sx_r, acc[r]) for Q4_1 (sx_r: the block's sum
+//   of x_r; Q8_0 has no m)
 // Every row's C row depends on its own A rows alone, and the rest is per row: a row's outputs are the same bit
 // for bit whatever its batch. Tiles: 0, 1 B; 2, 3 A; 4, 5 C (two blocks in turn, so that the next block's B
 // need not wait for this one's product).
@@ -659,9 +665,9 @@ TARGET_AMX void split_limbs(const float* x, int64_t mr, int64_t in, uint16_t* xl
     }
 }
 
-// B's 16 pair rows (64 bytes each) into bbuf from a unit's nibbles (16-bit lane i of its 64-byte chunk c shifted
-// right by 0, 4, 8, 12: pair rows 4c..4c+3's word i in the low 4 bits); table[e] = bf16(e & 15).
-TARGET_AMX inline void build_b(const uint8_t* unit, uint16_t* bbuf, __m512i table) {
+// B's 16 pair rows (64 bytes each) into bbuf from a Q4_1 unit's nibbles (16-bit lane i of its 64-byte chunk c
+// shifted right by 0, 4, 8, 12: pair rows 4c..4c+3's word i in the low 4 bits); table[e] = bf16(e & 15).
+TARGET_AMX inline void build_b4(const uint8_t* unit, uint16_t* bbuf, __m512i table) {
   for (int c = 0; c < 4; ++c) {
     const __m512i v = _mm512_loadu_si512(unit + 64 * c);
     uint16_t* rows = bbuf + 4 * c * 32;
@@ -669,6 +675,17 @@ TARGET_AMX inline void build_b(const uint8_t* unit, uint16_t* bbuf, __m512i tabl
     _mm512_store_si512(rows + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
     _mm512_store_si512(rows + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table));
     _mm512_store_si512(rows + 96, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table));
+  }
+}
+
+// The same from a Q8_0 unit's int8 q: each pair row's 32 bytes sign-extended to int32, converted to float and
+// to bf16 (all exact for |q| <= 127: vcvtne2ps2bf16's b operand fills the low 16 bf16, a the high 16).
+TARGET_AMX inline void build_b8(const uint8_t* unit, uint16_t* bbuf) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(unit);  // 2 x 16 bytes a pair row
+  for (int k = 0; k < 16; ++k) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2 * k)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2 * k + 1)));
+    _mm512_store_si512(bbuf + 32 * k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
 }
 
@@ -684,8 +701,8 @@ TARGET_AMX inline void build_b(const uint8_t* unit, uint16_t* bbuf, __m512i tabl
   _tile_stored(TC, C_OUT, 64);
 
 // y rows [0, MR) (ldy apart), outputs of groups [g0, g1) = units' x W^T (+ bias) (+ residual), from xl / sx of
-// split_limbs; tiles configured for 2 MR rows of A.
-template <int MR>
+// split_limbs; tiles configured for 2 MR rows of A. BITS 4: Q4_1 units, 8: Q8_0 units.
+template <int BITS, int MR>
 TARGET_AMX void amx_groups(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1, const uint16_t* xl,
                            const float* sx, const float* bias, const float* residual, float* y, int64_t ldy) {
   constexpr int64_t LM = 2 * MR;
@@ -697,13 +714,17 @@ TARGET_AMX void amx_groups(const uint8_t* units, int64_t nb, int64_t g0, int64_t
   for (int64_t g = g0; g < g1; ++g) {
     __m512 acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    constexpr int64_t kUnit = BITS == 4 ? kUnit4 : kUnit8;
     const uint8_t* gu = units + g * nb * kUnit;
     for (int64_t b0 = 0; b0 < nb; b0 += kUnitChunk) {
       const int64_t nc = std::min(kUnitChunk, nb - b0);
       for (int64_t i = 0; i < nc; ++i) {
         const uint8_t* unit = gu + (b0 + i) * kUnit;
         for (int64_t k = 0; k < kUnit; k += 64) __builtin_prefetch(unit + kAheadUnits * kUnit + k, 0, 3);
-        build_b(unit, bbuf + i * 512, table);
+        if constexpr (BITS == 4)
+          build_b4(unit, bbuf + i * 512, table);
+        else
+          build_b8(unit, bbuf + i * 512);
       }
       int64_t i = 0;
       for (; i + 2 <= nc; i += 2) {
@@ -717,13 +738,16 @@ TARGET_AMX void amx_groups(const uint8_t* units, int64_t nb, int64_t g0, int64_t
       __asm__ volatile("" ::: "memory");  // C's tile stores before its loads
       for (int64_t k = 0; k < nc; ++k) {
         const uint8_t* unit = gu + (b0 + k) * kUnit;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 256)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
+        const uint8_t* dp = unit + (BITS == 4 ? 256 : 512);  // the 16 outputs' d
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp)));
         const float* c = cbuf + k * 256;
         for (int r = 0; r < MR; ++r) {
           const __m512 t = _mm512_add_ps(_mm512_load_ps(c + (MR + r) * 16), _mm512_load_ps(c + r * 16));
           acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b0 + k]), acc[r]);
+        }
+        if constexpr (BITS == 4) {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 288)));
+          for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b0 + k]), acc[r]);
         }
       }
     }
@@ -740,16 +764,17 @@ TARGET_AMX void amx_groups(const uint8_t* units, int64_t nb, int64_t g0, int64_t
 using AmxFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, const float*, const float*,
                        const float*, float*, int64_t);
 
+template <int BITS>
 AmxFn amx_fn(int64_t mr) {
   switch (mr) {
-    case 1: return amx_groups<1>;
-    case 2: return amx_groups<2>;
-    case 3: return amx_groups<3>;
-    case 4: return amx_groups<4>;
-    case 5: return amx_groups<5>;
-    case 6: return amx_groups<6>;
-    case 7: return amx_groups<7>;
-    default: return amx_groups<8>;
+    case 1: return amx_groups<BITS, 1>;
+    case 2: return amx_groups<BITS, 2>;
+    case 3: return amx_groups<BITS, 3>;
+    case 4: return amx_groups<BITS, 4>;
+    case 5: return amx_groups<BITS, 5>;
+    case 6: return amx_groups<BITS, 6>;
+    case 7: return amx_groups<BITS, 7>;
+    default: return amx_groups<BITS, 8>;
   }
 }
 
@@ -757,8 +782,8 @@ AmxFn amx_fn(int64_t mr) {
 // are split once for every task; one task per range of groups of 16 outputs, which loads the tile
 // configuration for each pass and releases the tiles at its end (the configuration is per thread). A pass over
 // more than kAmxRows rows reads the task's units again (from L2 for a decode step's shapes).
-void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int64_t out, const float* bias,
-                const float* residual, float* y) {
+void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int64_t bits, int64_t out,
+                const float* bias, const float* residual, float* y) {
   const int64_t nb = in / 32;
   std::vector<uint16_t> xl(2 * M * in);  // per pass of rows r0..: (nb, 2 mr, 32) at 2 r0 in
   std::vector<float> sx(M * nb);
@@ -768,7 +793,7 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
     for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
       const int64_t mr = std::min(kAmxRows, M - r0);
       configure_tiles(2 * mr);
-      amx_fn(mr)(units, nb, g0, g1, xl.data() + 2 * r0 * in, sx.data() + r0 * nb, bias,
+      (bits == 4 ? amx_fn<4>(mr) : amx_fn<8>(mr))(units, nb, g0, g1, xl.data() + 2 * r0 * in, sx.data() + r0 * nb, bias,
                  residual ? residual + r0 * out : nullptr, y + r0 * out, out);
     }
     release_tiles();
@@ -802,7 +827,7 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
 // pass, were slower than at four: docs/bench/history.md, 2026-12-06, helper h39).
 int64_t rows_per_pass(int64_t isa, int64_t activations) {
 #ifdef RETOPK_X86
-  if (isa >= kAvx512 && activations != kInt8) return kWideRows;  // bf16x2's Q8_0 products are float32 ones
+  if (isa >= kAvx512 && activations == kFloat32) return kWideRows;
 #endif
   return kRows;
 }
@@ -917,16 +942,47 @@ bool amx_available() {
   return ok;
 }
 
+namespace {
+// pack_amx for Q8_0: qs int8 (out, in), scales (out, in / 32) float16 -> units int8 (out, in / 32 * 34).
+at::Tensor pack_amx_q8(const at::Tensor& qs, const at::Tensor& scales) {
+  const int64_t out = qs.size(0), in = qs.size(1), nb = in / 32;
+  CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
+  CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
+  CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == out * nb,
+              "scales must be contiguous float16 with ", out * nb, " elements");
+  at::Tensor units = at::empty({out, nb * kUnit8 / 16}, qs.options());
+  const int8_t* q = qs.data_ptr<int8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  int8_t* up = units.data_ptr<int8_t>();
+  at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t* u = up + (g * nb + b) * kUnit8;
+        for (int64_t k = 0; k < 16; ++k)
+          for (int64_t n = 0; n < 16; ++n)
+            for (int64_t s = 0; s < 2; ++s) u[32 * k + 2 * n + s] = q[(16 * g + n) * in + 32 * b + 2 * k + s];
+        uint16_t* us = reinterpret_cast<uint16_t*>(u + 512);
+        for (int64_t n = 0; n < 16; ++n) us[n] = sc[(16 * g + n) * nb + b];
+      }
+  });
+  return units;
+}
+}  // namespace
+
 at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
-  CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 && qs.scalar_type() == at::kByte,
-              "qs must be a contiguous (out, in / 2) uint8 CPU tensor, got ", qs.sizes(), " ", qs.scalar_type());
+  CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
+                  (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar),
+              "qs must be a contiguous (out, in / 2) uint8 (Q4_1) or (out, in) int8 (Q8_0) CPU tensor, got ",
+              qs.sizes(), " ", qs.scalar_type());
+  if (qs.scalar_type() == at::kChar) return pack_amx_q8(qs, scales);
   const int64_t out = qs.size(0), in = 2 * qs.size(1), nb = in / 32;
   CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
   CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
   CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   scales.numel() == out * nb * 2,
               "scales must be contiguous float16 with ", out * nb * 2, " elements");
-  at::Tensor units = at::empty({out, nb * kUnit / 16}, qs.options());
+  at::Tensor units = at::empty({out, nb * kUnit4 / 16}, qs.options());
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   uint8_t* up = units.data_ptr<uint8_t>();
@@ -937,7 +993,7 @@ at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
   at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* u = up + (g * nb + b) * kUnit;
+        uint8_t* u = up + (g * nb + b) * kUnit4;
         for (int64_t c = 0; c < 4; ++c)
           for (int64_t i = 0; i < 32; ++i)
             for (int64_t s = 0; s < 2; ++s) {
@@ -974,15 +1030,18 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   check_f32_matrix(y, "y", M, out);
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  if (activations == kBf16x2 && bits == 4) {  // qs holds pack_amx's units; scales are not read
+  if (activations == kBf16x2) {  // qs holds pack_amx's units; scales are not read
     CHECK_VALUE(amx_available(), "activations bf16x2 needs AMX-BF16 (with Linux's permission for the tiles), "
                 "which this CPU or process does not have");
-    CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 && qs.scalar_type() == at::kByte &&
-                    out % 16 == 0 && qs.size(1) == nb * kUnit / 16,
-                "with activations bf16x2, qs must be pack_amx's units: a contiguous (out, ", nb * kUnit / 16,
-                ") uint8 CPU tensor with out a multiple of 16, got ", qs.sizes(), " ", qs.scalar_type());
+    const int64_t unit_cols = nb * (bits == 4 ? kUnit4 : kUnit8) / 16;
+    CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
+                    qs.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && out % 16 == 0 &&
+                    qs.size(1) == unit_cols,
+                "with activations bf16x2, qs must be pack_amx's units: a contiguous (out, ", unit_cols, ") ",
+                bits == 4 ? "uint8" : "int8", " CPU tensor with out a multiple of 16, got ", qs.sizes(), " ",
+                qs.scalar_type());
 #ifdef RETOPK_X86
-    amx_matmul(x.data_ptr<float>(), M, in, static_cast<const uint8_t*>(qs.data_ptr()), out, bp, rp,
+    amx_matmul(x.data_ptr<float>(), M, in, static_cast<const uint8_t*>(qs.data_ptr()), bits, out, bp, rp,
                y.data_ptr<float>());
 #endif
     return;

@@ -2,7 +2,7 @@
 
     block_matmul(x, qs, scales, bits, bias, residual) -> x W^T (+ bias) (+ residual), W in GGUF blocks of 32
     quantize_activations(x) -> (qx, xs): x per row and block of 32 as int8 values and (dx, sx) per block
-    pack_amx(qs, scales) -> a Q4_1 weight's units for bf16x2 products (they take them in place of qs)
+    pack_amx(qs, scales) -> a Q4_1 or Q8_0 weight's units for bf16x2 products (they take them in place of qs)
     rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
     store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
@@ -19,8 +19,8 @@ order the unfused path calls them (so each result equals that path's); their wei
 They compute in float32; the source's header states the block layouts and the math, and each entry checks
 shapes and dtypes (ValueError naming the argument). The block products take ``activations`` (ACTIVATIONS):
 "float32" (x as it is, the default), "int8" (x quantized per row and block of 32, llama.cpp's Q8_0 / Q8_1
-activations, and integer block dots) or "bf16x2" (x as two bf16 limbs on AMX tiles, Q4_1 products only, whose qs
-is then ``pack_amx``'s units; where ``amx_available()``). ``available()`` says whether the library loads;
+activations, and integer block dots) or "bf16x2" (x as two bf16 limbs on AMX tiles, every product's
+qs then ``pack_amx``'s units; where ``amx_available()``). ``available()`` says whether the library loads;
 callers fall back to torch when it does not.
 
 The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI, which
@@ -49,8 +49,8 @@ __all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "LayerPlan", "activation_code",
 
 
 class Blocks(NamedTuple):
-    """A block-quantized weight as ``block_matmul`` takes it: qs (for bf16x2 Q4_1 products, ``pack_amx``'s units),
-    scales for ``bits`` 4 or 8, and a float32 bias."""
+    """A block-quantized weight as ``block_matmul`` takes it: qs (for bf16x2 products, ``pack_amx``'s units), scales
+    for ``bits`` 4 or 8, and a float32 bias."""
 
     qs: torch.Tensor
     scales: torch.Tensor
@@ -80,8 +80,9 @@ def amx_available() -> bool:
 
 
 def pack_amx(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """A Q4_1 weight, qs (out, in / 2) uint8 and scales (out, in / 32, 2) float16, -> its units (out, in / 32 * 20)
-    uint8 for bf16x2 products (decoder_ops.cpp's header states their order); out a multiple of 16."""
+    """A block weight -> its units for bf16x2 products (decoder_ops.cpp's header states their order); out a multiple
+    of 16. Q4_1: qs (out, in / 2) uint8, scales (out, in / 32, 2) float16 -> (out, in / 32 * 20) uint8; Q8_0: qs
+    (out, in) int8, scales (out, in / 32) float16 -> (out, in / 32 * 34) int8."""
     return extension().pack_amx(qs.contiguous(), scales.contiguous())
 
 

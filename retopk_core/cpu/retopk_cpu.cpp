@@ -1195,7 +1195,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_decode", &dense_decode, "Full attention (with the exact Top-K of its scores) or Exact Top-K attention");
   m.def("best_isa", &best_isa, "The widest SIMD level of this CPU the linear ops use: 0 plain, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI");
   m.def("amx_available", &amx_available, "Whether bf16x2 activations can run: AMX-BF16 and the tile state granted");
-  m.def("pack_amx", &pack_amx, "Q4_1 blocks (qs, scales) -> the units bf16x2 block products take in place of qs");
+  m.def("pack_amx", &pack_amx, "Q4_1 or Q8_0 blocks (qs, scales) -> the units bf16x2 block products take in place of qs");
   m.def("block_matmul", &block_matmul, "x W^T (+ bias) (+ residual) with W in GGUF blocks of 32 (Q4_1 or Q8_0)");
   m.def("quantize_activations", &quantize_activations, "x per row and block of 32 -> int8 values and (dx, sx) per block");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w over the rows of x");

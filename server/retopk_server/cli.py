@@ -112,8 +112,8 @@ OPTIONS: tuple[Option, ...] = (
                             "rounding anywhere), bfloat16 or float16"),
     Option("activations", str, "what the block weights' decode products multiply them with: float32 (x as it "
                                "is), int8 (x quantized per block of 32 with one scale, llama.cpp's way, and "
-                               "integer block dots) or bf16x2 (x as two bf16 limbs on AMX tiles: int4 products, "
-                               "CPUs with AMX-BF16 only); CPU and int4 / int8 / as-stored GGUF weights only"),
+                               "integer block dots) or bf16x2 (x as two bf16 limbs on AMX tiles, CPUs "
+                               "with AMX-BF16 only); CPU and int4 / int8 / as-stored GGUF weights only"),
     Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
                            "torch (reference code), triton (GPU) or cpu"),
     Option("threads", parse_optional_int, "threads of the model's CPU work (none = the CPUs this process may use: "

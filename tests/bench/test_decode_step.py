@@ -92,7 +92,7 @@ def test_block_products_times_the_int8_way_at_each_named_level(capsys):
 
 
 def test_block_products_times_bf16x2_as_a_way(capsys):
-    """--bf16x2: a third way on pack_amx's units (int4) and the float32 loops (the LM head's int8), with its batch
+    """--bf16x2: a third way on pack_amx's units (the int4 products and the LM head's int8), with its batch
     column and its part of the step lines."""
     from bench import block_products
     from retopk_core.cpu import decoder_ops

@@ -73,9 +73,9 @@ class RuntimeConfig:
                     weights with: "float32" (x as it is: the dequantized model's products up to the order of
                     the sums) or "int8" (x quantized per row and block of 32 to int8 with one float scale, as
                     llama.cpp does, then integer block dots: retopk_core/cpu/decoder_ops.cpp) or "bf16x2" (x as
-                    two bf16 limbs, hi + lo, on AMX tiles: int4 products only, on CPUs with AMX-BF16, refused
-                    elsewhere; about 16 bits of x, where float32 keeps 24). Prefill GEMMs
-                    through the dequantized copy, norms and the residual stream stay as they are. Refused for
+                    two bf16 limbs, hi + lo, on AMX tiles: on CPUs with AMX-BF16 only, refused elsewhere;
+                    about 16 bits of x, where float32 keeps 24). Prefill GEMMs through the dequantized copy,
+                    norms and the residual stream stay as they are. Refused for
                     a device other than the CPU and for a model without block weights
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
                     Exact Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or

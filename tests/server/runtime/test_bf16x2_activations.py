@@ -1,9 +1,9 @@
 """Block products with bf16x2 activations (decoder_ops.cpp's ``activations`` bf16x2: x as two bf16 limbs on AMX
-tiles, Q4_1 weights repacked by pack_amx): the units' layout against a plain-Python packing of the order the
-header documents, the products against the float64 product of the dequantized weights within the limbs' bound
-(|x - hi - lo| <= 2^-17 |x|) and against the float32 loops, each row bit for bit the same alone or in a batch; Q8_0
-products keep the float32 loops; then the runtime option (RuntimeConfig.activations), what it refuses (a CPU
-without AMX: the check monkeypatched), the weight format it shows, and the real model's greedy tokens.
+tiles, Q4_1 and Q8_0 weights repacked by pack_amx): the units' layout against a plain-Python packing of the order
+the header documents, the products against the float64 product of the dequantized weights within the limbs' bound
+(|x - hi - lo| <= 2^-17 |x|) and against the float32 loops, each row bit for bit the same alone or in a batch; then
+the runtime option (RuntimeConfig.activations) on int4 and int8 weights, what it refuses (a CPU without AMX: the
+check monkeypatched), the weight format it shows, and the real model's greedy tokens.
 Where the CPU has no AMX the products' tests skip (AMD Zen 3 CI)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from retopk_core.cpu import decoder_ops
 from retopk_server.engine.session_artifact import check_model, model_fingerprint
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 from retopk_server.runtime import runtime_config as rc
-from retopk_server.runtime.decoder.linear import Int4Linear, from_float
+from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, is_blocks
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 needs_amx = pytest.mark.skipif(not decoder_ops.amx_available(), reason="the CPU has no AMX-BF16 (bf16x2 is refused)")
@@ -39,6 +39,19 @@ def q4_linear(n_out: int, n_in: int, seed: int, bias: bool = True) -> Int4Linear
     return Int4Linear.from_values(q, d, m, torch.randn(n_out, generator=g) if bias else None)
 
 
+def q8_linear(n_out: int, n_in: int, seed: int, bias: bool = True) -> Int8Linear:
+    """Random Q8_0 blocks (d ~ 0.001-0.003, q in -127..127) with row 0's block 0 all 127 and its block 1 all -127
+    (the int8 extremes; -128 is not Q8_0's)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (0.001 + 0.002 * torch.rand(n_out, n_in // 32, generator=g)).half()
+    q = torch.randint(-127, 128, (n_out, n_in), generator=g)
+    q[0, :32], q[0, 32:64] = 127, -127
+    return Int8Linear(q.to(torch.int8), d, torch.randn(n_out, generator=g) if bias else None)
+
+
+LINEARS = {"q4_1": q4_linear, "q8_0": q8_linear}
+
+
 def activations(rows: int, n_in: int, seed: int) -> torch.Tensor:
     """normal(0, 1) rows with four outliers of magnitude 20-60 a row (hidden states' few large channels)."""
     g = torch.Generator().manual_seed(seed)
@@ -49,15 +62,41 @@ def activations(rows: int, n_in: int, seed: int) -> torch.Tensor:
     return x
 
 
-def weights64(lin: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d q + m, |d q| + |m|) in float64, (out, in)."""
+def weights64(lin: Int4Linear | Int8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d q + m, |d q| + |m|) in float64, (out, in); Q8_0: (d q, |d q|)."""
+    if lin.bits == 8:
+        w = (lin.qs.view(lin.qs.shape[0], -1, 32).double() * lin.scales.double().unsqueeze(-1)).flatten(1)
+        return w, w.abs()
     blocks = lin.qs.view(lin.qs.shape[0], -1, 16)
     q = torch.cat([blocks & 15, blocks >> 4], dim=-1).double()  # (out, nb, 32)
     d, m = lin.scales.double()[..., :1], lin.scales.double()[..., 1:]
     return (q * d + m).flatten(1), (q * d.abs() + m.abs()).flatten(1)
 
 
-def pack_reference(lin: Int4Linear) -> torch.Tensor:
+def pack_reference_q8(lin: Int8Linear) -> torch.Tensor:
+    """Q8_0's units as the header documents them: unit (g, b) of 544 bytes, byte 32 k + 2 n + s = q[n][2 k + s]
+    (q[n][k] = qs[16 g + n, 32 b + k]), then the 16 outputs' d as float16 bytes."""
+    out, n_in = lin.qs.shape
+    nb = n_in // 32
+    q = lin.qs.view(torch.uint8).tolist()  # the int8 values' bytes
+    scale_bytes = lin.scales.contiguous().view(torch.uint8).view(out, nb, 2).tolist()
+    units = []
+    for g in range(out // 16):
+        for b in range(nb):
+            u = [0] * 544
+            for k in range(16):
+                for n in range(16):
+                    for s in range(2):
+                        u[32 * k + 2 * n + s] = q[16 * g + n][32 * b + 2 * k + s]
+            for n in range(16):
+                u[512 + 2 * n:512 + 2 * n + 2] = scale_bytes[16 * g + n][b]
+            units.append(u)
+    return torch.tensor(units, dtype=torch.uint8).view(torch.int8).view(out, nb * 34)
+
+
+def pack_reference(lin: Int4Linear | Int8Linear) -> torch.Tensor:
+    if lin.bits == 8:
+        return pack_reference_q8(lin)
     """The units as the header documents them, written out element by element: unit (g, b) of 320 bytes, byte
     64 c + 2 i + s = q[i // 2][2 r + i % 2] | q[i // 2][2 (r + 1) + i % 2] << 4 with r = 4 c + 2 s, q[n][k] the
     nibble of W[16 g + n, 32 b + k]; then the 16 outputs' d, then their m, as float16 bytes."""
@@ -90,13 +129,16 @@ def test_the_option_names_are_one_list():
     assert rc.ACTIVATIONS == decoder_ops.ACTIVATIONS
 
 
-def test_pack_amx_lays_the_units_out_as_documented():
-    lin = q4_linear(32, 96, seed=0)
-    assert torch.equal(decoder_ops.pack_amx(lin.qs, lin.scales), pack_reference(lin))
+@pytest.mark.parametrize("fmt", LINEARS)
+def test_pack_amx_lays_the_units_out_as_documented(fmt):
+    lin = LINEARS[fmt](32, 96, seed=0)
+    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    assert units.dtype == lin.qs.dtype and torch.equal(units, pack_reference(lin))
 
 
-def test_pack_amx_refuses_out_features_not_a_multiple_of_16():
-    lin = q4_linear(24, 64, seed=0)
+@pytest.mark.parametrize("fmt", LINEARS)
+def test_pack_amx_refuses_out_features_not_a_multiple_of_16(fmt):
+    lin = LINEARS[fmt](24, 64, seed=0)
     with pytest.raises(ValueError, match="multiple of 16"):
         decoder_ops.pack_amx(lin.qs, lin.scales)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -105,17 +147,18 @@ def test_pack_amx_refuses_out_features_not_a_multiple_of_16():
 
 
 @needs_amx
+@pytest.mark.parametrize("fmt", LINEARS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
 @pytest.mark.parametrize("shape", [(48, 576), (32, 1536), (16, 96), (64, 224)])
-def test_bf16x2_equals_the_float64_product_within_the_limbs_bound(rows, shape):
+def test_bf16x2_equals_the_float64_product_within_the_limbs_bound(rows, shape, fmt):
     """y = x W^T + b + residual with W dequantized in float64 and x exact, within 2^-17 sum_j |W_j x_j| (the
     limbs) plus a few float32 roundings of the summed terms; and within the same of the float32 loops' product.
     Shapes with 18, 48, 3 and 7 blocks (whole and partial chunks of 6, odd counts); rows past 8 take passes."""
     n_out, n_in = shape
-    lin = q4_linear(n_out, n_in, seed=n_in + rows)
+    lin = LINEARS[fmt](n_out, n_in, seed=n_in + rows)
     x, res = activations(rows, n_in, seed=rows), torch.randn(rows, n_out)
     units = decoder_ops.pack_amx(lin.qs, lin.scales)
-    y = decoder_ops.block_matmul(x, units, lin.scales, 4, lin.bias, res, activations="bf16x2")
+    y = decoder_ops.block_matmul(x, units, lin.scales, lin.bits, lin.bias, res, activations="bf16x2")
     assert y.dtype == torch.float32 and y.shape == (rows, n_out)
     w, w_abs = weights64(lin)
     ref = x.double() @ w.T + lin.bias.double() + res.double()
@@ -123,7 +166,7 @@ def test_bf16x2_equals_the_float64_product_within_the_limbs_bound(rows, shape):
     tol = LIMBS * (x.double().abs() @ w.abs().T) + 8 * EPS32 * terms
     err = (y.double() - ref).abs()
     assert (err <= tol).all(), f"worst {(err / tol).max():.3f} of the bound"
-    f32 = decoder_ops.block_matmul(x, lin.qs, lin.scales, 4, lin.bias, res)
+    f32 = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res)
     assert ((y.double() - f32.double()).abs() <= tol + 8 * EPS32 * terms).all()
     # one bf16 limb alone (2^-9 of x) would be far outside: the bound does discriminate
     one_limb = x.bfloat16().double() @ w.T + lin.bias.double() + res.double()
@@ -131,51 +174,49 @@ def test_bf16x2_equals_the_float64_product_within_the_limbs_bound(rows, shape):
 
 
 @needs_amx
-def test_bf16x2_rows_do_not_depend_on_their_batch():
+@pytest.mark.parametrize("fmt", LINEARS)
+def test_bf16x2_rows_do_not_depend_on_their_batch(fmt):
     """Each row of batches of 17 and 5 is bit for bit the row alone (its own tile rows and sums, whatever the
     pass it falls in)."""
-    lin = q4_linear(48, 576, seed=5)
+    lin = LINEARS[fmt](48, 576, seed=5)
     units = decoder_ops.pack_amx(lin.qs, lin.scales)
     x = activations(17, 576, seed=6)
-    batch = decoder_ops.block_matmul(x, units, lin.scales, 4, lin.bias, None, activations="bf16x2")
-    five = decoder_ops.block_matmul(x[6:11], units, lin.scales, 4, lin.bias, None, activations="bf16x2")
+    batch = decoder_ops.block_matmul(x, units, lin.scales, lin.bits, lin.bias, None, activations="bf16x2")
+    five = decoder_ops.block_matmul(x[6:11], units, lin.scales, lin.bits, lin.bias, None, activations="bf16x2")
     for i in range(x.shape[0]):
-        alone = decoder_ops.block_matmul(x[i:i + 1], units, lin.scales, 4, lin.bias, None, activations="bf16x2")
+        alone = decoder_ops.block_matmul(x[i:i + 1], units, lin.scales, lin.bits, lin.bias, None,
+                                         activations="bf16x2")
         assert torch.equal(batch[i:i + 1], alone), f"row {i}"
         if 6 <= i < 11:
             assert torch.equal(five[i - 6:i - 5], alone), f"row {i} in a batch of 5"
 
 
 @needs_amx
-def test_bf16x2_q8_0_products_are_the_float32_loops():
-    lin = from_float(torch.randn(40, 96) * 0.1, torch.randn(40), "int8")
-    x = torch.randn(5, 96)
-    a = decoder_ops.block_matmul(x, lin.qs, lin.scales, 8, lin.bias, None, activations="bf16x2")
-    assert torch.equal(a, decoder_ops.block_matmul(x, lin.qs, lin.scales, 8, lin.bias, None))
-
-
-@needs_amx
-def test_bf16x2_takes_the_units_only():
-    lin = q4_linear(32, 64, seed=1)
+@pytest.mark.parametrize("fmt", LINEARS)
+def test_bf16x2_takes_the_units_only(fmt):
+    lin = LINEARS[fmt](32, 64, seed=1)
     with pytest.raises(ValueError, match="pack_amx's units"):
-        decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, 4, activations="bf16x2")
+        decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, lin.bits, activations="bf16x2")
 
 
 @needs_amx
-def test_runtime_option_reaches_every_int4_product_and_is_shown():
-    """activations=bf16x2 on int4 weights: the weight format says so (what info, metrics and a session artifact's
-    model fingerprint carry, so that a float32 server and a bf16x2 one refuse each other's sessions), the int4
-    linears carry units, the prefill's KV rows are unchanged (the wide copy) and the decode logits differ from
-    float32's by a little."""
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_runtime_option_reaches_every_block_product_and_is_shown(weights):
+    """activations=bf16x2 on int4 or int8 weights (the layers and the LM head): the weight format says so (what
+    info, metrics and a session artifact's model fingerprint carry, so that a float32 server and a bf16x2 one
+    refuse each other's sessions), the block linears carry units (20 bytes a block of 32 for int4's 16, 34 for
+    int8's 32), the prefill's KV rows are unchanged (the wide copy) and the decode logits differ from float32's
+    by a little."""
     model = tiny_model("llama", layers=2)
-    runners = {a: runner_for(model, weights="int4", activations=a) for a in ("float32", "bf16x2")}
+    runners = {a: runner_for(model, weights=weights, activations=a) for a in ("float32", "bf16x2")}
     assert runners["bf16x2"].info.weight_format == runners["float32"].info.weight_format + ", activations bf16x2"
     for here, there in (("float32", "bf16x2"), ("bf16x2", "float32")):
         diff = check_model(SimpleNamespace(model=model_fingerprint(runners[there].info)), runners[here].info)
         assert diff is not None and diff.startswith("weight_format")
-    int4 = [lin for lin in runners["bf16x2"].decoder.linears() if isinstance(lin, Int4Linear)]
-    assert int4 and all(lin.activations == "bf16x2" and lin.blocks.qs.shape[1] == lin.qs.shape[1] * 5 // 4
-                        for lin in int4)
+    blocks = [lin for lin in runners["bf16x2"].decoder.linears() if is_blocks(lin)]
+    unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
+    assert {lin.format for lin in blocks} == {weights} and runners["bf16x2"].decoder.lm_head in blocks
+    assert all(lin.activations == "bf16x2" and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
     prompt = prompt_ids(20, 1)
     out = {}
     for a, runner in runners.items():
@@ -189,7 +230,7 @@ def test_runtime_option_reaches_every_int4_product_and_is_shown():
     # and back on the same runner: float32 products again, on qs, through the fused layers' new arguments
     runner = runners["bf16x2"]
     runner.decoder.set_activations("float32")
-    assert all(lin.blocks.qs is lin.qs for lin in int4)
+    assert all(lin.blocks.qs is lin.qs for lin in blocks)
     session = runner.open_session(runner.config.default_method)
     first = runner.prefill(session, prompt)
     assert torch.equal(runner.decode([session], [int(first.argmax())])[0][0], out["float32"][1])
@@ -199,12 +240,6 @@ def test_runtime_option_refuses_a_cpu_without_amx(monkeypatch):
     monkeypatch.setattr(decoder_ops, "amx_available", lambda: False)
     with pytest.raises(ValueError, match="AMX"):
         runner_for(tiny_model("llama", layers=1), weights="int4", activations="bf16x2")
-
-
-@needs_amx
-def test_runtime_option_refuses_int8_only_weights():
-    with pytest.raises(ValueError, match="needs int4"):
-        runner_for(tiny_model("llama", layers=1), weights="int8", activations="bf16x2")
 
 
 CHATS = ([{"role": "user", "content": "What is the capital of France?"}],

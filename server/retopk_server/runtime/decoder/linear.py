@@ -10,8 +10,8 @@ float32.
 The quantized formats multiply in the fused CPU library's ``block_matmul`` (retopk_core/cpu/decoder_ops):
 each weight widened exactly to float32, x float32, so a step equals the dequantized model's up to the
 order of the sums; or, with ``activations`` "int8", x quantized per block of 32 and integer block dots; or, with
-"bf16x2" (int4 only, CPUs with AMX), x as two bf16 limbs on AMX tiles, the weight repacked into the tiles' units
-(``decoder_ops.pack_amx``, held beside qs and scales while bf16x2 is set; int8 keeps its float32 loops).
+"bf16x2" (CPUs with AMX), x as two bf16 limbs on AMX tiles, the weight repacked into the tiles' units
+(``decoder_ops.pack_amx``, held beside qs and scales while bf16x2 is set).
 Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``WIDE_ROWS[dtype]``
 rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load (``wide``: bfloat16
 where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also
@@ -101,11 +101,17 @@ class _BlockLinear:
     def check_activations(self, activations: str) -> None:
         """Raise ValueError if this weight cannot multiply with ``activations`` (decoder_ops.ACTIVATIONS)."""
         decoder_ops.activation_code(activations)
+        if activations == "bf16x2" and self.out_features % 16:
+            raise ValueError(f"activations=bf16x2 needs {self.format} weights with out features a multiple of 16 "
+                             f"(AMX tiles of 16 outputs), got {self.out_features}")
 
     def set_activations(self, activations: str) -> None:
-        """The block products' activations (Decoder.set_activations); ``blocks`` carries what they take."""
+        """The block products' activations (Decoder.set_activations); ``blocks`` carries what they take: with
+        "bf16x2", the AMX units in place of qs (decoder_ops.pack_amx)."""
         self.check_activations(activations)
         self.activations = activations
+        qs = decoder_ops.pack_amx(self.qs, self.scales) if activations == "bf16x2" else self.qs
+        self.blocks = decoder_ops.Blocks(qs, self.scales, self.bits, self.bias)
 
     def set_wide_dtype(self, dtype: torch.dtype) -> None:
         """Hold the prefill GEMM's copy in ``dtype`` (float32: exact products, twice the memory of bfloat16)."""
@@ -141,18 +147,6 @@ class Int4Linear(_BlockLinear):
             raise ValueError(f"int4 needs qs (out, in/2) uint8 and scales (out, in/32, 2), got {tuple(qs.shape)} "
                              f"{qs.dtype} and {tuple(scales.shape)}")
         super().__init__(qs, scales, bias)
-
-    def check_activations(self, activations: str) -> None:
-        super().check_activations(activations)
-        if activations == "bf16x2" and self.out_features % 16:
-            raise ValueError(f"activations=bf16x2 needs int4 weights with out features a multiple of 16 (AMX tiles "
-                             f"of 16 outputs), got {self.out_features}")
-
-    def set_activations(self, activations: str) -> None:
-        """With "bf16x2", ``blocks`` carries the AMX units in place of qs (decoder_ops.pack_amx)."""
-        super().set_activations(activations)
-        qs = decoder_ops.pack_amx(self.qs, self.scales) if activations == "bf16x2" else self.qs
-        self.blocks = decoder_ops.Blocks(qs, self.scales, self.bits, self.bias)
 
     @classmethod
     def from_values(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,

@@ -86,9 +86,9 @@ class Decoder:
 
     def set_activations(self, activations: str) -> None:
         """Every block product's activations: "float32", "int8" (x quantized per block of 32, decoder_ops.cpp) or
-        "bf16x2" (x as two bf16 limbs on AMX tiles; int4 products only, the int8 ones keep float32's loops).
-        int8 needs block weights and bf16x2 int4 ones (a model without them is refused: its products would not
-        change); bf16x2 needs a CPU with AMX-BF16. Checked for every weight before any changes."""
+        "bf16x2" (x as two bf16 limbs on AMX tiles). Both need block weights (a model without them is refused: its
+        products would not change); bf16x2 needs a CPU with AMX-BF16. Checked for every weight before any
+        changes."""
         decoder_ops.activation_code(activations)  # refuses an unknown name
         blocks = [lin for lin in self.linears() if is_blocks(lin)]
         if activations != "float32" and not blocks:
@@ -99,13 +99,11 @@ class Decoder:
                 raise ValueError("activations=bf16x2 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later; "
                                  "on Linux, the kernel's permission for the AMX tiles) and the fused CPU library; "
                                  "this machine has not")
-            if not any(lin.format == "int4" for lin in blocks):
-                raise ValueError(f"activations=bf16x2 needs int4 block weights, got {self.weight_format}")
         for lin in blocks:
             lin.check_activations(activations)
         for lin in blocks:
             lin.set_activations(activations)
-        self.__dict__.pop("layer_arguments", None)  # the fused layers' weights: bf16x2 int4 ones are other tensors
+        self.__dict__.pop("layer_arguments", None)  # the fused layers' weights: bf16x2's are other tensors
         self.activations = activations
 
     def fused_rows(self, rows: int) -> bool:
