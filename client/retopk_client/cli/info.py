@@ -40,7 +40,7 @@ def run_info(args: argparse.Namespace) -> int:
         f"context         {m.max_context} tokens, vocabulary {m.vocab_size}",
         f"device          {m.device}, attention backend {m.backend}",
         f"weights         {m.weight_format} ({m.weight_bytes / 1e6:.1f} MB read per decode step), "
-        f"KV cache {m.kv_dtype}, activations {m.dtype}",
+        f"KV cache {m.kv_dtype}, residual stream {m.dtype}",
         f"default method  {m.default_method.describe()}",
         f"methods         {', '.join(m.methods)}",
         f"sampling        {_sampling(m.default_sampling)} for unset fields ({m.default_sampling_source})",
