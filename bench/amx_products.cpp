@@ -247,7 +247,9 @@ void configure_tiles(int LM) {
   const int rows0 = std::min(LM, 16), rows1 = split ? LM - 16 : LM;
   const int rows[6] = {16, 16, rows0, rows1, rows0, rows1};
   for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(rows[t]);
-  _tile_loadconfig(&cfg);
+  // not gcc 12's _tile_loadconfig, whose asm says it reads 8 bytes: the compiler may drop the config's other
+  // stores (decoder_ops.cpp's configure_tiles met it as a SIGSEGV at ldtilecfg)
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 // The 32 bf16 of x's limbs a block's product reads, per row: xl (nb, L M, 32) with row l M + r holding limb l
