@@ -75,8 +75,9 @@ def isa() -> int:
 
 
 def amx_available() -> bool:
-    """Whether bf16x2 products can run: the library loads, the CPU has AMX-BF16 and Linux granted the tiles."""
-    return available() and bool(extension().amx_available())
+    """Whether bf16x2 products can run: the library loads, the CPU has AMX-BF16 and Linux granted the tiles, and
+    RETOPK_CPU_ISA does not ask for a level below AVX-512 (so that it shows this machine as an AVX2 one would)."""
+    return available() and isa() >= ISA_NAMES.index("avx512") and bool(extension().amx_available())
 
 
 def pack_amx(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

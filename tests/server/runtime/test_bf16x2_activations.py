@@ -199,6 +199,17 @@ def test_bf16x2_takes_the_units_only(fmt):
         decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, lin.bits, activations="bf16x2")
 
 
+def test_an_isa_below_avx512_turns_bf16x2_off(monkeypatch):
+    """RETOPK_CPU_ISA=avx2 shows this machine as an AVX2 one does (how the AMD CI's skips are checked on AMX)."""
+    monkeypatch.setenv("RETOPK_CPU_ISA", "avx2")
+    decoder_ops.isa.cache_clear()
+    try:
+        assert not decoder_ops.amx_available()
+    finally:
+        monkeypatch.delenv("RETOPK_CPU_ISA")
+        decoder_ops.isa.cache_clear()
+
+
 @needs_amx
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_runtime_option_reaches_every_block_product_and_is_shown(weights):
