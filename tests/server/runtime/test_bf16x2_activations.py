@@ -206,7 +206,7 @@ def test_an_isa_below_avx512_turns_bf16x2_off(monkeypatch):
     try:
         assert not decoder_ops.amx_available()
     finally:
-        monkeypatch.delenv("RETOPK_CPU_ISA")
+        monkeypatch.undo()  # the run's own RETOPK_CPU_ISA back, if it set one, before isa() is read again
         decoder_ops.isa.cache_clear()
 
 
