@@ -26,6 +26,7 @@ import torch
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 from retopk_server.runtime.decoder.llama import rms_norm, rope_tables
+from retopk_server.runtime.runtime_config import ACTIVATIONS
 from retopk_server.runtime.sampling import Sampler, SamplingParams, greedy_tokens
 
 PARTS = ("step", "attn_in", "mlp_out", "lm_head", "attention", "sampling", "other")
@@ -38,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="rounds, each timing 1 row then M rows")
     p.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message.")
+    p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
+                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX)")
     return p.parse_args(argv)
 
 
@@ -88,7 +91,7 @@ def time_batch(runner: ModelRunner, ids: list[int], M: int, args) -> dict[str, l
 def main(argv=None) -> dict[str, dict[int, float]]:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    runner = ModelRunner(RuntimeConfig())
+    runner = ModelRunner(RuntimeConfig(activations=args.activations))
     ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
     print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.info.weight_format}, one thread")
     times = {M: {part: [] for part in PARTS} for M in (1, args.rows)}
