@@ -943,18 +943,9 @@ bool amx_available() {
 }
 
 namespace {
-// pack_amx for Q8_0: qs int8 (out, in), scales (out, in / 32) float16 -> units int8 (out, in / 32 * 34).
-at::Tensor pack_amx_q8(const at::Tensor& qs, const at::Tensor& scales) {
-  const int64_t out = qs.size(0), in = qs.size(1), nb = in / 32;
-  CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
-  CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
-  CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-                  scales.numel() == out * nb,
-              "scales must be contiguous float16 with ", out * nb, " elements");
-  at::Tensor units = at::empty({out, nb * kUnit8 / 16}, qs.options());
-  const int8_t* q = qs.data_ptr<int8_t>();
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  int8_t* up = units.data_ptr<int8_t>();
+// Q8_0's units: qs int8 (out, in), sc (out, in / 32) float16 -> up, (out / 16, in / 32) units of kUnit8.
+void fill_units_q8(const int8_t* q, const uint16_t* sc, int64_t out, int64_t in, int8_t* up) {
+  const int64_t nb = in / 32;
   at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {
@@ -966,26 +957,11 @@ at::Tensor pack_amx_q8(const at::Tensor& qs, const at::Tensor& scales) {
         for (int64_t n = 0; n < 16; ++n) us[n] = sc[(16 * g + n) * nb + b];
       }
   });
-  return units;
 }
-}  // namespace
 
-at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
-  CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
-                  (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar),
-              "qs must be a contiguous (out, in / 2) uint8 (Q4_1) or (out, in) int8 (Q8_0) CPU tensor, got ",
-              qs.sizes(), " ", qs.scalar_type());
-  if (qs.scalar_type() == at::kChar) return pack_amx_q8(qs, scales);
-  const int64_t out = qs.size(0), in = 2 * qs.size(1), nb = in / 32;
-  CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
-  CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
-  CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-                  scales.numel() == out * nb * 2,
-              "scales must be contiguous float16 with ", out * nb * 2, " elements");
-  at::Tensor units = at::empty({out, nb * kUnit4 / 16}, qs.options());
-  const uint8_t* q = qs.data_ptr<uint8_t>();
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  uint8_t* up = units.data_ptr<uint8_t>();
+// Q4_1's units: qs uint8 (out, in / 2) nibbles, sc (out, in / 32, 2) float16 -> up, units of kUnit4.
+void fill_units_q4(const uint8_t* q, const uint16_t* sc, int64_t out, int64_t in, uint8_t* up) {
+  const int64_t nb = in / 32;
   auto nibble = [&](int64_t o, int64_t b, int64_t k) {  // q of W[o, 32 b + k]
     const uint8_t byte = q[o * (in / 2) + 16 * b + (k & 15)];
     return k < 16 ? byte & 15 : byte >> 4;
@@ -1008,6 +984,28 @@ at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
         }
       }
   });
+}
+}  // namespace
+
+at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
+  CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
+                  (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar),
+              "qs must be a contiguous (out, in / 2) uint8 (Q4_1) or (out, in) int8 (Q8_0) CPU tensor, got ",
+              qs.sizes(), " ", qs.scalar_type());
+  const bool q8 = qs.scalar_type() == at::kChar;
+  const int64_t out = qs.size(0), in = q8 ? qs.size(1) : 2 * qs.size(1), nb = in / 32;
+  const int64_t per_block = q8 ? 1 : 2;  // float16 scales a block: d, or (d, m)
+  CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
+  CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
+  CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == out * nb * per_block,
+              "scales must be contiguous float16 with ", out * nb * per_block, " elements");
+  at::Tensor units = at::empty({out, nb * (q8 ? kUnit8 : kUnit4) / 16}, qs.options());
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (q8)
+    fill_units_q8(qs.data_ptr<int8_t>(), sc, out, in, units.data_ptr<int8_t>());
+  else
+    fill_units_q4(qs.data_ptr<uint8_t>(), sc, out, in, units.data_ptr<uint8_t>());
   return units;
 }
 
