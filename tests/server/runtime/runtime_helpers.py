@@ -62,6 +62,15 @@ def greedy(runner: ModelRunner, session, prompt: list[int], n: int) -> list[int]
     return out
 
 
+def first_step(runner: ModelRunner, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A fresh session of the runner's default method: its KV pools' K rows after the prefill (one per layer),
+    the prefill's logits and the logits of one decode step fed their argmax."""
+    session = runner.open_session(runner.config.default_method)
+    first = runner.prefill(session, prompt)
+    kv = [t[torch.tensor(session.blocks)] for t in runner.pool.k]
+    return kv, first, runner.decode([session], [int(first.argmax())])[0][0]
+
+
 def prompt_ids(length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (length,), generator=g).tolist()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runtime_helpers import greedy, prompt_ids, runner_for, tiny_model
+from runtime_helpers import first_step, greedy, prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.engine.session_artifact import check_model, model_fingerprint
@@ -229,22 +229,15 @@ def test_runtime_option_reaches_every_block_product_and_is_shown(weights):
     assert {lin.format for lin in blocks} == {weights} and runners["bf16x2"].decoder.lm_head in blocks
     assert all(lin.activations == "bf16x2" and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
     prompt = prompt_ids(20, 1)
-    out = {}
-    for a, runner in runners.items():
-        session = runner.open_session(runner.config.default_method)
-        first = runner.prefill(session, prompt)
-        kv = [t[torch.tensor(session.blocks)] for t in runner.pool.k]
-        out[a] = kv, runner.decode([session], [int(first.argmax())])[0][0]
+    out = {a: first_step(runner, prompt) for a, runner in runners.items()}
     assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out["bf16x2"][0], strict=True))
-    diff = (out["float32"][1] - out["bf16x2"][1]).abs().max()
-    assert 0 < diff < 1e-3 * out["float32"][1].abs().max()
+    diff = (out["float32"][2] - out["bf16x2"][2]).abs().max()
+    assert 0 < diff < 1e-3 * out["float32"][2].abs().max()
     # and back on the same runner: float32 products again, on qs, through the fused layers' new arguments
     runner = runners["bf16x2"]
     runner.decoder.set_activations("float32")
     assert all(lin.blocks.qs is lin.qs for lin in blocks)
-    session = runner.open_session(runner.config.default_method)
-    first = runner.prefill(session, prompt)
-    assert torch.equal(runner.decode([session], [int(first.argmax())])[0][0], out["float32"][1])
+    assert torch.equal(first_step(runner, prompt)[2], out["float32"][2])
 
 
 def test_runtime_option_refuses_a_cpu_without_amx(monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import prompt_ids, runner_for, tiny_model
+from runtime_helpers import first_step, prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import RuntimeConfig
@@ -185,12 +185,7 @@ def test_runtime_option_reaches_every_block_product_and_is_shown():
     blocks = [lin for lin in runners["int8"].decoder.linears() if hasattr(lin, "activations")]
     assert blocks and all(lin.activations == "int8" for lin in blocks)
     prompt = prompt_ids(20, 1)
-    out = {}
-    for a, runner in runners.items():
-        session = runner.open_session(runner.config.default_method)
-        first = runner.prefill(session, prompt)
-        kv = [t[torch.tensor(session.blocks)] for t in runner.pool.k]
-        out[a] = kv, first, runner.decode([session], [int(first.argmax())])[0][0]
+    out = {a: first_step(runner, prompt) for a, runner in runners.items()}
     assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out["int8"][0], strict=True))
     for i in (1, 2):
         diff = (out["float32"][i] - out["int8"][i]).abs().max()
