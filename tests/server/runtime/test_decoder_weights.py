@@ -10,7 +10,15 @@ import torch
 
 from retopk_core.cpu import decoder_ops
 from retopk_core.models import DEFAULT_MODEL, resolve_model
-from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, Int8Linear, float_matmul, from_float, wide_dtype
+from retopk_server.runtime.decoder.linear import (
+    WIDE_ROWS,
+    Int4Linear,
+    Int8Linear,
+    float_matmul,
+    from_float,
+    packed,
+    wide_dtype,
+)
 from retopk_server.runtime.decoder.load import GGUFTensors, _q4_blocks, _q8_blocks, from_gguf
 
 
@@ -186,6 +194,34 @@ def test_prefill_rows_multiply_through_the_wide_copy_in_its_dtype(cls):
         lin.set_wide_dtype(dtype)
         assert lin.wide.dtype == dtype
         assert ((lin(x).double() - ref).abs() <= 8 * eps * scale).all()
+
+
+@pytest.mark.parametrize("rows", [16, 48, 394])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_bfloat16_copy_multiplies_as_torch_linear_bit_for_bit(rows, with_bias):
+    """A bfloat16 wide copy is held in oneDNN's packed layout where torch has that path, and its GEMM (+ bias)
+    (+ residual) equals torch's ``linear`` on the plain bfloat16 copy bit for bit, y widened to float32 before
+    the sums, at a single prompt's rows and at a prefill wave's. Elsewhere ``packed`` returns the copy as it
+    is."""
+    torch.manual_seed(rows)
+    lin = from_float(torch.randn(96, 160), torch.randn(96) if with_bias else None, "int4")
+    lin.set_wide_dtype(torch.float32)
+    assert not lin.wide.is_mkldnn  # float32 copies stay plain
+    lin.set_wide_dtype(torch.bfloat16)
+    plain = lin.dequantized().to(torch.bfloat16)  # (96, 160)
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert lin.wide.is_mkldnn == onednn and packed(torch.ones(2, 2)).is_mkldnn is False
+    if not onednn:
+        pytest.skip("this torch or CPU has no oneDNN bfloat16 GEMM")
+    assert lin.wide.dtype == torch.bfloat16 and tuple(lin.wide.shape) == (96, 160)
+    assert torch.equal(lin.wide.to_dense(), plain)
+    x, res = torch.randn(rows, 160), torch.randn(rows, 96)
+    y = torch.nn.functional.linear(x.to(torch.bfloat16), plain).float()  # (rows, 96)
+    if with_bias:
+        y = y + lin.bias
+    assert torch.equal(float_matmul(x, lin.wide, lin.bias), y)
+    assert torch.equal(float_matmul(x, lin.wide, lin.bias, res), y + res)
+    assert torch.equal(lin(x, residual=res), y + res)
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])

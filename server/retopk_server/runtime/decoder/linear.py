@@ -15,7 +15,8 @@ order of the sums; or, with ``activations`` "int8", x quantized per block of 32 
 Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``WIDE_ROWS[dtype]``
 rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load (``wide``: bfloat16
 where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also
-the path when the library is not built.
+the path when the library is not built. A bfloat16 copy is held reordered into oneDNN's blocked layout once
+(``packed``), so that its GEMMs skip repacking the weight on every call: the same products, bit for bit.
 Norms, biases and the residual stream stay float32 in every format. ``nbytes`` is what one matmul reads,
 the decode step's weight traffic.
 """
@@ -50,14 +51,42 @@ def is_blocks(lin) -> bool:
     return isinstance(lin, _BlockLinear)
 
 
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight (out, in) reordered once into the blocked layout of oneDNN's GEMM (an opaque mkldnn tensor
+    of the same shape and dtype, which ``float_matmul`` takes): torch's ``linear`` reorders the weight on every
+    call, a cost that a prefill's few hundred rows do not hide. Its products equal ``linear``'s bit for bit
+    (tests/server/runtime/test_decoder_weights.py). Any other weight, or a torch without oneDNN's bfloat16 path,
+    is returned as it is."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _onednn_bf16():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+
+
+# The rows oneDNN is told to expect when it chooses a packed layout: a prefill wave's order of magnitude. The layout
+# it picks for them gave the same products as ``linear`` and was no slower at 16 to 2048 rows.
+PACK_ROWS = 512
+
+
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, in) float32 @ weight (out, in)^T in the weight's float dtype -> (M, out) float32 (+ bias) (+ residual):
-    a dense layer's product, and a quantized one's prefill GEMM through its dequantized copy."""
-    y = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
+    a dense layer's product, and a quantized one's prefill GEMM through its dequantized copy (plain, or ``packed``).
+    The sums with bias and residual widen y inside the add (float32 + bfloat16 is float32, the widening exact),
+    with no float32 copy of y first."""
+    xw = x.to(weight.dtype)  # (M, in)
+    if weight.is_mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(xw, weight, None, "none", [], "")  # (M, out) in weight's dtype
+    else:
+        y = torch.nn.functional.linear(xw, weight)  # (M, out) in weight's dtype
     if bias is not None:
-        y = y + bias
-    return y if residual is None else y + residual
+        y = torch.add(bias, y)  # (M, out) float32
+    if residual is not None:
+        return torch.add(residual, y)
+    return y.float()
 
 
 class DenseLinear:
@@ -96,7 +125,7 @@ class _BlockLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.blocks = decoder_ops.Blocks(self.qs, self.scales, self.bits, self.bias)  # what the fused layer ops take
         self.activations = "float32"  # what the block products multiply with (set_activations)
-        self.wide = self.dequantized().to(wide_dtype())  # (out, in): the prefill GEMM's copy
+        self.wide = packed(self.dequantized().to(wide_dtype()))  # (out, in): the prefill GEMM's copy
 
     def check_activations(self, activations: str) -> None:
         """Raise ValueError if this weight cannot multiply with ``activations`` (decoder_ops.ACTIVATIONS)."""
@@ -116,7 +145,7 @@ class _BlockLinear:
     def set_wide_dtype(self, dtype: torch.dtype) -> None:
         """Hold the prefill GEMM's copy in ``dtype`` (float32: exact products, twice the memory of bfloat16)."""
         if self.wide.dtype != dtype:
-            self.wide = self.dequantized().to(dtype)
+            self.wide = packed(self.dequantized().to(dtype))
 
     @property
     def out_features(self) -> int:
