@@ -101,10 +101,12 @@ class QuerySupportCache(SlotPool):
         self.phase = torch.zeros(num_heads, dtype=torch.long, device=device)
 
     def reset_slot(self, slot: int) -> None:
-        super().reset_slot(slot)
-        self.support[slot] = -1
-        self.tau[slot] = self.tau0
-        self.period[slot] = self.period0
+        """Every field of ``slot`` to a new sequence's value, each written once (a wave of sessions resets tens of
+        MB: zeroing ``support`` before filling it would write its largest field twice): support -1, tau and period
+        their starting values, the rest 0."""
+        start = {"support": -1, "tau": self.tau0, "period": self.period0}
+        for name in self._fields:
+            getattr(self, name)[slot].fill_(start.get(name, 0))
 
     def push(self, slots: torch.Tensor, qn: torch.Tensor, support: torch.Tensor) -> None:
         """Insert one entry per (slot, head): slots (B,), qn (B, H, d), support (B, H, K)."""

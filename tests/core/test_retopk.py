@@ -499,6 +499,24 @@ def test_state_pool_grows_and_keeps_contents():
         state.free(b)
 
 
+def test_a_reused_slot_is_reset_to_a_new_pools_slot():
+    """A slot freed with every field written (calibrated tau, moved period, FIFO entries) and allocated again holds
+    what slot 0 of a pool just made holds, field by field; ``fresh=False`` leaves it as it was."""
+    method = make_method("retopk", top_k=4, cache_size=3, window=2, recall=1, tau=0.8, refresh_every=6,
+                         refresh_guard=0.5)
+    new = method.init_state(3, 1, 8, capacity=1)
+    state = method.init_state(3, 1, 8, capacity=2)
+    slot = state.alloc()
+    for name in state.field_names():
+        getattr(state, name)[slot] = 7
+    state.free(slot)
+    assert state.alloc(fresh=False) == slot and all((getattr(state, n)[slot] == 7).all() for n in state.field_names())
+    state.free(slot)
+    assert state.alloc() == slot
+    for name in state.field_names():
+        assert torch.equal(getattr(state, name)[slot], getattr(new, name)[0]), name
+
+
 def test_state_pool_grown_in_inference_mode_allocates_outside_it():
     method = make_method("retopk", top_k=4, cache_size=2, window=2, recall=1)
     with torch.inference_mode():
