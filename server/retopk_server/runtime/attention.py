@@ -285,11 +285,11 @@ class PrefillContext:
             self.rows = torch.cat([pool.rows(seg.kv.table, seg.kv.start, seg.T) for seg in segments], dim=2)
         pool.write(layer, self.rows, k, v)  # every session's new keys and values in one store
         if len(segments) == 1:
-            return _prefill(segments[0], layer, q, scale)
+            return _prefill(segments[0], layer, q, k, v, scale)
         out = torch.empty_like(q)
         for seg in segments:
             rows = slice(seg.offset, seg.offset + seg.T)
-            out[:, :, rows] = _prefill(seg, layer, q[:, :, rows], scale)
+            out[:, :, rows] = _prefill(seg, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], scale)
         return out
 
 
@@ -349,14 +349,20 @@ def _finish_stats(ctx: DecodeContext) -> None:
         pairs.clear()
 
 
-def _prefill(seg: PrefillSegment, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-    """One session's chunk: query (1, H, T, d) -> (1, H, T, d) dense causal attention; the queries the method will
-    observe go to ``seg.kept``."""
+def _prefill(seg: PrefillSegment, layer: int, query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             scale: float) -> torch.Tensor:
+    """One session's chunk: query (1, H, T, d), its keys and values k_new, v_new (1, H_kv, T, d), already written
+    to the pool -> (1, H, T, d) dense causal attention over the session's keys as the pool holds them; the queries
+    the method will observe go to ``seg.kept``."""
     _, H, T, _ = query.shape
     s = seg.first
     L = s + T
-    k, v = seg.kv.pool.history(layer, seg.kv.table[0], L)  # (H_kv, L, d)
-    k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)
+    pool = seg.kv.pool
+    if s == 0:  # the chunk is the whole history: its own keys and values, rounded as stored, not gathered back
+        k, v = pool.as_stored(k_new).to(query.dtype), pool.as_stored(v_new).to(query.dtype)  # (1, H_kv, L, d)
+    else:
+        k, v = pool.history(layer, seg.kv.table[0], L)  # (H_kv, L, d)
+        k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)
     gqa = H != k.shape[1]
     if s == 0 and H * T * L <= PREFILL_SCORES_BUDGET:
         out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scale, enable_gqa=gqa)

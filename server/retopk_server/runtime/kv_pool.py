@@ -300,6 +300,12 @@ class KVPool:
     def paged(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedKV:
         return PagedKV(self.k[layer], self.v[layer], table, lengths)
 
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded as ``write`` stores it (to the pool's dtype, nearest even, as torch's cast and the CPU library's
+        store both round) and back in x's dtype: what ``history`` returns for keys or values just written, without
+        gathering them back from the blocks."""
+        return x.to(self.k[0].dtype).to(x.dtype)
+
     def history(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one session's first ``length`` positions: (H_kv, length, d) each (a copy)."""
         n = self.blocks_for(length)

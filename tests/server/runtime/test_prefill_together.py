@@ -98,10 +98,10 @@ def test_a_forward_that_fails_for_one_session_stops_that_session_alone(monkeypat
     bad = sessions[2]
     real = attention._prefill
 
-    def failing(seg, layer, query, scale):
+    def failing(seg, layer, *rest):
         if seg.slots == bad.slots and layer == 1:
             raise RuntimeError("this session's attention failed")
-        return real(seg, layer, query, scale)
+        return real(seg, layer, *rest)
 
     monkeypatch.setattr(attention, "_prefill", failing)
     got = shared.prefill_together([(job, job.remaining) for job in jobs])

@@ -43,6 +43,22 @@ def test_pool_write_and_history_round_trip_across_growth():
     torch.testing.assert_close(dense_k[0], got_k, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_as_stored_is_what_history_reads_back(dtype):
+    """A prefill chunk that starts a session attends over ``as_stored`` of its own keys and values instead of
+    gathering them back (attention.py's _prefill): that equals ``history`` bit for bit, the pool's store (the CPU
+    library's for float32 keys, torch's cast otherwise) and the cast rounding alike, strided keys included."""
+    pool = KVPool(num_layers=1, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype, device="cpu")
+    blocks = pool.alloc(pool.blocks_for(11))
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(1, 11, 6, 16, generator=g) * torch.logspace(-6, 4, 16)  # (1, T, heads, d): wide exponents
+    k, v = qkv[:, :, 2:4].transpose(1, 2), qkv[:, :, 4:].transpose(1, 2)  # (1, H_kv, T, d), strided as the layers'
+    pool.write(0, pool.rows(pool.block_table([blocks], "cpu"), torch.tensor([0]), 11), k, v)
+    got_k, got_v = pool.history(0, torch.tensor(blocks), 11)  # (H_kv, 11, d)
+    assert pool.as_stored(k).dtype == torch.float32
+    assert torch.equal(pool.as_stored(k)[0].to(dtype), got_k) and torch.equal(pool.as_stored(v)[0].to(dtype), got_v)
+
+
 def test_pool_reuses_released_blocks():
     pool = KVPool(1, 1, 2, 4, torch.float32, "cpu", initial_blocks=4)
     a = pool.alloc(3)
