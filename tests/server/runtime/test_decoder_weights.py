@@ -222,6 +222,8 @@ def test_packed_bfloat16_copy_multiplies_as_torch_linear_bit_for_bit(rows, with_
     assert torch.equal(float_matmul(x, lin.wide, lin.bias), y)
     assert torch.equal(float_matmul(x, lin.wide, lin.bias, res), y + res)
     assert torch.equal(lin(x, residual=res), y + res)
+    narrow = lin(x, widen=False)  # y as the GEMM gives it: bfloat16 without a bias, widened by adding one
+    assert narrow.dtype == (torch.float32 if with_bias else torch.bfloat16) and torch.equal(narrow.float(), y)
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])

@@ -177,8 +177,9 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
         return decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, dec.eps, layer.gate_up.blocks,
                                    layer.down.blocks, dec.activations)
     x = layer.o(a, residual=x)
-    gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps)).chunk(2, dim=-1)  # (B*T, F) each
-    return layer.down(F.silu(gate).mul_(up), residual=x)
+    # (B*T, F) each, float32 or the wide copy's bfloat16: widened where read (exactly), not copied whole first
+    gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps), widen=False).chunk(2, dim=-1)
+    return layer.down(F.silu(gate.float(), inplace=True).mul_(up), residual=x)
 
 
 def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
