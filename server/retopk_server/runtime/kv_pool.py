@@ -289,7 +289,9 @@ class KVPool:
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values k, v: (B, H_kv, T, d) at ``rows`` (B, H_kv, T) from ``rows()``."""
-        if k.device.type == "cpu" and k.dtype == torch.float32 and decoder_ops.available():  # one call for both
+        # a decode step's rows (T = 1): the library's store, one call for both. A prefill chunk's many positions:
+        # torch's vectorized cast and index_copy_ (the library converts element by element), the same bytes.
+        if k.device.type == "cpu" and k.dtype == torch.float32 and k.shape[2] == 1 and decoder_ops.available():
             decoder_ops.store_kv(self.k[layer], self.v[layer], rows, k, v)
             return
         flat = rows.view(-1)

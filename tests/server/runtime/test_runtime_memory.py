@@ -46,8 +46,8 @@ def test_pool_write_and_history_round_trip_across_growth():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_as_stored_is_what_history_reads_back(dtype):
     """A prefill chunk that starts a session attends over ``as_stored`` of its own keys and values instead of
-    gathering them back (attention.py's _prefill): that equals ``history`` bit for bit, the pool's store (the CPU
-    library's for float32 keys, torch's cast otherwise) and the cast rounding alike, strided keys included."""
+    gathering them back (attention.py's _prefill): that equals ``history`` bit for bit, strided keys included, and
+    so do the CPU library's store of one position at a time (a decode step's) and torch's of a chunk's."""
     pool = KVPool(num_layers=1, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype, device="cpu")
     blocks = pool.alloc(pool.blocks_for(11))
     g = torch.Generator().manual_seed(3)
@@ -57,6 +57,11 @@ def test_as_stored_is_what_history_reads_back(dtype):
     got_k, got_v = pool.history(0, torch.tensor(blocks), 11)  # (H_kv, 11, d)
     assert pool.as_stored(k).dtype == torch.float32
     assert torch.equal(pool.as_stored(k)[0].to(dtype), got_k) and torch.equal(pool.as_stored(v)[0].to(dtype), got_v)
+    # one position at a time (a decode step's writes take the CPU library's store): the same bytes
+    for t in range(11):
+        pool.write(0, pool.rows(pool.block_table([blocks], "cpu"), torch.tensor([t]), 1), k[:, :, t:t + 1] * 2,
+                   v[:, :, t:t + 1] * 2)
+    assert torch.equal(pool.history(0, torch.tensor(blocks), 11)[0], pool.as_stored(k * 2)[0].to(dtype))
 
 
 def test_pool_reuses_released_blocks():
