@@ -207,6 +207,9 @@ def test_packed_bfloat16_copy_multiplies_as_torch_linear_bit_for_bit(rows, with_
     lin = from_float(torch.randn(96, 160), torch.randn(96) if with_bias else None, "int4")
     lin.set_wide_dtype(torch.float32)
     assert not lin.wide.is_mkldnn  # float32 copies stay plain
+    x48, acc = torch.randn(48, 160), torch.randn(48, 96)
+    want = lin(x48, residual=acc)  # a new tensor
+    assert lin(x48, residual=acc, into=True) is acc and torch.equal(acc, want)  # the same sum, into the residual
     lin.set_wide_dtype(torch.bfloat16)
     plain = lin.dequantized().to(torch.bfloat16)  # (96, 160)
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -72,12 +72,14 @@ def _onednn_bf16() -> bool:
 
 
 def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor | None = None, widen: bool = True) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, widen: bool = True, into: bool = False) -> torch.Tensor:
     """x (M, in) float32 @ weight (out, in)^T in the weight's float dtype -> (M, out) float32 (+ bias) (+ residual):
     a dense layer's product, and a quantized one's prefill GEMM through its dequantized copy (plain, or ``packed``).
     The sums with bias and residual widen y inside the add (float32 + bfloat16 is float32, the widening exact),
     with no float32 copy of y first. ``widen=False`` (no residual): y without bias stays in the weight's dtype, for a
-    caller that widens what it reads of it (the gate-up product: Decoder's SwiGLU)."""
+    caller that widens what it reads of it (the gate-up product: Decoder's SwiGLU). ``into``: the sum is written into
+    ``residual`` and returned (a caller's own residual stream, which it reads only through the result): the same
+    values without a new (M, out) tensor per layer."""
     xw = x.to(weight.dtype)  # (M, in)
     if weight.is_mkldnn:
         y = torch.ops.mkldnn._linear_pointwise(xw, weight, None, "none", [], "")  # (M, out) in weight's dtype
@@ -86,7 +88,7 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         y = torch.add(bias, y)  # (M, out) float32
     if residual is not None:
-        return torch.add(residual, y)
+        return residual.add_(y) if into else torch.add(residual, y)
     return y.float() if widen else y
 
 
@@ -104,8 +106,9 @@ class DenseLinear:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, widen: bool = True) -> torch.Tensor:
-        return float_matmul(x, self.weight, self.bias, residual, widen)  # (M, out)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, widen: bool = True,
+                 into: bool = False) -> torch.Tensor:
+        return float_matmul(x, self.weight, self.bias, residual, widen, into)  # (M, out)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float()
@@ -156,11 +159,12 @@ class _BlockLinear:
     def nbytes(self) -> int:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, widen: bool = True) -> torch.Tensor:
-        """x (M, in) float32 -> (M, out) float32 (+ residual); ``widen=False``: from the wide copy, y in its dtype
-        (float_matmul)."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, widen: bool = True,
+                 into: bool = False) -> torch.Tensor:
+        """x (M, in) float32 -> (M, out) float32 (+ residual); from the wide copy, ``widen=False``: y in its dtype,
+        ``into``: the sum written into ``residual`` (float_matmul); the block kernels return a new tensor."""
         if not blocks_path(x.shape[0], self.wide.dtype):
-            return float_matmul(x, self.wide, self.bias, residual, widen)
+            return float_matmul(x, self.wide, self.bias, residual, widen, into)
         b = self.blocks
         return decoder_ops.block_matmul(x.float(), b.qs, b.scales, b.bits, b.bias, residual,
                                         activations=self.activations)  # (M, out)

@@ -160,7 +160,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, shape: tuple[int, int],
                cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """One decoder layer on x (B*T, D) -> the new residual stream (B*T, D)."""
+    """One decoder layer on x (B*T, D) -> the new residual stream (B*T, D), which may be x itself updated in place
+    (the caller reads x only through the result)."""
     B, T = shape
     H, H_kv, d = dec.num_heads, dec.num_kv_heads, dec.head_dim
     fused = dec.fused_rows(B * T)
@@ -176,10 +177,10 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
     if fused:
         return decoder_ops.mlp_out(x, a, layer.o.blocks, layer.mlp_norm, dec.eps, layer.gate_up.blocks,
                                    layer.down.blocks, dec.activations)
-    x = layer.o(a, residual=x)
+    x = layer.o(a, residual=x, into=True)
     # (B*T, F) each, float32 or the wide copy's bfloat16: widened where read (exactly), not copied whole first
     gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, dec.eps), widen=False).chunk(2, dim=-1)
-    return layer.down(F.silu(gate.float(), inplace=True).mul_(up), residual=x)
+    return layer.down(F.silu(gate.float(), inplace=True).mul_(up), residual=x, into=True)
 
 
 def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
@@ -189,7 +190,7 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     ``logits_at``: instead, the logits (len, V) at these indices of the B*T tokens (a ragged prefill's
     prompts that end in it; None when the list is empty: the LM head is skipped)."""
     B, T = ids.shape
-    x = dec.embed(ids.reshape(-1))  # (B*T, D) float32
+    x = dec.embed(ids.reshape(-1))  # (B*T, D) float32, a new tensor: the layers may update it in place
     cos, sin = rope_tables(dec.rotary, x, positions)
     if layers is not None:
         x = layers(x, cos, sin)
