@@ -13,6 +13,20 @@ at M rows over ``--rounds`` rounds of ``--steps`` steps, M rows / 1 row, and M r
 the batch shares nothing, lower is better.
 
     python -m bench.step_parts --rows 8 --steps 12 --rounds 2
+
+With ``--threads N`` above one the products run on the team and their parts cannot be told apart on one thread's
+clock: the bench then times the whole step as the server runs it. It opens M sessions, and in each of ``--rounds``
+rounds, for each of the ``--activations`` named (taking turns in one process, so a loaded machine's drift hits
+each alike), times ``--steps`` steps of ``runner.decode`` over the first session alone, then over all M (fresh
+sessions each round). Printed per activations: the median wall ms at 1 row and at M rows and M rows / 1 row
+(lower is better: M streams give M / that times one stream's tokens at the step), then per step the median CPU
+ms of the calling thread ("main") and of the whole process ("all": every thread) at 1 and at M rows, and
+"alone" = 2 main - all at M rows. With ``OMP_WAIT_POLICY=PASSIVE`` an idle OpenMP thread sleeps, so "all" is the
+team's work and, on two threads, "alone" is about the main thread's CPU time with the other one idle (the step's
+serial part; a perfectly split step has 0), a figure that a loaded machine's other work does not inflate as it
+does wall time. Without it idle threads spin and "all" counts their spinning.
+
+    python -m bench.step_parts --threads 2 --rows 8 --steps 30 --rounds 3 --activations float32 bf16x2
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from retopk_server.runtime.runtime_config import ACTIVATIONS
 from retopk_server.runtime.sampling import Sampler, SamplingParams, greedy_tokens
 
 PARTS = ("step", "attn_in", "mlp_out", "lm_head", "attention", "sampling", "other")
+WALL = ("wall", "main", "all")  # the --threads mode's: wall seconds, the calling thread's and all threads' CPU seconds
 
 
 def parse_args(argv=None):
@@ -39,8 +54,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="rounds, each timing 1 row then M rows")
     p.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message.")
-    p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
-                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX)")
+    p.add_argument("--activations", nargs="+", default=["float32"], choices=ACTIVATIONS,
+                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), each in turn")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's threads; above 1, the whole step's wall and CPU time instead of its parts")
     return p.parse_args(argv)
 
 
@@ -88,18 +105,59 @@ def time_batch(runner: ModelRunner, ids: list[int], M: int, args) -> dict[str, l
     return times
 
 
-def main(argv=None) -> dict[str, dict[int, float]]:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    runner = ModelRunner(RuntimeConfig(activations=args.activations))
-    ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
-    print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.info.weight_format}, one thread")
+def time_wall(runner: ModelRunner, ids: list[int], args) -> dict[int, dict[str, list[float]]]:
+    """Per batch (1 and M) and column (WALL), the seconds of each timed step over the first 1, then all M, of M
+    fresh sessions after ``ids``: wall time and the CPU time of every thread of the process."""
+    M = args.rows
+    sessions = [runner.open_session() for _ in range(M)]
+    tokens = [int(runner.prefill(s, ids).argmax()) for s in sessions]
+    times = {m: {col: [] for col in WALL} for m in (1, M)}
+    clocks = (time.perf_counter, time.thread_time, time.process_time)  # in WALL's order
+    for m in times:
+        for i in range(args.warmup + args.steps):
+            start = [clock() for clock in clocks]
+            logits, _ = runner.decode(sessions[:m], tokens[:m])
+            took = [clock() - s for clock, s in zip(clocks, start, strict=True)]
+            tokens[:m] = logits.argmax(-1).tolist()
+            if i >= args.warmup:
+                for col, t in zip(WALL, took, strict=True):
+                    times[m][col].append(t)
+    for s in sessions:
+        runner.close_session(s)
+    return times
+
+
+def wall_main(runner: ModelRunner, ids: list[int], args) -> dict[str, dict[int, dict[str, float]]]:
+    """The --threads mode: per activations, batch and column the median ms, printed as a table."""
+    M = args.rows
+    times = {a: {m: {col: [] for col in WALL} for m in (1, M)} for a in args.activations}
+    for _ in range(args.rounds):
+        for a in args.activations:
+            runner.decoder.set_activations(a)
+            for m, cols in time_wall(runner, ids, args).items():
+                for col, t in cols.items():
+                    times[a][m][col] += t
+    for t in times.values():
+        for cols in t.values():
+            cols["alone"] = [2 * main - all_ for main, all_ in zip(cols["main"], cols["all"], strict=True)]
+    med = {a: {m: {col: 1e3 * statistics.median(c) for col, c in cols.items()} for m, cols in t.items()}
+           for a, t in times.items()}
+    print(f"{'activations':>11} {'1 row ms':>9} {f'{M} rows ms':>10} {f'{M} / 1':>7} {'CPU ms: main 1':>15} "
+          f"{'all 1':>6} {f'main {M}':>7} {f'all {M}':>6} {f'alone {M}':>8}")
+    for a, t in med.items():
+        print(f"{a:>11} {t[1]['wall']:>9.2f} {t[M]['wall']:>10.2f} {t[M]['wall'] / t[1]['wall']:>7.2f} "
+              f"{t[1]['main']:>15.2f} {t[1]['all']:>6.2f} {t[M]['main']:>7.2f} {t[M]['all']:>6.2f} "
+              f"{t[M]['alone']:>8.2f}")
+    return med
+
+
+def parts_table(runner: ModelRunner, ids: list[int], args) -> dict[str, dict[int, float]]:
+    """The one-thread mode for the runner's activations: per part the median ms at 1 and M rows, printed."""
     times = {M: {part: [] for part in PARTS} for M in (1, args.rows)}
-    with torch.inference_mode():
-        for _ in range(args.rounds):
-            for M in times:
-                for part, t in time_batch(runner, ids, M, args).items():
-                    times[M][part] += t
+    for _ in range(args.rounds):
+        for M in times:
+            for part, t in time_batch(runner, ids, M, args).items():
+                times[M][part] += t
     M = args.rows
     med = {part: {m: 1e3 * statistics.median(times[m][part]) for m in times} for part in PARTS}
     print(f"{'part':>10} {'1 row ms':>9} {f'{M} rows ms':>10} {f'{M} / 1':>7} {f'{M} / ({M} x 1)':>10}")
@@ -107,6 +165,24 @@ def main(argv=None) -> dict[str, dict[int, float]]:
         one, many = med[part][1], med[part][M]
         ratios = f"{many / one:>7.2f} {many / (M * one):>10.2f}" if one > 0 else f"{'-':>7} {'-':>10}"
         print(f"{part:>10} {one:>9.2f} {many:>10.2f} {ratios}")
+    return med
+
+
+def main(argv=None) -> dict:
+    """The parts table of the last activations named (one thread), or with --threads the wall_main table."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(RuntimeConfig(activations=args.activations[0]))
+    ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
+    with torch.inference_mode():
+        if args.threads > 1:
+            print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.info.weight_format}, "
+                  f"{torch.get_num_threads()} threads, wall time")
+            return wall_main(runner, ids, args)
+        for a in args.activations:
+            runner.decoder.set_activations(a)
+            print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.decoder.weight_format}, one thread")
+            med = parts_table(runner, ids, args)
     return med
 
 
