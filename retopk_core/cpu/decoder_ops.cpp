@@ -49,7 +49,7 @@
 //     rotate_half(x) = (-x[d/2:], x[:d/2]) (transformers' convention).
 //   store_rows(pool (R, d), rows (B, H_kv, T), src (B, H_kv, T, d) strided): pool[rows[b, g, t]] <- src[b, g, t]
 //     in the pool's dtype (round to nearest even for bfloat16 / float16, as torch's casts).
-//   store_kv(k_pool, v_pool, rows, k, v): store_rows of a step's keys and of its values, in one call.
+//   store_kv(k_pool, v_pool, rows, k, v): store_rows of a step's keys and of its values, in one parallel loop.
 //
 // The two halves of a decode layer around its attention, one call each (the decoder's fused path; the
 // same ops in the same order as calling them one by one, so its results equal that path's):
@@ -79,6 +79,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -778,6 +779,24 @@ AmxFn amx_fn(int64_t mr) {
   }
 }
 
+// Room for n values of T that split_limbs fills entirely: kept on this thread and reused while n is at most
+// kKeptScratch (a decode step's products: no allocation and no zero fill each), else a new array held by `own`.
+constexpr int64_t kKeptScratch = 1 << 18;
+template <typename T>
+T* limb_scratch(int64_t n, std::unique_ptr<T[]>& own) {
+  thread_local std::unique_ptr<T[]> kept;
+  thread_local int64_t size = 0;
+  if (n > kKeptScratch) {
+    own.reset(new T[n]);
+    return own.get();
+  }
+  if (n > size) {
+    kept.reset(new T[n]);
+    size = n;
+  }
+  return kept.get();
+}
+
 // y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_amx's units, rows in passes of kAmxRows. x's limbs
 // are split once for every task; one task per range of groups of 16 outputs, which loads the tile
 // configuration for each pass and releases the tiles at its end (the configuration is per thread). A pass over
@@ -785,15 +804,17 @@ AmxFn amx_fn(int64_t mr) {
 void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int64_t bits, int64_t out,
                 const float* bias, const float* residual, float* y) {
   const int64_t nb = in / 32;
-  std::vector<uint16_t> xl(2 * M * in);  // per pass of rows r0..: (nb, 2 mr, 32) at 2 r0 in
-  std::vector<float> sx(M * nb);
+  std::unique_ptr<uint16_t[]> xl_own;
+  std::unique_ptr<float[]> sx_own;
+  uint16_t* xl = limb_scratch(2 * M * in, xl_own);  // per pass of rows r0..: (nb, 2 mr, 32) at 2 r0 in
+  float* sx = limb_scratch(M * nb, sx_own);
   for (int64_t r0 = 0; r0 < M; r0 += kAmxRows)
-    split_limbs(x + r0 * in, std::min(kAmxRows, M - r0), in, xl.data() + 2 * r0 * in, sx.data() + r0 * nb);
+    split_limbs(x + r0 * in, std::min(kAmxRows, M - r0), in, xl + 2 * r0 * in, sx + r0 * nb);
   at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t r0 = 0; r0 < M; r0 += kAmxRows) {
       const int64_t mr = std::min(kAmxRows, M - r0);
       configure_tiles(2 * mr);
-      (bits == 4 ? amx_fn<4>(mr) : amx_fn<8>(mr))(units, nb, g0, g1, xl.data() + 2 * r0 * in, sx.data() + r0 * nb, bias,
+      (bits == 4 ? amx_fn<4>(mr) : amx_fn<8>(mr))(units, nb, g0, g1, xl + 2 * r0 * in, sx + r0 * nb, bias,
                  residual ? residual + r0 * out : nullptr, y + r0 * out, out);
     }
     release_tiles();
@@ -1188,46 +1209,71 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 namespace {
-template <typename T>
-void store_as(T* pool, const int64_t* rows, const at::Tensor& src) {
-  const int64_t B = src.size(0), G = src.size(1), Tn = src.size(2), d = src.size(3);
-  const float* sp = src.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t t = 0; t < Tn; ++t) {
-        T* dst = pool + rows[(b * G + g) * Tn + t] * d;
-        const float* from = sp + b * src.stride(0) + g * src.stride(1) + t * src.stride(2);
-        for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(from[j * src.stride(3)]);
-      }
-}
-}  // namespace
+// Values stored per task at least: the keys and values of a decode step's few rows split across the team,
+// a single row's (H_kv heads of d, twice) stay on one thread.
+constexpr int64_t kStoreGrain = 1 << 10;
 
-void store_rows(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src) {
+// One destination of store_rows: the (R, d) pool's base and dtype, and its float32 source (B, H_kv, T, d).
+struct RowStore {
+  void* pool;
+  at::ScalarType dtype;
+  int64_t d;
+  const float* src;
+  int64_t stride[4];  // src's
+};
+
+template <typename T>
+void store_row(const RowStore& s, int64_t row, int64_t b, int64_t g, int64_t t) {
+  const int64_t d = s.d;
+  T* dst = static_cast<T*>(s.pool) + row * d;
+  const float* from = s.src + b * s.stride[0] + g * s.stride[1] + t * s.stride[2];
+  for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(from[j * s.stride[3]]);
+}
+
+// The header's checks of store_rows' arguments -> its RowStore.
+RowStore row_store(at::Tensor& pool, const at::Tensor& rows, const at::Tensor& src) {
   CHECK_VALUE(pool.device().is_cpu() && pool.is_contiguous() && pool.dim() == 2, "pool must be a contiguous (R, d) CPU tensor");
   const int64_t R = pool.size(0), d = pool.size(1);
   CHECK_VALUE(src.scalar_type() == at::kFloat && src.dim() == 4 && src.size(3) == d, "src must be float32 (B, H_kv, T, ", d, ")");
   CHECK_VALUE(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 3 &&
                   rows.sizes() == src.sizes().slice(0, 3), "rows must be contiguous int64 ", src.sizes().slice(0, 3));
+  const at::ScalarType dt = pool.scalar_type();
+  CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "pool must be float32, bfloat16 or float16, got ", dt);
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i) CHECK_VALUE(rp[i] >= 0 && rp[i] < R, "rows holds ", rp[i], ", outside the pool's ", R);
-  switch (pool.scalar_type()) {
-    case at::kFloat: store_as(pool.data_ptr<float>(), rp, src); break;
-    case at::kBFloat16: store_as(pool.data_ptr<c10::BFloat16>(), rp, src); break;
-    case at::kHalf: store_as(pool.data_ptr<c10::Half>(), rp, src); break;
-    default: CHECK_VALUE(false, "pool must be float32, bfloat16 or float16, got ", pool.scalar_type());
-  }
+  return {pool.data_ptr(), dt, d, src.data_ptr<float>(), {src.stride(0), src.stride(1), src.stride(2), src.stride(3)}};
 }
+}  // namespace
 
+// k_pool[rows] <- k and v_pool[rows] <- v: every (pool, row) one item of a single parallel loop (each row's values
+// are converted alone, so the split changes no bit).
 void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v) {
   for (at::Tensor* pool : {&k_pool, &v_pool})
     CHECK_VALUE(pool->device().is_cpu() && pool->is_contiguous() && pool->dim() >= 2,
                 "k_pool and v_pool must be contiguous CPU tensors whose last dim is the head dim");
   at::Tensor kf = k_pool.view({-1, k_pool.size(-1)}), vf = v_pool.view({-1, v_pool.size(-1)});
-  store_rows(kf, rows, k);
-  store_rows(vf, rows, v);
+  const RowStore stores[2] = {row_store(kf, rows, k), row_store(vf, rows, v)};
+  const int64_t n = rows.numel(), G = rows.size(1), Tn = rows.size(2);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  at::parallel_for(0, 2 * n, std::max<int64_t>(1, kStoreGrain / kf.size(1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const RowStore& s = stores[i / n];
+      const int64_t f = i % n, b = f / (G * Tn), g = f / Tn % G, t = f % Tn;
+      switch (s.dtype) {
+        case at::kFloat: store_row<float>(s, rp[f], b, g, t); break;
+        case at::kBFloat16: store_row<c10::BFloat16>(s, rp[f], b, g, t); break;
+        default: store_row<c10::Half>(s, rp[f], b, g, t);
+      }
+    }
+  });
 }
 
 namespace {
+// Outputs of swiglu per task at least: one row of a decode step (F = 1536: an exp each) stays on its thread,
+// where waking another would cost about what it saves; a batch of rows is split.
+constexpr int64_t kSwigluGrain = 1 << 12;
+
 // y (M, F) <- swiglu(gu): swiglu into a given output.
 void swiglu_to(at::Tensor& y, const at::Tensor& gu) {
   CHECK_VALUE(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be (M, 2F)");
@@ -1236,12 +1282,16 @@ void swiglu_to(at::Tensor& y, const at::Tensor& gu) {
   check_f32_matrix(y, "y", M, F);
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 15) / F), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  // over the M F outputs, not the rows: a decode step's few rows split across the team by columns too (each
+  // output's arithmetic is its own, so the split changes no bit)
+  at::parallel_for(0, M * F, kSwigluGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end;) {
+      const int64_t i = k / F, j0 = k % F, j1 = std::min(F, j0 + end - k);
       const float* g = gp + i * 2 * F;
       const float* u = g + F;
       float* o = yp + i * F;
-      for (int64_t j = 0; j < F; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      for (int64_t j = j0; j < j1; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      k += j1 - j0;
     }
   });
 }
