@@ -472,7 +472,7 @@ def main(argv=None) -> list[dict]:
             "load_average_before": load_before, "cores": os.cpu_count(), "openmp": openmp_runtimes(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "retopk_weights": runner.info.weight_format, "retopk_kv_dtype": runner.info.kv_dtype,
-            "retopk_activations": runner.info.dtype, "retopk_backend": runner.info.backend}
+            "retopk_activations": runner.decoder.activations, "retopk_backend": runner.info.backend}
     print(f"# vs_llamacpp: {path.name} ({gguf_bytes / 1e6:.1f} MB of tensors, {trained} trained positions), "
           f"{args.threads} threads, {args.rounds} rounds of {args.new_tokens} tokens", flush=True)
     print(f"#   retopk runtime {args.runtime_options or 'defaults'}: weights {meta['retopk_weights']}, KV cache "

@@ -110,10 +110,11 @@ OPTIONS: tuple[Option, ...] = (
                            "float16, int8 or int4 (weight-only, blocks of 32)"),
     Option("kv_dtype", str, "KV cache dtype: auto (bfloat16), float32 (also float32 prefill matmuls: no 16-bit "
                             "rounding anywhere), bfloat16 or float16"),
-    Option("activations", str, "what the block weights' decode products multiply them with: float32 (x as it "
-                               "is), int8 (x quantized per block of 32 with one scale, llama.cpp's way, and "
-                               "integer block dots) or bf16x2 (x as two bf16 limbs on AMX tiles, CPUs "
-                               "with AMX-BF16 only); CPU and int4 / int8 / as-stored GGUF weights only"),
+    Option("activations", str, "what the block weights' decode products multiply them with: auto (bf16x2 on a "
+                               "CPU with AMX-BF16 serving int4 / int8 / as-stored GGUF weights, else float32), "
+                               "float32 (x as it is), int8 (x quantized per block of 32 with one scale, llama.cpp's "
+                               "way, and integer block dots) or bf16x2 (x as two bf16 limbs, about 16 bits of x, on "
+                               "AMX tiles, CPUs with AMX-BF16 only); int8 and bf16x2: CPU and block weights only"),
     Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
                            "torch (reference code), triton (GPU) or cpu"),
     Option("threads", parse_optional_int, "threads of the model's CPU work (none = the CPUs this process may use: "

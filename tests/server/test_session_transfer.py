@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -205,6 +206,61 @@ def test_a_mismatched_model_setup_is_refused_naming_what_differs(fake_server, pa
     assert "kv_dtype: 'bfloat16' here, 'float32' in the artifact" in details and "name: 'other' here" in details
     with Client(other.address, api_key=KEYS["alice"], timeout=30) as alice:
         assert alice.list_sessions() == []
+
+
+BLOCKS = "int4, lm_head int8"  # a GGUF model's weight_format (ModelInfo) with float32 activations
+
+
+@pytest.mark.parametrize("activations", ["float32", "bf16x2", "int8"])
+def test_the_fingerprint_takes_bf16x2_activations_as_float32_and_int8_apart(activations):
+    """model_fingerprint / check_model on the weight formats the decoder shows (", activations NAME" after the
+    weights, nothing for float32): bf16x2's fingerprint is float32's, so a session moves between the two (either
+    way, and from an earlier server that wrote bf16x2's whole string); int8's is another; what users see
+    (ModelInfo.weight_format) keeps the activations."""
+    shown = {"float32": BLOCKS, "bf16x2": BLOCKS + ", activations bf16x2", "int8": BLOCKS + ", activations int8"}
+    info = {a: dataclasses.replace(FakeRunner().info, weight_format=f) for a, f in shown.items()}
+    here = info[activations]
+    assert here.weight_format == shown[activations]
+    fingerprint = session_artifact.model_fingerprint(here)
+    assert fingerprint["weight_format"] == (BLOCKS + ", activations int8" if activations == "int8" else BLOCKS)
+    for there in shown:
+        moved = SimpleNamespace(model=session_artifact.model_fingerprint(info[there]))  # all check_model reads
+        written_whole = SimpleNamespace(model=moved.model | {"weight_format": shown[there]})
+        for artifact in (moved, written_whole):
+            diff = session_artifact.check_model(artifact, here)
+            if (activations == "int8") == (there == "int8"):
+                assert diff is None, (activations, there)
+            else:
+                assert diff == (f"weight_format: {fingerprint['weight_format']!r} here, "
+                                f"{session_artifact.model_fingerprint(info[there])['weight_format']!r} in the "
+                                "artifact"), (activations, there)
+
+
+def test_a_session_moves_between_float32_and_bf16x2_servers_not_to_int8(fake_server, pair):
+    """Over gRPC: alice's artifact from a float32 server (weight format ``BLOCKS``) imports into a server showing
+    bf16x2 activations, whose turn continues as the fake's reference does, and is refused by an int8 one naming
+    the weight format."""
+    _, _, _, path = pair
+    servers = {}
+    for activations in ("float32", "bf16x2", "int8"):
+        runner = FakeRunner()
+        shown = BLOCKS + ("" if activations == "float32" else f", activations {activations}")
+        runner.info = dataclasses.replace(runner.info, weight_format=shown)
+        servers[activations] = fake_server(runner, api_keys_file=str(path))
+    with Client(servers["float32"].address, api_key=KEYS["alice"], timeout=30) as alice:
+        alice.create_session(session_id="s")
+        outs = greedy_turns(alice, "s", TURNS[:2])
+        data = alice.export_session("s")
+    code, details = import_status(servers["int8"], data)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"(weight_format: '{BLOCKS}, activations int8' here, '{BLOCKS}' in the artifact)" in details, details
+    with Client(servers["bf16x2"].address, api_key=KEYS["alice"], timeout=30) as alice:
+        assert alice.import_session(data).session_id == "s"
+        [third] = greedy_turns(alice, "s", TURNS[2:])
+    context = []
+    for text, out in zip(TURNS[:2], outs, strict=True):
+        context += enc(text) + out
+    assert third == greedy_reference(context + enc(TURNS[2]), 6)
 
 
 def test_a_method_this_server_cannot_run_is_refused_naming_it(pair):

@@ -32,6 +32,7 @@ import torch
 
 from retopk_server.engine.safetensors_parts import PayloadError, open_payload_file, payload_parts
 from retopk_server.engine.spool import Spool
+from retopk_server.runtime.decoder.llama import compared_weight_format
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.session_state import SessionState
 
@@ -80,16 +81,34 @@ class SessionArtifact:
 
 
 def model_fingerprint(info) -> dict:
-    """The runner's ModelInfo entries an imported session depends on (MODEL_FIELDS)."""
-    return {name: getattr(info, name) for name in MODEL_FIELDS}
+    """The runner's ModelInfo entries an imported session depends on (MODEL_FIELDS), weight_format as
+    ``compared_weight_format`` has it: float32 and bf16x2 activations are one fingerprint, int8's another.
+
+    Why a session moves between float32 and bf16x2 products: bf16x2 keeps each x to 2^-17 relative (two bf16
+    limbs, |x - hi - lo| <= 2^-17 |x|), its products of bf16 are exact and its sums float32, so a product differs
+    from float32's by at most about 2^-17 of sum_j |W_j x_j|. That is far below the rounding the session's keys and
+    values take in the default bfloat16 KV cache (2^-9 relative), and of the kind the same float32 products
+    already differ by between servers: the fingerprint names no SIMD level, so an AVX2 server and an AVX-512 one
+    (float32 block loops of 8 and 16 lanes, their sums in other orders) take each other's sessions, though
+    bf16x2's differences are the larger (docs/bench/history.md, issue 28). A moved session is then no further
+    from either server's own than one served on bf16x2 throughout, whose greedy tokens and perplexity were
+    float32's (BENCHMARKS.md). int8 activations round x to 2^-8 of its block's largest value and flip greedy
+    tokens, so they stay apart. Tests: tests/server/test_session_transfer.py (the fingerprints) and
+    tests/server/runtime/test_bf16x2_activations.py (a moved session continues as the one that never moved)."""
+    fingerprint = {name: getattr(info, name) for name in MODEL_FIELDS}
+    fingerprint["weight_format"] = compared_weight_format(fingerprint["weight_format"])
+    return fingerprint
 
 
 def check_model(artifact: SessionArtifact, info) -> str | None:
     """What differs between the artifact's model and ``info``'s (``"kv_dtype: bfloat16 here, float32 in the
-    artifact; ..."``), or None when they match."""
-    here = model_fingerprint(info)
-    diffs = [f"{name}: {here[name]!r} here, {artifact.model.get(name)!r} in the artifact"
-             for name in MODEL_FIELDS if artifact.model.get(name) != here[name]]
+    artifact; ..."``), or None when they match. The artifact's weight_format is compared as ``model_fingerprint``
+    has it (an earlier server wrote bf16x2's whole)."""
+    here, there = model_fingerprint(info), dict(artifact.model)
+    if isinstance(there.get("weight_format"), str):
+        there["weight_format"] = compared_weight_format(there["weight_format"])
+    diffs = [f"{name}: {here[name]!r} here, {there.get(name)!r} in the artifact"
+             for name in MODEL_FIELDS if there.get(name) != here[name]]
     return "; ".join(diffs) or None
 
 

@@ -11,6 +11,7 @@ values into the KV pool, then dense prefill or the rows' methods).
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from collections import Counter
@@ -38,6 +39,8 @@ from retopk_server.runtime.session_state import SessionState
 from retopk_server.runtime.stats import StepStats
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
 from retopk_server.runtime.whole_step import whole_step
+
+log = logging.getLogger("retopk_server.runtime")
 
 
 class ContextTooLong(ValueError):
@@ -93,7 +96,11 @@ class ModelRunner:
             loaded = from_model(model, fmt, config.rope_scaling)
             loaded.tokenizer = tokenizer
         self.decoder = loaded.decoder.to(self.device)
-        self.decoder.set_activations(config.activations)
+        activations = config.activations
+        if activations == "auto":  # resolved once, here: ModelInfo's weight_format shows what it became
+            activations, why = self.decoder.auto_activations()
+            log.info("activations auto: %s (%s)", activations, why)
+        self.decoder.set_activations(activations)
         if config.kv_torch_dtype == torch.float32:  # the exact configuration: no 16-bit product anywhere
             self.decoder.set_prefill_dtype(torch.float32)
         self.tokenizer = loaded.tokenizer

@@ -12,6 +12,7 @@ from retopk_server.runtime.method_spec import MethodSpec
 WEIGHTS = ("auto", "as-stored", "float32", "bfloat16", "float16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ACTIVATIONS = ("float32", "int8", "bf16x2")  # retopk_core.cpu.decoder_ops.ACTIVATIONS, which the block products take
+ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)  # "auto": resolved at load (Decoder.auto_activations)
 BACKENDS = ("auto", "torch", "triton", "cpu")
 FUSED_CPU = ("retopk", "full", "exact_topk")  # methods with a step in retopk_core/cpu
 # "dynamic" is left out: it rescales by the longest row of a batch, which would couple batched sessions.
@@ -76,7 +77,10 @@ class RuntimeConfig:
                     two bf16 limbs, hi + lo, on AMX tiles: on CPUs with AMX-BF16 only, refused elsewhere;
                     about 16 bits of x, where float32 keeps 24). Prefill GEMMs through the dequantized copy,
                     norms and the residual stream stay as they are. Refused for
-                    a device other than the CPU and for a model without block weights
+                    a device other than the CPU and for a model without block weights. "auto" (the default):
+                    bf16x2 where the decoder accepts it (a CPU device with AMX-BF16, block weights whose out
+                    features are multiples of 16: Decoder.auto_activations), else float32; resolved once at
+                    load, and what it resolved to is what ModelInfo's weight_format shows
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
                     Exact Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or
                     "auto": "cpu" on a CPU device where that kernel was built and loads, else "torch"; see
@@ -106,7 +110,7 @@ class RuntimeConfig:
     device: str = "cpu"
     weights: str = "auto"
     kv_dtype: str = "auto"
-    activations: str = "float32"
+    activations: str = "auto"
     backend: str = "auto"
     default_method: MethodSpec = field(default_factory=default_method_spec)
     max_context: int | None = None
@@ -125,9 +129,9 @@ class RuntimeConfig:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.activations not in ACTIVATIONS:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
-        if self.activations != "float32" and not self.device.startswith("cpu"):
+        if self.activations not in ACTIVATION_CHOICES:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {self.activations!r}")
+        if self.activations not in ("auto", "float32") and not self.device.startswith("cpu"):
             raise ValueError(f"activations={self.activations} needs device cpu (the block kernels are CPU ones), "
                              f"got {self.device!r}")
         if self.backend not in BACKENDS:

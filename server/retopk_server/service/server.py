@@ -263,7 +263,7 @@ async def serve(config: ServerConfig, runner_factory: Callable[[], Runner] | Non
     except Exception as e:
         log.error("could not load the model: %s: %s", type(e).__name__, e)
         return 1
-    log.info("model ready in %.1f s", time.monotonic() - t0)
+    log.info("model ready in %.1f s: weights %s", time.monotonic() - t0, engine.info.weight_format)  # "auto" resolved
     try:
         check_server_method(config.method_spec(), engine.info)
     except ParamError as e:

@@ -62,6 +62,15 @@ def greedy(runner: ModelRunner, session, prompt: list[int], n: int) -> list[int]
     return out
 
 
+def three_turns(runner: ModelRunner, session) -> int:
+    """Three greedy turns (prompt, 6 tokens each; the last token of a turn is fed by the next) -> the pending token."""
+    last = None
+    for turn in range(3):
+        prompt = ([last] if last is not None else []) + prompt_ids(13 + turn, seed=turn)
+        last = greedy(runner, session, prompt, 6)[-1]
+    return last
+
+
 def first_step(runner: ModelRunner, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """A fresh session of the runner's default method: its KV pools' K rows after the prefill (one per layer),
     the prefill's logits and the logits of one decode step fed their argmax."""

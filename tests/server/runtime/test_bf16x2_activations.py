@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runtime_helpers import first_step, greedy, prompt_ids, runner_for, tiny_model
+from runtime_helpers import first_step, greedy, prompt_ids, runner_for, three_turns, tiny_model
 
 from retopk_core.cpu import decoder_ops
-from retopk_server.engine.session_artifact import check_model, model_fingerprint
-from retopk_server.runtime import ModelRunner, RuntimeConfig
+from retopk_server.engine import session_artifact
+from retopk_server.engine.session_artifact import SessionArtifact, check_model, model_fingerprint
+from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 from retopk_server.runtime import runtime_config as rc
 from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, is_blocks
 
@@ -126,7 +127,8 @@ def pack_reference(lin: Int4Linear | Int8Linear) -> torch.Tensor:
 
 
 def test_the_option_names_are_one_list():
-    assert rc.ACTIVATIONS == decoder_ops.ACTIVATIONS
+    assert rc.ACTIVATIONS == decoder_ops.ACTIVATIONS and rc.ACTIVATION_CHOICES == ("auto", *rc.ACTIVATIONS)
+    assert RuntimeConfig().activations == "auto"
 
 
 @pytest.mark.parametrize("fmt", LINEARS)
@@ -214,16 +216,15 @@ def test_an_isa_below_avx512_turns_bf16x2_off(monkeypatch):
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_runtime_option_reaches_every_block_product_and_is_shown(weights):
     """activations=bf16x2 on int4 or int8 weights (the layers and the LM head): the weight format says so (what
-    info, metrics and a session artifact's model fingerprint carry, so that a float32 server and a bf16x2 one
-    refuse each other's sessions), the block linears carry units (20 bytes a block of 32 for int4's 16, 34 for
+    info and metrics show; a session artifact's model fingerprint takes it as float32's, so that the two servers
+    take each other's sessions), the block linears carry units (20 bytes a block of 32 for int4's 16, 34 for
     int8's 32), the prefill's KV rows are unchanged (the wide copy) and the decode logits differ from float32's
     by a little."""
     model = tiny_model("llama", layers=2)
     runners = {a: runner_for(model, weights=weights, activations=a) for a in ("float32", "bf16x2")}
     assert runners["bf16x2"].info.weight_format == runners["float32"].info.weight_format + ", activations bf16x2"
     for here, there in (("float32", "bf16x2"), ("bf16x2", "float32")):
-        diff = check_model(SimpleNamespace(model=model_fingerprint(runners[there].info)), runners[here].info)
-        assert diff is not None and diff.startswith("weight_format")
+        assert check_model(SimpleNamespace(model=model_fingerprint(runners[there].info)), runners[here].info) is None
     blocks = [lin for lin in runners["bf16x2"].decoder.linears() if is_blocks(lin)]
     unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
     assert {lin.format for lin in blocks} == {weights} and runners["bf16x2"].decoder.lm_head in blocks
@@ -246,6 +247,80 @@ def test_runtime_option_refuses_a_cpu_without_amx(monkeypatch):
         runner_for(tiny_model("llama", layers=1), weights="int4", activations="bf16x2")
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8", "float32"])
+def test_auto_picks_bf16x2_where_amx_and_the_weights_take_it_else_float32(weights, monkeypatch):
+    """activations=auto (the default) resolves at load to bf16x2 on block weights where the CPU has AMX (this
+    machine's decoder_ops.amx_available), to float32 without AMX (the check monkeypatched) or on float weights;
+    the runner shows what it resolved to, as the explicit option's runner does."""
+    model = tiny_model("llama", layers=1)
+    picks = "bf16x2" if weights != "float32" and decoder_ops.amx_available() else "float32"
+    auto = runner_for(model, weights=weights)
+    assert auto.config.activations == "auto" and auto.decoder.activations == picks
+    assert auto.info.weight_format == runner_for(model, weights=weights, activations=picks).info.weight_format
+    monkeypatch.setattr(decoder_ops, "amx_available", lambda: False)
+    assert runner_for(model, weights=weights).decoder.activations == "float32"
+
+
+def test_auto_picks_float32_where_out_features_are_not_multiples_of_16():
+    """A model whose LM head bf16x2 refuses (a vocabulary of 264: out features not a multiple of 16): auto falls
+    back to float32, for the reason the explicit option is refused with (on a CPU without AMX, that one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=128)).eval()
+    runner = runner_for(model, weights="int4")
+    assert runner.decoder.activations == "float32" and runner.info.weight_format.startswith("int4")
+    activations, why = runner.decoder.auto_activations()
+    with pytest.raises(ValueError) as refused:
+        runner.decoder.set_activations("bf16x2")
+    assert activations == "float32" and why == str(refused.value)
+    assert ("multiple of 16" if decoder_ops.amx_available() else "AMX") in why
+
+
+def test_auto_picks_float32_when_the_isa_is_below_avx512(monkeypatch):
+    """RETOPK_CPU_ISA=avx2: this machine seen as an AVX2 one (AMD CI) serves int4 weights with float32 products."""
+    monkeypatch.setenv("RETOPK_CPU_ISA", "avx2")
+    decoder_ops.isa.cache_clear()
+    try:
+        runner = runner_for(tiny_model("llama", layers=1), weights="int4")
+        assert runner.decoder.activations == "float32" and "activations" not in runner.info.weight_format
+    finally:
+        monkeypatch.undo()
+        decoder_ops.isa.cache_clear()
+
+
+def test_auto_is_accepted_on_any_device_and_the_explicit_options_on_a_cpu_only():
+    assert RuntimeConfig(device="cuda", activations="auto").activations == "auto"
+    for activations in ("int8", "bf16x2"):
+        with pytest.raises(ValueError, match="needs device cpu"):
+            RuntimeConfig(device="cuda", activations=activations)
+    with pytest.raises(ValueError, match="auto, float32, int8, bf16x2"):
+        RuntimeConfig(activations="bf16")
+
+
+@needs_amx
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("way", [("float32", "bf16x2"), ("bf16x2", "float32")])
+def test_a_session_moves_between_float32_and_bf16x2_runners_and_continues_as_never_moved(way, weights):
+    """Three greedy turns of ReTopK on one runner, saved as a session artifact (its bytes and model fingerprint,
+    as a server saves or hands off), checked and loaded by a runner with the other activations: its fourth turn's
+    greedy tokens equal those of the same session continued where it was made."""
+    model = tiny_model("llama", layers=2)
+    spec = MethodSpec.of("retopk", top_k=8, cache_size=4, window=2, recall=2, tau=0.5, refresh_every=5)
+    made, taken = (runner_for(model, spec, weights=weights, kv_dtype="bfloat16", activations=a) for a in way)
+    session = made.open_session()
+    pending = three_turns(made, session)
+    saved = session_artifact.encode(SessionArtifact(state=made.export_session(session),
+                                                    model=model_fingerprint(made.info), owner="", session_id="s"))
+    loaded = session_artifact.decode(saved)
+    assert check_model(loaded, taken.info) is None
+    moved = taken.import_session(loaded.state)
+    fourth = [pending] + prompt_ids(11, seed=9)
+    assert greedy(taken, moved, fourth, 8) == greedy(made, session, fourth, 8)
+
+
 CHATS = ([{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": "Write two sentences about the sea."}],
          [{"role": "user", "content": "List three prime numbers and explain why they are prime."}])
@@ -256,15 +331,28 @@ CHATS = ([{"role": "user", "content": "What is the capital of France?"}],
 def test_real_model_greedy_tokens_equal_float32_activations(embedded_model):
     """The embedded SmolLM2-135M-Instruct in int4 (quantized from the float model the fixture holds): bf16x2's
     greedy tokens are float32's on a few chat prompts (issue 28's criterion; the limbs keep about 16 bits of each
-    activation)."""
+    activation). Then the first chat's float32 session, saved as an artifact and loaded by the bf16x2 runner,
+    continues with a second turn whose greedy tokens equal the float32 session's continued where it was made."""
     model, tokenizer = embedded_model
     runners = {a: ModelRunner(RuntimeConfig(weights="int4", activations=a), model=model, tokenizer=tokenizer)
                for a in ("float32", "bf16x2")}
     assert runners["bf16x2"].info.weight_format.startswith("int4")
+    sessions = {}
     for chat in CHATS:
         tokens = {}
         for a, runner in runners.items():
             session = runner.open_session(runner.config.default_method)
             tokens[a] = greedy(runner, session, runner.encode_chat(chat), 32)
-            runner.close_session(session)
+            sessions.setdefault(a, (session, tokens[a][-1]))  # the first chat's, kept open
+            if session is not sessions[a][0]:
+                runner.close_session(session)
         assert tokens["bf16x2"] == tokens["float32"], chat
+    made, taken = runners["float32"], runners["bf16x2"]
+    session, pending = sessions["float32"]
+    artifact = SessionArtifact(state=made.export_session(session), model=model_fingerprint(made.info), owner="",
+                               session_id="s")
+    loaded = session_artifact.decode(session_artifact.encode(artifact))
+    assert check_model(loaded, taken.info) is None
+    moved = taken.import_session(loaded.state)
+    turn = [pending] + made.encode(" Now say it again in French.", add_special_tokens=False)
+    assert greedy(taken, moved, turn, 32) == greedy(made, session, turn, 32)

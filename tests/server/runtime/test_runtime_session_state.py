@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import greedy, prompt_ids, runner_for, tiny_model
+from runtime_helpers import greedy, prompt_ids, runner_for, three_turns, tiny_model
 
 from retopk_server.runtime import MethodSpec
 from retopk_server.runtime.session_state import SessionState, StateMismatch
@@ -22,15 +22,6 @@ METHODS = {
     "loki": MethodSpec.of("loki", top_k=8, rank=4),
     "tokenselect": MethodSpec.of("tokenselect", top_k=12, initial=2, local=2, threshold=0.5),
 }
-
-
-def three_turns(runner, session) -> int:
-    """Three greedy turns (prompt, 6 tokens each; the last token of a turn is fed by the next) -> the pending token."""
-    last = None
-    for turn in range(3):
-        prompt = ([last] if last is not None else []) + prompt_ids(13 + turn, seed=turn)
-        last = greedy(runner, session, prompt, 6)[-1]
-    return last
 
 
 @pytest.mark.parametrize("name", list(METHODS))

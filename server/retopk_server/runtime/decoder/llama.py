@@ -84,11 +84,11 @@ class Decoder:
         return decoder_ops.layer_arguments([(layer.attn_norm, layer.qkv.blocks, layer.o.blocks, layer.mlp_norm,
                                              layer.gate_up.blocks, layer.down.blocks) for layer in self.layers])
 
-    def set_activations(self, activations: str) -> None:
-        """Every block product's activations: "float32", "int8" (x quantized per block of 32, decoder_ops.cpp) or
-        "bf16x2" (x as two bf16 limbs on AMX tiles). Both need block weights (a model without them is refused: its
-        products would not change); bf16x2 needs a CPU with AMX-BF16. Checked for every weight before any
-        changes."""
+    def check_activations(self, activations: str) -> None:
+        """Raise ValueError saying why the block products cannot take ``activations`` ("float32", "int8": x
+        quantized per block of 32, decoder_ops.cpp; "bf16x2": x as two bf16 limbs on AMX tiles): int8 and bf16x2
+        need block weights (without them the products would not change), bf16x2 a CPU with AMX-BF16 and every
+        block weight's out features a multiple of 16 (Linear.check_activations)."""
         decoder_ops.activation_code(activations)  # refuses an unknown name
         blocks = [lin for lin in self.linears() if is_blocks(lin)]
         if activations != "float32" and not blocks:
@@ -101,8 +101,23 @@ class Decoder:
                                  "this machine has not")
         for lin in blocks:
             lin.check_activations(activations)
-        for lin in blocks:
-            lin.set_activations(activations)
+
+    def auto_activations(self) -> tuple[str, str]:
+        """What RuntimeConfig's activations "auto" resolves to, and why: "bf16x2" where ``check_activations``
+        accepts it (its products within 2^-17 of x's, faster at several rows), else "float32" with the refusal."""
+        try:
+            self.check_activations("bf16x2")
+        except ValueError as e:
+            return "float32", str(e)
+        return "bf16x2", "AMX-BF16 present and every block weight takes it"
+
+    def set_activations(self, activations: str) -> None:
+        """Every block product's activations (``check_activations`` says which it takes; checked for every weight
+        before any changes)."""
+        self.check_activations(activations)
+        for lin in self.linears():
+            if is_blocks(lin):
+                lin.set_activations(activations)
         self.__dict__.pop("layer_arguments", None)  # the fused layers' weights: bf16x2's are other tensors
         self.activations = activations
 
@@ -129,8 +144,26 @@ class Decoder:
         """The formats of the layers' matmuls and of the LM head, e.g. "int4, lm_head int8", and the block
         products' activations where they are not float32 ("int4, lm_head int8, activations int8")."""
         body = sorted({lin.format for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)})
-        act = "" if self.activations == "float32" else f", activations {self.activations}"
-        return f"{'+'.join(body)}, lm_head {self.lm_head.format}{act}"
+        return f"{'+'.join(body)}, lm_head {self.lm_head.format}{shown_activations(self.activations)}"
+
+
+def shown_activations(activations: str) -> str:
+    """How ``Decoder.weight_format`` ends for ``activations``: nothing for float32, ", activations NAME" else."""
+    return "" if activations == "float32" else f", activations {activations}"
+
+
+# Activations whose products a session moves across as if they were float32's (engine/session_artifact.py's
+# model_fingerprint says why); int8's are not among them.
+SAME_AS_FLOAT32 = ("bf16x2",)
+
+
+def compared_weight_format(weight_format: str) -> str:
+    """``Decoder.weight_format`` as a session's model fingerprint compares it (what users see stays the whole
+    string): the activations of SAME_AS_FLOAT32 shown as float32's are, by nothing. "int4, lm_head int8,
+    activations bf16x2" -> "int4, lm_head int8"; ", activations int8" stays."""
+    for name in SAME_AS_FLOAT32:
+        weight_format = weight_format.removesuffix(shown_activations(name))
+    return weight_format
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
