@@ -27,6 +27,18 @@ REPO = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
+def served_weight_format() -> str:
+    """ModelInfo.weight_format of a launched server on the embedded model: its GGUF blocks as stored (int4, the
+    LM head int8), with the block products' activations that the default "auto" resolves to on this machine:
+    bf16x2 where the CPU has AMX-BF16, float32 (shown by nothing) elsewhere. Read as the child reads it, without
+    this process's RETOPK_CPU_ISA (the child's environment has none)."""
+    from retopk_core.cpu import decoder_ops
+
+    amx = (decoder_ops.available() and decoder_ops.best_isa() >= decoder_ops.ISA_NAMES.index("avx512")
+           and bool(decoder_ops.extension().amx_available()))
+    return "int4, lm_head int8" + (", activations bf16x2" if amx else "")
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (for a second listener, e.g. --metrics-port)."""
     with socket.socket() as s:

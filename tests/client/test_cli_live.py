@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests._live_server import served_weight_format
 from tests.client.conftest import cli_env
 
 COMMANDS = ["generate", "chat", "sessions", "sessions list", "sessions show", "sessions create", "sessions close",
@@ -81,7 +82,7 @@ def test_info_and_health(run_cli):
     assert data["num_layers"] == 30 and data["num_kv_heads"] == 3 and "retopk" in data["methods"]
     text = run_cli("info")
     assert "LlamaForCausalLM" in text.stdout and "default method" in text.stdout
-    assert "weights         int4, lm_head int8 (" in text.stdout and "KV cache bfloat16" in text.stdout
+    assert f"weights         {served_weight_format()} (" in text.stdout and "KV cache bfloat16" in text.stdout
     health = run_cli("health")
     assert health.returncode == 0 and health.stdout.strip() == "SERVING"
     status = run_cli("status", "--json")

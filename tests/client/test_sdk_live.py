@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from retopk_client import AsyncClient, FinishReason, InvalidArgument, Method, NotFound, Sampling, errors
+from tests._live_server import served_weight_format
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -113,7 +114,7 @@ def test_model_info_health_status_and_tokenizer(client):
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
     assert info.architecture == "LlamaForCausalLM" and info.max_context == 8192
     # the server's defaults on a CPU: the GGUF's Q4_1 matmuls as int4, its Q8_0 LM head as int8, a bf16 KV cache
-    assert (info.weight_format, info.kv_dtype, info.dtype) == ("int4, lm_head int8", "bfloat16", "float32")
+    assert (info.weight_format, info.kv_dtype, info.dtype) == (served_weight_format(), "bfloat16", "float32")
     assert 90e6 < info.weight_bytes < 100e6  # ~98 MB of Q4_1 file, not the 538 MB of float32 matmuls
     assert {"full", "exact_topk", "retopk"} <= set(info.methods) and info.default_method.name in info.methods
     assert info.limits.max_new_tokens >= info.limits.default_max_new_tokens > 0

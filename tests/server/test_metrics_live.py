@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from retopk_client.types import PATH_NAMES
 from retopk_proto.retopk.v1 import retopk_pb2 as pb
 from retopk_proto.retopk.v1 import retopk_pb2_grpc as pb_grpc
-from tests._live_server import free_port, launch_server
+from tests._live_server import free_port, launch_server, served_weight_format
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -206,7 +206,7 @@ def test_path_counts_per_layer_and_head_add_up_and_histograms_moved(driven):
     assert total(after, "retopk_kv_cache_bytes", kind="reserved") > 0
     assert total(after, "retopk_query_cache_bytes", kind="reserved") > 0
     assert total(after, "retopk_model_info", layers=str(layers), heads=str(heads)) == 1
-    assert total(after, "retopk_model_info", weight_format="int4, lm_head int8", kv_dtype="bfloat16") == 1
+    assert total(after, "retopk_model_info", weight_format=served_weight_format(), kv_dtype="bfloat16") == 1
 
 
 def test_kv_group_read_counters_add_up_and_match_the_streams(driven):

@@ -97,11 +97,13 @@ def test_fused_ops_refuse_what_they_cannot_read():
 @pytest.mark.slow
 def test_embedded_model_decodes_the_same_with_the_fused_layers():
     """The embedded model (its GGUF blocks as stored, float32 KV cache so no 16-bit rounding amplifies the
-    last-bit differences of swiglu's exp): greedy tokens and logits of 12 decode steps with the fused layer
-    halves equal those of the ops called one by one."""
+    last-bit differences of swiglu's exp, float32 activations for the same reason: bf16x2's limbs turn a last-bit
+    difference of x into one of up to 2^-17, its lo limb rounding the other way; test_attn_in_... and
+    test_mlp_out_... check bf16x2's fused halves bit for bit): greedy tokens and logits of 12 decode steps with
+    the fused layer halves equal those of the ops called one by one."""
     from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
-    runner = ModelRunner(RuntimeConfig(kv_dtype="float32"))
+    runner = ModelRunner(RuntimeConfig(kv_dtype="float32", activations="float32"))
     assert runner.decoder.fused
     prompt = runner.encode("In the beginning God created the heaven and the earth. And the earth was")
     runs = {}
