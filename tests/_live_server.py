@@ -7,7 +7,9 @@
 
 The server binds port 0 (the kernel picks a free one, no race) and its printed "listening on" line
 tells the port. The child imports this working tree (server/, client/ and the root on PYTHONPATH)
-and starts from a clean RETOPK_* environment so a developer's settings cannot change test results.
+and starts from a clean RETOPK_* environment so a developer's settings cannot change test results, but for
+RETOPK_CPU_ISA: a run that asks for a lower SIMD level (to see an AVX2 machine's results on an AVX-512 one) asks
+it of its servers too.
 """
 
 from __future__ import annotations
@@ -29,14 +31,12 @@ LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 def served_weight_format() -> str:
     """ModelInfo.weight_format of a launched server on the embedded model: its GGUF blocks as stored (int4, the
-    LM head int8), with the block products' activations that the default "auto" resolves to on this machine:
-    bf16x2 where the CPU has AMX-BF16, float32 (shown by nothing) elsewhere. Read as the child reads it, without
-    this process's RETOPK_CPU_ISA (the child's environment has none)."""
+    LM head int8), with the block products' activations that the default "auto" resolves to on this machine
+    (under this process's RETOPK_CPU_ISA, which the server inherits): bf16x2 where the CPU has AMX-BF16, float32
+    (shown by nothing) elsewhere."""
     from retopk_core.cpu import decoder_ops
 
-    amx = (decoder_ops.available() and decoder_ops.best_isa() >= decoder_ops.ISA_NAMES.index("avx512")
-           and bool(decoder_ops.extension().amx_available()))
-    return "int4, lm_head int8" + (", activations bf16x2" if amx else "")
+    return "int4, lm_head int8" + (", activations bf16x2" if decoder_ops.amx_available() else "")
 
 
 def free_port() -> int:
@@ -57,7 +57,7 @@ def with_parent_death_signal(command: list[str]) -> list[str]:
 
 
 def _child_env(extra: dict[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RETOPK_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RETOPK_") or k == "RETOPK_CPU_ISA"}
     paths = [str(REPO), str(REPO / "server"), str(REPO / "client")]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
