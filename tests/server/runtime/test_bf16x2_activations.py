@@ -3,7 +3,8 @@ tiles, Q4_1 and Q8_0 weights repacked by pack_amx): the units' layout against a 
 the header documents, the products against the float64 product of the dequantized weights within the limbs' bound
 (|x - hi - lo| <= 2^-17 |x|) and against the float32 loops, each row bit for bit the same alone or in a batch; then
 the runtime option (RuntimeConfig.activations) on int4 and int8 weights, what it refuses (a CPU without AMX: the
-check monkeypatched), the weight format it shows, and the real model's greedy tokens.
+check monkeypatched), the weight format it shows, what "auto" resolves to, a session moved between float32 and
+bf16x2 runners, and the real model's greedy tokens (moved or not).
 Where the CPU has no AMX the products' tests skip (AMD Zen 3 CI)."""
 
 from __future__ import annotations
