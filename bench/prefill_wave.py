@@ -68,7 +68,7 @@ def main(argv=None) -> dict[str, dict[str, float]]:
                for i in range(args.prompts)]
     tokens = sum(len(ids) for ids in prompts)
     print(f"# prefill_wave: {args.prompts} prompts, {tokens} tokens in one forward, weights "
-          f"{first.info.weight_format.split(', activations')[0]}, default method, one thread (thread CPU time)")
+          f"{first.decoder.matmul_format}, default method, one thread (thread CPU time)")
     times = {act: {part: [] for part in PARTS} for act in runners}
     with torch.inference_mode():
         for _ in range(args.rounds):

@@ -176,7 +176,7 @@ def main(argv=None) -> dict:
     ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
     with torch.inference_mode():
         if args.threads > 1:
-            print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.info.weight_format}, "
+            print(f"# step_parts: {len(ids)} prompt tokens, weights {runner.decoder.matmul_format}, "
                   f"{torch.get_num_threads()} threads, wall time")
             return wall_main(runner, ids, args)
         for a in args.activations:

@@ -35,8 +35,9 @@ def served_weight_format() -> str:
     (under this process's RETOPK_CPU_ISA, which the server inherits): bf16x2 where the CPU has AMX-BF16, float32
     (shown by nothing) elsewhere."""
     from retopk_core.cpu import decoder_ops
+    from retopk_server.runtime.decoder.llama import shown_activations
 
-    return "int4, lm_head int8" + (", activations bf16x2" if decoder_ops.amx_available() else "")
+    return "int4, lm_head int8" + shown_activations("bf16x2" if decoder_ops.amx_available() else "float32")
 
 
 def free_port() -> int:

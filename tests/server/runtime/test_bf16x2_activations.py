@@ -97,9 +97,12 @@ def pack_reference_q8(lin: Int8Linear) -> torch.Tensor:
 
 
 def pack_reference(lin: Int4Linear | Int8Linear) -> torch.Tensor:
-    if lin.bits == 8:
-        return pack_reference_q8(lin)
-    """The units as the header documents them, written out element by element: unit (g, b) of 320 bytes, byte
+    """A block weight's units as the header documents them, written out element by element."""
+    return pack_reference_q8(lin) if lin.bits == 8 else pack_reference_q4(lin)
+
+
+def pack_reference_q4(lin: Int4Linear) -> torch.Tensor:
+    """Q4_1's units as the header documents them: unit (g, b) of 320 bytes, byte
     64 c + 2 i + s = q[i // 2][2 r + i % 2] | q[i // 2][2 (r + 1) + i % 2] << 4 with r = 4 c + 2 s, q[n][k] the
     nibble of W[16 g + n, 32 b + k]; then the 16 outputs' d, then their m, as float16 bytes."""
     out, n_in = lin.qs.shape[0], 2 * lin.qs.shape[1]

@@ -140,11 +140,16 @@ class Decoder:
         return sum(lin.nbytes for lin in self.linears()) + norms * 4
 
     @property
-    def weight_format(self) -> str:
-        """The formats of the layers' matmuls and of the LM head, e.g. "int4, lm_head int8", and the block
-        products' activations where they are not float32 ("int4, lm_head int8, activations int8")."""
+    def matmul_format(self) -> str:
+        """The formats of the layers' matmuls and of the LM head, e.g. "int4, lm_head int8"."""
         body = sorted({lin.format for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)})
-        return f"{'+'.join(body)}, lm_head {self.lm_head.format}{shown_activations(self.activations)}"
+        return f"{'+'.join(body)}, lm_head {self.lm_head.format}"
+
+    @property
+    def weight_format(self) -> str:
+        """``matmul_format`` and the block products' activations where they are not float32 ("int4, lm_head int8,
+        activations int8")."""
+        return self.matmul_format + shown_activations(self.activations)
 
 
 def shown_activations(activations: str) -> str:
