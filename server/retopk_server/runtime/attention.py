@@ -284,13 +284,16 @@ class PrefillContext:
         if self.rows is None:
             self.rows = torch.cat([pool.rows(seg.kv.table, seg.kv.start, seg.T) for seg in segments], dim=2)
         pool.write(layer, self.rows, k, v)  # every session's new keys and values in one store
+        if any(seg.first == 0 for seg in segments):  # sessions whose chunk is their whole history read these
+            k, v = pool.as_stored(k), pool.as_stored(v)  # (1, H_kv, N, d): rounded once for every session
         if len(segments) == 1:
             return _prefill(segments[0], layer, q, k, v, scale)
-        out = torch.empty_like(q)
+        outs = []
         for seg in segments:
             rows = slice(seg.offset, seg.offset + seg.T)
-            out[:, :, rows] = _prefill(seg, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], scale)
-        return out
+            outs.append(_prefill(seg, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], scale).transpose(1, 2))
+        # (1, N, H, d) in one copy, returned as its (1, H, N, d) view: the layer's (N, H d) reshape of it is free
+        return torch.cat(outs, dim=1).transpose(1, 2)
 
 
 @dataclass
@@ -352,14 +355,15 @@ def _finish_stats(ctx: DecodeContext) -> None:
 def _prefill(seg: PrefillSegment, layer: int, query: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
              scale: float) -> torch.Tensor:
     """One session's chunk: query (1, H, T, d), its keys and values k_new, v_new (1, H_kv, T, d), already written
-    to the pool -> (1, H, T, d) dense causal attention over the session's keys as the pool holds them; the queries
-    the method will observe go to ``seg.kept``."""
+    to the pool and, where the chunk starts the session (``seg.first`` 0), rounded as the pool holds them
+    (``KVPool.as_stored``) -> (1, H, T, d) dense causal attention over the session's keys as the pool holds them;
+    the queries the method will observe go to ``seg.kept``."""
     _, H, T, _ = query.shape
     s = seg.first
     L = s + T
     pool = seg.kv.pool
     if s == 0:  # the chunk is the whole history: its own keys and values, rounded as stored, not gathered back
-        k, v = pool.as_stored(k_new).to(query.dtype), pool.as_stored(v_new).to(query.dtype)  # (1, H_kv, L, d)
+        k, v = k_new.to(query.dtype), v_new.to(query.dtype)  # (1, H_kv, L, d)
     else:
         k, v = pool.history(layer, seg.kv.table[0], L)  # (H_kv, L, d)
         k, v = k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)  # (1, H_kv, L, d)

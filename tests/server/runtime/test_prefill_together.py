@@ -11,11 +11,13 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from runtime_helpers import prompt_ids, runner_for, tiny_model
 
 from retopk_server.engine import Engine, GenerationRequest, RequestStream
 from retopk_server.engine.requests import EngineConfig
 from retopk_server.runtime import MethodSpec, attention
+from retopk_server.runtime.attention import PrefillContext
 from tests.server.fake_runner import FakeTokenizer
 
 # float32 throughout: only the order of a GEMM's sums differs between one session's forward and a shared one
@@ -176,3 +178,33 @@ def test_requests_that_arrive_together_share_a_forward_unless_one_starts_with_wh
         for _, go in holds:
             go.set()
         engine.stop()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_a_shared_attention_is_each_sessions_dense_attention_over_its_stored_keys_bit_for_bit(kv_dtype):
+    """PrefillContext.attend over several sessions' chunks (first prompts and a later turn; the new keys rounded
+    once for all of them as the pool stores them) against each session's own causal SDPA over the keys and values
+    its pool holds afterwards (``history``), on the same q: equal bit for bit, and the kept queries are the chunk's
+    own (attention is per session; only the GEMMs around it see the other sessions' rows)."""
+    runner = runner_for(tiny_model("llama"), METHODS[1], kv_block_size=4, prefill_chunk=8, kv_dtype=kv_dtype)
+    sessions = [runner.open_session() for _ in PLAN]
+    runner.prefill(sessions[1], EARLIER)
+    jobs = [runner.start_prefill(s, prompt) for s, (prompt, _) in zip(sessions, PLAN, strict=True)]
+    ends = [min(job.end, job.pos + 8) for job in jobs]
+    offsets = [0]
+    for job, end in zip(jobs, ends, strict=True):
+        offsets.append(offsets[-1] + end - job.pos)
+    H, H_kv, d = runner.info.num_heads, runner.info.num_kv_heads, runner.info.head_dim
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, offsets[-1], d, generator=g) for h in (H, H_kv, H_kv))
+    ctx = PrefillContext([job._segment(end, at) for job, end, at in zip(jobs, ends, offsets[:-1], strict=True)])
+    out = ctx.attend(0, q, k, v, 0.25)  # (1, H, N, d)
+    for job, seg, a, b in zip(jobs, ctx.segments, offsets[:-1], offsets[1:], strict=True):
+        s, L = job.pos, job.pos + b - a
+        keys, values = (t.unsqueeze(0).float() for t in runner.pool.history(0, torch.tensor(job.session.blocks), L))
+        mask = torch.arange(L).view(1, L) <= torch.arange(s, L).view(-1, 1)  # (T, L): causal over the history
+        expected = F.scaled_dot_product_attention(q[:, :, a:b], keys, values, attn_mask=None if s == 0 else mask,
+                                                  is_causal=s == 0, scale=0.25, enable_gqa=True)
+        assert torch.equal(out[:, :, a:b], expected), job.session.session_id
+        first = max(seg.tail_start, s)  # the first position whose query the method observes, if in this chunk
+        assert torch.equal(seg.kept[0], q[0, :, a + first - s:b]) if first < L else 0 not in seg.kept
