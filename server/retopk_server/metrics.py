@@ -440,7 +440,7 @@ class MetricsObserver(EngineObserver):
         self._one["batch"].observe(len(requests))
         if not stats or not self.wants_step_stats:  # off: a client's own step-stats request must not half-fill them
             return
-        path = _stack([s.path for s in stats]).astype(np.int64)  # (B, layers, heads)
+        path = stats.path.numpy().astype(np.int64)  # (B, layers, heads)
         _, layers, heads = path.shape
         np.clip(path, 0, NUM_PATHS - 1, out=path)
         offsets = self._offsets.get((layers, heads))
@@ -449,7 +449,7 @@ class MetricsObserver(EngineObserver):
         flat = offsets + path  # (B, layers, heads): index of (layer, head, path)
         counts = np.bincount(flat.reshape(-1), minlength=layers * heads * NUM_PATHS).reshape(layers, heads, NUM_PATHS)
         m.decisions.add(model, counts)
-        group_read = _stack([s.group_read for s in stats])  # (B, layers, H_kv) bool
+        group_read = stats.group_read.numpy()  # (B, layers, H_kv) bool
         batch, _, kv_heads = group_read.shape
         m.group_reads.add(model, group_read.sum(axis=(0, 2), dtype=np.int64))  # (layers,)
         m.group_steps.add(model, np.full(layers, batch * kv_heads, np.int64))
@@ -458,16 +458,15 @@ class MetricsObserver(EngineObserver):
         if total:
             self._one["exact_share"].set(float(per_path[list(EXACT_PATHS)].sum()) / total)
         if per_path[Path.REUSE]:
-            n_scored = _stack([s.n_scored for s in stats])  # (B, layers, heads)
-            m.candidate_size.observe_many(model, n_scored[path == Path.REUSE])
-        m.max_similarity.observe_many(model, _stack([s.max_sim for s in stats]))
+            m.candidate_size.observe_many(model, stats.n_scored.numpy()[path == Path.REUSE])
+        m.max_similarity.observe_many(model, stats.max_sim.numpy())
         # One attention time per method group: rows of a group share it (their requests share a MethodSpec).
         groups: dict[object, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.method, []).append(i)
         for rows in groups.values():
             mix = per_path if len(groups) == 1 else np.bincount(path[rows].reshape(-1), minlength=NUM_PATHS)
-            m.attention.labels(model, step_path_label(mix)).observe(stats[rows[0]].attention_s)
+            m.attention.labels(model, step_path_label(mix)).observe(stats.attention_s[rows[0]])
 
     def on_finish(self, request, reason: str, usage, timings) -> None:
         self._last_token.pop(id(request), None)
@@ -527,13 +526,6 @@ class MetricsObserver(EngineObserver):
 
     def on_rpc(self, method: str, code: str, seconds: float) -> None:
         self.metrics.rpcs.labels(self.model, method, code).inc()
-
-
-def _stack(tensors: list) -> np.ndarray:
-    """(layers, heads) tensors of a batch -> one (B, layers, heads) array (one device-to-host copy)."""
-    if isinstance(tensors[0], torch.Tensor):
-        return torch.stack(tensors).cpu().numpy()
-    return np.stack(tensors)
 
 
 def step_path_label(per_path: np.ndarray) -> str:

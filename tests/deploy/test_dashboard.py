@@ -17,7 +17,7 @@ from retopk_core.methods.base import Path as CorePath
 from retopk_server.engine.requests import Timings, Usage
 from retopk_server.metrics import MetricsObserver
 from retopk_server.runtime.memory import MemoryUsage
-from retopk_server.runtime.stats import StepStats
+from retopk_server.runtime.stats import StepStats, StepStatsBatch
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "docker" / "grafana" / "dashboards" / "retopk.json"
@@ -47,8 +47,8 @@ def exported_sample_names() -> set[str]:
     observer.on_token(request)
     observer.on_token(request)
     path = torch.tensor([[0, 1]], dtype=torch.int8)
-    observer.on_step([request], 0.01, [StepStats(path, torch.tensor([[0.9, 0.2]]),
-                                                 torch.tensor([[20, 50]], dtype=torch.int32), 0.001, num_kv_heads=1)])
+    observer.on_step([request], 0.01, StepStatsBatch.of_rows([StepStats(
+        path, torch.tensor([[0.9, 0.2]]), torch.tensor([[20, 50]], dtype=torch.int32), 0.001, num_kv_heads=1)]))
     observer.on_load(0, 1, 0)
     observer.on_finish(request, "LENGTH", Usage(5, 2, 7), Timings(total_s=0.1))
     observer.on_error(None, "INVALID_ARGUMENT")

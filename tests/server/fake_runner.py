@@ -26,7 +26,7 @@ from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.sampling_defaults import CHAT_DEFAULTS, CHAT_DEFAULTS_SOURCE
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import SessionState, StateMismatch
-from retopk_server.runtime.stats import StepStats
+from retopk_server.runtime.stats import StepStats, StepStatsBatch
 
 VOCAB = 128
 EOS = 0
@@ -271,10 +271,11 @@ class FakeRunner:
             rows.append(self._logits(s.token_ids))
         stats = None
         if with_stats:
-            stats = [StepStats(path=torch.full((LAYERS, HEADS), 3, dtype=torch.int8),
-                               max_sim=torch.full((LAYERS, HEADS), float("nan")),
-                               n_scored=torch.full((LAYERS, HEADS), s.length, dtype=torch.int32),
-                               attention_s=0.001, num_kv_heads=self.info.num_kv_heads) for s in sessions]
+            stats = StepStatsBatch.of_rows([StepStats(path=torch.full((LAYERS, HEADS), 3, dtype=torch.int8),
+                                                      max_sim=torch.full((LAYERS, HEADS), float("nan")),
+                                                      n_scored=torch.full((LAYERS, HEADS), s.length, dtype=torch.int32),
+                                                      attention_s=0.001, num_kv_heads=self.info.num_kv_heads)
+                                            for s in sessions])
         return torch.stack(rows), stats
 
 

@@ -34,7 +34,7 @@ from retopk_server.metrics import (
     step_path_label,
 )
 from retopk_server.runtime.method_spec import MethodSpec
-from retopk_server.runtime.stats import StepStats
+from retopk_server.runtime.stats import StepStats, StepStatsBatch
 from tests.server.engine.engine_helpers import collect
 from tests.server.fake_runner import HEADS, LAYERS, FakeRunner
 
@@ -92,7 +92,7 @@ def test_step_counts_per_head_and_distributions_match_plain_loops():
     steps = [[random_stats(gen, layers, heads, kv_heads=kv_heads, reuse_weight=4) for _ in requests]
              for _ in range(6)]
     for stats in steps:
-        observer.on_step(requests, 0.01, stats)
+        observer.on_step(requests, 0.01, StepStatsBatch.of_rows(stats))
 
     expected: dict[tuple[int, int, str], int] = {}
     reuse_sizes, sims = [], {layer: [] for layer in range(layers)}
@@ -175,8 +175,8 @@ def test_attention_time_is_one_observation_per_method_group_and_labelled_by_its_
                       torch.full((2, 3), 100, dtype=torch.int32), 0.001, num_kv_heads=3)
     a, b = MethodSpec("retopk"), MethodSpec("exact_topk")
     requests = [SimpleNamespace(method=a), SimpleNamespace(method=a), SimpleNamespace(method=b)]
-    observer.on_step(requests, 0.01, [reuse, reuse, exact])
-    observer.on_step(requests, 0.01, [reuse, mixed, exact])
+    observer.on_step(requests, 0.01, StepStatsBatch.of_rows([reuse, reuse, exact]))
+    observer.on_step(requests, 0.01, StepStatsBatch.of_rows([reuse, mixed, exact]))
     samples = scrape(observer.metrics)
     for path, n, total in (("reuse", 1, 0.004), ("fallback", 1, 0.004), ("exact", 2, 0.002)):
         assert value(samples, "retopk_attention_step_seconds_count", model="m", path=path) == n
@@ -287,8 +287,8 @@ def test_per_layer_and_per_head_series_exist_at_zero_from_startup():
 def test_every_metric_has_the_prefix_and_a_model_label():
     observer = MetricsObserver("m")
     observer.on_step([SimpleNamespace(method=None)], 0.001,
-                     [StepStats(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1, 1),
-                                torch.ones(1, 1, dtype=torch.int32), num_kv_heads=1)])
+                     StepStatsBatch.of_rows([StepStats(torch.zeros(1, 1, dtype=torch.int8), torch.ones(1, 1),
+                                                       torch.ones(1, 1, dtype=torch.int32), num_kv_heads=1)]))
     observer.on_rpc("Generate", "OK", 0.1)
     families = list(text_string_to_metric_families(generate_latest(observer.metrics.registry).decode()))
     assert len(families) >= 20
@@ -340,7 +340,7 @@ def test_per_head_off_asks_for_no_stats_and_ignores_stats_a_client_asked_for():
     requests = [SimpleNamespace(method=MethodSpec("retopk"))]
     for observer in (on, off):
         observer.on_start(runner.info, runner.memory)
-        observer.on_step(requests, 0.01, [random_stats(gen, LAYERS, HEADS)])
+        observer.on_step(requests, 0.01, StepStatsBatch.of_rows([random_stats(gen, LAYERS, HEADS)]))
     got_on, got_off = scrape(on.metrics), scrape(off.metrics)
     assert sum(v for _, v in got_on["retopk_attention_decisions_total"]) == LAYERS * HEADS
     assert "retopk_attention_decisions_total" not in got_off

@@ -59,8 +59,8 @@ class EngineObserver:
     def on_step(self, requests: list, seconds: float, stats: list | None) -> None:
         """One batched decode step of ``requests`` took ``seconds``.
 
-        stats: one ``retopk_server.runtime.stats.StepStats`` per request (same order), or None
-        when nobody asked for them.
+        stats: the step's ``retopk_server.runtime.stats.StepStatsBatch`` (its rows in the order of ``requests``:
+        stacked (B, layers, heads) tensors, ``stats[i]`` row i's StepStats), or None when nobody asked for them.
         """
 
     def on_finish(self, request, reason: str, usage, timings) -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from retopk_server.runtime.runner import ModelInfo
     from retopk_server.runtime.session import Session
     from retopk_server.runtime.session_state import SessionState
-    from retopk_server.runtime.stats import StepStats
+    from retopk_server.runtime.stats import StepStatsBatch
 
 
 class Tokenizer(Protocol):
@@ -100,8 +100,9 @@ class Runner(Protocol):
         ...
 
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
-               ) -> tuple[torch.Tensor, list[StepStats] | None]:
-        """Feed one token to each session in one forward -> ((B, vocab) logits, per-row stats or None)."""
+               ) -> tuple[torch.Tensor, StepStatsBatch | None]:
+        """Feed one token to each session in one forward -> ((B, vocab) logits, the step's stats or None;
+        ``stats[i]`` is row i's StepStats)."""
         ...
 
     def fork(self, source: Session, count: int) -> list[Session]:

@@ -36,7 +36,7 @@ from retopk_server.runtime.runtime_config import RuntimeConfig
 from retopk_server.runtime.sampling_defaults import model_defaults
 from retopk_server.runtime.session import Session
 from retopk_server.runtime.session_state import SessionState
-from retopk_server.runtime.stats import StepStats
+from retopk_server.runtime.stats import StepStatsBatch
 from retopk_server.runtime.vocab import first_bad_token, not_a_token
 from retopk_server.runtime.whole_step import whole_step
 
@@ -565,8 +565,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, sessions: list[Session], token_ids: list[int], with_stats: bool = False,
-               ) -> tuple[torch.Tensor, list[StepStats] | None]:
-        """Feed one token to each session in one forward -> (logits (B, vocab) float32, stats or None)."""
+               ) -> tuple[torch.Tensor, StepStatsBatch | None]:
+        """Feed one token to each session in one forward -> (logits (B, vocab) float32, stats or None; ``stats[i]``
+        is row i's StepStats)."""
         if len(sessions) != len(token_ids) or not sessions:
             raise ValueError("sessions and token_ids must be non-empty and of equal length")
         if len({s.id for s in sessions}) != len(sessions):
@@ -599,14 +600,7 @@ class ModelRunner:
             s.token_ids.append(int(t))
         return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)
 
-    def _collect_stats(self, ctx: DecodeContext, by_spec: dict, batch: int) -> list[StepStats]:
-        out: list[StepStats | None] = [None] * batch
-        for gi, rows in enumerate(by_spec.values()):
-            per_layer = ctx.stats[gi]
-            path = torch.stack([p for p, _, _ in per_layer]).to(torch.int8).cpu()  # (layers, n, H)
-            max_sim = torch.stack([m for _, m, _ in per_layer]).float().cpu()
-            n_scored = torch.stack([n for _, _, n in per_layer]).to(torch.int32).cpu()
-            for j, row in enumerate(rows):
-                out[row] = StepStats(path[:, j], max_sim[:, j], n_scored[:, j], ctx.attention_s[gi],
-                                     num_kv_heads=self.info.num_kv_heads)
-        return out
+    def _collect_stats(self, ctx: DecodeContext, by_spec: dict, batch: int) -> StepStatsBatch:
+        """The step's statistics, each method group's per-layer (n, H) tensors stacked once into the batch's."""
+        groups = [(rows, ctx.stats[gi], ctx.attention_s[gi]) for gi, rows in enumerate(by_spec.values())]
+        return StepStatsBatch.of_groups(batch, groups, self.info.num_kv_heads)
