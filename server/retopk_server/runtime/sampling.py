@@ -154,6 +154,10 @@ class Sampler:
         return token
 
 
+# Logit dtypes numpy holds as they are (bfloat16 it has not): ``greedy_tokens`` takes their argmax there.
+NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
 def greedy_tokens(samplers: list[Sampler], logits: torch.Tensor) -> dict[int, int]:
     """{row: token} for the rows whose sampler is ``plain_greedy``, from one argmax over those rows of logits
     (B, V): the same token their ``sample`` would draw, without a copy of each row's logits."""
@@ -161,9 +165,14 @@ def greedy_tokens(samplers: list[Sampler], logits: torch.Tensor) -> dict[int, in
     if not rows:
         return {}
     picked = logits if len(rows) == len(samplers) else logits[rows]  # (n, V)
-    # max's indices are argmax's (the first of equal maxima), from a reduction that costs less than torch's argmax
-    # over the rows of a batch on a CPU (measured: docs/bench/history.md, 2026-12-06, helper h39)
-    return dict(zip(rows, picked.max(dim=-1).indices.tolist(), strict=True))
+    if picked.device.type == "cpu" and picked.dtype in NUMPY_ARGMAX_DTYPES:
+        # numpy's argmax is torch.argmax's token (the first of equal maxima; a NaN, the first one, where a row has
+        # one) from a vectorised pass that costs a fraction of torch's max over a CPU batch's rows
+        # (measured: docs/bench/history.md, 2026-12-07, helper h49)
+        tokens = picked.numpy().argmax(axis=-1).tolist()
+    else:  # max's indices are argmax's, from a reduction that costs less than torch's argmax (history.md, h39)
+        tokens = picked.max(dim=-1).indices.tolist()
+    return dict(zip(rows, tokens, strict=True))
 
 
 class StopChecker:

@@ -215,3 +215,18 @@ def test_greedy_tokens_take_the_first_of_equal_maxima_as_argmax_does():
     picked = greedy_tokens([Sampler(SamplingParams()) for _ in range(6)], logits)
     assert picked == {row: int(torch.argmax(logits[row])) for row in range(6)}
     assert [picked[row] for row in range(5)] == [7, 3, 16, 49150, 0] and picked[5] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_tokens_of_rows_with_nan_or_any_dtype_are_argmaxs(dtype):
+    """A NaN logit (a broken row) is torch.argmax's pick, the first NaN, whatever numpy or torch takes the argmax
+    (bfloat16 logits stay in torch); a row with -inf everywhere but one token picks that token."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 3000).to(dtype)
+    logits[1, [2500, 40]] = float("nan")
+    logits[2] = float("-inf")
+    logits[2, 1234] = 0.0
+    logits[3, 17] = float("inf")
+    picked = greedy_tokens([Sampler(SamplingParams()) for _ in range(4)], logits)
+    assert picked == {row: int(torch.argmax(logits[row])) for row in range(4)}
+    assert picked[1] == 40 and picked[2] == 1234 and picked[3] == 17
