@@ -33,6 +33,7 @@ from retopk_server.engine.requests import EngineConfig, EngineError
 from retopk_server.engine.runner_protocol import Runner
 from retopk_server.engine.scheduler import Scheduler
 from retopk_server.engine.session_table import SessionTable
+from retopk_server.engine.stream import gathered_sends
 from retopk_server.engine.turn import ActiveRequest
 from retopk_server.runtime.sampling import greedy_tokens
 
@@ -126,8 +127,10 @@ class EngineLoop:
         except Exception:  # then each row samples on its own, and a failure there ends that row alone
             log.exception("the batched argmax of %d rows failed", len(batch))
             greedy = {}
-        for i, r in enumerate(batch):
-            self.delivery.step_row(r, logits[i], stats[i] if stats is not None else None, greedy.get(i))
+        with gathered_sends():  # the rows' tokens reach the asyncio thread in one call, after the last row
+            for i, r in enumerate(batch):
+                self.delivery.step_row(r, logits[i], stats[i] if stats is not None and r.spec.return_step_stats
+                                       else None, greedy.get(i))
         self.scheduler.keep_going(batch)
 
     def _decode_alone(self, batch: list[ActiveRequest], want_stats: bool, error: Exception) -> None:

@@ -1,15 +1,48 @@
-"""RequestStream: carries one request's events from the engine thread to the asyncio task reading them."""
+"""RequestStream: carries one request's events from the engine thread to the asyncio task reading them; and
+``gathered_sends``, under which the engine thread's sends of one decode step reach each event loop in one call."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from retopk_server.engine.requests import EngineError, TokenEvent
 
 _END = object()
 log = logging.getLogger("retopk_server.engine")
+# While a thread is inside ``gathered_sends``: its ``sends``, per event loop the (queue, item) pairs in send order.
+_gathering = threading.local()
+
+
+@contextmanager
+def gathered_sends() -> Iterator[None]:
+    """Inside, this thread's stream sends (``put``, ``fail``) are kept in order and handed, when it ends, to each
+    event loop in one ``call_soon_threadsafe``: a decode step's B tokens wake the asyncio thread once, not once a
+    row. Each stream's items keep their order and the flags (``closed``) change at once, as without it; the items
+    only arrive together, after the step's last row. Nested, the outermost one sends."""
+    if getattr(_gathering, "sends", None) is not None:
+        yield
+        return
+    sends: dict[asyncio.AbstractEventLoop, list] = {}
+    _gathering.sends = sends
+    try:
+        yield
+    finally:
+        _gathering.sends = None
+        for loop, items in sends.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
+                pass
+
+
+def _put_all(items: list) -> None:
+    """On the event loop: each (queue, item) in order (the queues are unbounded: put_nowait cannot refuse)."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 class RequestStream:
@@ -31,6 +64,10 @@ class RequestStream:
 
     # --- engine thread -------------------------------------------------------------------------
     def _send(self, item) -> None:
+        sends = getattr(_gathering, "sends", None)
+        if sends is not None:  # inside gathered_sends: sent with the step's others when it ends
+            sends.setdefault(self._loop, []).append((self._queue, item))
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
