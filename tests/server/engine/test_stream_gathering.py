@@ -81,6 +81,9 @@ def test_a_gathered_send_to_a_closed_loop_is_dropped_quietly():
     assert stream.closed
 
 
+STOP = "".join(map(chr, greedy_reference(enc("xyz"), 12, stop_at_eos=False)))[2:4]  # "om", met at the 4th token
+
+
 def test_batched_streams_equal_each_request_alone_with_one_wakeup_per_step():
     """Four requests decoded together (stop strings, n = 2, one cancelled mid-way): each stream's tokens equal the
     fake model's run alone; the loop is woken once per decode step, not once per row."""
@@ -96,6 +99,8 @@ def test_batched_streams_equal_each_request_alone_with_one_wakeup_per_step():
             if i == 1:
                 fields["n"] = 2
                 fields["sampling"] = SamplingParams()
+            if i == 2:
+                fields["stop"] = [STOP]
             engine.submit(GenerationRequest(request_id=f"r{i}", text=text, **fields), stream)
         readers = [asyncio.create_task(collect(s)) for s in streams[:3]]
         cancelled = []
@@ -112,7 +117,9 @@ def test_batched_streams_equal_each_request_alone_with_one_wakeup_per_step():
     finally:
         engine.stop()
     assert single[1] is None and tokens(single[0]) == greedy_reference(enc("hello"), 12, stop_at_eos=False)
-    assert third[1] is None and tokens(third[0]) == greedy_reference(enc("xyz"), 12, stop_at_eos=False)
+    text = "".join(map(chr, greedy_reference(enc("xyz"), 12, stop_at_eos=False)))
+    assert third[1] is None and third[0][-1].finish_reason is FinishReason.STOP_SEQUENCE
+    assert "".join(e.text for e in third[0]) == text[:text.index(STOP)]
     expected = greedy_reference(enc("abcd"), 12, stop_at_eos=False)
     for index in (0, 1):  # greedy: both choices the same tokens, each choice's events in order
         assert tokens([e for e in pair[0] if e.index == index]) == expected
