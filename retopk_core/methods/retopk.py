@@ -100,13 +100,37 @@ class QuerySupportCache(SlotPool):
         self.period = torch.full((self.capacity, num_heads), self.period0, dtype=torch.long, device=device)
         self.phase = torch.zeros(num_heads, dtype=torch.long, device=device)
 
+    # The FIFO's rows and a new pool's value of each. A slot's rows at or past ``fill`` are never read: every
+    # reader selects rows c < fill before anything else uses them (``_similarity`` masks ρ to -inf there, the
+    # recall keeps finite ρ or ages <= fill, the CPU kernel's loops stop at fill, the Triton selector takes
+    # tl.where(c < fill, ...)), and while fill < C the pushes have written exactly rows 0 .. fill - 1 (ptr = fill).
+    # So a new sequence's reset leaves them as they are (they are nearly all of a slot's bytes), and
+    # ``read_slot`` exports them as a new pool's values.
+    _rows = {"queries": 0.0, "support": -1}
+
     def reset_slot(self, slot: int) -> None:
-        """Every field of ``slot`` to a new sequence's value, each written once (a wave of sessions resets tens of
-        MB: zeroing ``support`` before filling it would write its largest field twice): support -1, tau and period
-        their starting values, the rest 0."""
-        start = {"support": -1, "tau": self.tau0, "period": self.period0}
+        """The counters and thresholds of ``slot`` to a new sequence's values (fill, ptr and step 0, tau and period
+        their starting values); the FIFO rows stay as they are: with fill 0 none is read (``_rows``)."""
+        self.fill[slot] = 0
+        self.ptr[slot] = 0
+        self.step[slot] = 0
+        self.tau[slot] = self.tau0
+        self.period[slot] = self.period0
+
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """``SlotPool.read_slot`` with the FIFO rows at or past ``fill`` as a new pool's (queries 0, support -1),
+        not whatever an earlier sequence of the slot left there (``_rows``)."""
+        f = int(self.fill[slot])
+        out = {}
         for name in self._fields:
-            getattr(self, name)[slot].fill_(start.get(name, 0))
+            t = getattr(self, name)[slot]
+            if name in self._rows:  # (H, C, ...): rows 0 .. f - 1 are the sequence's
+                rows = t.new_full(t.shape, self._rows[name])
+                rows[:, :f] = t[:, :f]
+                out[name] = rows
+            else:
+                out[name] = t.clone()
+        return out
 
     def push(self, slots: torch.Tensor, qn: torch.Tensor, support: torch.Tensor) -> None:
         """Insert one entry per (slot, head): slots (B,), qn (B, H, d), support (B, H, K)."""

@@ -1,8 +1,9 @@
 """ReTopK's fused CPU kernel (backend "cpu") against the torch path and the per-head reference loop.
 
 Both backends start from the same prefilled state and decode the same trace; after every step the
-outputs (paths, max_sim, n_scored, selected sets, attention output) and the whole FIFO state (queries,
-support sets, ptr, fill, step) must agree. The traces are those of tests/core/test_retopk.py.
+outputs (paths, max_sim, n_scored, selected sets, attention output) and the whole state of every slot
+in use (queries, support sets, ptr, fill, step, tau, period; as ``read_slot`` exports it) must agree.
+The traces are those of tests/core/test_retopk.py.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,10 +32,18 @@ needs_kernel = pytest.mark.skipif(not launch.available(),
                                   reason="fused CPU kernel not built: run `python -m retopk_core.cpu.build`")
 
 
+def exported(state, slots: torch.Tensor) -> SimpleNamespace:
+    """The state of ``slots`` (B,) as ``read_slot`` exports it: field f -> (B, *f's per-slot shape). Not the pool's
+    tensors themselves: a grown pool's free slots, and the FIFO rows at or past fill, hold whatever their memory
+    held (QuerySupportCache._rows)."""
+    per_slot = [state.read_slot(int(s)) for s in slots]
+    return SimpleNamespace(**{name: torch.stack([t[name] for t in per_slot]) for name in state.fields})
+
+
 def twin_run(cfg: dict, trace, H: int, H_kv: int, use_paged=False, dtype=torch.float32, no_prefill=False,
              strided_q=False, q_dtype=None):
-    """Yield per step (torch StepOutput, cpu StepOutput, torch state, cpu state) over the same trace; keys
-    and values in ``dtype``, queries in ``q_dtype`` (default: ``dtype``)."""
+    """Yield per step (torch StepOutput, cpu StepOutput, torch state, cpu state) over the same trace, each state
+    ``exported`` (slot b of row b); keys and values in ``dtype``, queries in ``q_dtype`` (default: ``dtype``)."""
     B, d = len(trace.prompt_lens), trace.keys.shape[-1]
     methods = {name: make_method("retopk", backend=name, **cfg) for name in ("torch", "cpu")}
     state = methods["torch"].init_state(H, H_kv, d, capacity=1)  # grows while allocating B slots
@@ -57,11 +67,11 @@ def twin_run(cfg: dict, trace, H: int, H_kv: int, use_paged=False, dtype=torch.f
         if strided_q:  # as the runner passes it: a view into (B, H, 1, d) with padding around
             q = torch.zeros(B, H, 3, d, dtype=dtype).index_copy(2, torch.tensor([1]), q.unsqueeze(2))[:, :, 1]
         outs = {name: methods[name].decode(q, kv, states[name], slots) for name in ("torch", "cpu")}
-        yield outs["torch"], outs["cpu"], states["torch"], states["cpu"]
+        yield outs["torch"], outs["cpu"], exported(states["torch"], slots), exported(states["cpu"], slots)
 
 
 def assert_same_step(a, b, sa, sb, tol: float = 1e-5) -> None:
-    """Two StepOutputs and the states after them agree (selected and supports as sets)."""
+    """Two StepOutputs and the states after them (``exported``) agree (selected and supports as sets)."""
     assert torch.equal(a.path, b.path), (a.path, b.path)
     assert a.max_sim.dtype == b.max_sim.dtype == torch.float32
     assert torch.equal(torch.isinf(a.max_sim), torch.isinf(b.max_sim))
@@ -298,7 +308,7 @@ def test_successors_of_a_crafted_fifo(policy, calibration):
     states = {"torch": state, "cpu": copy.deepcopy(state)}
     outs = {name: methods[name].decode(q, kv, states[name], slots) for name in ("torch", "cpu")}
     a, b = outs["torch"], outs["cpu"]
-    assert_same_step(a, b, states["torch"], states["cpu"])
+    assert_same_step(a, b, exported(states["torch"], slots), exported(states["cpu"], slots))
     assert (b.selected < lengths.view(2, 1, 1)).all()
     assert bool((b.path == Path.REUSE).all()) if policy == "group" else bool((b.path == Path.FALLBACK).sum() == 1), \
         b.path  # group: the fresh head reuses with its group's candidates; head: it falls back (calibration measures)
@@ -362,7 +372,7 @@ def test_long_history_many_blocks_and_threads(block):
         for t in range(6):
             kv = paged(trace.keys, trace.values, trace.lengths_at(t), block=block, seed=t)
             a, b = (methods[n].decode(trace.queries[t], kv, states[n], slots) for n in ("torch", "cpu"))
-            assert_same_step(a, b, states["torch"], states["cpu"])
+            assert_same_step(a, b, exported(states["torch"], slots), exported(states["cpu"], slots))
 
 
 @needs_kernel

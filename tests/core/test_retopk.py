@@ -487,21 +487,35 @@ def test_bfloat16_tracks_float32_reference():
 
 
 def test_state_pool_grows_and_keeps_contents():
+    """Growing keeps the slots in use (a run with a free slot between them too), and a new slot is handed out as a
+    new pool's slot (as ``read_slot`` exports it: its FIFO rows are never read while fill is 0)."""
     method = make_method("retopk", top_k=4, cache_size=2, window=2, recall=1)
+    new = method.init_state(2, 1, 8, capacity=1)
     state = method.init_state(2, 1, 8, capacity=1)
     a = state.alloc()
     state.queries[a] = 1.0
     b, c = state.alloc(), state.alloc()  # forces two doublings
     assert state.capacity >= 3 and len({a, b, c}) == 3
-    assert (state.queries[a] == 1.0).all() and (state.support[b] == -1).all()
-    state.free(b)
+    assert (state.queries[a] == 1.0).all()
+    for name, t in state.read_slot(b).items():
+        assert torch.equal(t, new.read_slot(0)[name]), name
+    state.queries[c], state.support[c], state.step[c] = 2.0, 5, 9
+    state.free(b)  # slots a and c in use, b free between them
+    generation = state.generation
+    grown = state.prepare_grow(2 * state.capacity)
+    assert state.generation == generation and grown["queries"].shape[0] == 2 * state.capacity  # nothing changed yet
+    state.commit_grow(2 * state.capacity, grown)
+    assert state.generation > generation and state.free_slots == state.capacity - 2
+    assert (state.queries[a] == 1.0).all() and (state.queries[c] == 2.0).all()
+    assert (state.support[c] == 5).all() and int(state.step[c]) == 9
     with pytest.raises(ValueError):
         state.free(b)
 
 
 def test_a_reused_slot_is_reset_to_a_new_pools_slot():
     """A slot freed with every field written (calibrated tau, moved period, FIFO entries) and allocated again holds
-    what slot 0 of a pool just made holds, field by field; ``fresh=False`` leaves it as it was."""
+    a new pool's counters and thresholds, and exports (``read_slot``) what slot 0 of a pool just made exports, field
+    by field; ``fresh=False`` leaves it as it was."""
     method = make_method("retopk", top_k=4, cache_size=3, window=2, recall=1, tau=0.8, refresh_every=6,
                          refresh_guard=0.5)
     new = method.init_state(3, 1, 8, capacity=1)
@@ -513,8 +527,45 @@ def test_a_reused_slot_is_reset_to_a_new_pools_slot():
     assert state.alloc(fresh=False) == slot and all((getattr(state, n)[slot] == 7).all() for n in state.field_names())
     state.free(slot)
     assert state.alloc() == slot
-    for name in state.field_names():
+    for name in ("fill", "ptr", "step", "tau", "period"):
         assert torch.equal(getattr(state, name)[slot], getattr(new, name)[0]), name
+    for name, t in state.read_slot(slot).items():
+        assert torch.equal(t, new.read_slot(0)[name]), name
+
+
+def test_a_new_tenants_export_holds_nothing_of_the_last():
+    """Tenant A fills a slot's FIFO (a long prompt, then decode steps past its wrap-around) and frees it; tenant B
+    gets the same slot with a short prompt (its FIFO not full). B's ``read_slot`` equals that of the same sequence
+    in a never-used pool, bit for bit, and none of A's rows appears in it: the rows past B's fill are a new pool's
+    (queries 0, support -1)."""
+    C, T = 8, 3
+    method = make_method("retopk", top_k=4, cache_size=C, window=2, recall=2, tau=0.5, refresh_every=0)
+    trace = make_trace(B=2, H=4, H_kv=2, prompt_lens=(40, 12), steps=10, T=C)
+    kv = [PagedKV.contiguous(trace.keys[b:b + 1], trace.values[b:b + 1], torch.tensor([P]))
+          for b, P in enumerate(trace.prompt_lens)]
+    state, never_used = method.init_state(4, 2, 16), method.init_state(4, 2, 16)
+    a = state.alloc()
+    method.prefill(state, a, trace.prompt_queries[0], torch.arange(40 - C, 40), kv[0])
+    for t in range(10):
+        kv_t = PagedKV.contiguous(trace.keys[:1], trace.values[:1], trace.lengths_at(t)[:1])
+        method.decode(trace.queries[t, :1], kv_t, state, torch.tensor([a]))
+    left = state.read_slot(a)
+    assert int(left["fill"]) == C and (left["support"] >= 0).all()
+    state.free(a)
+    assert state.alloc() == a
+    exports = []
+    for pool, slot in ((state, a), (never_used, never_used.alloc())):
+        method.prefill(pool, slot, trace.prompt_queries[1, :, -T:], torch.arange(12 - T, 12), kv[1])
+        kv_t = PagedKV.contiguous(trace.keys[1:], trace.values[1:], trace.lengths_at(0)[1:])
+        method.decode(trace.queries[0, 1:], kv_t, pool, torch.tensor([slot]))
+        exports.append(pool.read_slot(slot))
+    b, want = exports
+    assert int(b["fill"]) == T + 1 < C
+    for name, t in b.items():
+        assert torch.equal(t, want[name]), name
+    assert (b["queries"][:, T + 1:] == 0).all() and (b["support"][:, T + 1:] == -1).all()
+    assert not (b["queries"].unsqueeze(2) == left["queries"].unsqueeze(1)).all(-1).any()  # no row of A's
+    assert (state.queries[a, :, T + 1:] == left["queries"][:, T + 1:]).all()  # A's rows are still in the pool
 
 
 def test_state_pool_grown_in_inference_mode_allocates_outside_it():
@@ -524,7 +575,7 @@ def test_state_pool_grown_in_inference_mode_allocates_outside_it():
         state.alloc()
         state.free(state.alloc())  # grows: the pool's tensors are inference tensors now; one slot free
     slot = state.alloc()  # outside inference mode, as a server opening a session between steps
-    assert (state.support[slot] == -1).all()
+    assert int(state.fill[slot]) == 0 and (state.read_slot(slot)["support"] == -1).all()
 
 
 @pytest.mark.parametrize("field,value", [("top_k", 0), ("cache_size", -1), ("recall", 40), ("tau", 1.5),

@@ -35,10 +35,10 @@ PLAN = [(prompt_ids(5, seed=11), 5), (prompt_ids(6, seed=12), 6), (prompt_ids(20
 
 
 def state_of(runner, session) -> list[dict[str, torch.Tensor]]:
+    """Per layer, every field of the session's method state as ``read_slot`` exports it (a slot's FIFO rows past its
+    fill hold whatever the memory held and are never read)."""
     group = runner.method_group(session.method)
-    return [{name: t[slot].clone() for name, t in vars(state).items()
-             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == state.capacity}
-            for state, slot in zip(group.states, session.slots, strict=True)]
+    return [state.read_slot(slot) for state, slot in zip(group.states, session.slots, strict=True)]
 
 
 def kv_of(runner, session) -> list[torch.Tensor]:

@@ -41,11 +41,10 @@ CASES = {
 
 
 def slot_state(runner, session) -> list[dict[str, torch.Tensor]]:
-    """Per layer, every per-slot tensor of the session's method state (the pool's tensors with a slot dimension)."""
+    """Per layer, every field of the session's method state as ``read_slot`` exports it (a slot's FIFO rows past its
+    fill hold whatever the memory held and are never read)."""
     group = runner._groups[session.method]
-    return [{name: t[slot].clone() for name, t in vars(state).items()
-             if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == state.capacity}
-            for state, slot in zip(group.states, session.slots, strict=True)]
+    return [state.read_slot(slot) for state, slot in zip(group.states, session.slots, strict=True)]
 
 
 def greedy_from(runner, session, prompt: list[int], n: int, prefix_key=None) -> tuple[list[int], list, int]:

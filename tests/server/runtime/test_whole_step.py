@@ -29,13 +29,12 @@ METHODS = {"full": MethodSpec.of("full"), "exact_topk": MethodSpec.of("exact_top
 
 
 def _state(runner, session) -> list[torch.Tensor]:
-    """The session's KV (its blocks, every layer) and method state (its slot, every layer's tensors)."""
+    """The session's KV (its blocks, every layer) and method state (every field, every layer, as ``read_state``
+    exports it: a slot's FIFO rows past its fill hold whatever the memory held and are never read)."""
     group = runner.method_group(session.method)
     blocks = torch.tensor(session.blocks)
     kv = [t[blocks] for pools in (runner.pool.k, runner.pool.v) for t in pools]
-    state = [v[slot] for pool, slot in zip(group.states, session.slots, strict=True)
-             for v in vars(pool).values() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == pool.capacity]
-    return kv + state
+    return kv + list(group.read_state(session.slots).values())
 
 
 def _spy(monkeypatch, module, name: str) -> list:
@@ -98,6 +97,49 @@ def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
         group = runner.method_group(METHODS[name])
         assert any(bool((pool.tau[slot] > 0.3 + 1e-6).any()) for sessions, _ in pairs for s in sessions
                    for pool, slot in zip(group.states, s.slots, strict=True))
+
+
+def test_rows_past_fill_are_not_read_in_one_call(monkeypatch):
+    """The one-call step reads ReTopK's FIFO rows below fill only: two sessions on the same prompt, shorter than the
+    FIFO (not full for the first steps), one in a never-used slot and one whose rows past its fill hold garbage
+    (NaN, infinities, huge values, positions of real keys), each decoded alone in one call a step: the logits and
+    statistics are equal bit for bit, through reuse, fallback and refresh, and so are the exported states."""
+    from tests.core.test_slot_rows import garbage_rows
+
+    C = 64
+    spec = MethodSpec.of("retopk", top_k=8, cache_size=C, window=8, recall=4, refresh_every=5, tau=0.3,
+                         tau_calibration=0.8)
+    runner = runner_for(tiny_model("llama", layers=2), spec, weights="int4", kv_dtype="bfloat16")
+    prompt = prompt_ids(40, 1)
+    sessions = [runner.open_session(spec) for _ in range(2)]
+    tokens = [int(runner.prefill(s, prompt).argmax()) for s in sessions]
+    group = runner.method_group(spec)
+    for layer, (pool, slot) in enumerate(zip(group.states, sessions[1].slots, strict=True)):
+        f = int(pool.fill[slot])
+        assert f < C
+        for name in ("queries", "support"):
+            rows = getattr(pool, name)[slot, :, f:]
+            rows.copy_(garbage_rows(tuple(rows.shape), rows.dtype, 40, seed=layer))
+    calls = _spy(monkeypatch, decoder_ops.LayerPlan, "__call__")
+    paths = set()
+    for _ in range(12):
+        out = []
+        for i, s in enumerate(sessions):
+            logits, stats = runner.decode([s], [tokens[i]], with_stats=True)
+            tokens[i] = int(logits[0].argmax())
+            out.append((logits, stats))
+        (a, sa), (b, sb) = out
+        assert torch.equal(a, b)
+        for x, y in zip(sa, sb, strict=True):
+            assert torch.equal(x.path, y.path) and torch.equal(x.n_scored, y.n_scored)
+            assert torch.equal(x.max_sim, y.max_sim)
+            paths |= set(y.path.flatten().tolist())
+    assert len(calls) == 24
+    assert {int(Path.REUSE), int(Path.FALLBACK), int(Path.REFRESH)} <= paths
+    for x, y in zip(_state(runner, sessions[0]), _state(runner, sessions[1]), strict=True):
+        assert torch.equal(x, y)
+    pool, slot = group.states[0], sessions[1].slots[0]
+    assert int(pool.fill[slot]) < C and torch.isnan(pool.queries[slot, :, int(pool.fill[slot]):]).any()  # still there
 
 
 def test_refresh_first_refreshes_the_first_steps_of_each_turn():

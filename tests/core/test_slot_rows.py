@@ -1,0 +1,102 @@
+"""A ReTopK slot's FIFO rows at or past ``fill`` are never read (QuerySupportCache._rows), so a new sequence's reset
+leaves them as an earlier tenant left them and a grown pool's new slots hold whatever their memory held.
+
+The differential tests decode the same sequences twice, in a never-used pool (rows 0 / -1) and in a pool whose
+rows past fill (and whose free slots) hold garbage: NaN, infinities, huge values, and support rows of positions
+that exist in the history (a leak would change the candidates). The outputs, paths, similarities, candidate
+counts and selections must be equal bit for bit, on the torch code and the fused CPU kernel, through reuse while
+the FIFO is not full, fallbacks, refreshes and the calibration / guard rules' candidate unions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retopk_core.cpu import launch
+from retopk_core.kv import PagedKV
+from retopk_core.methods import Path, make_method
+from tests.core._scenario import make_trace, paged
+
+H, H_KV, D, C = 6, 2, 16, 8
+CONFIGS = {
+    "similarity": dict(top_k=8, cache_size=C, window=4, recall=4, tau=0.85, refresh_every=5),
+    "recent-promote": dict(top_k=8, cache_size=C, window=4, recall=4, tau=0.85, refresh_every=5, retrieval="recent",
+                           gqa_policy="promote"),
+    "guarded-successors": dict(top_k=8, cache_size=C, window=4, recall=4, tau=0.8, refresh_every=4,
+                               gqa_policy="group", tau_calibration=0.8, refresh_guard=0.8, tau_guard=0.9,
+                               recall_successors=True),
+}
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not launch.available(),
+                                                                  reason="fused CPU kernel not built"))]
+
+
+def garbage_rows(shape: tuple[int, ...], dtype: torch.dtype, high: int, seed: int) -> torch.Tensor:
+    """Values a reader must never use: float rows mixing NaN, +-inf, +-3e38 and ordinary values; int64 rows
+    mixing positions in [0, high) (real keys of the history), -1, huge and negative values."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.long:
+        pick = torch.randint(0, 4, shape, generator=g)
+        pos = torch.randint(0, high, shape, generator=g)
+        return torch.where(pick == 0, 2 ** 40, torch.where(pick == 1, -7, pos))
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1.0])
+    x = torch.randn(shape, generator=g)
+    return torch.where(torch.rand(shape, generator=g) < 0.5, specials[torch.randint(0, 6, shape, generator=g)], x)
+
+
+def spoil(state, slots: list[int], high: int) -> None:
+    """Every FIFO row at or past its slot's fill, and every free slot's rows, to ``garbage_rows``."""
+    used = {int(s) for s in slots}
+    for s in range(state.capacity):
+        f = int(state.fill[s]) if s in used else 0
+        for name in ("queries", "support"):
+            t = getattr(state, name)[s, :, f:]
+            t.copy_(garbage_rows(tuple(t.shape), t.dtype, high, seed=7 * s + len(name)))
+
+
+def decode_twice(cfg: dict, backend: str, prefill: bool, steps: int = 14):
+    """The same trace in a never-used pool and in a spoiled one (grown from one slot, garbage past fill) ->
+    per step (fresh StepOutput, spoiled StepOutput, fill before the step, garbage still past fill)."""
+    trace = make_trace(B=3, H=H, H_kv=H_KV, d=D, prompt_lens=(40, 23, 9), steps=steps, T=3, noise=0.4)
+    B = len(trace.prompt_lens)
+    method = make_method("retopk", backend=backend, **cfg)
+    fresh = method.init_state(H, H_KV, D, capacity=B)
+    spoiled = method.init_state(H, H_KV, D, capacity=1)  # grows (uninitialised memory) while allocating B slots
+    slots = {id(fresh): torch.tensor([fresh.alloc() for _ in range(B)]),
+             id(spoiled): torch.tensor([spoiled.alloc() for _ in range(B)])}
+    high = max(trace.prompt_lens) + steps
+    spoil(spoiled, slots[id(spoiled)].tolist(), high)
+    for state in (fresh, spoiled) if prefill else ():
+        for b, P in enumerate(trace.prompt_lens):
+            kv_b = PagedKV.contiguous(trace.keys[b:b + 1], trace.values[b:b + 1], torch.tensor([P]))
+            method.prefill(state, int(slots[id(state)][b]), trace.prompt_queries[b], torch.arange(P - 3, P), kv_b)
+    for t in range(steps):
+        kv = paged(trace.keys, trace.values, trace.lengths_at(t), block=8, seed=t)
+        fill = spoiled.fill[slots[id(spoiled)]].clone()  # (B,)
+        left = any(bool(torch.isnan(spoiled.queries[s, :, int(spoiled.fill[s]):]).any())
+                   for s in slots[id(spoiled)].tolist())
+        a = method.decode(trace.queries[t], kv, fresh, slots[id(fresh)])
+        b = method.decode(trace.queries[t], kv, spoiled, slots[id(spoiled)])
+        yield a, b, fill, left
+    for s, z in zip(slots[id(fresh)].tolist(), slots[id(spoiled)].tolist(), strict=True):
+        for name, x in fresh.read_slot(s).items():
+            assert torch.equal(x, spoiled.read_slot(z)[name]), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefilled", "empty"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_garbage_past_fill_changes_nothing(name, prefill, backend):
+    """Bit-identical steps and states from a never-used pool and a spoiled one; the garbage was really there
+    while heads reused a FIFO that was not full, and the trace took reuse, fallback and refresh paths."""
+    cfg = CONFIGS[name]
+    assert make_method("retopk", backend=backend, **cfg).steps.name == backend
+    paths, partial_reuse, spoiled_steps = set(), False, 0
+    for a, b, fill, left in decode_twice(cfg, backend, prefill):
+        for field in ("out", "path", "max_sim", "n_scored", "selected"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        paths |= set(b.path.flatten().tolist())
+        partial_reuse |= bool(((b.path == Path.REUSE) & (fill < C).view(-1, 1)).any())
+        spoiled_steps += left
+    assert partial_reuse and spoiled_steps >= 3
+    assert {int(Path.REUSE), int(Path.REFRESH)} <= paths and paths & {int(Path.FALLBACK), int(Path.PROMOTED)}
