@@ -60,18 +60,34 @@ class SlotPool:
         return len(self._free)
 
     def prepare_grow(self, capacity: int) -> dict[str, torch.Tensor]:
-        """New tensors of ``capacity`` (> the current) slots holding the current contents; nothing changes
-        until ``commit_grow`` (so a caller can allocate every layer's before it commits any)."""
+        """New tensors of ``capacity`` (> the current) slots holding the current contents of the slots in use;
+        nothing changes until ``commit_grow`` (so a caller can allocate every layer's before it commits any).
+        The other slots are free and hold whatever the memory held: a free slot is never read, ``alloc`` resets
+        it (``reset_slot``) or its caller writes every field (``write_slot``). So the grown tensors are neither
+        zeroed nor, past the used slots, copied: memory no slot uses yet is not written (nor paged in)."""
         if capacity <= self.capacity:
             raise ValueError(f"capacity must exceed {self.capacity}, got {capacity}")
-        grown = {}
+        grown, runs = {}, self._used_runs()
         with self._own_mode():
             for name in self._fields:
                 t = getattr(self, name)
-                new = t.new_zeros((capacity, *t.shape[1:]))
-                new[:self.capacity] = t
+                new = t.new_empty((capacity, *t.shape[1:]))
+                for a, e in runs:
+                    new[a:e] = t[a:e]
                 grown[name] = new
         return grown
+
+    def _used_runs(self) -> list[tuple[int, int]]:
+        """The slots in use as runs [a, e) of consecutive ids, ascending."""
+        free, runs = set(self._free), []
+        for s in range(self.capacity):
+            if s in free:
+                continue
+            if runs and runs[-1][1] == s:
+                runs[-1] = (runs[-1][0], s + 1)
+            else:
+                runs.append((s, s + 1))
+        return runs
 
     def commit_grow(self, capacity: int, grown: dict[str, torch.Tensor]) -> None:
         """Adopt ``prepare_grow(capacity)``'s tensors; the new slots are free."""

@@ -100,3 +100,28 @@ def test_garbage_past_fill_changes_nothing(name, prefill, backend):
         spoiled_steps += left
     assert partial_reuse and spoiled_steps >= 3
     assert {int(Path.REUSE), int(Path.REFRESH)} <= paths and paths & {int(Path.FALLBACK), int(Path.PROMOTED)}
+
+
+@pytest.mark.parametrize("name", ["retopk", "quest", "tokenselect", "loki"])
+def test_a_grown_pools_new_slots_are_handed_out_fresh(name, monkeypatch):
+    """Growth takes memory as it comes (``new_empty``, here made to hold 7s and NaNs) and copies only the slots in
+    use: every method's new slot, once allocated, exports (``read_slot``) what a new pool's slot 0 exports, and the
+    slots in use keep their contents, a free slot between them or not."""
+    def dirty(t, size, **kw):
+        return t.new_full(size, float("nan") if t.is_floating_point() else 7, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", dirty)
+    method = make_method(name)
+    new, state = method.init_state(4, 2, 16), method.init_state(4, 2, 16)
+    first, gap = state.alloc(), state.alloc()  # slot 1 grows the pool to 2
+    kept = {f: getattr(state, f)[first].clone().fill_(3) for f in state.fields}
+    for f, t in kept.items():
+        getattr(state, f)[first] = t
+    state.free(gap)
+    slots = [state.alloc() for _ in range(4)]  # the freed slot, then growth to 4 and 8
+    assert state.capacity == 8 and gap in slots
+    for s in slots:
+        for f, t in state.read_slot(s).items():
+            assert torch.equal(t, new.read_slot(0)[f]), (s, f)
+    for f, t in kept.items():
+        assert torch.equal(getattr(state, f)[first], t), f

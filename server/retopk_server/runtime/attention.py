@@ -34,7 +34,7 @@ from retopk_server.runtime.kv_pool import OUT_OF_MEMORY, KVPool, allocation_fail
 PREFILL_SCORES_BUDGET = 1 << 26
 # Seconds the method-state pools keep the most slots a load used at once after its use fell below that
 # (MethodGroup.shrink): a batch of streams whose requests end together and come back at once reuses them instead
-# of regrowing the pools 1 -> 2 -> 4 -> 8, zeroing and copying every slot each time; an idle server gives them
+# of regrowing the pools 1 -> 2 -> 4 -> 8, copying the slots in use each time; an idle server gives them
 # back this long after its last request (the engine's idle passes call ModelRunner.trim_pools).
 HOLD_S = 5.0
 
