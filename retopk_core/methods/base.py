@@ -71,11 +71,16 @@ class SlotPool:
         with self._own_mode():
             for name in self._fields:
                 t = getattr(self, name)
-                new = t.new_empty((capacity, *t.shape[1:]))
-                for a, e in runs:
-                    new[a:e] = t[a:e]
-                grown[name] = new
+                grown[name] = t.new_empty((capacity, *t.shape[1:]))
+                self._copy_used(name, grown[name], runs)
         return grown
+
+    def _copy_used(self, name: str, new: torch.Tensor, runs: list[tuple[int, int]]) -> None:
+        """``new[a:e] = name[a:e]`` for each run [a, e) of slots in use (``prepare_grow``'s copy; a pool whose slots
+        leave part of a field unread copies less)."""
+        t = getattr(self, name)
+        for a, e in runs:
+            new[a:e] = t[a:e]
 
     def _used_runs(self) -> list[tuple[int, int]]:
         """The slots in use as runs [a, e) of consecutive ids, ascending."""

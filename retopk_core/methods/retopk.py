@@ -117,6 +117,27 @@ class QuerySupportCache(SlotPool):
         self.tau[slot] = self.tau0
         self.period[slot] = self.period0
 
+    def _copy_used(self, name: str, new: torch.Tensor, runs: list[tuple[int, int]]) -> None:
+        """``SlotPool._copy_used`` with only the FIFO rows below each slot's fill (``_rows``): a wave of sessions
+        grows the pools between their admissions, before any of them has pushed a row."""
+        if name not in self._rows:
+            return super()._copy_used(name, new, runs)
+        t = getattr(self, name)
+        for slot in (s for a, e in runs for s in range(a, e)):
+            f = int(self.fill[slot])
+            new[slot, :, :f] = t[slot, :, :f]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """``SlotPool.copy_slot`` with only the FIFO rows below ``src``'s fill (``_rows``)."""
+        f = int(self.fill[src])
+        with self._own_mode():
+            for name in self._fields:
+                t = getattr(self, name)
+                if name in self._rows:
+                    t[dst, :, :f] = t[src, :, :f]
+                else:
+                    t[dst] = t[src]
+
     def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
         """``SlotPool.read_slot`` with the FIFO rows at or past ``fill`` as a new pool's (queries 0, support -1),
         not whatever an earlier sequence of the slot left there (``_rows``)."""

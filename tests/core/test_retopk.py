@@ -487,27 +487,30 @@ def test_bfloat16_tracks_float32_reference():
 
 
 def test_state_pool_grows_and_keeps_contents():
-    """Growing keeps the slots in use (a run with a free slot between them too), and a new slot is handed out as a
-    new pool's slot (as ``read_slot`` exports it: its FIFO rows are never read while fill is 0)."""
+    """Growing keeps what the slots in use export (``read_slot``; a run with a free slot between them too), and a
+    new slot is handed out as a new pool's slot (its FIFO rows are never read while fill is 0)."""
     method = make_method("retopk", top_k=4, cache_size=2, window=2, recall=1)
     new = method.init_state(2, 1, 8, capacity=1)
     state = method.init_state(2, 1, 8, capacity=1)
     a = state.alloc()
-    state.queries[a] = 1.0
+    state.queries[a], state.support[a], state.fill[a] = 1.0, 3, 2  # a full FIFO
     b, c = state.alloc(), state.alloc()  # forces two doublings
     assert state.capacity >= 3 and len({a, b, c}) == 3
-    assert (state.queries[a] == 1.0).all()
+    assert (state.queries[a] == 1.0).all() and (state.support[a] == 3).all()
     for name, t in state.read_slot(b).items():
         assert torch.equal(t, new.read_slot(0)[name]), name
-    state.queries[c], state.support[c], state.step[c] = 2.0, 5, 9
+    state.queries[c], state.support[c], state.step[c], state.fill[c], state.ptr[c] = 2.0, 5, 9, 1, 1  # one row
     state.free(b)  # slots a and c in use, b free between them
+    before = {s: state.read_slot(s) for s in (a, c)}
+    assert (before[c]["queries"][:, 1:] == 0).all() and (before[c]["support"][:, 0] == 5).all()
     generation = state.generation
     grown = state.prepare_grow(2 * state.capacity)
     assert state.generation == generation and grown["queries"].shape[0] == 2 * state.capacity  # nothing changed yet
     state.commit_grow(2 * state.capacity, grown)
     assert state.generation > generation and state.free_slots == state.capacity - 2
-    assert (state.queries[a] == 1.0).all() and (state.queries[c] == 2.0).all()
-    assert (state.support[c] == 5).all() and int(state.step[c]) == 9
+    for s in (a, c):
+        for name, t in state.read_slot(s).items():
+            assert torch.equal(t, before[s][name]), (s, name)
     with pytest.raises(ValueError):
         state.free(b)
 

@@ -114,14 +114,40 @@ def test_a_grown_pools_new_slots_are_handed_out_fresh(name, monkeypatch):
     method = make_method(name)
     new, state = method.init_state(4, 2, 16), method.init_state(4, 2, 16)
     first, gap = state.alloc(), state.alloc()  # slot 1 grows the pool to 2
-    kept = {f: getattr(state, f)[first].clone().fill_(3) for f in state.fields}
-    for f, t in kept.items():
-        getattr(state, f)[first] = t
+    for f in state.fields:  # 3 everywhere: a full FIFO (fill 3 of retopk's C), 3 tokens seen (quest, loki)
+        getattr(state, f)[first] = 3
+    kept = state.read_slot(first)
     state.free(gap)
     slots = [state.alloc() for _ in range(4)]  # the freed slot, then growth to 4 and 8
     assert state.capacity == 8 and gap in slots
     for s in slots:
         for f, t in state.read_slot(s).items():
             assert torch.equal(t, new.read_slot(0)[f]), (s, f)
-    for f, t in kept.items():
-        assert torch.equal(getattr(state, f)[first], t), f
+    for f, t in state.read_slot(first).items():
+        assert torch.equal(t, kept[f]), f
+    assert name != "retopk" or (kept["queries"][:, :3] == 3).all()  # the FIFO rows below fill are the slot's
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forked_slot_decodes_as_its_source(backend):
+    """``copy_slot`` copies the FIFO rows below fill only: a slot forked from a FIFO that is not full, into a slot
+    full of garbage, decodes the next steps bit for bit as its source and exports the same state."""
+    cfg = CONFIGS["guarded-successors"]
+    trace = make_trace(B=1, H=H, H_kv=H_KV, d=D, prompt_lens=(40,), steps=8, T=3, noise=0.4)
+    method = make_method("retopk", backend=backend, **cfg)
+    state = method.init_state(H, H_KV, D, capacity=2)
+    src, dst = state.alloc(), state.alloc()
+    spoil(state, [dst], 48)
+    kv_p = PagedKV.contiguous(trace.keys, trace.values, torch.tensor([40]))
+    method.prefill(state, src, trace.prompt_queries[0], torch.arange(37, 40), kv_p)
+    kv = PagedKV.contiguous(trace.keys, trace.values, trace.lengths_at(0))
+    method.decode(trace.queries[0], kv, state, torch.tensor([src]))
+    state.copy_slot(src, dst)
+    assert int(state.fill[dst]) == 4 < C and torch.isnan(state.queries[dst, :, 4:]).any()  # the garbage stays
+    for t in range(1, 8):
+        kv = PagedKV.contiguous(trace.keys, trace.values, trace.lengths_at(t))
+        a, b = (method.decode(trace.queries[t], kv, state, torch.tensor([s])) for s in (src, dst))
+        for field in ("out", "path", "max_sim", "n_scored", "selected"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), (t, field)
+    for f, x in state.read_slot(src).items():
+        assert torch.equal(x, state.read_slot(dst)[f]), f
