@@ -108,14 +108,21 @@ class SlotPool:
         return next((s for s in range(self.capacity - 1, -1, -1) if s not in free), -1)
 
     def shrink(self, capacity: int) -> None:
-        """Keep only slots ``0 .. capacity - 1`` (every slot above them free; at least one stays): the tensors
-        are copied to that size, so the memory of the others goes back. Slots in use keep their ids."""
+        """Keep only slots ``0 .. capacity - 1`` (every slot above them free; at least one stays): the slots in use
+        are copied into tensors of that size (as ``prepare_grow`` copies them), so the memory of the others goes
+        back. Slots in use keep their ids."""
         if not 1 <= capacity <= self.capacity or self.highest_used() >= capacity:
             raise ValueError(f"cannot shrink to {capacity} slots: {self.capacity} slots, the highest in use is "
                              f"{self.highest_used()}")
+        runs = self._used_runs()  # all below capacity
         with self._own_mode():
+            kept = {}
             for name in self._fields:
-                setattr(self, name, getattr(self, name)[:capacity].clone())
+                t = getattr(self, name)
+                kept[name] = t.new_empty((capacity, *t.shape[1:]))
+                self._copy_used(name, kept[name], runs)
+            for name, t in kept.items():  # after every copy: _copy_used may read other fields (ReTopK: fill)
+                setattr(self, name, t)
         self.capacity = capacity
         self._free = [s for s in self._free if s < capacity]
 

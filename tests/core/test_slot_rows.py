@@ -157,3 +157,30 @@ def test_a_forked_slot_decodes_as_its_source(backend):
             assert torch.equal(getattr(a, field), getattr(b, field)), (t, field)
     for f, x in state.read_slot(src).items():
         assert torch.equal(x, state.read_slot(dst)[f]), f
+
+
+@pytest.mark.parametrize("name", ["retopk", "quest", "tokenselect", "loki"])
+def test_a_shrunk_pool_keeps_what_its_slots_in_use_export(name, monkeypatch):
+    """``shrink`` copies only the slots in use (of ReTopK's FIFOs the rows below fill) into memory as it comes
+    (``new_empty``, here made to hold NaNs and 7s): those slots export what they did, and a slot allocated after
+    exports a new pool's values."""
+    def dirty(t, size, **kw):
+        return t.new_full(size, float("nan") if t.is_floating_point() else 7, **kw)
+
+    method = make_method(name)
+    new, state = method.init_state(4, 2, 16), method.init_state(4, 2, 16, capacity=8)
+    slots = [state.alloc() for _ in range(5)]
+    for i, s in enumerate(slots):
+        for f in state.fields:
+            getattr(state, f)[s] = i + 1  # retopk: fill i + 1, rows below it in use
+    for s in (slots[1], slots[4]):
+        state.free(s)
+    before = {s: state.read_slot(s) for s in (slots[0], slots[2], slots[3])}
+    monkeypatch.setattr(torch.Tensor, "new_empty", dirty)
+    state.shrink(4)
+    assert state.capacity == 4 and state.free_slots == 1
+    for s, want in before.items():
+        for f, t in state.read_slot(s).items():
+            assert torch.equal(t, want[f]), (s, f)
+    for f, t in state.read_slot(state.alloc()).items():
+        assert torch.equal(t, new.read_slot(0)[f]), f
