@@ -122,10 +122,9 @@ class QuerySupportCache(SlotPool):
         grows the pools between their admissions, before any of them has pushed a row."""
         if name not in self._rows:
             return super()._copy_used(name, new, runs)
-        t = getattr(self, name)
+        t, fill = getattr(self, name), self.fill.tolist()  # one read of the counters (a GPU pool's: one sync)
         for slot in (s for a, e in runs for s in range(a, e)):
-            f = int(self.fill[slot])
-            new[slot, :, :f] = t[slot, :, :f]
+            new[slot, :, :fill[slot]] = t[slot, :, :fill[slot]]
 
     def copy_slot(self, src: int, dst: int) -> None:
         """``SlotPool.copy_slot`` with only the FIFO rows below ``src``'s fill (``_rows``)."""
