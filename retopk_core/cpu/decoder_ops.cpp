@@ -58,6 +58,7 @@
 //   mlp_out(x (M, D), a (M, H d), o blocks, w_mlp, eps, gate_up blocks, down blocks)
 //     -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T, swiglu([g, u]) = g / (1 + e^-g) * u
 //   swiglu(gu (M, 2F)) -> (M, F), the same product alone.
+//   packed_linear_rows(x (M, in), W packed by oneDNN) -> x W^T, one oneDNN call per thread on its share of the rows.
 //   attn_in_to, mlp_out_to: the same into a given output (the whole step's buffers, decode_layers.cpp).
 //
 // The loops exist for AVX-512 (with VNNI for int8 activations), AVX2 (both with FMA and F16C) and plain C++,
@@ -1301,6 +1302,35 @@ at::Tensor swiglu(const at::Tensor& gu) {
   CHECK_VALUE(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be (M, 2F)");
   at::Tensor y = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
   swiglu_to(y, gu);
+  return y;
+}
+
+// y (M, out) = x (M, in) W^T for W held in oneDNN's packed layout (torch's mkldnn::_reorder_linear_weight): the rows
+// of x cut into one part per thread of the team (part p: rows M p / P .. M (p + 1) / P - 1), each part one call of
+// torch's mkldnn::_linear_pointwise on its thread. Inside the team's region oneDNN runs each call on its own
+// thread, so the team always splits the product, which oneDNN's own threading does not for some shapes (a
+// prefill's o and down products, whose one call ran on one thread). Each part's rows are that call's result.
+at::Tensor packed_linear_rows(const at::Tensor& x, const at::Tensor& w) {
+  CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && w.is_mkldnn() && w.dim() == 2 &&
+                  x.size(1) == w.size(1) && x.scalar_type() == w.scalar_type(),
+              "x must be a contiguous (M, in) CPU tensor and w a packed (out, in) weight of x's dtype, got x ",
+              x.sizes(), " ", x.scalar_type(), " and w ", w.sizes(), " ", w.scalar_type());
+  using Scalars = c10::List<c10::optional<at::Scalar>>;
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                            Scalars, c10::optional<c10::string_view>);
+  static const auto linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<Linear>();
+  const int64_t M = x.size(0), parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M));
+  at::Tensor y = at::empty({M, w.size(0)}, x.options());
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode inference;  // the team's threads do not inherit the caller's mode: no version counters
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t a = M * p / parts, b = M * (p + 1) / parts;
+      // (b - a, out): oneDNN on this thread alone inside the team's region
+      const at::Tensor part = linear.call(x.narrow(0, a, b - a), w, c10::nullopt, "none", Scalars(), "");
+      y.narrow(0, a, b - a).copy_(part);
+    }
+  });
   return y;
 }
 

@@ -7,6 +7,7 @@
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
     store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
     swiglu(gu) -> silu(g) * u for gu = [g, u]
+    packed_linear_rows(x, w) -> x W^T for W in oneDNN's packed layout: one oneDNN call per thread on its share of rows
     attn_in(x, w_attn, eps, qkv, cos, sin, rot_heads, d) -> rope(rms_norm(x) W_qkv^T (+ b)) on its first rot_heads heads
     mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
     LayerPlan(layer weights, ..., attention)(x, ...) -> every layer of a decode step in one call (its per-model
@@ -45,7 +46,7 @@ ACTIVATIONS = ("float32", "int8", "bf16x2")
 
 __all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "LayerPlan", "activation_code", "amx_available", "attn_in",
            "available", "best_isa", "block_matmul", "isa", "layer_arguments", "mlp_out", "pack_amx",
-           "quantize_activations", "rms_norm", "rope_", "store_kv", "swiglu"]
+           "packed_linear_rows", "quantize_activations", "rms_norm", "rope_", "store_kv", "swiglu"]
 
 
 class Blocks(NamedTuple):
@@ -125,6 +126,13 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, rows: torch.Tensor, k: 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
     """gu (M, 2F) float32 -> (M, F)."""
     return extension().swiglu(gu.contiguous())
+
+
+def packed_linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, in) in w's dtype, w (out, in) packed by ``torch.ops.mkldnn._reorder_linear_weight`` -> (M, out) in that
+    dtype: rows M p / P .. M (p + 1) / P - 1 of the result are ``torch.ops.mkldnn._linear_pointwise`` of those rows
+    of x, each part computed on its own thread of torch's P threads."""
+    return extension().packed_linear_rows(x.contiguous(), w)
 
 
 def attn_in(x: torch.Tensor, w_attn: torch.Tensor, eps: float, qkv: Blocks, cos: torch.Tensor, sin: torch.Tensor,

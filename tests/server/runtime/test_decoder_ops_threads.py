@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime.decoder import llama
-from retopk_server.runtime.decoder.linear import from_float
+from retopk_server.runtime.decoder.linear import SPLIT_ROWS, float_matmul, from_float, packed
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -113,3 +113,33 @@ def test_bf16x2_product_past_the_kept_scratch_gives_each_row_its_one_row_result(
     for i in (0, 7, 8, 64, 129):
         alone = decoder_ops.block_matmul(x[i:i + 1], b.qs, b.scales, b.bits, b.bias, None, activations="bf16x2")
         assert torch.equal(batch[i:i + 1], alone), i
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+@pytest.mark.parametrize("rows, out, n_in", [(394, 576, 576), (394, 576, 1536), (37, 96, 160), (1, 64, 64)])
+def test_packed_product_split_by_rows_is_each_parts_onednn_product(two_threads, rows, out, n_in):
+    """packed_linear_rows on two threads: rows 0 .. M / 2 - 1 and M / 2 .. M - 1 are oneDNN's product of those rows
+    alone on one thread, bit for bit (one row: one part), and the whole is within bfloat16 rounding of the float64
+    product; a prefill wave's o and down shapes among them. float_matmul takes that path on several threads for a
+    weight whose out features are at most its in features from SPLIT_ROWS rows a thread, and one oneDNN call else."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("this torch or CPU has no oneDNN bfloat16 GEMM")
+    torch.manual_seed(rows + out)
+    w = torch.randn(out, n_in).to(torch.bfloat16)
+    wp = packed(w)
+    x = torch.randn(rows, n_in).to(torch.bfloat16)
+    y = decoder_ops.packed_linear_rows(x, wp)
+    half = rows // 2
+    parts = [slice(0, rows)] if rows == 1 else [slice(0, half), slice(half, rows)]
+    for part in parts:
+        assert torch.equal(y[part], _one_thread(_onednn_linear, x[part], wp)), part
+    ref, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+    assert ((y.double() - ref).abs() <= 2 * torch.finfo(torch.bfloat16).eps * scale).all()
+    xf = x.float()
+    split = rows >= 2 * SPLIT_ROWS
+    assert torch.equal(float_matmul(xf, wp, None), y.float() if split else _onednn_linear(x, wp).float())
+    taller = packed(torch.randn(n_in + 32, n_in).to(torch.bfloat16))  # out features above in features: one call
+    assert torch.equal(float_matmul(xf, taller, None), _onednn_linear(x, taller).float())

@@ -67,6 +67,24 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 PACK_ROWS = 512
 
 
+# The fewest rows from which a packed product whose out features are at most its in features is split by rows over
+# the threads (``split_rows``), SPLIT_ROWS rows or more a thread.
+SPLIT_ROWS = 32
+
+
+def split_rows(weight: torch.Tensor, rows: int) -> bool:
+    """Whether a packed weight's product over ``rows`` rows runs as one oneDNN call per thread on its share of the
+    rows (decoder_ops.packed_linear_rows) rather than as one call threaded by oneDNN: where there are several
+    threads and rows enough, for the weights whose out features are at most their in features (the o and down
+    products), which oneDNN ran on one thread at a prefill wave's few hundred rows while it split the others itself
+    better than this would (figures in docs/bench/history.md, 2026-12-07). Each part's rows are a oneDNN product of
+    those rows: the same math, its sums perhaps in another order than one call over all the rows would take (a
+    prefill's products already vary so with the rows a forward holds)."""
+    threads = torch.get_num_threads()
+    return (threads > 1 and rows >= SPLIT_ROWS * threads and weight.shape[0] <= weight.shape[1]
+            and decoder_ops.available())
+
+
 def _onednn_bf16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -81,7 +99,9 @@ def float_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     ``residual`` and returned (a caller's own residual stream, which it reads only through the result): the same
     values without a new (M, out) tensor per layer."""
     xw = x.to(weight.dtype)  # (M, in)
-    if weight.is_mkldnn:
+    if weight.is_mkldnn and split_rows(weight, x.shape[0]):
+        y = decoder_ops.packed_linear_rows(xw, weight)  # (M, out) in weight's dtype, a share of rows per thread
+    elif weight.is_mkldnn:
         y = torch.ops.mkldnn._linear_pointwise(xw, weight, None, "none", [], "")  # (M, out) in weight's dtype
     else:
         y = torch.nn.functional.linear(xw, weight)  # (M, out) in weight's dtype
