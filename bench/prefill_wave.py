@@ -9,6 +9,15 @@ default method and weights. With several ``--activations`` each gets its own run
 round. Prints per activations the median ms of each part and of the whole wave over all timed waves.
 
     python -m bench.prefill_wave --prompts 8 --waves 4 --rounds 3 --activations float32 bf16x2
+
+With ``--threads N`` (torch's threads, as a server's ``--threads``) it also prints, per activations, the median
+wall ms of the forward and of the wave and the CPU ms of all the process's threads ("all", ``time.process_time``)
+beside the calling thread's ("main"), and "alone" = 2 main - all: with ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP
+threads sleep, so "all" is the team's work) and two threads, the calling thread's work the other thread did not
+share (the serial part), which a loaded machine's other work inflates less than wall time (bench/step_parts.py's
+columns).
+
+    OMP_WAIT_POLICY=PASSIVE python -m bench.prefill_wave --threads 2 --waves 4 --rounds 3 --activations bf16x2
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from retopk_server.runtime import ModelRunner, RuntimeConfig
 from retopk_server.runtime.runtime_config import ACTIVATIONS
 
 PARTS = ("open", "forward", "close", "wave")
+WHOLE = ("forward", "wave")  # the parts whose wall and all-thread CPU time the --threads table shows
+CLOCKS = {"main": time.thread_time, "all": time.process_time, "wall": time.perf_counter}
 PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in a bottle one stormy night.",
            "Explain how photosynthesis works in plants, and why leaves change colour in the autumn season.",
            "List three reasons why the Roman Empire fell, with one sentence about each of those reasons.",
@@ -40,48 +51,67 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--activations", nargs="+", default=["float32"], choices=ACTIVATIONS,
                    help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), in turns")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch's threads; above 1, also the forward's and the wave's wall and all-thread CPU time")
     return p.parse_args(argv)
 
 
-def wave(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, float]:
-    """One wave -> thread CPU seconds of each part."""
-    t0 = time.thread_time()
+def wave(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, dict[str, float]]:
+    """One wave -> per clock of CLOCKS (the calling thread's CPU, all threads' CPU, wall), seconds of each part."""
+    def now() -> dict[str, float]:
+        return {name: clock() for name, clock in CLOCKS.items()}
+
+    t0 = now()
     sessions = [runner.open_session() for _ in prompts]
     jobs = [runner.start_prefill(s, ids) for s, ids in zip(sessions, prompts, strict=True)]
-    t1 = time.thread_time()
+    t1 = now()
     out = runner.prefill_together([(job, job.remaining) for job in jobs])
-    t2 = time.thread_time()
+    t2 = now()
     for s in sessions:
         runner.close_session(s)
-    t3 = time.thread_time()
+    t3 = now()
     if not all(isinstance(logits, torch.Tensor) for logits in out):
         raise RuntimeError(f"a prompt of the wave did not finish: {out}")
-    return {"open": t1 - t0, "forward": t2 - t1, "close": t3 - t2, "wave": t3 - t0}
+    return {c: {"open": t1[c] - t0[c], "forward": t2[c] - t1[c], "close": t3[c] - t2[c], "wave": t3[c] - t0[c]}
+            for c in CLOCKS}
 
 
 def main(argv=None) -> dict[str, dict[str, float]]:
+    """Per activations, the median ms of each part of PARTS (the calling thread's CPU), and with --threads above one
+    also of WHOLE's parts per clock and "alone" (2 main - all), keyed "forward wall", "wave all", ..."""
     args = parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     runners = {act: ModelRunner(RuntimeConfig(activations=act)) for act in args.activations}
     first = next(iter(runners.values()))
     prompts = [first.encode_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
                for i in range(args.prompts)]
     tokens = sum(len(ids) for ids in prompts)
     print(f"# prefill_wave: {args.prompts} prompts, {tokens} tokens in one forward, weights "
-          f"{first.decoder.matmul_format}, default method, one thread (thread CPU time)")
-    times = {act: {part: [] for part in PARTS} for act in runners}
+          f"{first.decoder.matmul_format}, default method, {torch.get_num_threads()} thread(s) (the calling thread's "
+          f"CPU time)")
+    times = {act: {f"{part} {c}": [] for c in CLOCKS for part in PARTS} for act in runners}
     with torch.inference_mode():
         for _ in range(args.rounds):
             for act, runner in runners.items():
                 wave(runner, prompts)  # the pools and the allocator's pages as a server's next wave finds them
                 for _ in range(args.waves):
-                    for part, seconds in wave(runner, prompts).items():
-                        times[act][part].append(seconds)
-    med = {act: {part: 1e3 * statistics.median(t) for part, t in parts.items()} for act, parts in times.items()}
+                    for c, parts in wave(runner, prompts).items():
+                        for part, seconds in parts.items():
+                            times[act][f"{part} {c}"].append(seconds)
+    for t in times.values():
+        for part in WHOLE:
+            t[f"{part} alone"] = [2 * m - a for m, a in zip(t[f"{part} main"], t[f"{part} all"], strict=True)]
+    keys = [f"{part} {c}" for part in WHOLE for c in ("wall", "main", "all", "alone")] if args.threads > 1 else []
+    med = {act: {part: 1e3 * statistics.median(t[f"{part} main"]) for part in PARTS}
+           | {key: 1e3 * statistics.median(t[key]) for key in keys} for act, t in times.items()}
     print(f"{'activations':>12} " + " ".join(f"{part + ' ms':>10}" for part in PARTS) + f" {'us/token':>9}")
     for act, parts in med.items():
         print(f"{act:>12} " + " ".join(f"{parts[part]:>10.1f}" for part in PARTS)
               + f" {1e3 * parts['forward'] / tokens:>9.1f}")
+    if keys:
+        print(f"{'activations':>12} " + " ".join(f"{key:>12}" for key in keys) + "   (ms; all: every thread's CPU)")
+        for act, parts in med.items():
+            print(f"{act:>12} " + " ".join(f"{parts[key]:>12.1f}" for key in keys))
     return med
 
 

@@ -14,3 +14,22 @@ def test_prefill_wave_prints_every_part_per_activations(capsys):
     assert parts["wave"] == pytest.approx(parts["open"] + parts["forward"] + parts["close"])  # one wave: its parts
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# prefill_wave: 2 prompts") and lines[2].split()[0] == "float32"
+
+
+@pytest.mark.full
+def test_prefill_wave_on_two_threads_adds_wall_and_all_threads_cpu(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1", "--threads", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    parts = med["float32"]
+    assert list(parts)[:len(prefill_wave.PARTS)] == list(prefill_wave.PARTS)
+    for part in prefill_wave.WHOLE:
+        assert parts[f"{part} main"] == parts[part] and parts[f"{part} all"] >= parts[part] > 0
+        assert parts[f"{part} wall"] > 0
+        assert parts[f"{part} alone"] == pytest.approx(2 * parts[part] - parts[f"{part} all"])  # one wave each
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 thread(s)" in lines[0] and lines[3].split()[:2] == ["activations", "forward"]
