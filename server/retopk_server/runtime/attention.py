@@ -283,9 +283,10 @@ class PrefillContext:
         pool = segments[0].kv.pool
         if self.rows is None:
             self.rows = torch.cat([pool.rows(seg.kv.table, seg.kv.start, seg.T) for seg in segments], dim=2)
-        pool.write(layer, self.rows, k, v)  # every session's new keys and values in one store
-        if any(seg.first == 0 for seg in segments):  # sessions whose chunk is their whole history read these
-            k, v = pool.as_stored(k), pool.as_stored(v)  # (1, H_kv, N, d): rounded once for every session
+        ks, vs = pool.stored(k), pool.stored(v)  # (1, H_kv, N, d) in the pool's dtype: cast once for all sessions
+        pool.write(layer, self.rows, ks, vs)  # every session's new keys and values in one store
+        if any(seg.first == 0 for seg in segments):  # sessions whose chunk is their whole history read them back
+            k, v = ks.to(k.dtype), vs.to(v.dtype)  # as the pool holds them (KVPool.as_stored)
         if len(segments) == 1:
             return _prefill(segments[0], layer, q, k, v, scale)
         outs = []

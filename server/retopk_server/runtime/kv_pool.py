@@ -306,7 +306,12 @@ class KVPool:
         """x rounded as ``write`` stores it (to the pool's dtype, nearest even, as torch's cast and the CPU library's
         store both round) and back in x's dtype: what ``history`` returns for keys or values just written, without
         gathering them back from the blocks."""
-        return x.to(self.k[0].dtype).to(x.dtype)
+        return self.stored(x).to(x.dtype)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, H_kv, T, d) in the pool's dtype, its rows laid out contiguously: the values ``write`` stores, which
+        it then takes without another copy (a prefill's attention widens them back: ``as_stored`` in one cast)."""
+        return x.to(self.k[0].dtype, memory_format=torch.contiguous_format)
 
     def history(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one session's first ``length`` positions: (H_kv, length, d) each (a copy)."""
