@@ -18,6 +18,10 @@ share (the serial part), which a loaded machine's other work inflates less than 
 columns).
 
     OMP_WAIT_POLICY=PASSIVE python -m bench.prefill_wave --threads 2 --waves 4 --rounds 3 --activations bf16x2
+
+``--split-rows on off`` takes turns, wave by wave within each round, between the packed products split by rows over
+the threads where linear.py's ``split_rows`` says so (on, the runtime's rule) and never split (off: one oneDNN call
+each), in one process, so a loaded machine's drift hits both alike; rows are labelled "ACTIVATIONS/on" and "/off".
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 import torch
 
 from retopk_server.runtime import ModelRunner, RuntimeConfig
+from retopk_server.runtime.decoder import linear
 from retopk_server.runtime.runtime_config import ACTIVATIONS
 
 PARTS = ("open", "forward", "close", "wave")
@@ -47,10 +52,13 @@ PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=8, help="requests in the wave, N")
-    p.add_argument("--waves", type=int, default=4, help="timed waves per round and activations")
+    p.add_argument("--waves", type=int, default=4, help="timed waves per round, activations and split")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--activations", nargs="+", default=["float32"], choices=ACTIVATIONS,
                    help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), in turns")
+    p.add_argument("--split-rows", nargs="+", default=["on"], choices=("on", "off"),
+                   help="the packed products' split by rows (linear.split_rows) as the runtime has it, or never; "
+                        "in turns")
     p.add_argument("--threads", type=int, default=1,
                    help="torch's threads; above 1, also the forward's and the wave's wall and all-thread CPU time")
     return p.parse_args(argv)
@@ -89,15 +97,21 @@ def main(argv=None) -> dict[str, dict[str, float]]:
     print(f"# prefill_wave: {args.prompts} prompts, {tokens} tokens in one forward, weights "
           f"{first.decoder.matmul_format}, default method, {torch.get_num_threads()} thread(s) (the calling thread's "
           f"CPU time)")
-    times = {act: {f"{part} {c}": [] for c in CLOCKS for part in PARTS} for act in runners}
+    labels = {(act, split): act if len(args.split_rows) == 1 else f"{act}/{split}"
+              for act in runners for split in args.split_rows}
+    times = {label: {f"{part} {c}": [] for c in CLOCKS for part in PARTS} for label in labels.values()}
+    rule = linear.SPLIT_ROWS
     with torch.inference_mode():
         for _ in range(args.rounds):
             for act, runner in runners.items():
                 wave(runner, prompts)  # the pools and the allocator's pages as a server's next wave finds them
                 for _ in range(args.waves):
-                    for c, parts in wave(runner, prompts).items():
-                        for part, seconds in parts.items():
-                            times[act][f"{part} {c}"].append(seconds)
+                    for split in args.split_rows:
+                        linear.SPLIT_ROWS = rule if split == "on" else 1 << 62  # off: no product has the rows
+                        for c, parts in wave(runner, prompts).items():
+                            for part, seconds in parts.items():
+                                times[labels[act, split]][f"{part} {c}"].append(seconds)
+    linear.SPLIT_ROWS = rule
     for t in times.values():
         for part in WHOLE:
             t[f"{part} alone"] = [2 * m - a for m, a in zip(t[f"{part} main"], t[f"{part} all"], strict=True)]

@@ -33,3 +33,12 @@ def test_prefill_wave_on_two_threads_adds_wall_and_all_threads_cpu(capsys):
         assert parts[f"{part} alone"] == pytest.approx(2 * parts[part] - parts[f"{part} all"])  # one wave each
     lines = capsys.readouterr().out.splitlines()
     assert "2 thread(s)" in lines[0] and lines[3].split()[:2] == ["activations", "forward"]
+
+
+@pytest.mark.full
+def test_prefill_wave_takes_turns_with_and_without_the_split_products(capsys):
+    from retopk_server.runtime.decoder import linear
+
+    med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1", "--split-rows", "on", "off"])
+    assert list(med) == ["float32/on", "float32/off"] and linear.SPLIT_ROWS == 32  # the rule is back as it was
+    assert all(parts["forward"] > 0 for parts in med.values())
