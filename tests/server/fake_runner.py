@@ -203,6 +203,10 @@ class FakeRunner:
         session.closed = True
         session.blocks = []
 
+    def close_sessions(self, sessions: list[Session]) -> None:
+        for session in sessions:
+            self.close_session(session)
+
     def reserve(self, session: Session, length: int) -> None:
         self._touch()
         if length > self.info.max_context:

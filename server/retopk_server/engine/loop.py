@@ -127,7 +127,9 @@ class EngineLoop:
         except Exception:  # then each row samples on its own, and a failure there ends that row alone
             log.exception("the batched argmax of %d rows failed", len(batch))
             greedy = {}
-        with gathered_sends():  # the rows' tokens reach the asyncio thread in one call, after the last row
+        # The rows' tokens reach the asyncio thread in one call, after the last row; the sessions of the requests
+        # that end close together before that (their pools' upkeep once).
+        with gathered_sends(), self.sessions.closing():
             for i, r in enumerate(batch):
                 self.delivery.step_row(r, logits[i], stats[i] if stats is not None and r.spec.return_step_stats
                                        else None, greedy.get(i))

@@ -67,6 +67,10 @@ class Runner(Protocol):
 
     def close_session(self, session: Session) -> None: ...
 
+    def close_sessions(self, sessions: list[Session]) -> None:
+        """``close_session`` of each, whatever the runner does for all of them (its pools' upkeep) once."""
+        ...
+
     def reserve(self, session: Session, length: int) -> None:
         """KV room for ``length`` positions in the session; ValueError past the context, BudgetExceeded
         (runtime/budget.py; nothing allocated) when the cache budget cannot hold it."""

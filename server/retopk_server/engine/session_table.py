@@ -29,7 +29,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from retopk_server.engine.idempotency import Answer, Answers
@@ -164,6 +165,7 @@ class SessionTable:
         self._named: dict[tuple[str, str], SessionRecord] = {}  # (owner, id) -> record
         self._ephemeral: dict[str, SessionRecord] = {}
         self._evicted: dict[str, OrderedDict[str, None]] = {}  # owner -> ids of its recent evictions
+        self._closing: list[SessionRecord] | None = None  # inside ``closing``: the ephemeral records to close
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -216,6 +218,9 @@ class SessionTable:
         record.last_used_unix = time.time()
         if record.ephemeral:
             del self._ephemeral[record.id]
+            if self._closing is not None:
+                self._closing.append(record)
+                return
             try:
                 self.runner.close_session(record.session)
             finally:
@@ -223,6 +228,29 @@ class SessionTable:
         else:
             with self._lock:
                 record.busy = False
+
+    @contextmanager
+    def closing(self) -> Iterator[None]:
+        """Inside, the ephemeral sessions ``release`` lets go of leave the table at once and their runner sessions
+        close together when it ends (runner.close_sessions: the pools' upkeep once, not once a session), as a
+        decode step's rows that end in it do. A failed close is logged (the requests' last events are out
+        by then); nested, the outermost one closes."""
+        if self._closing is not None:
+            yield
+            return
+        self._closing = records = []
+        try:
+            yield
+        finally:
+            self._closing = None
+            if records:
+                try:
+                    self.runner.close_sessions([r.session for r in records])
+                except Exception:
+                    log.exception("closing %d ended requests' sessions failed", len(records))
+                finally:
+                    for record in records:
+                        self._hook("on_session_closed", record.id, True)
 
     def create(self, session_id: str | None, method: MethodSpec | None, owner: str = "",
                max_owned: int | None = None) -> SessionSnapshot:

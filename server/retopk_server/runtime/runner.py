@@ -267,20 +267,32 @@ class ModelRunner:
         """Free the session's KV blocks and method-state slots (idempotent); pools that are mostly free after
         that give their memory back (KVPool.shrink, MethodGroup.shrink), so that an idle server's footprint
         returns near its idle figure."""
-        if session.closed:
+        self.close_sessions([session])
+
+    def close_sessions(self, sessions: list[Session]) -> None:
+        """``close_session`` of each, the pools' upkeep once after the last: a decode step whose rows all end
+        closes them together, and closing one by one compacted the KV pool as the used blocks fell below a
+        quarter (moving the blocks of sessions about to close) and resized the pools on the way down. The
+        pools end sized by their rules for what is left open, as after the last of the one-by-one closes."""
+        closing = [s for s in sessions if not s.closed]
+        if not closing:
             return
-        self.pool.release(session.blocks)
-        group, freed = self._groups.get(session.method), 0
-        if session.slots is not None and group is not None:
-            group.free(session.slots)
-            freed += group.shrink()
-        session.blocks, session.slots, session.closed = [], None, True
-        self.sessions.pop(session.id, None)
+        groups = {}
+        for session in closing:
+            self.pool.release(session.blocks)
+            group = self._groups.get(session.method)
+            if session.slots is not None and group is not None:
+                group.free(session.slots)
+                groups[session.method] = group
+            session.blocks, session.slots, session.closed = [], None, True
+            self.sessions.pop(session.id, None)
+        freed = sum(group.shrink() for group in groups.values())
         if self.prefix_cache is not None and self.config.prefix_cache_bytes is not None:
             self.prefix_cache.evict_to(self.config.prefix_cache_bytes)  # the blocks it held may be idle now
         if 4 * self.pool.used_blocks <= self.pool.capacity:  # shrink's condition, wherever the used blocks lie
             self._compact()
-        freed += self._drop_if_unused(session.method) + self.pool.shrink()
+        freed += sum(self._drop_if_unused(spec) for spec in dict.fromkeys(s.method for s in closing))
+        freed += self.pool.shrink()
         if freed:
             release_freed_memory()
 
