@@ -367,6 +367,8 @@ class MetricsObserver(EngineObserver):
         self.memory_interval_s = memory_interval_s
         self._memory = None  # the runner's memory() once started
         self._last_memory = -float("inf")
+        self._busy = False  # the engine had work at its last on_load (it calls on_load again after its step)
+        self._memory_stale = False  # a session opened or closed since the sizes were last read
         self._offsets: dict[tuple[int, int], np.ndarray] = {}
         self._last_token: dict[int, float] = {}  # id(request) -> monotonic time of its latest token
         self._open = {"named": 0, "ephemeral": 0}
@@ -480,12 +482,15 @@ class MetricsObserver(EngineObserver):
         self._one["running"].set(running)
         self._open["named"] = sessions
         m.sessions.labels(model, "named").set(sessions)
+        self._busy = bool(queued or running)
         now = time.monotonic()
-        if self._memory is not None and now - self._last_memory >= self.memory_interval_s:
+        due = now - self._last_memory >= self.memory_interval_s or (self._memory_stale and not self._busy)
+        if self._memory is not None and due:
             self._last_memory = now
             self._record_memory()
 
     def _record_memory(self) -> None:
+        self._memory_stale = False
         m, model, usage = self.metrics, self.model, self._memory()
         m.kv_bytes.labels(model, "used").set(usage.kv_used)
         m.query_bytes.labels(model, "used").set(usage.method_state_used)
@@ -511,11 +516,17 @@ class MetricsObserver(EngineObserver):
 
     def _count_session(self, ephemeral: bool, delta: int) -> None:
         # The engine reports load only while it has work; a session opened or closed by a command
-        # while idle updates the gauges here.
+        # while idle updates the cache sizes here. While it has work (a wave's admissions and closes: 8 a wave
+        # at 8 streams, each a read of every pool) they are left to its on_load after the step, which reads
+        # them within memory_interval_s, and at once when the step left no work.
         kind = "ephemeral" if ephemeral else "named"
         self._open[kind] = max(0, self._open[kind] + delta)
         self.metrics.sessions.labels(self.model, kind).set(self._open[kind])
-        if self._memory is not None:
+        if self._memory is None:
+            return
+        if self._busy:
+            self._memory_stale = True
+        else:
             self._record_memory()
 
     # ---- engine or asyncio thread -------------------------------------------------------------------

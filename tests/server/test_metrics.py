@@ -272,6 +272,45 @@ def test_router_load_gauges_follow_the_engines_load_and_the_kv_pool():
     assert value(samples, "retopk_kv_cache_utilization_ratio", model="m") == 0.75
     assert value(samples, "retopk_kv_cache_bytes", model="m", kind="reserved") == 4 * 1024
 
+def test_sessions_opened_or_closed_while_busy_update_the_cache_sizes_when_the_load_ends():
+    """Idle (a command), a session's open or close re-reads the runner's cache sizes at once; while the engine has
+    work, its on_load after the step does: within memory_interval_s, and at once when the step left no work."""
+    from retopk_server.runtime.memory import MemoryUsage
+
+    usage, reads = [MemoryUsage(kv_used=1024, kv_reserved=4096)], []
+
+    def memory():
+        reads.append(usage[0])
+        return usage[0]
+
+    observer = MetricsObserver("m", per_head=False, memory_interval_s=3600.0)
+    observer.on_start(SimpleNamespace(architecture="A", num_layers=1, num_heads=1, num_kv_heads=1, head_dim=4,
+                                      device="cpu", backend="torch", default_method=SimpleNamespace(name="full"),
+                                      weight_format="int4", kv_dtype="bfloat16"), memory)
+
+    def kv_used() -> float:
+        return value(scrape(observer.metrics), "retopk_kv_cache_bytes", model="m", kind="used")
+
+    observer.on_session_opened("a", False)  # idle: read at once
+    assert len(reads) == 1 and kv_used() == 1024
+    observer.on_load(0, 2, 1)  # busy now (the first on_load reads: no read yet)
+    assert len(reads) == 2
+    usage[0] = MemoryUsage(kv_used=3072, kv_reserved=4096)
+    for i in range(4):
+        observer.on_session_opened(f"e{i}", True)
+        observer.on_session_closed(f"e{i}", True)
+    observer.on_load(3, 2, 1)  # still busy, the interval not passed
+    assert len(reads) == 2 and kv_used() == 1024
+    assert value(scrape(observer.metrics), "retopk_sessions_open", model="m", kind="ephemeral") == 0
+    observer.on_load(0, 0, 1)  # the load ended: the sessions' change is read now
+    assert len(reads) == 3 and kv_used() == 3072
+    observer.on_load(0, 0, 1)  # nothing changed since: no read
+    assert len(reads) == 3
+    usage[0] = MemoryUsage(kv_used=0, kv_reserved=4096)
+    observer.on_session_closed("a", False)  # idle again: at once
+    assert len(reads) == 4 and kv_used() == 0
+
+
 def test_per_layer_and_per_head_series_exist_at_zero_from_startup():
     observer = MetricsObserver("m")
     runner = FakeRunner()
