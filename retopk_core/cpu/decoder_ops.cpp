@@ -59,6 +59,7 @@
 //     -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T, swiglu([g, u]) = g / (1 + e^-g) * u
 //   swiglu(gu (M, 2F)) -> (M, F), the same product alone.
 //   packed_linear_rows(x (M, in), W packed by oneDNN) -> x W^T, one oneDNN call per thread on its share of the rows.
+//   causal_attention_segments_(out, q, k, v, offsets, lengths, scale): each segment's causal SDPA on its own thread.
 //   attn_in_to, mlp_out_to: the same into a given output (the whole step's buffers, decode_layers.cpp).
 //
 // The loops exist for AVX-512 (with VNNI for int8 activations), AVX2 (both with FMA and F16C) and plain C++,
@@ -1303,6 +1304,38 @@ at::Tensor swiglu(const at::Tensor& gu) {
   at::Tensor y = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
   swiglu_to(y, gu);
   return y;
+}
+
+// out (1, N, H, d) <- for each segment i, rows a = offsets[i] .. a + lengths[i] - 1 of the token axis: causal attention
+// of those rows of q (1, H, N, d) over the same rows of k, v (1, H_kv, N, d) alone (torch's
+// scaled_dot_product_attention with GQA and ``scale``), written at out's rows a ..; the segments spread over the team,
+// one SDPA call per segment on its thread (inside the team's region torch's kernel runs on that thread, and each
+// (head, query block) of its result is computed alone, so the thread changes no bit).
+void causal_attention_segments_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const std::vector<int64_t>& offsets, const std::vector<int64_t>& lengths,
+                                double scale) {
+  CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(0) == 1 && k.sizes() == v.sizes() &&
+                  k.size(0) == 1 && k.size(2) == q.size(2) && k.size(3) == q.size(3) && q.size(1) % k.size(1) == 0,
+              "q must be (1, H, N, d) and k, v (1, H_kv, N, d) with H a multiple of H_kv, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  const int64_t N = q.size(2);
+  CHECK_VALUE(out.dim() == 4 && out.size(0) == 1 && out.size(1) == N && out.size(2) == q.size(1) &&
+                  out.size(3) == q.size(3) && out.scalar_type() == q.scalar_type(),
+              "out must be (1, N, H, d) in q's dtype, got ", out.sizes());
+  CHECK_VALUE(offsets.size() == lengths.size(), "offsets and lengths must be as long");
+  for (size_t i = 0; i < offsets.size(); ++i)
+    CHECK_VALUE(offsets[i] >= 0 && lengths[i] > 0 && offsets[i] + lengths[i] <= N, "segment ", i, " (", offsets[i],
+                ", ", lengths[i], ") is outside the ", N, " rows");
+  const bool gqa = q.size(1) != k.size(1);
+  at::parallel_for(0, static_cast<int64_t>(offsets.size()), 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode inference;  // the team's threads do not inherit the caller's mode
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t a = offsets[i], T = lengths[i];
+      const at::Tensor o = at::scaled_dot_product_attention(q.narrow(2, a, T), k.narrow(2, a, T), v.narrow(2, a, T),
+                                                            c10::nullopt, 0.0, true, scale, gqa);  // (1, H, T, d)
+      out.narrow(1, a, T).copy_(o.transpose(1, 2));
+    }
+  });
 }
 
 // y (M, out) = x (M, in) W^T for W held in oneDNN's packed layout (torch's mkldnn::_reorder_linear_weight): the rows

@@ -8,6 +8,7 @@
     store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
     swiglu(gu) -> silu(g) * u for gu = [g, u]
     packed_linear_rows(x, w) -> x W^T for W in oneDNN's packed layout: one oneDNN call per thread on its share of rows
+    causal_attention_segments_(out, q, k, v, offsets, lengths, scale): out <- each segment's causal SDPA, a thread each
     attn_in(x, w_attn, eps, qkv, cos, sin, rot_heads, d) -> rope(rms_norm(x) W_qkv^T (+ b)) on its first rot_heads heads
     mlp_out(x, a, o, w_mlp, eps, gate_up, down) -> x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T, x1 = x + a W_o^T
     LayerPlan(layer weights, ..., attention)(x, ...) -> every layer of a decode step in one call (its per-model
@@ -45,8 +46,8 @@ ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni")
 ACTIVATIONS = ("float32", "int8", "bf16x2")
 
 __all__ = ["ACTIVATIONS", "ISA_NAMES", "Blocks", "LayerPlan", "activation_code", "amx_available", "attn_in",
-           "available", "best_isa", "block_matmul", "isa", "layer_arguments", "mlp_out", "pack_amx",
-           "packed_linear_rows", "quantize_activations", "rms_norm", "rope_", "store_kv", "swiglu"]
+           "available", "best_isa", "block_matmul", "causal_attention_segments_", "isa", "layer_arguments", "mlp_out",
+           "pack_amx", "packed_linear_rows", "quantize_activations", "rms_norm", "rope_", "store_kv", "swiglu"]
 
 
 class Blocks(NamedTuple):
@@ -133,6 +134,14 @@ def packed_linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     dtype: rows M p / P .. M (p + 1) / P - 1 of the result are ``torch.ops.mkldnn._linear_pointwise`` of those rows
     of x, each part computed on its own thread of torch's P threads."""
     return extension().packed_linear_rows(x.contiguous(), w)
+
+
+def causal_attention_segments_(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               offsets: list[int], lengths: list[int], scale: float) -> None:
+    """q (1, H, N, d), k, v (1, H_kv, N, d); out (1, N, H, d) <- at rows a .. a + T - 1 for each (a, T) of
+    ``offsets``, ``lengths``: ``F.scaled_dot_product_attention(q[:, :, a:a+T], k[:, :, a:a+T], v[:, :, a:a+T],
+    is_causal=True, scale=scale, enable_gqa=True)`` transposed, each segment computed on one thread of the team."""
+    extension().causal_attention_segments_(out, q, k, v, offsets, lengths, scale)
 
 
 def attn_in(x: torch.Tensor, w_attn: torch.Tensor, eps: float, qkv: Blocks, cos: torch.Tensor, sin: torch.Tensor,

@@ -33,6 +33,8 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void store_kv(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& rows, const at::Tensor& k, const at::Tensor& v);
 at::Tensor swiglu(const at::Tensor& gu);
 at::Tensor packed_linear_rows(const at::Tensor& x, const at::Tensor& w);
+void causal_attention_segments_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const std::vector<int64_t>& offsets, const std::vector<int64_t>& lengths, double scale);
 at::Tensor attn_in(const at::Tensor& x, const at::Tensor& w_attn, double eps, const at::Tensor& qs,
                    const at::Tensor& scales, int64_t bits, const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
                    const at::Tensor& sin, int64_t rot_heads, int64_t d, int64_t isa, int64_t activations);

@@ -1204,6 +1204,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "store_rows of a step's keys and of its values");
   m.def("swiglu", &swiglu, "g / (1 + exp(-g)) * u for gu = [g, u]");
   m.def("packed_linear_rows", &packed_linear_rows, "x W^T, W packed by oneDNN: one oneDNN call per thread on its rows");
+  m.def("causal_attention_segments_", &causal_attention_segments_,
+        "Each segment's causal SDPA over its own rows, into out (1, N, H, d), one segment per thread");
   m.def("attn_in", &attn_in, "rms_norm, the QKV product and RoPE of a decode layer in one call");
   m.def("mlp_out", &mlp_out, "the o product, residual, rms_norm, gate-up, swiglu, down and residual in one call");
   bind_decode_layers(m);  // decode_layers.cpp

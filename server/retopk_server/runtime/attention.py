@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from retopk_core.cpu import decoder_ops
 from retopk_core.methods.base import AttentionMethod, SlotPool
 from retopk_server.runtime.budget import BudgetExceeded, CacheBudget
 from retopk_server.runtime.kv_pool import OUT_OF_MEMORY, KVPool, allocation_failed
@@ -289,12 +290,21 @@ class PrefillContext:
             k, v = ks.to(k.dtype), vs.to(v.dtype)  # as the pool holds them (KVPool.as_stored)
         if len(segments) == 1:
             return _prefill(segments[0], layer, q, k, v, scale)
-        outs = []
-        for seg in segments:
+        # (1, N, H, d), returned as its (1, H, N, d) view: the layer's (N, H d) reshape of it is free
+        out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+        whole = [_whole(seg, q) and decoder_ops.available() for seg in segments]
+        if sum(whole) > 1:  # those sessions a thread each of the team, in one library call
+            mine = [seg for seg, w in zip(segments, whole, strict=True) if w]
+            decoder_ops.causal_attention_segments_(out, q, k, v, [seg.offset for seg in mine], [seg.T for seg in mine],
+                                                   scale)
+            for seg in mine:
+                _keep(seg, layer, q[:, :, seg.offset:seg.offset + seg.T])
+        for seg, done in zip(segments, whole if sum(whole) > 1 else [False] * len(segments), strict=True):
+            if done:
+                continue
             rows = slice(seg.offset, seg.offset + seg.T)
-            outs.append(_prefill(seg, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], scale).transpose(1, 2))
-        # (1, N, H, d) in one copy, returned as its (1, H, N, d) view: the layer's (N, H d) reshape of it is free
-        return torch.cat(outs, dim=1).transpose(1, 2)
+            out[:, rows] = _prefill(seg, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], scale).transpose(1, 2)
+        return out.transpose(1, 2)
 
 
 @dataclass
@@ -382,10 +392,24 @@ def _prefill(seg: PrefillSegment, layer: int, query: torch.Tensor, k_new: torch.
             mask = torch.arange(end, device=query.device).view(1, end) <= qpos  # (j - i, end)
             out[:, :, i:j] = F.scaled_dot_product_attention(query[:, :, i:j], k[:, :, :end], v[:, :, :end],
                                                             attn_mask=mask, scale=scale, enable_gqa=gqa)
+    _keep(seg, layer, query)
+    return out
+
+
+def _whole(seg: PrefillSegment, query: torch.Tensor) -> bool:
+    """Whether ``_prefill`` attends over ``seg``'s chunk (of ``query``'s device) as one causal SDPA call on the chunk
+    alone: the chunk starts its session and its score matrix fits the budget (decoder_ops.causal_attention_segments_
+    makes those calls for several sessions at once, on the CPU)."""
+    H = query.shape[1]
+    return seg.first == 0 and H * seg.T * seg.T <= PREFILL_SCORES_BUDGET and query.device.type == "cpu"
+
+
+def _keep(seg: PrefillSegment, layer: int, query: torch.Tensor) -> None:
+    """The chunk's queries query (1, H, T, d) that the method will observe -> ``seg.kept[layer]``."""
+    s, L = seg.first, seg.first + seg.T
     first = max(seg.tail_start, s)
     if seg.group.method.prefill_queries > 0 and first < L:
         seg.kept[layer] = query[0, :, first - s:]  # (H, t, d)
-    return out
 
 
 def _decode(ctx: DecodeContext, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -143,3 +143,26 @@ def test_packed_product_split_by_rows_is_each_parts_onednn_product(two_threads, 
     assert torch.equal(float_matmul(xf, wp, None), y.float() if split else _onednn_linear(x, wp).float())
     taller = packed(torch.randn(n_in + 32, n_in).to(torch.bfloat16))  # out features above in features: one call
     assert torch.equal(float_matmul(xf, taller, None), _onednn_linear(x, taller).float())
+
+
+@pytest.mark.parametrize("H, H_kv", [(9, 3), (4, 4)])
+def test_segments_causal_attention_on_two_threads_is_each_segments_sdpa(two_threads, H, H_kv):
+    """causal_attention_segments_ over ragged segments of a wave's token axis (q, k, v strided as the layer's views of
+    its QKV rows), one segment per thread: each segment's rows are torch's causal SDPA of its rows alone, bit for
+    bit; rows outside the segments are left as they were; a segment past the rows is refused."""
+    d, lengths = 64, [43, 50, 1, 49, 54]
+    offsets = [sum(lengths[:i]) + 2 for i in range(len(lengths))]  # rows 0, 1 belong to no segment
+    N = offsets[-1] + lengths[-1]
+    torch.manual_seed(H)
+    qkv = torch.randn(N, H + 2 * H_kv, d).view(1, N, H + 2 * H_kv, d).transpose(1, 2)  # (1, heads, N, d)
+    q, k, v = qkv[:, :H], qkv[:, H:H + H_kv], qkv[:, H + H_kv:]
+    out = torch.full((1, N, H, d), 7.0)
+    decoder_ops.causal_attention_segments_(out, q, k, v, offsets, lengths, 0.125)
+    for a, T in zip(offsets, lengths, strict=True):
+        rows = slice(a, a + T)
+        want = F.scaled_dot_product_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], is_causal=True, scale=0.125,
+                                              enable_gqa=H != H_kv)  # (1, H, T, d)
+        assert torch.equal(out[:, rows], want.transpose(1, 2)), a
+    assert (out[:, :2] == 7).all()
+    with pytest.raises(ValueError, match="outside"):
+        decoder_ops.causal_attention_segments_(out, q, k, v, [N - 3], [4], 0.125)
