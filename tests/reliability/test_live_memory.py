@@ -278,7 +278,9 @@ def test_a_flooding_key_leaves_room_for_another_and_memory_returns_when_it_close
     keys = {"alice": "alice-flood-key", "bob": "bob-quiet-key"}
     path = tmp_path / "keys.txt"
     path.write_text("".join(f"{n}:{hashlib.sha256(k.encode()).hexdigest()}\n" for n, k in keys.items()))
-    srv = launch_server("--api-keys-file", str(path), "--max-sessions", "24", "--max-running", "4", timeout=600)
+    # no prefix cache: it would keep the closed sessions' prompt blocks (by design), which is not what is measured
+    srv = launch_server("--api-keys-file", str(path), "--max-sessions", "24", "--max-running", "4",
+                        "--prefix-cache", "false", timeout=600)
     channel = grpc.insecure_channel(srv.address)
     stub = pb_grpc.ReTopKServiceStub(channel)
 
@@ -286,7 +288,12 @@ def test_a_flooding_key_leaves_room_for_another_and_memory_returns_when_it_close
         return [("authorization", f"Bearer {keys[who]}")] + ([("x-session-id", session_id)] if session_id else [])
 
     def one_token(who: str, session_id: str) -> int:
-        request = pb.GenerateRequest(text=f"Note {session_id}: the river", max_new_tokens=1, session_id=session_id,
+        # about 1K tokens: past the default method's dense floor (dense_below - C), so the prefill writes every
+        # layer's ReTopK FIFO as well as ~1K tokens of KV. A slot's rows are written only as the sequence pushes
+        # them (a new slot's are not zeroed), so a session of a few tokens holds little resident memory and the
+        # flood would not show what closing gives back.
+        text = f"Note {session_id}: " + "the river runs past the old mill and on to the sea. " * 80
+        request = pb.GenerateRequest(text=text, max_new_tokens=1, session_id=session_id,
                                      sampling=pb.SamplingParameters(temperature=0.0))
         return sum(len(r.token_ids) for r in stub.Generate(request, timeout=120, metadata=md(who, session_id)))
 
@@ -305,7 +312,7 @@ def test_a_flooding_key_leaves_room_for_another_and_memory_returns_when_it_close
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per key" in e.details(), e.details()
                 break
             flood.append(sid)
-            assert one_token("alice", sid) == 1  # its method state and KV blocks are allocated now
+            assert one_token("alice", sid) == 1  # its method state and KV blocks are allocated and written now
         peak = rss.memory_info().rss
         assert len(flood) == 12  # half of --max-sessions
         assert peak > 1.2 * idle, (peak, idle)  # the flood held real memory (else the last check proves nothing)

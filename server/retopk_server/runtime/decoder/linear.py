@@ -16,7 +16,8 @@ Its cost grows with the rows of x (it widens each block again for every 4 rows);
 rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load (``wide``: bfloat16
 where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also
 the path when the library is not built. A bfloat16 copy is held reordered into oneDNN's blocked layout once
-(``packed``), so that its GEMMs skip repacking the weight on every call: the same products, bit for bit.
+(``packed``), so that its GEMMs skip repacking the weight on every call: the same products up to the order
+oneDNN sums in (``packed``).
 Norms, biases and the residual stream stay float32 in every format. ``nbytes`` is what one matmul reads,
 the decode step's weight traffic.
 """
@@ -54,8 +55,10 @@ def is_blocks(lin) -> bool:
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight (out, in) reordered once into the blocked layout of oneDNN's GEMM (an opaque mkldnn tensor
     of the same shape and dtype, which ``float_matmul`` takes): torch's ``linear`` reorders the weight on every
-    call, a cost that a prefill's few hundred rows do not hide. Its products equal ``linear``'s bit for bit
-    (tests/server/runtime/test_decoder_weights.py). Any other weight, or a torch without oneDNN's bfloat16 path,
+    call, a cost that a prefill's few hundred rows do not hide. Its products are ``linear``'s up to the order of
+    the sums: bit for bit at tests/server/runtime/test_decoder_weights.py's shape, while at some shapes and row
+    counts (the o and down products of a 394-row wave) oneDNN blocks the two layouts' sums differently and the
+    last bits differ, within the prefill tests' tolerances. Any other weight, or a torch without oneDNN's bfloat16 path,
     is returned as it is."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not _onednn_bf16():
         return weight
