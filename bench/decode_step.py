@@ -11,7 +11,9 @@ the layers in one call of the fused CPU library (the runner's default where the 
 runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations [A ...]`` does
 the same with the block products' activations (RuntimeConfig.activations; float32 and int8 unless named, e.g.
 ``float32 bf16x2`` on a CPU with AMX), each against the first, on the step thread's CPU clock with
-``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run.
+``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run: "auto" by default, what the
+server runs by default (bf16x2 where the decoder takes it, else float32: Decoder.auto_activations), and the header's
+weights show what it became.
 
 ``--step-turns`` opens one session per method and decodes them one after another within every step, the order
 rotating, so a loaded machine's drift hits each method alike: per method the median step, attention
@@ -37,7 +39,7 @@ from bench.e2e_cpu import parse_method  # noqa: E402 - after the huge pages
 from bench.eval.common import load_corpus  # noqa: E402 - after the huge pages
 from retopk_core.methods import Path  # noqa: E402 - after the huge pages
 from retopk_server.runtime import ModelRunner, RuntimeConfig  # noqa: E402 - after the huge pages
-from retopk_server.runtime.runtime_config import ACTIVATIONS  # noqa: E402 - after the huge pages
+from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES, ACTIVATIONS  # noqa: E402 - after the huge pages
 
 
 def parse_args(argv=None):
@@ -53,8 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--compare-activations", nargs="*", choices=ACTIVATIONS, default=None, metavar="A",
                    help="time each method with these activations into the block products (none named: float32 "
                         "int8), taking turns; ratios to the first")
-    p.add_argument("--activations", default="float32", choices=ACTIVATIONS,
-                   help="the block products' activations (RuntimeConfig.activations) of a plain run")
+    p.add_argument("--activations", default="auto", choices=ACTIVATION_CHOICES,
+                   help="the block products' activations (RuntimeConfig.activations) of a plain run; auto (the "
+                        "default): as the server's default resolves it")
     p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop / -activations")
     p.add_argument("--step-turns", action="store_true",
                    help="one session per method, decoded one after another within every step (ratios to the first)")

@@ -6,7 +6,9 @@ shared forward (``runner.prefill_together``), then the sessions closed. The prom
 of about 48 tokens (``PROMPTS``, cycled past eight). Each part is timed on the thread's CPU clock
 (``time.thread_time``, what a loaded machine's other work inflates least), on one torch thread, with the server's
 default method and weights. With several ``--activations`` each gets its own runner and they take turns, round by
-round. Prints per activations the median ms of each part and of the whole wave over all timed waves.
+round; "auto" (the default) is what the server runs by default (bf16x2 where the decoder takes it, else float32:
+Decoder.auto_activations), its rows labelled with what it resolved to. Prints per activations the median ms of each
+part and of the whole wave over all timed waves.
 
     python -m bench.prefill_wave --prompts 8 --waves 4 --rounds 3 --activations float32 bf16x2
 
@@ -34,7 +36,7 @@ import torch
 
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 from retopk_server.runtime.decoder import linear
-from retopk_server.runtime.runtime_config import ACTIVATIONS
+from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES
 
 PARTS = ("open", "forward", "close", "wave")
 WHOLE = ("forward", "wave")  # the parts whose wall and all-thread CPU time the --threads table shows
@@ -54,8 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="requests in the wave, N")
     p.add_argument("--waves", type=int, default=4, help="timed waves per round, activations and split")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--activations", nargs="+", default=["float32"], choices=ACTIVATIONS,
-                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), in turns")
+    p.add_argument("--activations", nargs="+", default=["auto"], choices=ACTIVATION_CHOICES,
+                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), in turns; "
+                        "auto (the default): as the server's default resolves it")
     p.add_argument("--split-rows", nargs="+", default=["on"], choices=("on", "off"),
                    help="the packed products' split by rows (linear.split_rows) as the runtime has it, or never; "
                         "in turns")
@@ -89,7 +92,10 @@ def main(argv=None) -> dict[str, dict[str, float]]:
     also of WHOLE's parts per clock and "alone" (2 main - all), keyed "forward wall", "wave all", ..."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    runners = {act: ModelRunner(RuntimeConfig(activations=act)) for act in args.activations}
+    runners = {}
+    for act in args.activations:  # keyed by what each runner resolved (auto: the server's default), once each
+        runner = ModelRunner(RuntimeConfig(activations=act))
+        runners.setdefault(runner.decoder.activations, runner)
     first = next(iter(runners.values()))
     prompts = [first.encode_chat([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
                for i in range(args.prompts)]

@@ -27,6 +27,9 @@ serial part; a perfectly split step has 0), a figure that a loaded machine's oth
 does wall time. Without it idle threads spin and "all" counts their spinning.
 
     python -m bench.step_parts --threads 2 --rows 8 --steps 30 --rounds 3 --activations float32 bf16x2
+
+``--activations`` is "auto" unless named: what the server runs by default (bf16x2 where the decoder takes it,
+else float32: Decoder.auto_activations), shown resolved in the header and the table's rows.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 from retopk_server.runtime.decoder.llama import rms_norm, rope_tables
-from retopk_server.runtime.runtime_config import ACTIVATIONS
+from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES
 from retopk_server.runtime.sampling import Sampler, SamplingParams, greedy_tokens
 
 PARTS = ("step", "attn_in", "mlp_out", "lm_head", "attention", "sampling", "other")
@@ -54,8 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="rounds, each timing 1 row then M rows")
     p.add_argument("--prompt", default="Write a short story about a lighthouse keeper who finds a message.")
-    p.add_argument("--activations", nargs="+", default=["float32"], choices=ACTIVATIONS,
-                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), each in turn")
+    p.add_argument("--activations", nargs="+", default=["auto"], choices=ACTIVATION_CHOICES,
+                   help="the block products' activations (RuntimeConfig.activations; bf16x2 needs AMX), each in turn; "
+                        "auto (the default): as the server's default resolves it")
     p.add_argument("--threads", type=int, default=1,
                    help="torch's threads; above 1, the whole step's wall and CPU time instead of its parts")
     return p.parse_args(argv)
@@ -173,6 +177,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     runner = ModelRunner(RuntimeConfig(activations=args.activations[0]))
+    auto, _ = runner.decoder.auto_activations()  # what the runner resolves "auto" to
+    args.activations = list(dict.fromkeys(auto if a == "auto" else a for a in args.activations))
     ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
     with torch.inference_mode():
         if args.threads > 1:

@@ -25,7 +25,7 @@ from bench.eval import corpora
 from retopk_core.methods.base import PATH_NAMES, group_reads
 from retopk_core.methods.base import Path as StepPath
 from retopk_core.models import DEFAULT_MODEL
-from retopk_server.runtime.runtime_config import ACTIVATIONS, DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
+from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES, DEFAULT_METHOD_PARAMS, KV_DTYPES, WEIGHTS
 from retopk_shared.name_value import parse_params
 
 KJV = corpora.KJV  # the default corpus
@@ -78,8 +78,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "the server's auto is as-stored on a CPU)")
     g.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                    help="KV cache dtype (RuntimeConfig.kv_dtype; the server's auto is bfloat16)")
-    g.add_argument("--activations", default="float32", choices=ACTIVATIONS,
-                   help="the block products' activations (RuntimeConfig.activations; the server's --activations)")
+    g.add_argument("--activations", default="float32", choices=ACTIVATION_CHOICES,
+                   help="the block products' activations (RuntimeConfig.activations; the server's --activations, "
+                        "whose default is auto). float32 by default, unlike the server and the timing benches: an "
+                        "evaluation's reference is the float32 model, and the recorded block-weight runs that name "
+                        "no --activations (docs/bench/ppl_weights_as_stored_kv_bfloat16.json) were float32's; "
+                        "the results' weights show any other")
     g.add_argument("--backend", default="torch", choices=["torch", "triton", "cpu"])
     g.add_argument("--rope-scaling", default=None, metavar="TYPE:FACTOR",
                    help="extend the context past the model's positions, e.g. linear:4 or yarn:8")

@@ -5,15 +5,31 @@ import pytest
 from bench import prefill_wave
 
 
+def _served_activations() -> str:
+    """What the server's default activations (auto) are on the embedded model's int4 blocks: bf16x2 with AMX."""
+    from retopk_core.cpu import decoder_ops
+
+    return "bf16x2" if decoder_ops.amx_available() else "float32"
+
+
 @pytest.mark.full
 def test_prefill_wave_prints_every_part_per_activations(capsys):
+    """By default the server's activations, labelled with what auto resolved to."""
     med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1"])
-    assert list(med) == ["float32"] and list(med["float32"]) == list(prefill_wave.PARTS)
-    parts = med["float32"]
+    act = _served_activations()
+    assert list(med) == [act] and list(med[act]) == list(prefill_wave.PARTS)
+    parts = med[act]
     assert all(parts[part] > 0 for part in prefill_wave.PARTS)
     assert parts["wave"] == pytest.approx(parts["open"] + parts["forward"] + parts["close"])  # one wave: its parts
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("# prefill_wave: 2 prompts") and lines[2].split()[0] == "float32"
+    assert lines[0].startswith("# prefill_wave: 2 prompts") and lines[2].split()[0] == act
+
+
+@pytest.mark.full
+def test_prefill_wave_times_auto_once_beside_what_it_resolves_to():
+    med = prefill_wave.main(["--prompts", "1", "--waves", "1", "--rounds", "1", "--activations", "auto", "int8",
+                             _served_activations()])
+    assert list(med) == [_served_activations(), "int8"]
 
 
 @pytest.mark.full
@@ -22,7 +38,8 @@ def test_prefill_wave_on_two_threads_adds_wall_and_all_threads_cpu(capsys):
 
     threads = torch.get_num_threads()
     try:
-        med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1", "--threads", "2"])
+        med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1", "--threads", "2",
+                                 "--activations", "float32"])
     finally:
         torch.set_num_threads(threads)
     parts = med["float32"]
@@ -39,6 +56,7 @@ def test_prefill_wave_on_two_threads_adds_wall_and_all_threads_cpu(capsys):
 def test_prefill_wave_takes_turns_with_and_without_the_split_products(capsys):
     from retopk_server.runtime.decoder import linear
 
-    med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1", "--split-rows", "on", "off"])
+    med = prefill_wave.main(["--prompts", "2", "--waves", "1", "--rounds", "1", "--split-rows", "on", "off",
+                             "--activations", "float32"])
     assert list(med) == ["float32/on", "float32/off"] and linear.SPLIT_ROWS == 32  # the rule is back as it was
     assert all(parts["forward"] > 0 for parts in med.values())
