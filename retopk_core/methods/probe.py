@@ -110,6 +110,11 @@ class ProbeState(SlotPool):
         self.layer = layer
 
     @property
+    def generation(self) -> int:
+        """The inner pool's (SlotPool.generation): this one replaces no tensor of its own."""
+        return self.inner.generation
+
+    @property
     def capacity(self) -> int:
         return self.inner.capacity
 

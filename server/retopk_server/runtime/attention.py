@@ -61,6 +61,7 @@ class MethodGroup:
         except OUT_OF_MEMORY as e:
             raise allocation_failed("the method state", 0, budget, e) from e
         self.reserved = sum(state.capacity * state.nbytes_per_slot() for state in self.states)
+        self._slot_key, self._slot_bytes = -1, 0  # slot_nbytes's: the layers' summed generations it was taken at
         if budget is not None:
             budget.charge(self.reserved, "the method state")
         self.clock = time.monotonic
@@ -189,7 +190,13 @@ class MethodGroup:
             state.clear_slot(s)
 
     def slot_nbytes(self) -> int:
-        return sum(state.nbytes_per_slot() for state in self.states)
+        """Bytes of one session's state, every layer: Σ_l states[l].nbytes_per_slot(). Summed again only when a
+        layer's tensors were replaced (SlotPool.generation): a slot's size changes only so, with Quest's pages and
+        Loki's tokens (``ensure_extent``), never with ReTopK's; every ``open_session`` and metrics read asks."""
+        key = sum(state.generation for state in self.states)  # each generation only grows (whole_step.py's key)
+        if key != self._slot_key:
+            self._slot_key, self._slot_bytes = key, sum(state.nbytes_per_slot() for state in self.states)
+        return self._slot_bytes
 
     def prefill(self, layer: int, slot: int, q: torch.Tensor | None, positions: torch.Tensor | None, kv,
                 scale: float) -> None:
