@@ -299,15 +299,17 @@ class PrefillContext:
             return _prefill(segments[0], layer, q, k, v, scale)
         # (1, N, H, d), returned as its (1, H, N, d) view: the layer's (N, H d) reshape of it is free
         out = q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
-        whole = [_whole(seg, q) and decoder_ops.available() for seg in segments]
-        if sum(whole) > 1:  # those sessions a thread each of the team, in one library call
-            mine = [seg for seg, w in zip(segments, whole, strict=True) if w]
-            decoder_ops.causal_attention_segments_(out, q, k, v, [seg.offset for seg in mine], [seg.T for seg in mine],
-                                                   scale)
-            for seg in mine:
+        together = [seg for seg in segments if _whole(seg, q)] if decoder_ops.available() else []
+        if len(together) < 2:  # one such session alone gains nothing from the team's split: _prefill's own call
+            together = []
+        if together:  # those sessions a thread each of the team, in one library call
+            decoder_ops.causal_attention_segments_(out, q, k, v, [seg.offset for seg in together],
+                                                   [seg.T for seg in together], scale)
+            for seg in together:
                 _keep(seg, layer, q[:, :, seg.offset:seg.offset + seg.T])
-        for seg, done in zip(segments, whole if sum(whole) > 1 else [False] * len(segments), strict=True):
-            if done:
+        done = {id(seg) for seg in together}
+        for seg in segments:
+            if id(seg) in done:
                 continue
             rows = slice(seg.offset, seg.offset + seg.T)
             out[:, rows] = _prefill(seg, layer, q[:, :, rows], k[:, :, rows], v[:, :, rows], scale).transpose(1, 2)
