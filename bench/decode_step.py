@@ -10,10 +10,10 @@ commits, run it in a worktree of each, taking turns (the machine's speed drifts)
 the layers in one call of the fused CPU library (the runner's default where the step allows it,
 runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--compare-activations [A ...]`` does
 the same with the block products' activations (RuntimeConfig.activations; float32 and int8 unless named, e.g.
-``float32 bf16x2`` on a CPU with AMX), each against the first, on the step thread's CPU clock with
-``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run: "auto" by default, what the
-server runs by default (bf16x2 where the decoder takes it, else float32: Decoder.auto_activations), and the header's
-weights show what it became.
+``float32 bf16x2`` on a CPU with AMX; ``auto`` as the server resolves it), each against the first, on the step
+thread's CPU clock with ``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run:
+"auto" by default, what the server runs by default (bf16x2 where the decoder takes it, else float32:
+Decoder.auto_activations), and the header's weights show what it became.
 
 ``--step-turns`` opens one session per method and decodes them one after another within every step, the order
 rotating, so a loaded machine's drift hits each method alike: per method the median step, attention
@@ -39,7 +39,7 @@ from bench.e2e_cpu import parse_method  # noqa: E402 - after the huge pages
 from bench.eval.common import load_corpus  # noqa: E402 - after the huge pages
 from retopk_core.methods import Path  # noqa: E402 - after the huge pages
 from retopk_server.runtime import ModelRunner, RuntimeConfig  # noqa: E402 - after the huge pages
-from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES, ACTIVATIONS  # noqa: E402 - after the huge pages
+from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES  # noqa: E402 - after the huge pages
 
 
 def parse_args(argv=None):
@@ -52,9 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--corpus", default="kjv", help="prompt text file, or 'kjv' for the King James Bible (default)")
     p.add_argument("--compare-layer-loop", action="store_true",
                    help="time each method with its layers in one call and layer by layer, taking turns")
-    p.add_argument("--compare-activations", nargs="*", choices=ACTIVATIONS, default=None, metavar="A",
+    p.add_argument("--compare-activations", nargs="*", choices=ACTIVATION_CHOICES, default=None, metavar="A",
                    help="time each method with these activations into the block products (none named: float32 "
-                        "int8), taking turns; ratios to the first")
+                        "int8; auto: what the server's default resolves to), taking turns; ratios to the first")
     p.add_argument("--activations", default="auto", choices=ACTIVATION_CHOICES,
                    help="the block products' activations (RuntimeConfig.activations) of a plain run; auto (the "
                         "default): as the server's default resolves it")
@@ -153,7 +153,9 @@ def main(argv=None) -> None:
             elif args.compare_activations is not None:
                 # one thread: the step's CPU time, which a loaded machine's other work does not inflate
                 clock, kind = (time.thread_time, "thread CPU") if args.threads == 1 else (time.perf_counter, "wall")
-                names = args.compare_activations or ["float32", "int8"]
+                auto, _ = runner.decoder.auto_activations()
+                asked = args.compare_activations or ["float32", "int8"]
+                names = list(dict.fromkeys(auto if a == "auto" else a for a in asked))
                 ways = {a: (lambda a=a: runner.decoder.set_activations(a)) for a in names}
                 t = taking_turns(runner, spec, ids, args, ways, clock)
                 first = names[0]
