@@ -12,8 +12,8 @@
 //   Each weight is widened exactly (d q is exact in float32, + m is the one rounding of a fused
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
-//   for up to rows_per_pass rows of x (kRows; kWideRows for AVX-512's float32 loops), which is what makes a batch
-//   cheaper than its rows one by one.
+//   for up to rows_per_pass rows of x (kRows; kWideRows for the float32 loops of AVX2 and AVX-512), which is what
+//   makes a batch cheaper than its rows one by one.
 //   With ``activations`` kInt8 (llama.cpp's Q8_0 / Q8_1 activations), x is quantized first, per row and
 //   block of 32 (quantize_activations):
 //     dx = max_j |x_j| / 127, qx_j = nearbyint(x_j * (1 / dx)) in -127..127 (round half to even; 0 where
@@ -104,9 +104,10 @@ namespace {
 // Each level has every instruction set of the levels below it (AVX-512 VNNI needs AVX-512F).
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2 };
-// Rows of x per pass over a weight row: kRows, or kWideRows where AVX-512's 32 registers hold that many rows'
-// accumulators (rows_per_pass). Each row's sums run in the same order whatever the batch (its own accumulators,
-// blocks in file order), so a request's tokens do not depend on what it is batched with, nor on the pass width.
+// Rows of x per pass over a weight row: kRows, or kWideRows for the float32 loops, whose accumulators for that
+// many rows fit AVX-512's 32 registers, and AVX2's 16 in passes over half blocks (rows_per_pass). Each row's sums
+// run in the same order whatever the batch (its own accumulators, blocks in file order), so a request's tokens do
+// not depend on what it is batched with, nor on the pass width.
 constexpr int64_t kRows = 4;
 constexpr int64_t kWideRows = 8;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
@@ -278,6 +279,89 @@ TARGET_AVX2 void q8_dot_avx2(const uint8_t* qs, const uint16_t* sc, int64_t nb, 
         a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
       }
     }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
+}
+
+// q4_dot_avx2's and q8_dot_avx2's sums for 5..8 rows, whose two accumulators a row would need more than AVX2's
+// 16 registers beside the four widened quarters of a block. There, a0 takes every block's elements 0..7 then
+// 16..23, and a1 its elements 8..15 then 24..31: two chains that meet only at the end. So each chunk of blocks
+// takes two passes, the first half of every block's bytes (Q4_1: bytes 0..7, whose low and high nibbles are
+// elements 0..7 and 16..23; Q8_0: elements 0..7 and 16..23 themselves) into every row's a0, then the second half
+// into every row's a1, MR + 5 registers live in each; every accumulator sees the same products in the same order
+// as there, and the end sums them as there: the results equal the 1..4-row loops' bit for bit, while each block
+// is widened once for all MR rows instead of once per kRows.
+template <int MR>
+TARGET_AVX2 __attribute__((always_inline)) inline void q4_half_pass_avx2(const uint8_t* qs, const float* s, int64_t c0,
+                                                                        int64_t nc, int64_t half, const float* x,
+                                                                        int64_t ldx, __m256* acc) {
+  __m256 a[MR];
+  for (int r = 0; r < MR; ++r) a[r] = acc[r];
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t i = 0; i < nc; ++i) {
+    const int64_t b = c0 + i;
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 16 * b + 8 * half)));
+    const __m256 d = _mm256_broadcast_ss(s + 2 * i), m = _mm256_broadcast_ss(s + 2 * i + 1);
+    const __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d, m);  // 8 half .. 8 half + 7
+    const __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m);   // 16 + the same
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = x + r * ldx + 32 * b + 8 * half;
+      a[r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xr), a[r]);
+      a[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xr + 16), a[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+template <int MR>
+TARGET_AVX2 void q4_dot_avx2_wide(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                                  float* acc) {
+  __m256 a0[MR], a1[MR];  // q4_dot_avx2's a0 and a1
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  float s[2 * kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + 2 * c0, 2 * nc, s);
+    q4_half_pass_avx2<MR>(qs, s, c0, nc, 0, x, ldx, a0);
+    q4_half_pass_avx2<MR>(qs, s, c0, nc, 1, x, ldx, a1);
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
+}
+
+template <int MR>
+TARGET_AVX2 __attribute__((always_inline)) inline void q8_half_pass_avx2(const uint8_t* qs, const float* s, int64_t c0,
+                                                                        int64_t nc, int64_t half, const float* x,
+                                                                        int64_t ldx, __m256* acc) {
+  __m256 a[MR];
+  for (int r = 0; r < MR; ++r) a[r] = acc[r];
+  for (int64_t i = 0; i < nc; ++i) {
+    const int64_t b = c0 + i;
+    const __m256 d = _mm256_broadcast_ss(s + i);
+    const uint8_t* q = qs + 32 * b + 8 * half;
+    const __m256 wl = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), d);
+    const __m256 wh = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16)))), d);
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = x + r * ldx + 32 * b + 8 * half;
+      a[r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xr), a[r]);
+      a[r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xr + 16), a[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+template <int MR>
+TARGET_AVX2 void q8_dot_avx2_wide(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
+                                  float* acc) {
+  __m256 a0[MR], a1[MR];  // q8_dot_avx2's a0 and a1
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  float s[kScaleChunk];
+  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+    const int64_t nc = std::min(kScaleChunk, nb - c0);
+    widen_halves(sc + c0, nc, s);
+    q8_half_pass_avx2<MR>(qs, s, c0, nc, 0, x, ldx, a0);
+    q8_half_pass_avx2<MR>(qs, s, c0, nc, 1, x, ldx, a1);
   }
   for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
 }
@@ -845,12 +929,14 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
     default: return wide<8>;                                                                         \
   }
 
-// Rows of x the loops of `isa` take per pass over a weight row: kWideRows for AVX-512's float32 loops, else
-// kRows (AVX2's 16 registers hold four rows' accumulators; AVX-512 VNNI's int8 loops, measured at eight rows a
-// pass, were slower than at four: docs/bench/history.md, 2026-12-06, helper h39).
+// Rows of x the loops of `isa` take per pass over a weight row: kWideRows for the float32 loops (AVX-512's
+// registers hold eight rows' accumulators; AVX2's 16 hold four, so from five rows on its wide loops take each
+// block in two passes of half a block, q4_dot_avx2_wide: docs/bench/history.md, 2026-12-07, helper h53), else
+// kRows (the int8 loops; AVX-512 VNNI's, measured at eight rows a pass, were slower than at four:
+// docs/bench/history.md, 2026-12-06, helper h39).
 int64_t rows_per_pass(int64_t isa, int64_t activations) {
 #ifdef RETOPK_X86
-  if (isa >= kAvx512 && activations == kFloat32) return kWideRows;
+  if (isa >= kAvx2 && activations == kFloat32) return kWideRows;
 #endif
   return kRows;
 }
@@ -863,7 +949,8 @@ DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
     else RETOPK_PICK_WIDE(q8_dot_avx512, q8_dot_avx512)
   }
   if (isa == kAvx2) {
-    if (bits == 4) RETOPK_PICK(q4_dot_avx2) else RETOPK_PICK(q8_dot_avx2)
+    if (bits == 4) RETOPK_PICK_WIDE(q4_dot_avx2, q4_dot_avx2_wide)
+    else RETOPK_PICK_WIDE(q8_dot_avx2, q8_dot_avx2_wide)
   }
 #endif
   if (bits == 4) RETOPK_PICK(q4_dot_scalar) else RETOPK_PICK(q8_dot_scalar)
