@@ -98,6 +98,22 @@ RETOPK_INLINE void prefetch_row(const T* r, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+// The dense passes (range_scores, range_values, exact's tiles) read runs of consecutive rows, the rest of a
+// block each, one run after the other through the block table. The hardware prefetchers follow a forward
+// stream only within a 4 KiB page and not into the next block, so one stream per thread waited on memory
+// at long contexts; the passes ask for the bytes kStreamAhead in front of the row they read, and past a
+// run's end for the next run's first bytes (the block table names it). Prefetches change no result.
+constexpr int64_t kStreamAhead = 2048;  // bytes; 512 to 4096 measured (docs/bench/history.md, issue 28)
+
+// Prefetch of bytes [from, to) of a run of `bytes` bytes at `run`, continued into the run at `next` (null:
+// none) past its end.
+RETOPK_INLINE void prefetch_stream(const void* run, int64_t bytes, const void* next, int64_t from, int64_t to) {
+  for (int64_t o = from; o < to; o += 64) {
+    if (o < bytes) __builtin_prefetch(static_cast<const char*>(run) + o, 0, 3);
+    else if (next != nullptr) __builtin_prefetch(static_cast<const char*>(next) + (o - bytes), 0, 3);
+  }
+}
+
 // out[j] = q · rows[off[j] .. off[j] + d), four rows at a time for independent accumulators.
 template <typename T>
 RETOPK_CLONES void dot_gather(const float* q, const T* pool, const int64_t* off, int64_t n, int64_t d, float* out) {
@@ -198,9 +214,12 @@ RETOPK_INLINE void sum4(v8f a, v8f b, v8f c, v8f d, float* out) {
 // read in order (a standalone AVX2 test on the BENCHMARKS.md machine). Two accumulators per head and
 // row halve the FMA chains.
 template <typename T, int NH>
-RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride) {
+RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
+                               const T* next, int64_t ahead) {
+  const int64_t rb = d * static_cast<int64_t>(sizeof(T)), bytes = m * rb;  // a row's bytes, the run's
   int64_t j = 0;
   for (; j + 4 <= m; j += 4) {
+    if (ahead > 0) prefetch_stream(rows, bytes, next, j * rb + ahead, (j + 4) * rb + ahead);
     v8f acc[NH][4];
     for (int i = 0; i < 4; ++i) {
       const T* r = rows + (j + i) * d;
@@ -222,6 +241,7 @@ RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t
     for (int e = 0; e < NH; ++e) sum4(acc[e][0], acc[e][1], acc[e][2], acc[e][3], out + e * ostride + j);
   }
   for (; j < m; ++j) {
+    if (ahead > 0) prefetch_stream(rows, bytes, next, j * rb + ahead, (j + 1) * rb + ahead);
     v8f acc[NH] = {};
     const T* r = rows + j * d;
     for (int64_t c = 0; c < d; c += 8) {
@@ -236,20 +256,21 @@ RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t
   }
 }
 
-// out[e * ostride + j] = q_e · rows[j] for nq query rows and m consecutive key rows of d elements.
+// out[e * ostride + j] = q_e · rows[j] for nq query rows and m consecutive key rows of d elements; the
+// first pass over the rows prefetches as it goes (prefetch_stream; `next`: the run read after this one).
 template <typename T>
 RETOPK_CLONES void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out,
-                             int64_t ostride) {
+                             int64_t ostride, const T* next) {
   for (int64_t e = 0; e < nq;) {
-    const int64_t n = std::min<int64_t>(3, nq - e);
+    const int64_t n = std::min<int64_t>(3, nq - e), ahead = e == 0 ? kStreamAhead : 0;
     if (d % 8 != 0) {
       dot_block(q + e * d, rows, m, d, out + e * ostride);
       e += 1;
       continue;
     }
-    if (n == 3) dot_heads_v<T, 3>(q + e * d, rows, m, d, out + e * ostride, ostride);
-    else if (n == 2) dot_heads_v<T, 2>(q + e * d, rows, m, d, out + e * ostride, ostride);
-    else dot_heads_v<T, 1>(q + e * d, rows, m, d, out + e * ostride, ostride);
+    if (n == 3) dot_heads_v<T, 3>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
+    else if (n == 2) dot_heads_v<T, 2>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
+    else dot_heads_v<T, 1>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
     e += n;
   }
 }
@@ -418,11 +439,14 @@ RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
 }
 
 // acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for nh heads and m consecutive value rows:
-// each value row is loaded (and widened) once for the nh heads, whose accumulators stay in L1.
+// each value row is loaded (and widened) once for the nh heads, whose accumulators stay in L1; the pass
+// prefetches as it goes (prefetch_stream; `next`: the run read after this one).
 template <typename T>
 RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
-                                 float* acc) {
+                                 float* acc, const T* next) {
+  const int64_t rb = dv * static_cast<int64_t>(sizeof(T)), bytes = m * rb;
   for (int64_t j = 0; j < m; ++j) {
+    prefetch_stream(rows, bytes, next, j * rb + kStreamAhead, (j + 1) * rb + kStreamAhead);
     const T* r = rows + j * dv;
     int64_t c = 0;
     for (; c + 8 <= dv; c += 8) {
@@ -586,7 +610,8 @@ struct Task {
     for (int64_t first = 0; first < L;) {  // tiles of up to `tile` rows, none straddling a block
       const int64_t rows = std::min({tile, L - first, p.P - first % p.P});
       const KV* keys = k_pool + key_off(first);
-      dot_heads<KV>(s.qe.data(), n, keys, rows, p.d, s.scores.data(), tile);  // (n, rows) scores
+      const KV* next = first + rows < L ? k_pool + key_off(first + rows) : nullptr;
+      dot_heads<KV>(s.qe.data(), n, keys, rows, p.d, s.scores.data(), tile, next);  // (n, rows) scores
       for (int64_t e = 0; e < n; ++e) {
         const float* sc = s.scores.data() + e * tile;
         std::vector<Scored>& buf = tops[e];
@@ -632,7 +657,7 @@ struct Task {
   // Also each head's Top-K of the same scores (the dense floor's exact supports) in tops[e], ties to the
   // lower position as in exact(); Full attention alone is split_dense, over dense_part.
   void dense(const float* qs, float* acc, std::vector<std::vector<Scored>>& tops) const {
-    float* scores = range_scores(qs, 0, L);
+    float* scores = range_scores(qs, 0, L, L > 0 ? v_pool + val_off(0) : nullptr);
     for (int64_t e = 0; e < p.G; ++e) {
       float* w = scores + e * L;
       std::vector<Scored>& top = tops[e];
@@ -647,7 +672,7 @@ struct Task {
   // Positions lo..hi-1 of the G heads' dense attention, unnormalized (one part of a split-K step):
   // mx[e] = max_i s_ei, sum[e] = Σ_i exp(s_ei - mx[e]), acc[e] = Σ_i exp(s_ei - mx[e]) v_i.
   void dense_part(const float* qs, int64_t lo, int64_t hi, float* acc, float* mx, float* sum) const {
-    float* scores = range_scores(qs, lo, hi);
+    float* scores = range_scores(qs, lo, hi, v_pool + val_off(lo));
     for (int64_t e = 0; e < p.G; ++e) {
       float* w = scores + e * (hi - lo);
       mx[e] = row_max(w, hi - lo);
@@ -657,13 +682,14 @@ struct Task {
   }
 
   // The G heads' scores of positions lo..hi-1 in scratch().scores, (G, hi - lo): block run by block run,
-  // each key row read once for the G heads.
-  float* range_scores(const float* qs, int64_t lo, int64_t hi) const {
+  // each key row read once for the G heads; the last run prefetches into `then` (the value rows read next).
+  float* range_scores(const float* qs, int64_t lo, int64_t hi, const KV* then) const {
     std::vector<float>& scores = scratch().scores;
     scores.resize(p.G * (hi - lo));
     for (int64_t first = lo; first < hi;) {  // runs of consecutive rows: the rest of a block
       const int64_t rows = std::min(hi - first, p.P - first % p.P);
-      dot_heads<KV>(qs, p.G, k_pool + key_off(first), rows, p.d, scores.data() + (first - lo), hi - lo);
+      const KV* next = first + rows < hi ? k_pool + key_off(first + rows) : then;
+      dot_heads<KV>(qs, p.G, k_pool + key_off(first), rows, p.d, scores.data() + (first - lo), hi - lo, next);
       first += rows;
     }
     return scores.data();
@@ -674,7 +700,8 @@ struct Task {
     std::fill(acc, acc + p.G * p.dv, 0.f);
     for (int64_t first = lo; first < hi;) {
       const int64_t rows = std::min(hi - first, p.P - first % p.P);
-      weighted_rows<KV>(w + (first - lo), hi - lo, p.G, v_pool + val_off(first), rows, p.dv, acc);
+      const KV* next = first + rows < hi ? v_pool + val_off(first + rows) : nullptr;
+      weighted_rows<KV>(w + (first - lo), hi - lo, p.G, v_pool + val_off(first), rows, p.dv, acc, next);
       first += rows;
     }
   }
