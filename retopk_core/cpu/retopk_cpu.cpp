@@ -438,23 +438,65 @@ RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
   for (int64_t k = 0; k < n; ++k) w[k] *= inv;
 }
 
+// acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for NH heads (NH <= 3) and m consecutive
+// value rows, each element's sum in row order (the same bits as one load-add-store per row and head). The
+// accumulators stay in registers over kValueRows rows at a time: kValueVecs vectors of 8 columns per head
+// (NH * kValueVecs <= 12 of AVX2's 16 registers) per pass over the group, whose later passes read L1.
+constexpr int64_t kValueRows = 32;  // rows per group (4 KiB of bfloat16 rows at dv = 64)
+constexpr int kValueVecs = 4;       // vectors of 8 columns per head in one pass
+template <typename T, int NH>
+RETOPK_INLINE void weighted_rows_v(const float* w, int64_t wstride, const T* rows, int64_t m, int64_t dv, float* acc,
+                                   const T* next, int64_t ahead) {
+  const int64_t rb = dv * static_cast<int64_t>(sizeof(T)), bytes = m * rb, vec_end = dv / 8 * 8;
+  for (int64_t j0 = 0; j0 < m; j0 += kValueRows) {
+    const int64_t j1 = std::min(m, j0 + kValueRows);
+    bool fetch = ahead > 0;  // the group's first pass prefetches, a row's bytes at each row, as the key pass does
+    int64_t c = 0;
+    for (; c + 8 * kValueVecs <= vec_end; c += 8 * kValueVecs, fetch = false) {
+      v8f a[NH][kValueVecs];
+      for (int e = 0; e < NH; ++e)
+        for (int k = 0; k < kValueVecs; ++k) a[e][k] = load8(acc + e * dv + c + 8 * k);
+      for (int64_t j = j0; j < j1; ++j) {
+        if (fetch) prefetch_stream(rows, bytes, next, j * rb + ahead, (j + 1) * rb + ahead);
+        const T* r = rows + j * dv + c;
+        float we[NH];
+        for (int e = 0; e < NH; ++e) we[e] = w[e * wstride + j];
+        for (int k = 0; k < kValueVecs; ++k) {
+          const v8f x = load8(r + 8 * k);
+          for (int e = 0; e < NH; ++e) a[e][k] += we[e] * x;
+        }
+      }
+      for (int e = 0; e < NH; ++e)
+        for (int k = 0; k < kValueVecs; ++k) store8(acc + e * dv + c + 8 * k, a[e][k]);
+    }
+    for (; c < vec_end; c += 8, fetch = false) {
+      v8f a[NH];
+      for (int e = 0; e < NH; ++e) a[e] = load8(acc + e * dv + c);
+      for (int64_t j = j0; j < j1; ++j) {
+        if (fetch) prefetch_stream(rows, bytes, next, j * rb + ahead, (j + 1) * rb + ahead);
+        const v8f x = load8(rows + j * dv + c);
+        for (int e = 0; e < NH; ++e) a[e] += w[e * wstride + j] * x;
+      }
+      for (int e = 0; e < NH; ++e) store8(acc + e * dv + c, a[e]);
+    }
+    for (int64_t j = j0; j < j1; ++j)  // dv % 8 columns
+      for (int64_t cc = vec_end; cc < dv; ++cc)
+        for (int e = 0; e < NH; ++e) acc[e * dv + cc] += w[e * wstride + j] * to_float(rows[j * dv + cc]);
+  }
+}
+
 // acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for nh heads and m consecutive value rows:
-// each value row is loaded (and widened) once for the nh heads, whose accumulators stay in L1; the pass
-// prefetches as it goes (prefetch_stream; `next`: the run read after this one).
+// each value row is loaded (and widened) once per three heads; the first pass prefetches as it goes
+// (prefetch_stream; `next`: the run read after this one).
 template <typename T>
 RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
                                  float* acc, const T* next) {
-  const int64_t rb = dv * static_cast<int64_t>(sizeof(T)), bytes = m * rb;
-  for (int64_t j = 0; j < m; ++j) {
-    prefetch_stream(rows, bytes, next, j * rb + kStreamAhead, (j + 1) * rb + kStreamAhead);
-    const T* r = rows + j * dv;
-    int64_t c = 0;
-    for (; c + 8 <= dv; c += 8) {
-      const v8f x = load8(r + c);
-      for (int64_t e = 0; e < nh; ++e) store8(acc + e * dv + c, load8(acc + e * dv + c) + w[e * wstride + j] * x);
-    }
-    for (; c < dv; ++c)
-      for (int64_t e = 0; e < nh; ++e) acc[e * dv + c] += w[e * wstride + j] * to_float(r[c]);
+  for (int64_t e = 0; e < nh;) {
+    const int64_t n = std::min<int64_t>(3, nh - e), ahead = e == 0 ? kStreamAhead : 0;
+    if (n == 3) weighted_rows_v<T, 3>(w + e * wstride, wstride, rows, m, dv, acc + e * dv, next, ahead);
+    else if (n == 2) weighted_rows_v<T, 2>(w + e * wstride, wstride, rows, m, dv, acc + e * dv, next, ahead);
+    else weighted_rows_v<T, 1>(w + e * wstride, wstride, rows, m, dv, acc + e * dv, next, ahead);
+    e += n;
   }
 }
 
