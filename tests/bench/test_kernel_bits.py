@@ -1,0 +1,33 @@
+"""bench/kernel_bits.py: a record is reproducible, and the comparison names any output whose bits moved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import kernel_bits
+from retopk_core.cpu import launch
+
+needs_kernel = pytest.mark.skipif(not launch.available(),
+                                  reason="fused CPU kernel not built: run `python -m retopk_core.cpu.build`")
+SMALL = kernel_bits.CASES[:1] + kernel_bits.CASES[2:3]  # d 16 and 24, block 16 and 100
+
+
+@needs_kernel
+def test_same_build_records_the_same_bits_and_a_moved_bit_is_named(tmp_path, capsys):
+    a = kernel_bits.record(SMALL, (torch.bfloat16,))
+    assert len(a) == 2 * (3 + 2)  # per case: 3 modes' outputs, 2 Top-K selections
+    b = kernel_bits.record(SMALL, (torch.bfloat16,))
+    assert kernel_bits.differing(a, b) == []
+    name = next(n for n in b if n.endswith("exact out"))
+    assert b[name].dtype == torch.float32  # the queries' dtype
+    b[name] = b[name].clone()
+    b[name].view(-1).view(torch.int32)[0] ^= 1  # the last bit of one element's mantissa
+    assert kernel_bits.differing(a, b) == [name]
+    del b[name]
+    assert kernel_bits.differing(a, b) == [name]  # one record lacks it
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    assert kernel_bits.main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
+    assert kernel_bits.main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 1
+    assert name in capsys.readouterr().out
