@@ -153,9 +153,7 @@ def main(argv=None) -> None:
             elif args.compare_activations is not None:
                 # one thread: the step's CPU time, which a loaded machine's other work does not inflate
                 clock, kind = (time.thread_time, "thread CPU") if args.threads == 1 else (time.perf_counter, "wall")
-                auto, _ = runner.decoder.auto_activations()
-                asked = args.compare_activations or ["float32", "int8"]
-                names = list(dict.fromkeys(auto if a == "auto" else a for a in asked))
+                names = runner.decoder.resolve_activations(args.compare_activations or ["float32", "int8"])
                 ways = {a: (lambda a=a: runner.decoder.set_activations(a)) for a in names}
                 t = taking_turns(runner, spec, ids, args, ways, clock)
                 first = names[0]

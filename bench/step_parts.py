@@ -177,8 +177,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     runner = ModelRunner(RuntimeConfig(activations=args.activations[0]))
-    auto, _ = runner.decoder.auto_activations()  # what the runner resolves "auto" to
-    args.activations = list(dict.fromkeys(auto if a == "auto" else a for a in args.activations))
+    args.activations = runner.decoder.resolve_activations(args.activations)  # "auto" as the runner resolves it
     ids = runner.encode_chat([{"role": "user", "content": args.prompt}])
     with torch.inference_mode():
         if args.threads > 1:

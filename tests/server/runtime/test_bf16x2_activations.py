@@ -283,6 +283,17 @@ def test_auto_picks_float32_where_out_features_are_not_multiples_of_16():
     assert ("multiple of 16" if decoder_ops.amx_available() else "AMX") in why
 
 
+def test_resolve_activations_names_auto_as_it_resolves_each_once_in_order():
+    """The benches' turns: "auto" becomes auto_activations' pick, a name given twice (or auto's pick also named)
+    is timed once, and the order of first mention is kept."""
+    runner = runner_for(tiny_model("llama", layers=1), weights="int4")
+    auto = runner.decoder.auto_activations()[0]
+    expected = ["int8", "bf16x2", "float32"] if auto == "bf16x2" else ["int8", "float32"]
+    assert runner.decoder.resolve_activations(["int8", "auto", "float32", "auto", "int8"]) == expected
+    assert runner.decoder.resolve_activations(["auto"]) == [auto]
+    assert runner.decoder.resolve_activations(["float32", "int8"]) == ["float32", "int8"]
+
+
 def test_auto_picks_float32_when_the_isa_is_below_avx512(monkeypatch):
     """RETOPK_CPU_ISA=avx2: this machine seen as an AVX2 one (AMD CI) serves int4 weights with float32 products."""
     monkeypatch.setenv("RETOPK_CPU_ISA", "avx2")

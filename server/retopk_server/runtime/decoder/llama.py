@@ -111,6 +111,12 @@ class Decoder:
             return "float32", str(e)
         return "bf16x2", "AMX-BF16 present and every block weight takes it"
 
+    def resolve_activations(self, names: list[str]) -> list[str]:
+        """``names`` (RuntimeConfig activations choices) with "auto" as ``auto_activations`` resolves it, each once,
+        in the order first named: what a bench that takes turns between them times."""
+        auto = self.auto_activations()[0] if "auto" in names else None
+        return list(dict.fromkeys(auto if a == "auto" else a for a in names))
+
     def set_activations(self, activations: str) -> None:
         """Every block product's activations (``check_activations`` says which it takes; checked for every weight
         before any changes)."""
