@@ -52,6 +52,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -426,9 +427,26 @@ RETOPK_CLONES float exp_shift_inplace(float* w, int64_t n, float m) {
   return sum;
 }
 
+// max_i w[i] (-inf for n = 0; NaNs skipped). Each lane keeps m < x ? x : m, std::max's rule, over four
+// independent vectors, so the maximum is the scalar loop's in any order: a maximum is exact, and the only
+// order-dependent part, the sign of a zero maximum, changes no exp(w - m) (x - 0 and x - (-0) differ only
+// for x = -0, and exp(±0) = 1). The scalar loop's single dependent chain held a core on the dense passes.
 RETOPK_CLONES float row_max(const float* w, int64_t n) {
+  v8f m0 = v8f{} + kNegInf, m1 = m0, m2 = m0, m3 = m0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const v8f x0 = load8(w + i), x1 = load8(w + i + 8), x2 = load8(w + i + 16), x3 = load8(w + i + 24);
+    m0 = m0 < x0 ? x0 : m0;
+    m1 = m1 < x1 ? x1 : m1;
+    m2 = m2 < x2 ? x2 : m2;
+    m3 = m3 < x3 ? x3 : m3;
+  }
+  m0 = m0 < m1 ? m1 : m0;
+  m2 = m2 < m3 ? m3 : m2;
+  m0 = m0 < m2 ? m2 : m0;
   float m = kNegInf;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, w[i]);
+  for (int l = 0; l < 8; ++l) m = std::max(m, m0[l]);
+  for (; i < n; ++i) m = std::max(m, w[i]);
   return m;
 }
 
@@ -442,8 +460,57 @@ RETOPK_CLONES void softmax_inplace(float* w, int64_t n) {
 // value rows, each element's sum in row order (the same bits as one load-add-store per row and head). The
 // accumulators stay in registers over kValueRows rows at a time: kValueVecs vectors of 8 columns per head
 // (NH * kValueVecs <= 12 of AVX2's 16 registers) per pass over the group, whose later passes read L1.
+// A pass's 32 columns come from load_cols32, in acc's column order for T (split_order<T>: see load16_split).
 constexpr int64_t kValueRows = 32;  // rows per group (4 KiB of bfloat16 rows at dv = 64)
 constexpr int kValueVecs = 4;       // vectors of 8 columns per head in one pass
+
+// Columns c .. c + 15 of a bfloat16 row as float32 from one 32-byte load: 32-bit lane i holds columns c + 2i
+// (its low half) and c + 2i + 1 (its high half), so a shift gives the 8 even columns and a mask the 8 odd
+// ones, where widening 8 columns in their order takes a 16-byte load and three shuffles (two half-width
+// zero-extends and an insert, AVX2 code) for every vector the value pass multiplies.
+RETOPK_INLINE void load16_split(const c10::BFloat16* p, v8f& even, v8f& odd) {
+  v8u u;
+  std::memcpy(&u, p, sizeof u);
+  const v8u e = u << 16, o = u & 0xFFFF0000u;
+  std::memcpy(&even, &e, sizeof even);
+  std::memcpy(&odd, &o, sizeof odd);
+}
+
+// Whether a pool of T has the value pass hold acc's 32-column passes in split order: each 16 columns as
+// their 8 even ones, then their 8 odd ones (load16_split's lanes).
+template <typename T>
+constexpr bool split_order = std::is_same_v<T, c10::BFloat16>;
+
+// Columns c .. c + 31 of a row into x[0..4), 8 each, in acc's order: as stored, or split (load16_split).
+static_assert(kValueVecs == 4, "load_cols32 fills a pass's kValueVecs vectors");
+template <typename T>
+RETOPK_INLINE void load_cols32(const T* r, v8f* x) {
+  for (int k = 0; k < 4; ++k) x[k] = load8(r + 8 * k);
+}
+RETOPK_INLINE void load_cols32(const c10::BFloat16* r, v8f* x) {
+  load16_split(r, x[0], x[1]);
+  load16_split(r + 16, x[2], x[3]);
+}
+
+// acc's nh rows of dv columns between column order and split order (to_split false: back), over the
+// columns the 32-column passes cover (dv / 32 * 32); exact copies, so no sum changes.
+RETOPK_INLINE void reorder_columns(float* acc, int64_t nh, int64_t dv, bool to_split) {
+  float t[16];
+  for (int64_t e = 0; e < nh; ++e)
+    for (int64_t c = 0; c < dv / 32 * 32; c += 16) {
+      float* a = acc + e * dv + c;
+      for (int i = 0; i < 8; ++i) {
+        if (to_split) {
+          t[i] = a[2 * i];
+          t[8 + i] = a[2 * i + 1];
+        } else {
+          t[2 * i] = a[i];
+          t[2 * i + 1] = a[8 + i];
+        }
+      }
+      std::memcpy(a, t, sizeof t);
+    }
+}
 template <typename T, int NH>
 RETOPK_INLINE void weighted_rows_v(const float* w, int64_t wstride, const T* rows, int64_t m, int64_t dv, float* acc,
                                    const T* next, int64_t ahead) {
@@ -461,10 +528,10 @@ RETOPK_INLINE void weighted_rows_v(const float* w, int64_t wstride, const T* row
         const T* r = rows + j * dv + c;
         float we[NH];
         for (int e = 0; e < NH; ++e) we[e] = w[e * wstride + j];
-        for (int k = 0; k < kValueVecs; ++k) {
-          const v8f x = load8(r + 8 * k);
-          for (int e = 0; e < NH; ++e) a[e][k] += we[e] * x;
-        }
+        v8f x[kValueVecs];
+        load_cols32(r, x);
+        for (int k = 0; k < kValueVecs; ++k)
+          for (int e = 0; e < NH; ++e) a[e][k] += we[e] * x[k];
       }
       for (int e = 0; e < NH; ++e)
         for (int k = 0; k < kValueVecs; ++k) store8(acc + e * dv + c + 8 * k, a[e][k]);
@@ -487,10 +554,11 @@ RETOPK_INLINE void weighted_rows_v(const float* w, int64_t wstride, const T* row
 
 // acc[e * dv + c] += Σ_j w[e * wstride + j] * rows[j * dv + c] for nh heads and m consecutive value rows:
 // each value row is loaded (and widened) once per three heads; the first pass prefetches as it goes
-// (prefetch_stream; `next`: the run read after this one).
+// (prefetch_stream; `next`: the run read after this one). acc is in column order before and after.
 template <typename T>
 RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
                                  float* acc, const T* next) {
+  if (split_order<T>) reorder_columns(acc, nh, dv, true);
   for (int64_t e = 0; e < nh;) {
     const int64_t n = std::min<int64_t>(3, nh - e), ahead = e == 0 ? kStreamAhead : 0;
     if (n == 3) weighted_rows_v<T, 3>(w + e * wstride, wstride, rows, m, dv, acc + e * dv, next, ahead);
@@ -498,6 +566,7 @@ RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, co
     else weighted_rows_v<T, 1>(w + e * wstride, wstride, rows, m, dv, acc + e * dv, next, ahead);
     e += n;
   }
+  if (split_order<T>) reorder_columns(acc, nh, dv, false);
 }
 
 template <typename KV>
