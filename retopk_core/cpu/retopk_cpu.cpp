@@ -200,13 +200,20 @@ RETOPK_INLINE v8f load8(const c10::Half* p) {
   return v;
 }
 
-// The four lane sums of a, b, c, d: (Σa, Σb, Σc, Σd).
-RETOPK_INLINE void sum4(v8f a, v8f b, v8f c, v8f d, float* out) {
-  v8f x = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-  v8f y = __builtin_shufflevector(c, d, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(c, d, 2, 3, 10, 11, 6, 7, 14, 15);
-  v8f z = __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
-  for (int i = 0; i < 4; ++i) out[i] = z[i] + z[i + 4];
+typedef float v4f __attribute__((vector_size(16)));
+
+// sum4's first level: the pairwise lane sums of a and b, interleaved (a0+a2, a1+a3, b0+b2, b1+b3, a4+a6, ...).
+RETOPK_INLINE v8f sum4_pairs(v8f a, v8f b) {
+  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
 }
+// The rest of sum4 from its first level: x = sum4_pairs(a, b), y = sum4_pairs(c, d).
+RETOPK_INLINE void sum4_finish(v8f x, v8f y, float* out) {
+  v8f z = __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  v4f s = __builtin_shufflevector(z, z, 0, 1, 2, 3) + __builtin_shufflevector(z, z, 4, 5, 6, 7);
+  std::memcpy(out, &s, sizeof s);
+}
+// The four lane sums of a, b, c, d: (Σa, Σb, Σc, Σd).
+RETOPK_INLINE void sum4(v8f a, v8f b, v8f c, v8f d, float* out) { sum4_finish(sum4_pairs(a, b), sum4_pairs(c, d), out); }
 
 // out[e * ostride + j] = q_e · rows[j] for NH query rows (d floats each, d % 8 == 0) and m consecutive
 // key rows: each key vector is loaded once for the NH heads. Rows are read in memory order, one after
@@ -257,11 +264,84 @@ RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t
   }
 }
 
-// out[e * ostride + j] = q_e · rows[j] for nq query rows and m consecutive key rows of d elements; the
-// first pass over the rows prefetches as it goes (prefetch_stream; `next`: the run read after this one).
-template <typename T>
-RETOPK_CLONES void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out,
-                             int64_t ostride, const T* next) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RETOPK_WIDE 1
+// dot_heads_v with 16 lanes: two 8-column chunks side by side, accumulator a in lanes 0-7 and b in lanes 8-15,
+// so each (head, row) sum is the same lane arithmetic in the same order and the bits are dot_heads_v's. For
+// the x86-64-v4 (AVX-512) version only: one register per 16 columns halves the FMAs and the loads, and its 32
+// registers hold R = 2 (NH 3, 2) or 4 (NH 1) rows' accumulators, so each query vector is loaded once for R
+// rows. (An x86-64-v3 build of this loop splits every 16-lane vector through memory: several times slower.)
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+RETOPK_INLINE v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+RETOPK_INLINE v16f load16(const c10::BFloat16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16f v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+RETOPK_INLINE v16f load16(const c10::Half* p) {
+  return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+template <typename T, int NH, int R>
+RETOPK_INLINE void dot_heads_v16(const float* q, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
+                                 const T* next, int64_t ahead) {
+  static_assert(R == 2 || R == 4, "pairs of rows (sum4_pairs) within sum4's groups of 4");
+  const int64_t rb = d * static_cast<int64_t>(sizeof(T)), bytes = m * rb;  // a row's bytes, the run's
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) {
+    v8f half[NH][2];  // per head, sum4's first level of rows (j, j + 1) and of rows (j + 2, j + 3)
+    for (int i0 = 0; i0 < 4; i0 += R) {
+      if (ahead > 0) prefetch_stream(rows, bytes, next, (j + i0) * rb + ahead, (j + i0 + R) * rb + ahead);
+      const T* r = rows + (j + i0) * d;
+      v16f ab[NH][R] = {};  // lanes 0-7: a, lanes 8-15: b
+      int64_t c = 0;
+      for (; c + 16 <= d; c += 16) {
+        v16f k[R];
+        for (int i = 0; i < R; ++i) k[i] = load16(r + i * d + c);
+        for (int e = 0; e < NH; ++e) {
+          const v16f qe = load16(q + e * d + c);
+          for (int i = 0; i < R; ++i) ab[e][i] += qe * k[i];
+        }
+      }
+      v8f a[NH][R];
+      for (int e = 0; e < NH; ++e)
+        for (int i = 0; i < R; ++i) a[e][i] = __builtin_shufflevector(ab[e][i], ab[e][i], 0, 1, 2, 3, 4, 5, 6, 7);
+      if (c < d) {  // d % 16 == 8: a last chunk into a
+        v8f k0[R];
+        for (int i = 0; i < R; ++i) k0[i] = load8(r + i * d + c);
+        for (int e = 0; e < NH; ++e) {
+          const v8f q0 = load8(q + e * d + c);
+          for (int i = 0; i < R; ++i) a[e][i] += q0 * k0[i];
+        }
+      }
+      v8f s[NH][R];  // a + b
+      for (int e = 0; e < NH; ++e)
+        for (int i = 0; i < R; ++i) s[e][i] = a[e][i] + __builtin_shufflevector(ab[e][i], ab[e][i], 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int e = 0; e < NH; ++e)
+        for (int i = 0; i < R; i += 2) half[e][(i0 + i) / 2] = sum4_pairs(s[e][i], s[e][i + 1]);
+    }
+    for (int e = 0; e < NH; ++e) sum4_finish(half[e][0], half[e][1], out + e * ostride + j);
+  }
+  dot_heads_v<T, NH>(q, rows + j * d, m - j, d, out + j, ostride, next, ahead);  // the last m % 4 rows
+}
+#endif
+
+// out[e * ostride + j] = q_e · rows[j] for nq query rows and m consecutive key rows of d elements, up to 3
+// heads a pass (dot_heads_v16 where Wide, else dot_heads_v); the first pass over the rows prefetches as it
+// goes (prefetch_stream; `next`: the run read after this one).
+template <typename T, bool Wide>
+RETOPK_INLINE void dot_heads_passes(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out,
+                                    int64_t ostride, const T* next) {
   for (int64_t e = 0; e < nq;) {
     const int64_t n = std::min<int64_t>(3, nq - e), ahead = e == 0 ? kStreamAhead : 0;
     if (d % 8 != 0) {
@@ -269,11 +349,49 @@ RETOPK_CLONES void dot_heads(const float* q, int64_t nq, const T* rows, int64_t 
       e += 1;
       continue;
     }
+#ifdef RETOPK_WIDE
+    if constexpr (Wide) {
+      if (n == 3) dot_heads_v16<T, 3, 2>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
+      else if (n == 2) dot_heads_v16<T, 2, 2>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
+      else dot_heads_v16<T, 1, 4>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
+      e += n;
+      continue;
+    }
+#endif
     if (n == 3) dot_heads_v<T, 3>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
     else if (n == 2) dot_heads_v<T, 2>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
     else dot_heads_v<T, 1>(q + e * d, rows, m, d, out + e * ostride, ostride, next, ahead);
     e += n;
   }
+}
+
+template <typename T>
+RETOPK_CLONES void dot_heads_narrow(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out,
+                                    int64_t ostride, const T* next) {
+  dot_heads_passes<T, false>(q, nq, rows, m, d, out, ostride, next);
+}
+
+#ifdef RETOPK_WIDE
+template <typename T>
+__attribute__((target("arch=x86-64-v4"))) void dot_heads_wide(const float* q, int64_t nq, const T* rows, int64_t m,
+                                                              int64_t d, float* out, int64_t ostride, const T* next) {
+  dot_heads_passes<T, true>(q, nq, rows, m, d, out, ostride, next);
+}
+#endif
+
+// dot_heads_passes on this CPU: the AVX-512 loops where it has x86-64-v4, else the x86-64-v3 or baseline clone
+// (one more level than RETOPK_CLONES, for these loops alone: the same bits either way).
+template <typename T>
+void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
+               const T* next) {
+#ifdef RETOPK_WIDE
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4") != 0;
+  }();
+  if (wide) return dot_heads_wide(q, nq, rows, m, d, out, ostride, next);
+#endif
+  dot_heads_narrow(q, nq, rows, m, d, out, ostride, next);
 }
 
 // acc[0..dv) += Σ_j w[j] * rows[off[j] .. off[j] + dv)
