@@ -27,8 +27,9 @@ callers fall back to torch when it does not.
 
 The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI, which
 only the int8 products use) unless ``RETOPK_CPU_ISA`` (``scalar``, ``avx2``, ``avx512``, ``avx512_vnni``) asks for
-a lower one, read once: a way to time an AVX2 machine's path on an AVX-512 one. The tests pass ``isa`` to cover
-every level this CPU has.
+a lower one, read once: a way to time an AVX2 machine's path on an AVX-512 one (``avx2`` or ``scalar`` also keeps
+the fused attention kernel's key scoring off its AVX-512 loop: retopk_cpu.cpp's dot_heads). The tests pass ``isa``
+to cover every level this CPU has.
 """
 
 from __future__ import annotations

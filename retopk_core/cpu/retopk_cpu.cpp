@@ -48,6 +48,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -380,14 +381,17 @@ __attribute__((target("arch=x86-64-v4"))) void dot_heads_wide(const float* q, in
 #endif
 
 // dot_heads_passes on this CPU: the AVX-512 loops where it has x86-64-v4, else the x86-64-v3 or baseline clone
-// (one more level than RETOPK_CLONES, for these loops alone: the same bits either way).
+// (one more level than RETOPK_CLONES, for these loops alone: the same bits either way). RETOPK_CPU_ISA=avx2 or
+// scalar (decoder_ops.py's variable, read once) keeps them off the AVX-512 loops: how a test compares the two.
 template <typename T>
 void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
                const T* next) {
 #ifdef RETOPK_WIDE
   static const bool wide = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("x86-64-v4") != 0;
+    const char* asked = std::getenv("RETOPK_CPU_ISA");
+    const bool lower = asked != nullptr && (std::strcmp(asked, "avx2") == 0 || std::strcmp(asked, "scalar") == 0);
+    return __builtin_cpu_supports("x86-64-v4") != 0 && !lower;
   }();
   if (wide) return dot_heads_wide(q, nq, rows, m, d, out, ostride, next);
 #endif

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from bench import kernel_bits
-from retopk_core.cpu import launch
+from retopk_core.cpu import decoder_ops, launch
 
 needs_kernel = pytest.mark.skipif(not launch.available(),
                                   reason="fused CPU kernel not built: run `python -m retopk_core.cpu.build`")
 SMALL = kernel_bits.CASES[:1] + kernel_bits.CASES[2:3]  # d 16 and 24, block 16 and 100
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @needs_kernel
@@ -31,3 +37,16 @@ def test_same_build_records_the_same_bits_and_a_moved_bit_is_named(tmp_path, cap
     assert kernel_bits.main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "a.pt")]) == 0
     assert kernel_bits.main(["compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")]) == 1
     assert name in capsys.readouterr().out
+
+
+@needs_kernel
+@pytest.mark.skipif(not decoder_ops.available() or decoder_ops.best_isa() < 2,
+                    reason="no AVX-512: the fused kernel's key scoring has one loop here")
+def test_the_avx512_key_scoring_keeps_the_avx2_loops_bits(tmp_path):
+    """dot_heads's AVX-512 loop (x86-64-v4 CPUs) and its AVX2 clone, which RETOPK_CPU_ISA=avx2 picks in a fresh
+    process, score every key with the same sums in the same order: every output the same bits."""
+    path = tmp_path / "avx2.pt"
+    env = {**os.environ, "RETOPK_CPU_ISA": "avx2"}
+    subprocess.run([sys.executable, "-m", "bench.kernel_bits", "record", str(path)], env=env, check=True,
+                   cwd=ROOT, capture_output=True)
+    assert kernel_bits.differing(kernel_bits.record(), torch.load(path)) == []
