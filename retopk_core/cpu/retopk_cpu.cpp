@@ -444,6 +444,7 @@ struct Params {
   int64_t guard_lo;                                      // its shortest refresh period
   bool recent;
   int64_t policy;  // 0 head, 1 promote, 2 group
+  int64_t split;   // run_group's tasks per (sequence, KV group): G (one head each) or 1 (decode: task_split)
   bool successors;  // recall_successors: A_t also holds p + 1 of every recalled support position p
   Codes code;
   bool mass = false;  // mass_recall: the would-be recall weighs each position of Ŝ by its softmax weight
@@ -949,11 +950,10 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
                const int64_t* bt, const int64_t* lengths, const int64_t* slots, at::Tensor& queries,
                at::Tensor& support, const int64_t* fill, const int64_t* ptr, const int64_t* step, float* tau,
                int64_t* period, const int64_t* phase, Outputs& o, int64_t task) {
-  // A task is one (sequence, KV group), or one head of it under the "head" policy, whose heads decide alone:
-  // B * H_kv tasks (3 with one sequence of the embedded model) would leave one of two threads idle for a
-  // third of the step. An exact pass reads the group's keys once for the task's heads; a head's scores
-  // do not depend on which heads share the pass (dot_heads), so the split does not change the result.
-  const int64_t per_group = p.policy == 0 ? p.G : 1, G = p.G / per_group;  // G: this task's heads
+  // A task is one (sequence, KV group), or one head of it (p.split = G, task_split). An exact pass reads the
+  // group's keys once for the task's heads; a head's scores do not depend on which heads share the pass
+  // (dot_heads), so the split does not change the result.
+  const int64_t per_group = p.split, G = p.G / per_group;  // G: this task's heads
   const int64_t b = task / (p.H_kv * per_group), g = task / per_group % p.H_kv, h0 = g * p.G + task % per_group * G;
   const int64_t slot = slots[b];
   Task<KV> t{p, k_pool.data_ptr<KV>(), v_pool.data_ptr<KV>(), bt + b * p.bt_stride, b, g, lengths[b], slot,
@@ -1069,6 +1069,14 @@ void run_group(const Params& p, const at::Tensor& q, const at::Tensor& k_pool, c
     o.path.data_ptr<int8_t>()[b * p.H + h] = path[j];
     o.max_sim.data_ptr<float>()[b * p.H + h] = ms[j];
   }
+}
+
+// run_group's tasks per (sequence, KV group) for `groups` = B * H_kv groups of G heads: 1 (the group's exact
+// heads share one read of its keys) unless the heads decide alone (the "head" policy) and there are fewer
+// than two groups a thread (one sequence of the embedded model: 3 groups on 2 threads would leave one
+// thread idle for a third of the step), when each head is its own task and each exact head reads the keys.
+int64_t task_split(int64_t policy, int64_t groups, int64_t G) {
+  return policy == 0 && groups < 2 * at::get_num_threads() ? G : 1;
 }
 
 #define CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, "retopk_cpu: ", __VA_ARGS__)
@@ -1206,7 +1214,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
            static_cast<float>(calibration[0]), static_cast<float>(calibration[1]), static_cast<float>(calibration[2]),
            static_cast<float>(calibration[3]), static_cast<float>(calibration[4]),
            static_cast<float>(guard[0]), static_cast<float>(guard[1]), guard_lo,
-           retrieval == "recent", policy, successors,
+           retrieval == "recent", policy, task_split(policy, B * H_kv, H / H_kv), successors,
            Codes{static_cast<int8_t>(path_codes[0]), static_cast<int8_t>(path_codes[1]),
                  static_cast<int8_t>(path_codes[2]), static_cast<int8_t>(path_codes[3])},
            calibration[5] != 0.0, static_cast<float>(calibration[6]), static_cast<float>(calibration[7])};
@@ -1221,7 +1229,7 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k_pool, co
   // run_group's tasks, handed out one at a time as threads come free: a head on the exact path (a fallback
   // or a refresh) costs several reusing heads, so fixed shares of the tasks would leave a thread waiting.
   // A task's result does not depend on the thread that runs it.
-  const int64_t tasks = B * H_kv * (policy == 0 ? H / H_kv : 1);
+  const int64_t tasks = B * H_kv * p.split;
   std::atomic<int64_t> next{0};
   auto body = [&](int64_t, int64_t) {
     for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
@@ -1334,7 +1342,7 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
   CHECK_VALUE(top_k >= 0 && (top_k > 0 || !exact), "top_k must be >= 0 (> 0 with exact), got ", top_k);
   const int64_t P_shift = (P & (P - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(P)) : -1;
   Params p{B, H, H_kv, H / H_kv, d, dv, 0, top_k, 0, 0, P, P_shift, 0, bt_stride, 0.f, static_cast<float>(scale),
-           0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1, false, 0, false, Codes{}};
+           0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1, false, 0, 1, false, Codes{}};
   at::Tensor out = at::empty({B, H, dv}, q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor selected = at::full({B, top_k > 0 ? H : 0, top_k}, -1, at::TensorOptions().dtype(at::kLong));
   const int64_t* bt = block_table.data_ptr<int64_t>();

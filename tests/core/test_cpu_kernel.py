@@ -376,6 +376,46 @@ def test_long_history_many_blocks_and_threads(block):
 
 
 @needs_kernel
+@pytest.mark.parametrize("B", [1, 4])
+def test_head_policy_task_split_keeps_the_bits(B):
+    """Under the "head" policy the kernel runs one task per head when there are fewer than two KV groups a thread
+    (3 groups on 2 threads) and one task per group otherwise (1 thread; 12 groups on 2 threads), where a group's
+    exact heads share one read of its keys. A head decides alone either way, so every output and the whole state
+    are the same bits on 1 and 2 threads; the trace has steps where several heads of one group read exactly."""
+    torch.manual_seed(0)
+    cfg = dict(top_k=16, cache_size=8, window=8, recall=2, tau=0.8, refresh_every=3, gqa_policy="head",
+               tau_calibration=0.8)
+    trace = make_trace(B=B, H=9, H_kv=3, d=64, prompt_lens=(300, 120, 77, 40)[:B], steps=8, T=8)
+    method = make_method("retopk", backend="cpu", **cfg)
+    state = method.init_state(9, 3, 64, capacity=B)
+    slots = torch.tensor([state.alloc() for _ in range(B)])
+    for b, P in enumerate(trace.prompt_lens):
+        kv_b = PagedKV.contiguous(trace.keys[b:b + 1], trace.values[b:b + 1], torch.tensor([P]))
+        method.prefill(state, int(slots[b]), trace.prompt_queries[b], torch.arange(P - 8, P), kv_b)
+    states = {1: state, 2: copy.deepcopy(state)}
+    threads = torch.get_num_threads()
+    shared_reads = 0  # (step, sequence, group)s with two or more exact heads
+    try:
+        with torch.inference_mode():
+            for t in range(8):
+                kv = paged(trace.keys, trace.values, trace.lengths_at(t), block=16, seed=t)
+                outs = {}
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    outs[n] = method.decode(trace.queries[t], kv, states[n], slots)
+                for field in ("out", "path", "max_sim", "n_scored", "selected"):
+                    assert torch.equal(getattr(outs[1], field), getattr(outs[2], field)), (t, field)
+                exact = (outs[1].path != Path.REUSE).view(B, 3, 3).sum(-1)  # (B, H_kv) exact heads a group
+                shared_reads += int((exact >= 2).sum())
+                for name in state.fields:
+                    for s in slots:
+                        assert torch.equal(states[1].read_slot(int(s))[name], states[2].read_slot(int(s))[name]), name
+    finally:
+        torch.set_num_threads(threads)
+    assert shared_reads > 0
+
+
+@needs_kernel
 def test_launcher_checks_name_the_culprit(monkeypatch):
     method = make_method("retopk", backend="cpu", top_k=4, cache_size=2, window=2, recall=1)
     state = method.init_state(4, 2, 8, capacity=2)
