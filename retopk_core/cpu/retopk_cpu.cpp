@@ -220,8 +220,9 @@ RETOPK_INLINE void sum4(v8f a, v8f b, v8f c, v8f d, float* out) { sum4_finish(su
 // key rows: each key vector is loaded once for the NH heads. Rows are read in memory order, one after
 // the other, so the pass is a single forward stream: interleaving four rows (c outer, rows inner) sent
 // the loads 512 B back and forth and held one core at ~7.7 GB/s against ~12 GB/s for the same bytes
-// read in order (a standalone AVX2 test on the BENCHMARKS.md machine). Two accumulators per head and
-// row halve the FMA chains.
+// read in order (a standalone AVX2 test on the AMD VM, before the passes prefetched; dot_heads_v16, the
+// AVX-512 loop, interleaves 2-4 rows with prefetch, measured on the Intel VM only). Two accumulators per
+// head and row halve the FMA chains.
 template <typename T, int NH>
 RETOPK_INLINE void dot_heads_v(const float* q, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
                                const T* next, int64_t ahead) {
