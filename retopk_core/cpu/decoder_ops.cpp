@@ -78,6 +78,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -101,8 +102,6 @@
 
 namespace {
 
-// Each level has every instruction set of the levels below it (AVX-512 VNNI needs AVX-512F).
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2 };
 // Rows of x per pass over a weight row: kRows, or kWideRows for the float32 loops, whose accumulators for that
 // many rows fit AVX-512's 32 registers, and AVX2's 16 in passes over half blocks (rows_per_pass). Each row's sums
@@ -1017,6 +1016,21 @@ int64_t detect_isa() {
 int64_t best_isa() {
   static const int64_t isa = detect_isa();
   return isa;
+}
+
+namespace {
+std::atomic<int64_t> held_isa{-1};  // set_isa_level's level; -1 until it is called: best_isa()
+}  // namespace
+
+int64_t isa_level() {
+  const int64_t level = held_isa.load(std::memory_order_relaxed);
+  return level < 0 ? best_isa() : level;
+}
+
+void set_isa_level(int64_t level) {
+  CHECK_VALUE(level >= kScalar && level <= best_isa(), "isa level ", level, " is not available on this CPU (best ",
+              best_isa(), ")");
+  held_isa.store(level, std::memory_order_relaxed);
 }
 
 namespace {

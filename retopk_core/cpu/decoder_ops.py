@@ -25,24 +25,19 @@ activations, and integer block dots) or "bf16x2" (x as two bf16 limbs on AMX til
 qs then ``pack_amx``'s units; where ``amx_available()``). ``available()`` says whether the library loads;
 callers fall back to torch when it does not.
 
-The SIMD level is the CPU's best (``best_isa()``: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI, which
-only the int8 products use) unless ``RETOPK_CPU_ISA`` (``scalar``, ``avx2``, ``avx512``, ``avx512_vnni``) asks for
-a lower one, read once: a way to time an AVX2 machine's path on an AVX-512 one (``avx2`` or ``scalar`` also keeps
-the fused attention kernel's key scoring off its AVX-512 loop: retopk_cpu.cpp's dot_heads). The tests pass ``isa``
-to cover every level this CPU has.
+The SIMD level the block products run at is the library's (``isa()``: cpu/launch.py sets it at load, the CPU's
+best unless ``RETOPK_CPU_ISA`` asks for a lower one; ``best_isa()`` the CPU's); the tests pass ``level`` to cover
+every level this CPU has.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import NamedTuple
 
 import torch
 
-from retopk_core.cpu.launch import PATH_CODES, LayerAttention, available, extension
+from retopk_core.cpu.launch import ISA_NAMES, PATH_CODES, LayerAttention, available, extension
 
-ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni")
 # what the block products multiply the weights with (the source's codes 0, 1, 2)
 ACTIVATIONS = ("float32", "int8", "bf16x2")
 
@@ -62,19 +57,14 @@ class Blocks(NamedTuple):
 
 
 def best_isa() -> int:
+    """The CPU's widest SIMD level (ISA_NAMES' code)."""
     return int(extension().best_isa())
 
 
-@functools.cache
 def isa() -> int:
-    """The SIMD level the ops use: the CPU's best, or RETOPK_CPU_ISA's if that is lower."""
-    best = best_isa()
-    asked = os.environ.get("RETOPK_CPU_ISA", "").strip().lower()
-    if not asked:
-        return best
-    if asked not in ISA_NAMES:
-        raise ValueError(f"RETOPK_CPU_ISA must be one of {', '.join(ISA_NAMES)}, got {asked!r}")
-    return min(best, ISA_NAMES.index(asked))
+    """The SIMD level the ops use: the library's, set once at load (cpu/launch.py: the CPU's best, or
+    RETOPK_CPU_ISA's if that is lower)."""
+    return int(extension().isa_level())
 
 
 def amx_available() -> bool:

@@ -26,6 +26,15 @@ scores (``dense_attend_topk``: ReTopK's dense floor), or Exact Top-K attention (
 ``extension()`` loads the library built by ``retopk_core.cpu.build`` once per process; when it is
 missing, stale (built from another source or torch) or fails to load, it logs one warning and returns
 None, and ReTopK runs its torch code.
+
+The library runs at one SIMD level (ISA_NAMES: 0 plain C++, 1 AVX2, 2 AVX-512, 3 AVX-512 with VNNI, which only
+the int8 block products use), which ``extension()`` sets once at load: the CPU's best (its ``best_isa()``) unless
+the environment variable ``RETOPK_CPU_ISA`` (one of ISA_NAMES, any case, blanks around it ignored) asks for a
+lower one, a way to time an AVX2 machine's path on an AVX-512 one. The library's ``isa_level()`` then holds it:
+its attention's key scoring (retopk_cpu.cpp's dot_heads) takes its AVX-512 loops only at level 2 or above, and
+decoder_ops passes it to the block products. A value outside ISA_NAMES raises ValueError naming the variable
+from every ``extension()`` call (so ``available()`` too), whether or not the library is built: a misspelt
+request fails the server at startup rather than timing the wrong loops.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +56,27 @@ log = logging.getLogger(__name__)
 
 # Path codes the kernel writes, in its argument order (reuse, fallback, refresh, promoted).
 PATH_CODES = [int(Path.REUSE), int(Path.FALLBACK), int(Path.REFRESH), int(Path.PROMOTED)]
+# The library's SIMD levels by name, in its codes (library_ops.h's Isa).
+ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni")
+
+
+def requested_isa() -> int | None:
+    """The level RETOPK_CPU_ISA names (stripped, lowercased, one of ISA_NAMES), or None where it is unset or
+    blank; ValueError naming the variable for any other value."""
+    raw = os.environ.get("RETOPK_CPU_ISA", "")
+    asked = raw.strip().lower()
+    if not asked:
+        return None
+    if asked not in ISA_NAMES:
+        raise ValueError(f"RETOPK_CPU_ISA must be one of {', '.join(ISA_NAMES)}, got {raw!r}")
+    return ISA_NAMES.index(asked)
 
 
 @functools.cache
 def extension():
-    """The compiled module, or None (one warning in the log) when it cannot be used."""
+    """The compiled module at its SIMD level (min(its best_isa(), ``requested_isa()``)), or None (one warning in
+    the log) when it cannot be used; ValueError where RETOPK_CPU_ISA is not a level's name."""
+    asked = requested_isa()  # first: a bad value is refused on every machine, built or not
     fallback = "backend 'cpu' runs the torch code"
     if not build.LIBRARY.exists():
         log.warning("fused CPU kernel not built (%s missing; run `make install` or `python -m retopk_core.cpu.build`):"
@@ -67,6 +93,8 @@ def extension():
     except Exception as e:  # an ABI mismatch, a missing shared library: any failure means the torch code
         log.warning("fused CPU kernel %s failed to load (%s): %s", build.LIBRARY, e, fallback)
         return None
+    best = int(module.best_isa())
+    module.set_isa_level(best if asked is None else min(best, asked))
     return module
 
 

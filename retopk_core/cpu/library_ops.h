@@ -21,7 +21,13 @@ std::vector<at::Tensor> dense_decode(const at::Tensor& q, const at::Tensor& k_po
                                      int64_t top_k, bool exact);
 
 // decoder_ops.cpp: the decoder's ops.
+// SIMD levels; each has every instruction set of the levels below it (AVX-512 VNNI needs AVX-512F).
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 int64_t best_isa();
+// The process's level: best_isa() until set_isa_level (called once, by launch.extension() at load, with the level
+// RETOPK_CPU_ISA asks for). The fused attention's key scoring reads it; the block products take theirs per call.
+int64_t isa_level();
+void set_isa_level(int64_t level);
 bool amx_available();
 at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,

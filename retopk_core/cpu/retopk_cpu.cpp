@@ -48,7 +48,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -381,20 +380,27 @@ __attribute__((target("arch=x86-64-v4"))) void dot_heads_wide(const float* q, in
 }
 #endif
 
-// dot_heads_passes on this CPU: the AVX-512 loops where it has x86-64-v4, else the x86-64-v3 or baseline clone
-// (one more level than RETOPK_CLONES, for these loops alone: the same bits either way). RETOPK_CPU_ISA=avx2 or
-// scalar (decoder_ops.py's variable, read once) keeps them off the AVX-512 loops: how a test compares the two.
+// Whether dot_heads takes its AVX-512 loops: the CPU has x86-64-v4 and the library's level (isa_level(), which
+// RETOPK_CPU_ISA lowers: launch.py) is AVX-512 or above. Else the x86-64-v3 or baseline clone (one more level
+// than RETOPK_CLONES, for these loops alone: the same bits either way; how a test compares the two).
+bool wide_key_scoring() {
+#ifdef RETOPK_WIDE
+  static const bool v4 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4") != 0;
+  }();
+  return v4 && isa_level() >= kAvx512;
+#else
+  return false;
+#endif
+}
+
+// dot_heads_passes on this CPU's loops (wide_key_scoring).
 template <typename T>
 void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
                const T* next) {
 #ifdef RETOPK_WIDE
-  static const bool wide = [] {
-    __builtin_cpu_init();
-    const char* asked = std::getenv("RETOPK_CPU_ISA");
-    const bool lower = asked != nullptr && (std::strcmp(asked, "avx2") == 0 || std::strcmp(asked, "scalar") == 0);
-    return __builtin_cpu_supports("x86-64-v4") != 0 && !lower;
-  }();
-  if (wide) return dot_heads_wide(q, nq, rows, m, d, out, ostride, next);
+  if (wide_key_scoring()) return dot_heads_wide(q, nq, rows, m, d, out, ostride, next);
 #endif
   dot_heads_narrow(q, nq, rows, m, d, out, ostride, next);
 }
@@ -1463,6 +1469,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "One ReTopK decode step for every (sequence, head) of a batch; updates the FIFO state");
   m.def("dense_decode", &dense_decode, "Full attention (with the exact Top-K of its scores) or Exact Top-K attention");
   m.def("best_isa", &best_isa, "The widest SIMD level of this CPU the linear ops use: 0 plain, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI");
+  m.def("isa_level", &isa_level, "The SIMD level this process runs at: best_isa() unless set_isa_level lowered it");
+  m.def("set_isa_level", &set_isa_level, "Set the process's SIMD level (0 .. best_isa(); launch.extension() does, once)");
+  m.def("wide_key_scoring", &wide_key_scoring, "Whether the attention's key scoring takes its AVX-512 loops");
   m.def("amx_available", &amx_available, "Whether bf16x2 activations can run: AMX-BF16 and the tile state granted");
   m.def("pack_amx", &pack_amx, "Q4_1 or Q8_0 blocks (qs, scales) -> the units bf16x2 block products take in place of qs");
   m.def("block_matmul", &block_matmul, "x W^T (+ bias) (+ residual) with W in GGUF blocks of 32 (Q4_1 or Q8_0)");

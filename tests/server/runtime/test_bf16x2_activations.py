@@ -205,15 +205,20 @@ def test_bf16x2_takes_the_units_only(fmt):
         decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, lin.bits, activations="bf16x2")
 
 
-def test_an_isa_below_avx512_turns_bf16x2_off(monkeypatch):
+@pytest.fixture
+def avx2_level():
+    """The library at RETOPK_CPU_ISA=avx2's level (this machine seen as an AVX2 one, as the AMD CI is), the run's
+    own level back afterwards."""
+    lib = decoder_ops.extension()
+    level = lib.isa_level()
+    lib.set_isa_level(min(level, decoder_ops.ISA_NAMES.index("avx2")))
+    yield
+    lib.set_isa_level(level)
+
+
+def test_an_isa_below_avx512_turns_bf16x2_off(avx2_level):
     """RETOPK_CPU_ISA=avx2 shows this machine as an AVX2 one does (how the AMD CI's skips are checked on AMX)."""
-    monkeypatch.setenv("RETOPK_CPU_ISA", "avx2")
-    decoder_ops.isa.cache_clear()
-    try:
-        assert not decoder_ops.amx_available()
-    finally:
-        monkeypatch.undo()  # the run's own RETOPK_CPU_ISA back, if it set one, before isa() is read again
-        decoder_ops.isa.cache_clear()
+    assert not decoder_ops.amx_available()
 
 
 @needs_amx
@@ -294,16 +299,10 @@ def test_resolve_activations_names_auto_as_it_resolves_each_once_in_order():
     assert runner.decoder.resolve_activations(["float32", "int8"]) == ["float32", "int8"]
 
 
-def test_auto_picks_float32_when_the_isa_is_below_avx512(monkeypatch):
+def test_auto_picks_float32_when_the_isa_is_below_avx512(avx2_level):
     """RETOPK_CPU_ISA=avx2: this machine seen as an AVX2 one (AMD CI) serves int4 weights with float32 products."""
-    monkeypatch.setenv("RETOPK_CPU_ISA", "avx2")
-    decoder_ops.isa.cache_clear()
-    try:
-        runner = runner_for(tiny_model("llama", layers=1), weights="int4")
-        assert runner.decoder.activations == "float32" and "activations" not in runner.info.weight_format
-    finally:
-        monkeypatch.undo()
-        decoder_ops.isa.cache_clear()
+    runner = runner_for(tiny_model("llama", layers=1), weights="int4")
+    assert runner.decoder.activations == "float32" and "activations" not in runner.info.weight_format
 
 
 def test_auto_is_accepted_on_any_device_and_the_explicit_options_on_a_cpu_only():
