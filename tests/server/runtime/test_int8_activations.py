@@ -7,6 +7,11 @@ them (RuntimeConfig.activations) and what it refuses."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from runtime_helpers import first_step, prompt_ids, runner_for, tiny_model
@@ -19,6 +24,9 @@ pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused C
 
 EPS32 = torch.finfo(torch.float32).eps
 MIN_AMAX = 127 * torch.finfo(torch.float32).tiny  # below it a block quantizes to zeros (decoder_ops.cpp)
+
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _levels() -> list[int]:
@@ -161,6 +169,43 @@ def test_simd_level_follows_the_cpu_flags():
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
             want = 3 if "avx512_vnni" in flags else 2
     assert decoder_ops.best_isa() == want
+
+
+def _in_fresh_process(isa: str | None, code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a new interpreter in the repository root, RETOPK_CPU_ISA set to ``isa`` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "RETOPK_CPU_ISA"}
+    if isa is not None:
+        env["RETOPK_CPU_ISA"] = isa
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+
+
+LEVELS = ("from retopk_core.cpu import decoder_ops, launch; lib = launch.extension(); "
+          "print(lib.isa_level(), decoder_ops.isa(), int(lib.wide_key_scoring()))")
+
+
+@pytest.mark.parametrize("isa, name", [(None, "avx512_vnni"), ("", "avx512_vnni"), ("avx2", "avx2"),
+                                       ("AVX2", "avx2"), (" avx2\n", "avx2"), ("Avx512 ", "avx512"),
+                                       ("SCALAR", "scalar"), ("avx512_VNNI", "avx512_vnni")])
+def test_retopk_cpu_isa_sets_one_level_for_the_ops_and_the_key_scoring(isa, name):
+    """RETOPK_CPU_ISA in any case, blanks around it ignored, read once at load: the library holds min(best_isa(),
+    its level), decoder_ops.isa() reports that level, and the fused attention's key scoring (retopk_cpu.cpp's
+    dot_heads) takes its AVX-512 loops exactly when the level is AVX-512 or above (so ``avx2`` or ``scalar`` on
+    this AVX-512 CPU times its AVX2 loop). Unset or blank: the CPU's best."""
+    level = min(decoder_ops.best_isa(), decoder_ops.ISA_NAMES.index(name))
+    done = _in_fresh_process(isa, LEVELS)
+    assert done.returncode == 0, done.stderr
+    assert [int(v) for v in done.stdout.split()] == [level, level, int(level >= decoder_ops.ISA_NAMES.index("avx512"))]
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_bad_retopk_cpu_isa_is_an_error_naming_it(built):
+    """A value outside ISA_NAMES: ValueError naming the variable and the allowed names from the first use of the
+    library (what the server's startup asks first), with the library built or missing."""
+    missing = "" if built else "build.LIBRARY = build.LIBRARY.with_name('missing.so'); "
+    done = _in_fresh_process("avx3", f"from retopk_core.cpu import build, launch; {missing}launch.available()")
+    assert done.returncode != 0
+    assert ("ValueError: RETOPK_CPU_ISA must be one of scalar, avx2, avx512, avx512_vnni, got 'avx3'"
+            in done.stderr), done.stderr
 
 
 def test_int8_block_matmul_refuses_unknown_activations():
