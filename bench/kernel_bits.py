@@ -1,4 +1,5 @@
-"""The fused CPU kernel's dense outputs, recorded by one build and compared bit for bit with another's.
+"""The fused CPU kernel's dense outputs and the decoder's block products, recorded by one build and compared bit
+for bit with another's.
 
 A change to retopk_cpu.cpp that must keep every sum's order (a prefetch, a register blocking) is checked by
 recording with the library before it and with the library after it, each from its own checkout and build, then
@@ -6,7 +7,10 @@ comparing: ``torch.equal`` on every output, not a tolerance. The cases are ``lau
 modes (Full attention, split along the keys; Full attention with each head's Top-K, the dense floor's pass; Exact
 Top-K, the exact pass of ReTopK's fallback and refresh heads) over float32 / bfloat16 / float16 pools, head dims
 with d % 8 != 0 and d % 16 == 8, 1 to 7 query heads per KV head, shuffled blocks of 16 to 256 positions (some not
-powers of two), lengths up to 4096. The inputs depend on the seeds alone. The bits also depend on the clone the
+powers of two), lengths up to 4096. Beside them, ``decoder_ops.block_matmul`` with float32 activations at the
+embedded model's product shapes (bench.block_products.SHAPES), each in both block formats (Q4_1 and Q8_0), with a
+bias and a residual, for 1 to 9 rows of x (one and two passes of the loops' rows), at AVX2 and at the CPU's best
+level. The inputs depend on the seeds alone. The bits also depend on the clone the
 CPU picks (x86-64-v3 or the baseline): compare records made on the same machine.
 
     (in the baseline checkout) python -m bench.kernel_bits record /tmp/before.pt
@@ -30,6 +34,7 @@ CASES = [(2, 4, 4, 16, 16, [5, 300]), (3, 9, 3, 64, 256, [5, 300, 37]), (2, 14, 
          (2, 6, 3, 60, 32, [333, 65]), (1, 12, 2, 128, 64, [2000])]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MODES = ("full", "full+topk", "exact")
+PRODUCT_ROWS = tuple(range(1, 10))
 
 
 def shuffled_pool(B: int, H_kv: int, d: int, block: int, lengths: list[int], dtype: torch.dtype,
@@ -62,6 +67,31 @@ def record(cases=CASES, dtypes=DTYPES) -> dict[str, torch.Tensor]:
     return outputs
 
 
+def record_products(shapes=None, rows=PRODUCT_ROWS) -> dict[str, torch.Tensor]:
+    """block_matmul's outputs y (M, out) = x W^T + b + residual by name, float32 activations, for every shape of
+    ``shapes`` (default bench.block_products.SHAPES) in both block formats, every M of ``rows``, at AVX2 and at the
+    CPU's best level (just the plain loops where the CPU has no AVX2)."""
+    from bench.block_products import SHAPES
+    from retopk_core.cpu import decoder_ops
+    from retopk_server.runtime.decoder.linear import from_float
+
+    best = decoder_ops.best_isa()
+    levels = sorted({min(1, best), best})
+    outputs = {}
+    for i, (name, out, n_in, _) in enumerate(shapes or SHAPES):
+        g = torch.Generator().manual_seed(100 + i)
+        w, b = torch.randn(out, n_in, generator=g) * 0.05, torch.randn(out, generator=g)
+        x, res = torch.randn(max(rows), n_in, generator=g), torch.randn(max(rows), out, generator=g)
+        for fmt in ("int4", "int8"):
+            lin = from_float(w, b, fmt)
+            for M in rows:
+                for level in levels:
+                    y = decoder_ops.block_matmul(x[:M], lin.qs, lin.scales, lin.bits, lin.bias, res[:M].contiguous(),
+                                                 level, "float32")
+                    outputs[f"block_matmul {name} {out}x{n_in} {fmt} M{M} {decoder_ops.ISA_NAMES[level]}"] = y
+    return outputs
+
+
 def differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """The names whose tensors are not the same bits (or that one record lacks)."""
     names = sorted(set(a) | set(b))
@@ -78,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "record":
         torch.set_num_threads(2)  # several tasks per call, as the server runs them (the bits do not depend on it)
-        outputs = record()
+        outputs = {**record(), **record_products()}
         torch.save(outputs, args.path)
         print(f"kernel_bits: {len(outputs)} outputs -> {args.path}")
         return 0

@@ -110,6 +110,8 @@ enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2 };
 constexpr int64_t kRows = 4;
 constexpr int64_t kWideRows = 8;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
+constexpr int64_t kTile = 16;   // weight rows whose products with one pass's rows of x run together (block_matmul_to)
+constexpr int64_t kPassBytes = 24 << 10;  // float32 x a pass may read per weight row: most of a 32 KiB L1
 constexpr int64_t kUnit4 = 320;  // bytes of a Q4_1 pack_amx unit: 256 of nibbles, then 16 d and 16 m as float16
 constexpr int64_t kUnit8 = 544;  // bytes of a Q8_0 pack_amx unit: 512 of int8 q, then 16 d as float16
 
@@ -513,48 +515,49 @@ TARGET_AVX512 void q4_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
 
 // q4_dot_avx512's sums for 5..8 rows, whose four accumulators a row would need more than 32 registers: its
 // even blocks feed a[r][0..1] and its odd blocks a[r][2..3] (block b goes to u = b % 2: chunks start at
-// multiples of kScaleChunk, which is even), two chains that never meet until the end. So each chunk of blocks
-// takes two passes, the even blocks into every row's even accumulators, then the odd blocks into the odd
-// ones, 16 registers live in each; every accumulator sees the same blocks in the same order as there, and the
-// end sums them as there: the results equal q4_dot_avx512's bit for bit (and so its one-row loop's), while
-// each block is widened once for all MR rows instead of once per kRows.
-template <int MR>
-TARGET_AVX512 __attribute__((always_inline)) inline void q4_parity_pass(const uint8_t* qs, const float* s, int64_t c0,
-                                                                       int64_t nc, int64_t first, const float* x,
-                                                                       int64_t ldx, __m512 (*acc)[2]) {
-  __m512 a[MR][2];
-  for (int r = 0; r < MR; ++r) a[r][0] = acc[r][0], a[r][1] = acc[r][1];
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t i = first; i < nc; i += 2) {
-    const int64_t b = c0 + i;
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
-    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * i]), _mm512_set1_ps(s[2 * i + 1]));
-    const __m512 w0 = _mm512_permutexvar_ps(v, table);
-    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-    for (int r = 0; r < MR; ++r) {
-      const float* xr = x + r * ldx + 32 * b;
-      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) acc[r][0] = a[r][0], acc[r][1] = a[r][1];
-}
-
+// multiples of kScaleChunk, which is even), two chains that never meet until the end. So the even blocks of every
+// chunk go first into every row's two even accumulators, whose sum a[r][0] + a[r][1] (the end's first add) then
+// waits in one register, and the odd blocks follow into two fresh ones: every accumulator sees the same blocks in
+// the same order as there, and the end sums them as there: the results equal q4_dot_avx512's bit for bit (and so
+// its one-row loop's), while each block is widened once for all MR rows instead of once per kRows. At most
+// 3 MR + 6 registers are live, so no accumulator leaves its register (two passes per chunk, which held the even
+// and odd sets across each other, spilled them to the stack on every call).
 template <int MR>
 TARGET_AVX512 void q4_dot_avx512_wide(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
                                       float* acc) {
-  __m512 even[MR][2], odd[MR][2];  // q4_dot_avx512's a[r][0..1] and a[r][2..3]
-  for (int r = 0; r < MR; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 even[MR];  // q4_dot_avx512's a[r][0] + a[r][1]
   float s[2 * kScaleChunk];
-  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
-    const int64_t nc = std::min(kScaleChunk, nb - c0);
-    widen_halves(sc + 2 * c0, 2 * nc, s);
-    q4_parity_pass<MR>(qs, s, c0, nc, 0, x, ldx, even);
-    q4_parity_pass<MR>(qs, s, c0, nc, 1, x, ldx, odd);
+#pragma GCC unroll 2
+  for (int p = 0; p < 2; ++p) {  // p = 0: the even blocks, 1: the odd blocks
+    __m512 a[MR][2];  // q4_dot_avx512's a[r][2 p], a[r][2 p + 1]
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+      const int64_t nc = std::min(kScaleChunk, nb - c0);
+      widen_halves(sc + 2 * c0, 2 * nc, s);
+      for (int64_t i = p; i < nc; i += 2) {
+        const int64_t b = c0 + i;
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * i]), _mm512_set1_ps(s[2 * i + 1]));
+        const __m512 w0 = _mm512_permutexvar_ps(v, table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * ldx + 32 * b;
+          a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][1]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      if (p == 0)
+        even[r] = _mm512_add_ps(a[r][0], a[r][1]);
+      else
+        acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even[r], a[r][0]), a[r][1]));
+    }
   }
-  for (int r = 0; r < MR; ++r)
-    acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(even[r][0], even[r][1]), odd[r][0]),
-                                                odd[r][1]));
 }
 
 template <int MR>
@@ -928,19 +931,22 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
     default: return wide<8>;                                                                         \
   }
 
-// Rows of x the loops of `isa` take per pass over a weight row: kWideRows for the float32 loops (AVX-512's
-// registers hold eight rows' accumulators; AVX2's 16 hold four, so from five rows on its wide loops take each
-// block in two passes of half a block, q4_dot_avx2_wide: docs/bench/history.md, 2026-12-07, helper h53), else
-// kRows (the int8 loops; AVX-512 VNNI's, measured at eight rows a pass, were slower than at four:
+// Rows of x the loops of `isa` take per pass over a weight row of `in` inputs: kWideRows for the float32 loops
+// (AVX-512's registers hold eight rows' accumulators; AVX2's 16 hold four, so from five rows on its wide loops take
+// each block in two passes of half a block, q4_dot_avx2_wide: docs/bench/history.md, 2026-12-07, helper h53), but
+// on AVX-512 only while that many rows of x fit kPassBytes (a wider x, such as the down product's, leaves L1 on
+// every weight row: four rows a pass, each block widened twice, measured faster there: history.md, 2026-12-07,
+// helper h58), else kRows (the int8 loops; AVX-512 VNNI's, measured at eight rows a pass, were slower than at four:
 // docs/bench/history.md, 2026-12-06, helper h39).
-int64_t rows_per_pass(int64_t isa, int64_t activations) {
+int64_t rows_per_pass(int64_t isa, int64_t activations, int64_t in) {
 #ifdef RETOPK_X86
+  if (isa >= kAvx512 && activations == kFloat32) return kWideRows * in * 4 <= kPassBytes ? kWideRows : kRows;
   if (isa >= kAvx2 && activations == kFloat32) return kWideRows;
 #endif
   return kRows;
 }
 
-// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= rows_per_pass(isa, kFloat32)).
+// The loop for `bits` on `isa` taking mr rows of x at once (1 <= mr <= kWideRows).
 DotFn dot_fn(int64_t isa, int64_t bits, int64_t mr) {
 #ifdef RETOPK_X86
   if (isa >= kAvx512) {
@@ -1180,36 +1186,63 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = in * bits / 8, row_scales = nb * (bits == 4 ? 2 : 1);
-  const int64_t chunk = rows_per_pass(isa, activations);
+  const int64_t chunk = rows_per_pass(isa, activations, in);
   const DotFn full = dot_fn(isa, bits, std::min(chunk, M)), tail = dot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
   const QDotFn qfull = qdot_fn(isa, bits, std::min(chunk, M)), qtail = qdot_fn(isa, bits, std::max<int64_t>(1, M % chunk));
   const bool int8 = activations == kInt8;
   std::vector<int8_t> qx(int8 ? M * in : 0);  // x quantized once for every output row
   std::vector<float> xs(int8 ? 2 * M * nb : 0);
   if (int8) quantize_rows(xp, M, in, qx.data(), xs.data(), isa);
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    float acc[kWideRows];
-    for (int64_t o = begin; o < end; ++o) {
-      if (o + kAhead < end) {  // the rows ahead on their way from memory while this one is multiplied
-        const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
-        for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
-        const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
-        for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
-      }
-      for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // every pass over the row after the first reads it from L1
-        const int64_t mr = std::min(chunk, M - r0);
-        const bool whole = mr == chunk || M < chunk;
-        if (int8)
-          (whole ? qfull : qtail)(qp + o * row_bytes, sp + o * row_scales, nb, qx.data() + r0 * in,
-                                  xs.data() + r0 * 2 * nb, in, 2 * nb, acc);
-        else
-          (whole ? full : tail)(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
-        for (int64_t r = 0; r < mr; ++r) {
-          float v = acc[r];
-          if (bp) v += bp[o];
-          if (rp) v += rp[(r0 + r) * out + o];
-          yp[(r0 + r) * out + o] = v;
+  // the rows ahead on their way from memory while row o is multiplied
+  auto prefetch_ahead = [&](int64_t o, int64_t end) {
+    if (o + kAhead >= end) return;
+    const char* q = reinterpret_cast<const char*>(qp + (o + kAhead) * row_bytes);
+    for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(q + k, 0, 3);
+    const char* sc = reinterpret_cast<const char*>(sp + (o + kAhead) * row_scales);
+    for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
+  };
+  // y[r0 + r, o] for r < mr from acc[r]: + bias, + residual, in that order
+  auto finish = [&](int64_t o, int64_t r0, int64_t mr, const float* acc, int64_t stride) {
+    for (int64_t r = 0; r < mr; ++r) {
+      float v = acc[r * stride];
+      if (bp) v += bp[o];
+      if (rp) v += rp[(r0 + r) * out + o];
+      yp[(r0 + r) * out + o] = v;
+    }
+  };
+  if (int8) {
+    at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+      float acc[kWideRows];
+      for (int64_t o = begin; o < end; ++o) {
+        prefetch_ahead(o, end);
+        for (int64_t r0 = 0; r0 < M; r0 += chunk) {  // every pass over the row after the first reads it from L1
+          const int64_t mr = std::min(chunk, M - r0);
+          (mr == chunk || M < chunk ? qfull : qtail)(qp + o * row_bytes, sp + o * row_scales, nb, qx.data() + r0 * in,
+                                                     xs.data() + r0 * 2 * nb, in, 2 * nb, acc);
+          finish(o, r0, mr, acc, 1);
         }
+      }
+    });
+    return;
+  }
+  // float32 x: weight rows in tiles of kTile, each tile's rows multiplied by one pass of x's rows after another, so
+  // that a pass's x stays in L1 across the tile (and the tile's weights, read from memory in the first pass, stay
+  // there for the next). Every (o, r) is still its own loop's sum. (The int8 loops above, whose x is a quarter of
+  // the bytes, measured slower in tiles: docs/bench/history.md, 2026-12-07, helper h58.)
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    float acc[kWideRows * kTile];  // (rows of the pass, the tile's outputs)
+    for (int64_t o0 = begin; o0 < end; o0 += kTile) {
+      const int64_t o1 = std::min(end, o0 + kTile);
+      for (int64_t r0 = 0; r0 < M; r0 += chunk) {
+        const int64_t mr = std::min(chunk, M - r0);
+        const DotFn fn = mr == chunk || M < chunk ? full : tail;
+        for (int64_t o = o0; o < o1; ++o) {
+          if (r0 == 0) prefetch_ahead(o, end);
+          float a[kWideRows];
+          fn(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, a);
+          for (int64_t r = 0; r < mr; ++r) acc[r * kTile + o - o0] = a[r];
+        }
+        for (int64_t o = o0; o < o1; ++o) finish(o, r0, mr, acc + o - o0, kTile);
       }
     }
   });
