@@ -12,8 +12,8 @@
 //   Each weight is widened exactly (d q is exact in float32, + m is the one rounding of a fused
 //   multiply-add) and x stays float32, so y is the dequantized float32 model's product up to the order
 //   of its sums. One task per range of output rows (at::parallel_for); each weight block is widened once
-//   for up to rows_per_pass rows of x (kRows; kWideRows for the float32 loops of AVX2 and AVX-512), which is what
-//   makes a batch cheaper than its rows one by one.
+//   for up to rows_per_pass rows of x (kRows; kWideRows for the float32 loops of AVX2 and AVX-512 where x's rows
+//   fit L1), which is what makes a batch cheaper than its rows one by one.
 //   With ``activations`` kInt8 (llama.cpp's Q8_0 / Q8_1 activations), x is quantized first, per row and
 //   block of 32 (quantize_activations):
 //     dx = max_j |x_j| / 127, qx_j = nearbyint(x_j * (1 / dx)) in -127..127 (round half to even; 0 where
@@ -933,15 +933,14 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
 
 // Rows of x the loops of `isa` take per pass over a weight row of `in` inputs: kWideRows for the float32 loops
 // (AVX-512's registers hold eight rows' accumulators; AVX2's 16 hold four, so from five rows on its wide loops take
-// each block in two passes of half a block, q4_dot_avx2_wide: docs/bench/history.md, 2026-12-07, helper h53), but
-// on AVX-512 only while that many rows of x fit kPassBytes (a wider x, such as the down product's, leaves L1 on
-// every weight row: four rows a pass, each block widened twice, measured faster there: history.md, 2026-12-07,
-// helper h58), else kRows (the int8 loops; AVX-512 VNNI's, measured at eight rows a pass, were slower than at four:
-// docs/bench/history.md, 2026-12-06, helper h39).
+// each block in two passes of half a block, q4_dot_avx2_wide: docs/bench/history.md, 2026-12-07, helper h53) while
+// that many rows of x fit kPassBytes, else kRows: a wider x, such as the down product's, would leave L1 on every
+// weight row, and four rows a pass, each block widened twice, measured faster there at both levels (history.md,
+// 2026-12-07, helper h58). The int8 loops take kRows (AVX-512 VNNI's, measured at eight rows a pass, were slower
+// than at four: docs/bench/history.md, 2026-12-06, helper h39).
 int64_t rows_per_pass(int64_t isa, int64_t activations, int64_t in) {
 #ifdef RETOPK_X86
-  if (isa >= kAvx512 && activations == kFloat32) return kWideRows * in * 4 <= kPassBytes ? kWideRows : kRows;
-  if (isa >= kAvx2 && activations == kFloat32) return kWideRows;
+  if (isa >= kAvx2 && activations == kFloat32) return kWideRows * in * 4 <= kPassBytes ? kWideRows : kRows;
 #endif
   return kRows;
 }
