@@ -1201,9 +1201,9 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
     for (int64_t k = 0; k < 2 * row_scales; k += 64) __builtin_prefetch(sc + k, 0, 3);
   };
   // y[r0 + r, o] for r < mr from acc[r]: + bias, + residual, in that order
-  auto finish = [&](int64_t o, int64_t r0, int64_t mr, const float* acc, int64_t stride) {
+  auto finish = [&](int64_t o, int64_t r0, int64_t mr, const float* acc) {
     for (int64_t r = 0; r < mr; ++r) {
-      float v = acc[r * stride];
+      float v = acc[r];
       if (bp) v += bp[o];
       if (rp) v += rp[(r0 + r) * out + o];
       yp[(r0 + r) * out + o] = v;
@@ -1218,7 +1218,7 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
           const int64_t mr = std::min(chunk, M - r0);
           (mr == chunk || M < chunk ? qfull : qtail)(qp + o * row_bytes, sp + o * row_scales, nb, qx.data() + r0 * in,
                                                      xs.data() + r0 * 2 * nb, in, 2 * nb, acc);
-          finish(o, r0, mr, acc, 1);
+          finish(o, r0, mr, acc);
         }
       }
     });
@@ -1229,7 +1229,7 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   // there for the next). Every (o, r) is still its own loop's sum. (The int8 loops above, whose x is a quarter of
   // the bytes, measured slower in tiles: docs/bench/history.md, 2026-12-07, helper h58.)
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    float acc[kWideRows * kTile];  // (rows of the pass, the tile's outputs)
+    float acc[kWideRows];
     for (int64_t o0 = begin; o0 < end; o0 += kTile) {
       const int64_t o1 = std::min(end, o0 + kTile);
       for (int64_t r0 = 0; r0 < M; r0 += chunk) {
@@ -1237,11 +1237,9 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
         const DotFn fn = mr == chunk || M < chunk ? full : tail;
         for (int64_t o = o0; o < o1; ++o) {
           if (r0 == 0) prefetch_ahead(o, end);
-          float a[kWideRows];
-          fn(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, a);
-          for (int64_t r = 0; r < mr; ++r) acc[r * kTile + o - o0] = a[r];
+          fn(qp + o * row_bytes, sp + o * row_scales, nb, xp + r0 * in, in, acc);
+          finish(o, r0, mr, acc);
         }
-        for (int64_t o = o0; o < o1; ++o) finish(o, r0, mr, acc + o - o0, kTile);
       }
     }
   });
