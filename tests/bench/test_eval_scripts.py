@@ -186,6 +186,9 @@ def test_path_mix_counts_promoted_and_group_reads():
 
 
 # ---- shared prefill -------------------------------------------------------------------------------
+NEAR_TIE_STEP = 2e-3  # the most a near-tie's other key or page may move a decode step's logits (see below)
+
+
 def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
     from bench.eval.common import held_prefix, method_defaults, prefill_all
     from retopk_core.methods import method_names
@@ -210,12 +213,19 @@ def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
             got_held = torch.cat([prefill_all(runner, held[:half], ids[:250], held=prefix),
                                   prefill_all(runner, held[half:], ids[:250], held=prefix)])
         torch.testing.assert_close(got_held, ref, atol=1e-4, rtol=1e-4)
+        # The shared prefill is two forwards (prefix, tail) where the plain one is one: their sums round apart
+        # (~1e-6 here), and a method that selects keys or pages by score may pick another at a near-tie, which
+        # moves that step's logits by a few 1e-4 on this model (Quest at one of the ten steps on a Zen 4 CPU).
+        # So each method's steps equal the plain ones' within 1e-4 but for at most one near-tie step, and every
+        # step within NEAR_TIE_STEP of them: a tail shorter than a method's prefill queries moves them by about 0.1.
+        far = {name: 0 for name in names}
         for t in ids[250:260]:
             a, _ = runner.decode(plain, [t] * len(plain))
-            b, _ = runner.decode(shared, [t] * len(shared))
-            c, _ = runner.decode(held, [t] * len(held))
-            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{names}: {m}")
-            torch.testing.assert_close(c, a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{names}: {m}")
+            for got_step in (runner.decode(shared, [t] * len(shared))[0], runner.decode(held, [t] * len(held))[0]):
+                torch.testing.assert_close(got_step, a, atol=NEAR_TIE_STEP, rtol=0, msg=lambda m: f"{names}: {m}")
+                for name, x, y in zip(names, got_step, a, strict=True):
+                    far[name] += not torch.allclose(x, y, atol=1e-4, rtol=1e-4)
+        assert all(n <= 2 for n in far.values()), far  # a near-tie step each for the shared and the held prefix
 
 
 # ---- fidelity -------------------------------------------------------------------------------------
