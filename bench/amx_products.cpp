@@ -112,45 +112,44 @@ TARGET_AVX512 void q4_dot_avx512(const uint8_t* qs, const uint16_t* sc, int64_t 
   }
 }
 
-// copy of decoder_ops.cpp's q4_parity_pass
-template <int MR>
-TARGET_AVX512 __attribute__((always_inline)) inline void q4_parity_pass(const uint8_t* qs, const float* s, int64_t c0,
-                                                                       int64_t nc, int64_t first, const float* x,
-                                                                       int64_t ldx, __m512 (*acc)[2]) {
-  __m512 a[MR][2];
-  for (int r = 0; r < MR; ++r) a[r][0] = acc[r][0], a[r][1] = acc[r][1];
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t i = first; i < nc; i += 2) {
-    const int64_t b = c0 + i;
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
-    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * i]), _mm512_set1_ps(s[2 * i + 1]));
-    const __m512 w0 = _mm512_permutexvar_ps(v, table);
-    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-    for (int r = 0; r < MR; ++r) {
-      const float* xr = x + r * ldx + 32 * b;
-      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) acc[r][0] = a[r][0], acc[r][1] = a[r][1];
-}
-
-// copy of decoder_ops.cpp's q4_dot_avx512_wide
+// copy of decoder_ops.cpp's q4_dot_avx512_wide (since session 28's h58: the even blocks, then the odd ones, so that
+// no accumulator spills; the same bits as the two parity passes it replaced)
 template <int MR>
 TARGET_AVX512 void q4_dot_avx512_wide(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx,
                                       float* acc) {
-  __m512 even[MR][2], odd[MR][2];
-  for (int r = 0; r < MR; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 even[MR];
   float s[2 * kScaleChunk];
-  for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
-    const int64_t nc = std::min(kScaleChunk, nb - c0);
-    widen_halves(sc + 2 * c0, 2 * nc, s);
-    q4_parity_pass<MR>(qs, s, c0, nc, 0, x, ldx, even);
-    q4_parity_pass<MR>(qs, s, c0, nc, 1, x, ldx, odd);
+#pragma GCC unroll 2
+  for (int p = 0; p < 2; ++p) {
+    __m512 a[MR][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < nb; c0 += kScaleChunk) {
+      const int64_t nc = std::min(kScaleChunk, nb - c0);
+      widen_halves(sc + 2 * c0, 2 * nc, s);
+      for (int64_t i = p; i < nc; i += 2) {
+        const int64_t b = c0 + i;
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
+        const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[2 * i]), _mm512_set1_ps(s[2 * i + 1]));
+        const __m512 w0 = _mm512_permutexvar_ps(v, table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * ldx + 32 * b;
+          a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), a[r][0]);
+          a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), a[r][1]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      if (p == 0)
+        even[r] = _mm512_add_ps(a[r][0], a[r][1]);
+      else
+        acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(even[r], a[r][0]), a[r][1]));
+    }
   }
-  for (int r = 0; r < MR; ++r)
-    acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(even[r][0], even[r][1]), odd[r][0]),
-                                                odd[r][1]));
 }
 
 using DotFn = void (*)(const uint8_t*, const uint16_t*, int64_t, const float*, int64_t, float*);
