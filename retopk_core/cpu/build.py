@@ -21,7 +21,7 @@ from pathlib import Path
 NAME = "retopk_cpu"
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / f"{NAME}.cpp", HERE / "decoder_ops.cpp", HERE / "decode_layers.cpp")
-HEADERS = (HERE / "library_ops.h",)  # the entries one source calls in another
+HEADERS = (HERE / "library_ops.h", HERE / "key_select.h")  # the entries one source calls in another; the Top-K cuts
 BUILD_DIR = HERE / "_build"
 LIBRARY = BUILD_DIR / f"{NAME}.so"
 STAMP = BUILD_DIR / f"{NAME}.key"

@@ -38,6 +38,7 @@
 
 #include <torch/extension.h>
 
+#include "key_select.h"
 #include "library_ops.h"
 
 #include <ATen/Parallel.h>
@@ -474,6 +475,11 @@ struct Scratch {
   std::vector<char> refresh;
   std::vector<int64_t> exact_heads;
   std::vector<std::vector<Scored>> tops;
+  // The Top-K cuts': the exact pass's running buffers (heads x 2K keys) and their fill, keep_best's keys, and
+  // nth_element_keys's index lists.
+  std::vector<uint64_t> keys, cut_keys;
+  std::vector<int64_t> kept;
+  std::vector<int32_t> up, down;
 };
 
 Scratch& scratch() {
@@ -500,14 +506,78 @@ struct Better {  // higher score first, the lower position among equal scores (a
   }
 };
 
-// The exact pass's running Top-K: `buf` collects the scores above the K-th best kept so far and,
-// whenever it reaches 2k, is cut back to its k best; returns their worst score, the new entry bar.
-// O(1) amortised per entry whatever the order of the scores (a k-heap pays O(log k) per replacement,
-// and rising scores, as recency can give, would replace on most of the L rows).
+// A running Top-K's cut (topk_rows; the exact pass's admit_tile does the same on keys): `buf` collects the
+// scores above the K-th best kept so far and, whenever it reaches 2k, is cut back to its k best; returns their
+// worst score, the new entry bar. O(1) amortised per entry whatever the order of the scores (a k-heap pays
+// O(log k) per replacement, and rising scores, as recency can give, would replace on most of the L rows). Also
+// dense's one cut of all L. Through Better's keys (key_select.h): std::nth_element's permutation, so the same
+// order as on the pairs; a -0 score comes back as +0 (no exp(x - m) downstream changes: x - m is the same for
+// ±0, and exp(±0) = 1). Where an entry has no key (a NaN score, a position past 2^32), on the pairs.
 float keep_best(std::vector<Scored>& buf, int64_t k) {
-  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), Better{});
+  const int64_t n = static_cast<int64_t>(buf.size());
+  Scratch& s = scratch();
+  s.cut_keys.resize(n);
+  s.up.resize(n);
+  s.down.resize(n);
+  uint64_t* keys = s.cut_keys.data();
+  bool keyed = true;
+  for (int64_t i = 0; i < n; ++i) {
+    keyed &= !std::isnan(buf[i].first) && static_cast<uint64_t>(buf[i].second) <= 0xFFFFFFFFu;
+    keys[i] = retopk_select::better_key(buf[i].first, buf[i].second);
+  }
+  if (!keyed) {
+    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), Better{});
+  } else {
+    retopk_select::nth_element_keys(keys, keys + (k - 1), keys + n, s.up.data(), s.down.data());
+    for (int64_t i = 0; i < k; ++i) buf[i] = {retopk_select::key_score(keys[i]), retopk_select::key_pos(keys[i])};
+  }
   buf.resize(k);
   return buf[k - 1].first;
+}
+
+// Whether any of the 16 lanes of (a, b) is set.
+RETOPK_INLINE bool any_lane(v8i a, v8i b) {
+  uint64_t w[4];
+  const v8i m = a | b;
+  std::memcpy(w, &m, sizeof w);
+  return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+// One head's tile in the exact pass (keep_best's running cut on keys): the score sc[i] of position first + i
+// enters buf (size entries) when above kth, and a full buf (2k keys) is cut to its k best (nth_element_keys),
+// kth becoming the k-th's score; returns kth. A run of 16 scores none above kth is passed over after one
+// vector compare; where the run cannot fill buf (no cut, so one kth for all 16), each key is written at the end
+// and the size moves past it when it enters (no branch on a score: which of 16 enter is a coin toss to a branch
+// predictor); else one by one against the kth of their turn. Either way, the scalar loop's entries and cuts.
+RETOPK_CLONES float admit_tile(const float* sc, int64_t rows, int64_t first, float kth, uint64_t* buf, int64_t& size,
+                               int64_t k, int32_t* up, int32_t* down) {
+  int64_t n = size;  // in a register: buf's stores may alias `size`
+  auto admit = [&](int64_t i) {
+    if (sc[i] > kth) {  // rare past the first blocks (about K ln(L / K) for scores in random order)
+      buf[n++] = retopk_select::better_key(sc[i], first + i);
+      if (n == 2 * k) {
+        retopk_select::nth_element_keys(buf, buf + (k - 1), buf + n, up, down);
+        n = k;
+        kth = retopk_select::key_score(buf[k - 1]);
+      }
+    }
+  };
+  int64_t i = 0;
+  for (; i + 16 <= rows; i += 16) {
+    const v8f bar = v8f{} + kth;
+    if (!any_lane(load8(sc + i) > bar, load8(sc + i + 8) > bar)) continue;
+    if (n + 16 < 2 * k) {
+      for (int64_t j = i; j < i + 16; ++j) {
+        buf[n] = retopk_select::better_key(sc[j], first + j);
+        n += sc[j] > kth;
+      }
+    } else {
+      for (int64_t j = i; j < i + 16; ++j) admit(j);
+    }
+  }
+  for (; i < rows; ++i) admit(i);
+  size = n;
+  return kth;
 }
 
 RETOPK_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
@@ -843,32 +913,32 @@ struct Task {
     s.qe.resize(n * p.d);
     std::vector<float>& kth_of = s.bars;  // per head: a score must beat it to enter (the K-th best kept)
     kth_of.assign(n, kNegInf);
-    for (int64_t e = 0; e < n; ++e) {
-      std::memcpy(s.qe.data() + e * p.d, qs_all + heads[e] * p.d, p.d * sizeof(float));
-      tops[e].clear();
-      tops[e].reserve(2 * p.K);
-    }
+    // per head: the running Top-K as Better's keys (key_select.h; positions < 2^32: check_kv), 2K of room
+    s.keys.resize(n * 2 * p.K);
+    s.kept.assign(n, 0);
+    s.up.resize(2 * p.K);
+    s.down.resize(2 * p.K);
+    for (int64_t e = 0; e < n; ++e) std::memcpy(s.qe.data() + e * p.d, qs_all + heads[e] * p.d, p.d * sizeof(float));
     for (int64_t first = 0; first < L;) {  // tiles of up to `tile` rows, none straddling a block
       const int64_t rows = std::min({tile, L - first, p.P - first % p.P});
       const KV* keys = k_pool + key_off(first);
       const KV* next = first + rows < L ? k_pool + key_off(first + rows) : nullptr;
       dot_heads<KV>(s.qe.data(), n, keys, rows, p.d, s.scores.data(), tile, next);  // (n, rows) scores
-      for (int64_t e = 0; e < n; ++e) {
-        const float* sc = s.scores.data() + e * tile;
-        std::vector<Scored>& buf = tops[e];
-        float kth = kth_of[e];
-        for (int64_t i = 0; i < rows; ++i) {
-          if (sc[i] > kth) {  // rare past the first blocks (about K ln(L / K) for scores in random order)
-            buf.emplace_back(sc[i], first + i);
-            if (static_cast<int64_t>(buf.size()) == 2 * p.K) kth = keep_best(buf, p.K);
-          }
-        }
-        kth_of[e] = kth;
-      }
+      for (int64_t e = 0; e < n; ++e)
+        kth_of[e] = admit_tile(s.scores.data() + e * tile, rows, first, kth_of[e], s.keys.data() + e * 2 * p.K,
+                               s.kept[e], p.K, s.up.data(), s.down.data());
       first += rows;
     }
-    for (int64_t e = 0; e < n; ++e)
-      if (static_cast<int64_t>(tops[e].size()) > p.K) keep_best(tops[e], p.K);
+    for (int64_t e = 0; e < n; ++e) {  // the last cut, then the pairs in the keys' order
+      uint64_t* buf = s.keys.data() + e * 2 * p.K;
+      int64_t size = s.kept[e];
+      if (size > p.K) {
+        retopk_select::nth_element_keys(buf, buf + (p.K - 1), buf + size, s.up.data(), s.down.data());
+        size = p.K;
+      }
+      tops[e].resize(size);
+      for (int64_t j = 0; j < size; ++j) tops[e][j] = {retopk_select::key_score(buf[j]), retopk_select::key_pos(buf[j])};
+    }
   }
 
   // Softmax over the selected scores and the weighted sum of their values (eq. 12) -> acc (dv floats).
@@ -1130,8 +1200,8 @@ KVShape check_kv(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor
   const int64_t* bt = block_table.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    CHECK_VALUE(len[b] >= 1 && len[b] <= max_blocks * P, "lengths[", b, "] = ", len[b], " outside [1, ",
-                max_blocks * P, "] (max_blocks x block size)");
+    CHECK_VALUE(len[b] >= 1 && len[b] <= max_blocks * P && len[b] <= (int64_t(1) << 32), "lengths[", b, "] = ", len[b],
+                " outside [1, ", std::min(max_blocks * P, int64_t(1) << 32), "] (max_blocks x block size; positions < 2^32)");
     for (int64_t j = 0; j < (len[b] + P - 1) / P; ++j) {
       const int64_t blk = bt[b * bt_stride + j];
       CHECK_VALUE(blk >= 0 && blk < N, "block_table[", b, ", ", j, "] = ", blk, " outside the pool's ", N, " blocks");
