@@ -517,6 +517,9 @@ struct Better {  // higher score first, the lower position among equal scores (a
   }
 };
 
+// A key's (score, position) pair (key_select.h; a -0 score comes back as +0).
+RETOPK_INLINE Scored scored(uint64_t key) { return {retopk_select::key_score(key), retopk_select::key_pos(key)}; }
+
 // A running Top-K's cut (topk_rows; the exact pass's admit_tile does the same on keys): `buf` collects the
 // scores above the K-th best kept so far and, whenever it reaches 2k, is cut back to its k best; returns their
 // worst score, the new entry bar. O(1) amortised per entry whatever the order of the scores (a k-heap pays
@@ -540,7 +543,7 @@ float keep_best(std::vector<Scored>& buf, int64_t k) {
     std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), Better{});
   } else {
     retopk_select::nth_element_keys(keys, keys + (k - 1), keys + n, s.up.data(), s.down.data());
-    for (int64_t i = 0; i < k; ++i) buf[i] = {retopk_select::key_score(keys[i]), retopk_select::key_pos(keys[i])};
+    for (int64_t i = 0; i < k; ++i) buf[i] = scored(keys[i]);
   }
   buf.resize(k);
   return buf[k - 1].first;
@@ -964,7 +967,7 @@ struct Task {
         size = p.K;
       }
       tops[e].resize(size);
-      for (int64_t j = 0; j < size; ++j) tops[e][j] = {retopk_select::key_score(buf[j]), retopk_select::key_pos(buf[j])};
+      for (int64_t j = 0; j < size; ++j) tops[e][j] = scored(buf[j]);
     }
   }
 
