@@ -498,18 +498,10 @@ Scratch& scratch() {
   return s;
 }
 
-struct GreaterScore {  // a functor, so the sorts and heaps inline the comparison
+struct GreaterScore {  // the recall's and the reuse cut's comparison: a functor, so the sorts and heaps inline it
   bool operator()(const Scored& a, const Scored& b) const { return a.first > b.first; }
 };
 constexpr GreaterScore greater_score{};
-
-// Keep the k largest of `top` (in no particular order).
-void keep_topk(std::vector<Scored>& top, int64_t k) {
-  if (static_cast<int64_t>(top.size()) > k) {
-    std::nth_element(top.begin(), top.begin() + (k - 1), top.end(), greater_score);
-    top.resize(k);
-  }
-}
 
 struct Better {  // higher score first, the lower position among equal scores (as a heap that never
   bool operator()(const Scored& a, const Scored& b) const {  // replaces on a tie would keep)
@@ -534,12 +526,8 @@ float keep_best(std::vector<Scored>& buf, int64_t k) {
   s.up.resize(n);
   s.down.resize(n);
   uint64_t* keys = s.cut_keys.data();
-  bool keyed = true;
-  for (int64_t i = 0; i < n; ++i) {
-    keyed &= !std::isnan(buf[i].first) && static_cast<uint64_t>(buf[i].second) <= 0xFFFFFFFFu;
-    keys[i] = retopk_select::better_key(buf[i].first, buf[i].second);
-  }
-  if (!keyed) {
+  if (!retopk_select::fill_keys(n, [&](int64_t i) { return buf[i].first; }, [&](int64_t i) { return buf[i].second; },
+                                keys)) {
     std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), Better{});
   } else {
     retopk_select::nth_element_keys(keys, keys + (k - 1), keys + n, s.up.data(), s.down.data());
@@ -547,6 +535,32 @@ float keep_best(std::vector<Scored>& buf, int64_t k) {
   }
   buf.resize(k);
   return buf[k - 1].first;
+}
+
+// The reuse path's rerank (eq. 11): the k best of the n candidates (score[i], pos[i]) into `top`, all n in their
+// order when n <= k. Tie rule: std::nth_element under the scores alone (GreaterScore), equal scores where
+// libstdc++'s partition leaves them, not the exact pass's lower position first: exactly equal scores do occur among
+// a step's candidates (float32 dot products, a few hundred candidates a head), and Better's rule changed the
+// embedded model's decode within 20 steps. On keys (key_select.h: top_keys_by_score), the same permutation, ties
+// included; a -0 score comes back as +0 (keep_best: no weight changes). Where a score is NaN, on the pairs.
+void keep_topk(const float* score, const int64_t* pos, int64_t n, int64_t k, std::vector<Scored>& top) {
+  top.clear();
+  if (n > k) {
+    Scratch& s = scratch();
+    s.cut_keys.resize(n);
+    s.up.resize(n);
+    s.down.resize(n);
+    const uint64_t* keys = s.cut_keys.data();
+    if (retopk_select::top_keys_by_score(score, pos, n, k, s.cut_keys.data(), s.up.data(), s.down.data())) {
+      for (int64_t i = 0; i < k; ++i) top.push_back(scored(keys[i]));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) top.emplace_back(score[i], pos[i]);
+  if (n > k) {
+    std::nth_element(top.begin(), top.begin() + (k - 1), top.end(), greater_score);
+    top.resize(k);
+  }
 }
 
 // Whether any of the 16 lanes of (a, b) is set.
@@ -906,9 +920,7 @@ struct Task {
     s.scores.resize(M);
     for (int64_t j = 0; j < M; ++j) s.off[j] = key_off(cand[j]);
     dot_gather<KV>(qs, k_pool, s.off.data(), M, p.d, s.scores.data());
-    top.clear();
-    for (int64_t j = 0; j < M; ++j) top.emplace_back(s.scores[j], cand[j]);
-    keep_topk(top, p.K);
+    keep_topk(s.scores.data(), cand.data(), M, p.K, top);
     return M;
   }
 
