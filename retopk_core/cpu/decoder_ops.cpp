@@ -32,10 +32,24 @@
 //   so |y - y_exact| <= about 2^-17 sum_j |W_oj x_j| plus float32's rounding of the sums. qs is then pack_amx's
 //   units (scales are not read), out must be a multiple of 16, and a row's outputs are the same bit for bit alone
 //   or in any batch.
+//
+//   With ``activations`` kInt16 (every CPU), x is quantized per row r and block b of 32 (quantize_block16):
+//     a = max_j |x_j|; where a < 32767 FLT_MIN (s would not be a normal float) q = 0, s = 0; else
+//     s = a / 32767, q_j = nearbyint(x_j * (32767 / a)) (round half to even; |q_j| <= 32767), and
+//     sq = s * float(sum_j q_j) (the integer sum is exact in float32), all float32 ops as written,
+//   then per output o each block's dot with the weight's integers is exact in int32 (|isum| <= 32 * 32767 * 127):
+//     isum_b = sum_j qw_bj q_bj   (qw: Q4_1's nibbles 0..15, Q8_0's int8)
+//     acc = 0; for b in order: acc = fma(float(isum_b), d_b * s_b, acc); then, Q4_1 only, acc = fma(m_b, sq_b, acc)
+//     y[o] = acc (+ bias) (+ residual)
+//   with d, m the unit's float16 scales widened. The block dots being exact integers, every level (plain C++,
+//   AVX2's madd, AVX-512 VNNI's dpwssd) computes exactly these float operations: the bits do not depend on the SIMD
+//   level, the pass width, the batch or the threads. Each x is kept to half a step, 2^-16 a per element
+//   (|y - y_float32| <= about sum_b (s_b / 2) sum_j |W_oj|); qs is pack_amx's units, out a multiple of 16 (as bf16x2).
 //   pack_amx(qs, scales) -> units of the weight's format (qs's dtype says which), viewed (out, ...) so that their
 //   first dim counts outputs as qs's does, with the same bytes per weight as qs and scales. Unit (g, b) holds
 //   outputs 16 g..16 g + 15 and block b, laid out as one tdpbf16ps reads B: pair row k (k < 16) holds, for each
-//   of the 16 outputs n, (q[n][2 k], q[n][2 k + 1]) as bf16 (q[n][k]: the q of W[16 g + n, 32 b + k]).
+//   of the 16 outputs n, (q[n][2 k], q[n][2 k + 1]) as bf16 (q[n][k]: the q of W[16 g + n, 32 b + k]); the same
+//   pairs as int16 are what dpwssd takes (int16 activations), so both modes read the one layout.
 //   Q4_1, qs uint8 -> units uint8 (out, in / 32 * 20): (out / 16, in / 32) units of 320, the unit's 64-byte chunk
 //     c (c < 4) holding pair rows 4c..4c+3, its byte 2i + s (i < 32, s < 2) = q[i / 2][2 r + i % 2] |
 //     q[i / 2][2 (r + 1) + i % 2] << 4 with r = 4c + 2s (q: nibbles); bytes 256..287 the 16 outputs' d,
@@ -62,8 +76,8 @@
 //   causal_attention_segments_(out, q, k, v, offsets, lengths, scale): each segment's causal SDPA on its own thread.
 //   attn_in_to, mlp_out_to: the same into a given output (the whole step's buffers, decode_layers.cpp).
 //
-// The loops exist for AVX-512 (with VNNI for int8 activations), AVX2 (both with FMA and F16C) and plain C++,
-// chosen per call by ``isa``: 0 plain, 1 AVX2, 2 AVX-512 F/BW/VL/DQ, 3 the same with AVX-512 VNNI; best_isa()
+// The loops exist for AVX-512 (with VNNI for int8 and int16 activations), AVX2 (both with FMA and F16C) and plain
+// C++, chosen per call by ``isa``: 0 plain, 1 AVX2, 2 AVX-512 F/BW/VL/DQ, 3 the same with AVX-512 VNNI; best_isa()
 // unless a caller asks for a lower one, as the tests do to cover every path on one machine. The bf16x2 products
 // use AMX whatever ``isa`` (amx_available() implies AVX-512); their functions carry their own target attributes,
 // so the library builds without -mamx flags and runs where AMX is missing (bf16x2 is then refused).
@@ -102,7 +116,7 @@
 
 namespace {
 
-enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2 };
+enum Activations : int64_t { kFloat32 = 0, kInt8 = 1, kBf16x2 = 2, kInt16 = 3 };
 // Rows of x per pass over a weight row: kRows, or kWideRows for the float32 loops, whose accumulators for that
 // many rows fit AVX-512's 32 registers, and AVX2's 16 in passes over half blocks (rows_per_pass). Each row's sums
 // run in the same order whatever the batch (its own accumulators, blocks in file order), so a request's tokens do
@@ -204,6 +218,25 @@ void q8_q8_dot_scalar(const uint8_t* qs, const uint16_t* sc, int64_t nb, const i
     }
   }
   for (int r = 0; r < MR; ++r) acc[r] = a[r];
+}
+
+// Room for n values of T that the caller fills entirely (split_limbs, quantize_rows16): kept on this thread and
+// reused while n is at most kKeptScratch (a decode step's products: no allocation and no zero fill each), else a new
+// array held by `own`.
+constexpr int64_t kKeptScratch = 1 << 18;
+template <typename T>
+T* limb_scratch(int64_t n, std::unique_ptr<T[]>& own) {
+  thread_local std::unique_ptr<T[]> kept;
+  thread_local int64_t size = 0;
+  if (n > kKeptScratch) {
+    own.reset(new T[n]);
+    return own.get();
+  }
+  if (n > size) {
+    kept.reset(new T[n]);
+    size = n;
+  }
+  return kept.get();
 }
 
 #ifdef RETOPK_X86
@@ -867,24 +900,6 @@ AmxFn amx_fn(int64_t mr) {
   }
 }
 
-// Room for n values of T that split_limbs fills entirely: kept on this thread and reused while n is at most
-// kKeptScratch (a decode step's products: no allocation and no zero fill each), else a new array held by `own`.
-constexpr int64_t kKeptScratch = 1 << 18;
-template <typename T>
-T* limb_scratch(int64_t n, std::unique_ptr<T[]>& own) {
-  thread_local std::unique_ptr<T[]> kept;
-  thread_local int64_t size = 0;
-  if (n > kKeptScratch) {
-    own.reset(new T[n]);
-    return own.get();
-  }
-  if (n > size) {
-    kept.reset(new T[n]);
-    size = n;
-  }
-  return kept.get();
-}
-
 // y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_amx's units, rows in passes of kAmxRows. x's limbs
 // are split once for every task; one task per range of groups of 16 outputs, which loads the tile
 // configuration for each pass and releases the tiles at its end (the configuration is per thread). A pass over
@@ -909,6 +924,304 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
   });
 }
 #endif
+
+// ---- int16 activations (activations kInt16): exact integer block dots over the header's pack_amx units ----
+// x per row and block of 32 as int16 with one scale (quantize_block16), then each unit's 16 outputs' integer
+// dots with the weight's q (Q4_1 nibbles, Q8_0 int8) in int32, exact, and one float combine per (row, unit):
+//   acc = fma(float(isum), d s, acc);  acc = fma(m, sq, acc) for Q4_1
+// with blocks in file order. The integer dots do not depend on the order of their products, so every level (the
+// plain loop, AVX2's madd and AVX-512 VNNI's dpwssd) and every pass width gives the same bits.
+constexpr float kMaxInt16 = 32767.f;
+// Below this max |x| a block's s = max |x| / 32767 would not be a normal float (and 32767 / max |x| not finite):
+// such a block quantizes to zeros with s = 0.
+constexpr float kMinAmax16 = 32767.f * 1.17549435e-38f;  // 32767 FLT_MIN
+constexpr int64_t kInt16Rows = 8;  // rows of x a pass of the VNNI loop (its integer and float accumulators: 16 zmm)
+constexpr int64_t kInt16Avx2Rows = 4;  // the same for AVX2, whose 16 registers hold four rows' (half a unit)
+using aliased_i32 = int32_t __attribute__((may_alias));  // two int16 of x read as one dpwssd / madd broadcast
+
+// One block of 32 values of x -> q (32 int16), ss = (s, sq): the header's rounding, plain C++ (the reference).
+void quantize_block16_scalar(const float* x, int16_t* q, float* ss) {
+  float amax = 0.f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const bool zero = !(amax >= kMinAmax16);
+  const float inv = zero ? 0.f : kMaxInt16 / amax;
+  int32_t sum = 0;
+  for (int j = 0; j < 32; ++j) {
+    q[j] = static_cast<int16_t>(std::nearbyint(x[j] * inv));
+    sum += q[j];
+  }
+  ss[0] = zero ? 0.f : amax / kMaxInt16;
+  ss[1] = ss[0] * static_cast<float>(sum);
+}
+
+#ifdef RETOPK_X86
+// quantize_block16_scalar with AVX2: the same float operations (a max, two divisions, products rounded half to even
+// by cvtps under the default rounding mode), so the same values and scales.
+TARGET_AVX2 void quantize_block16_avx2(const float* x, int16_t* q, float* ss) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) {
+    v[k] = _mm256_loadu_ps(x + 8 * k);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const bool zero = !(amax >= kMinAmax16);
+  const __m256 inv = _mm256_set1_ps(zero ? 0.f : kMaxInt16 / amax);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  // packs work per 128-bit lane: the permute puts the two groups of 8 of each half back in order
+  for (int h = 0; h < 2; ++h)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * h),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2 * h], i[2 * h + 1]), _MM_SHUFFLE(3, 1, 2, 0)));
+  ss[0] = zero ? 0.f : amax / kMaxInt16;
+  ss[1] = ss[0] * static_cast<float>(_mm_cvtsi128_si32(s));
+}
+#endif
+
+// x (M, in) -> q (M, in) int16 and ss (M, in / 32, 2) = (s, sq) per block, as the header states.
+void quantize_rows16(const float* x, int64_t M, int64_t in, int16_t* q, float* ss, int64_t isa) {
+  const int64_t blocks = M * (in / 32);
+#ifdef RETOPK_X86
+  if (isa >= kAvx2) {
+    for (int64_t k = 0; k < blocks; ++k) quantize_block16_avx2(x + 32 * k, q + 32 * k, ss + 2 * k);
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < blocks; ++k) quantize_block16_scalar(x + 32 * k, q + 32 * k, ss + 2 * k);
+}
+
+// The arguments of one int16 loop: units of `nb` blocks, x quantized (q rows of `in` int16, ss rows of nb (s, sq)),
+// the optional bias (out,) and residual (rows of ldy), y rows of ldy.
+struct Int16Args {
+  const uint8_t* units;
+  int64_t nb, in;
+  const int16_t* q;
+  const float* ss;
+  const float* bias;
+  const float* residual;
+  float* y;
+  int64_t ldy;
+};
+
+// y[r, 16 g + n] for r < mr from acc[r][n]: + bias, + residual (block_matmul's order).
+inline void finish16(const Int16Args& a, int64_t g, int64_t r, const float* acc, int64_t n0, int64_t count) {
+  for (int64_t n = n0; n < n0 + count; ++n) {
+    const int64_t o = 16 * g + n;
+    float v = acc[n - n0];
+    if (a.bias) v += a.bias[o];
+    if (a.residual) v += a.residual[r * a.ldy + o];
+    a.y[r * a.ldy + o] = v;
+  }
+}
+
+// Group g's outputs for rows [0, mr) of a, plain C++: the units' q read back by the header's layout.
+template <int BITS>
+void int16_group_scalar(const Int16Args& a, int64_t g, int64_t mr) {
+  constexpr int64_t kUnit = BITS == 4 ? kUnit4 : kUnit8;
+  for (int64_t r = 0; r < mr; ++r) {
+    float acc[16] = {};
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* unit = a.units + (g * a.nb + b) * kUnit;
+      const int16_t* xq = a.q + r * a.in + 32 * b;
+      const float* ss = a.ss + (r * a.nb + b) * 2;
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(unit + (BITS == 4 ? 256 : 512));
+      for (int64_t n = 0; n < 16; ++n) {
+        int32_t isum = 0;
+        for (int64_t k = 0; k < 32; ++k) {  // q[n][k]: pair row k / 2, word 2 n + k % 2
+          const int64_t p = k / 2, word = 2 * n + k % 2;
+          int32_t w;
+          if constexpr (BITS == 4)
+            w = ((unit[64 * (p / 4) + 2 * word] | unit[64 * (p / 4) + 2 * word + 1] << 8) >> (4 * (p % 4))) & 15;
+          else
+            w = static_cast<int8_t>(unit[32 * p + word]);
+          isum += w * xq[k];
+        }
+        const float ds = half_to_float(scales[n]) * ss[0];
+        acc[n] = std::fma(static_cast<float>(isum), ds, acc[n]);
+        if constexpr (BITS == 4) acc[n] = std::fma(half_to_float(scales[16 + n]), ss[1], acc[n]);
+      }
+    }
+    finish16(a, g, r, acc, 0, 16);
+  }
+}
+
+#ifdef RETOPK_X86
+// Group g's outputs for MR rows with AVX2 (AVX-512 without VNNI too): each half of the unit (outputs 8 h .. 8 h + 7,
+// the 32 bytes at 32 h of each 64-byte Q4_1 chunk, or of each Q8_0 pair row's 32) in turn, so that a row's integer
+// and float accumulators fit beside B; madd sums each lane's pair of int16 products into int32 (exact: at most
+// 2 * 32767 * 128), add_epi32 the pair rows.
+template <int BITS, int MR>
+TARGET_AVX2 void int16_group_avx2(const Int16Args& a, int64_t g) {
+  constexpr int64_t kUnit = BITS == 4 ? kUnit4 : kUnit8;
+  const __m256i low = _mm256_set1_epi16(15);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const uint8_t* unit = a.units + (g * a.nb + b) * kUnit;
+      __m256i isum[MR];
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+      const aliased_i32* xp[MR];
+      for (int r = 0; r < MR; ++r) xp[r] = reinterpret_cast<const aliased_i32*>(a.q + r * a.in + 32 * b);
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) {
+        __m256i w;
+        if constexpr (BITS == 4) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 64 * (p / 4) + 32 * h));
+          w = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (p % 4)), low);
+        } else {
+          w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 32 * p + 16 * h)));
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(w, _mm256_set1_epi32(xp[r][p])));
+      }
+      const uint16_t* scales = reinterpret_cast<const uint16_t*>(unit + (BITS == 4 ? 256 : 512));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 8 * h)));
+      for (int r = 0; r < MR; ++r) {
+        const float* ss = a.ss + (r * a.nb + b) * 2;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(ss[0])), acc[r]);
+        if constexpr (BITS == 4) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16 + 8 * h)));
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(ss[1]), acc[r]);
+        }
+      }
+    }
+    alignas(32) float out[8];
+    for (int r = 0; r < MR; ++r) {
+      _mm256_store_ps(out, acc[r]);
+      finish16(a, g, r, out, 8 * h, 8);
+    }
+  }
+}
+
+// Group g's outputs for MR rows with AVX-512 VNNI: per unit and pair row p, B_p in one register (Q4_1: the 64-byte
+// chunk p / 4 shifted right by 4 (p % 4), masked to nibbles; Q8_0: pair row p's 32 int8 widened), and for each row
+// isum += dpwssd(B_p, x's pair p broadcast): lane n gains q[n][2 p] x[2 p] + q[n][2 p + 1] x[2 p + 1]. With one or
+// two rows the 16 dpwssd of a unit would be one dependency chain a row: they go round NA integer accumulators,
+// summed at the unit's end (exact, so the bits stay).
+// acc += dpwssd(w, *x broadcast): the broadcast embedded in the instruction ({1to16}), which gcc does not fold
+TARGET_AVX512_VNNI __attribute__((always_inline)) inline void dpwssd_bcast(__m512i& acc, __m512i w,
+                                                                           const aliased_i32* x) {
+  __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+}
+
+template <int BITS, int MR>
+TARGET_AVX512_VNNI void int16_group_vnni(const Int16Args& a, int64_t g) {
+  constexpr int NA = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // integer accumulators a row
+  constexpr int64_t kUnit = BITS == 4 ? kUnit4 : kUnit8;
+  const __m512i low = _mm512_set1_epi16(15);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* gu = a.units + g * a.nb * kUnit;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* unit = gu + b * kUnit;
+    for (int64_t k = 0; k < kUnit; k += 64) __builtin_prefetch(unit + kAheadUnits * kUnit + k, 0, 3);
+    __m512i isum[MR][NA];
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < NA; ++i) isum[r][i] = _mm512_setzero_si512();
+    const aliased_i32* xp[MR];
+    for (int r = 0; r < MR; ++r) xp[r] = reinterpret_cast<const aliased_i32*>(a.q + r * a.in + 32 * b);
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) {
+      __m512i w;
+      if constexpr (BITS == 4) {
+        const __m512i v = _mm512_loadu_si512(unit + 64 * (p / 4));
+        w = p % 4 == 3 ? _mm512_srli_epi16(v, 12) : _mm512_and_si512(_mm512_srli_epi16(v, 4 * (p % 4)), low);
+      } else {
+        w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + 32 * p)));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r)
+        dpwssd_bcast(isum[r][p % NA], w, xp[r] + p);
+    }
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(unit + (BITS == 4 ? 256 : 512));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      __m512i t = isum[r][0];
+      for (int i = 1; i < NA; ++i) t = _mm512_add_epi32(t, isum[r][i]);
+      const float* ss = a.ss + (r * a.nb + b) * 2;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(ss[0])), acc[r]);
+      if constexpr (BITS == 4) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 16)));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ss[1]), acc[r]);
+      }
+    }
+  }
+  alignas(64) float out[16];
+  for (int r = 0; r < MR; ++r) {
+    _mm512_store_ps(out, acc[r]);
+    finish16(a, g, r, out, 0, 16);
+  }
+}
+#endif
+
+using Int16Fn = void (*)(const Int16Args&, int64_t);
+
+template <int BITS>
+Int16Fn int16_fn(int64_t isa, int64_t mr) {
+#ifdef RETOPK_X86
+  if (isa >= kAvx512Vnni) {
+    switch (mr) {
+      case 1: return int16_group_vnni<BITS, 1>;
+      case 2: return int16_group_vnni<BITS, 2>;
+      case 3: return int16_group_vnni<BITS, 3>;
+      case 4: return int16_group_vnni<BITS, 4>;
+      case 5: return int16_group_vnni<BITS, 5>;
+      case 6: return int16_group_vnni<BITS, 6>;
+      case 7: return int16_group_vnni<BITS, 7>;
+      default: return int16_group_vnni<BITS, 8>;
+    }
+  }
+  if (isa >= kAvx2) {
+    switch (mr) {
+      case 1: return int16_group_avx2<BITS, 1>;
+      case 2: return int16_group_avx2<BITS, 2>;
+      case 3: return int16_group_avx2<BITS, 3>;
+      default: return int16_group_avx2<BITS, 4>;
+    }
+  }
+#endif
+  return nullptr;  // the plain loop takes any mr (int16_matmul)
+}
+
+// y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_amx's units with int16 activations: x quantized once
+// for every task; one task per range of groups of 16 outputs, each group's rows in passes (kInt16Rows with VNNI,
+// kInt16Avx2Rows with AVX2) one after another while its units stay in L1.
+void int16_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int64_t bits, int64_t out,
+                  const float* bias, const float* residual, float* y, int64_t isa) {
+  const int64_t nb = in / 32;
+  std::unique_ptr<int16_t[]> q_own;
+  std::unique_ptr<float[]> ss_own;
+  int16_t* q = limb_scratch(M * in, q_own);
+  float* ss = limb_scratch(2 * M * nb, ss_own);
+  quantize_rows16(x, M, in, q, ss, isa);
+  const int64_t rows = isa >= kAvx512Vnni ? kInt16Rows : isa >= kAvx2 ? kInt16Avx2Rows : M;
+  at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r0 = 0; r0 < M; r0 += rows) {
+        const int64_t mr = std::min(rows, M - r0);
+        const Int16Args a{units, nb, in, q + r0 * in, ss + 2 * r0 * nb, bias,
+                          residual ? residual + r0 * out : nullptr, y + r0 * out, out};
+        const Int16Fn fn = bits == 4 ? int16_fn<4>(isa, mr) : int16_fn<8>(isa, mr);
+        if (fn)
+          fn(a, g);
+        else if (bits == 4)
+          int16_group_scalar<4>(a, g, mr);
+        else
+          int16_group_scalar<8>(a, g, mr);
+      }
+  });
+}
 
 // fn<mr> for 1 <= mr <= kRows
 #define RETOPK_PICK(fn)                                                                              \
@@ -1125,7 +1438,7 @@ at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
   const int64_t out = qs.size(0), in = q8 ? qs.size(1) : 2 * qs.size(1), nb = in / 32;
   const int64_t per_block = q8 ? 1 : 2;  // float16 scales a block: d, or (d, m)
   CHECK_VALUE(in % 32 == 0, "in features must be a multiple of 32, got ", in);
-  CHECK_VALUE(out % 16 == 0, "bf16x2 needs out features a multiple of 16 (AMX tiles of 16 outputs), got ", out);
+  CHECK_VALUE(out % 16 == 0, "bf16x2 and int16 need out features a multiple of 16 (units of 16 outputs), got ", out);
   CHECK_VALUE(scales.device().is_cpu() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   scales.numel() == out * nb * per_block,
               "scales must be contiguous float16 with ", out * nb * per_block, " elements");
@@ -1145,8 +1458,8 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
                      int64_t activations) {
   CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   CHECK_VALUE(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not available on this CPU (best ", best_isa(), ")");
-  CHECK_VALUE(activations >= kFloat32 && activations <= kBf16x2,
-              "activations must be 0 (float32), 1 (int8) or 2 (bf16x2), got ", activations);
+  CHECK_VALUE(activations >= kFloat32 && activations <= kInt16,
+              "activations must be 0 (float32), 1 (int8), 2 (bf16x2) or 3 (int16), got ", activations);
   CHECK_VALUE(x.dim() == 2, "x must be (M, in)");
   const int64_t M = x.size(0), in = x.size(1), out = qs.size(0), nb = in / 32;
   check_f32_matrix(x, "x", -1, in);
@@ -1157,19 +1470,25 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   check_f32_matrix(y, "y", M, out);
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  if (activations == kBf16x2) {  // qs holds pack_amx's units; scales are not read
-    CHECK_VALUE(amx_available(), "activations bf16x2 needs AMX-BF16 (with Linux's permission for the tiles), "
-                "which this CPU or process does not have");
+  if (activations == kBf16x2 || activations == kInt16) {  // qs holds pack_amx's units; scales are not read
+    const char* name = activations == kBf16x2 ? "bf16x2" : "int16";
+    if (activations == kBf16x2)
+      CHECK_VALUE(amx_available(), "activations bf16x2 needs AMX-BF16 (with Linux's permission for the tiles), "
+                  "which this CPU or process does not have");
     const int64_t unit_cols = nb * (bits == 4 ? kUnit4 : kUnit8) / 16;
     CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
                     qs.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && out % 16 == 0 &&
                     qs.size(1) == unit_cols,
-                "with activations bf16x2, qs must be pack_amx's units: a contiguous (out, ", unit_cols, ") ",
+                "with activations ", name, ", qs must be pack_amx's units: a contiguous (out, ", unit_cols, ") ",
                 bits == 4 ? "uint8" : "int8", " CPU tensor with out a multiple of 16, got ", qs.sizes(), " ",
                 qs.scalar_type());
+    const uint8_t* units = static_cast<const uint8_t*>(qs.data_ptr());
+    if (activations == kInt16) {
+      int16_matmul(x.data_ptr<float>(), M, in, units, bits, out, bp, rp, y.data_ptr<float>(), isa);
+      return;
+    }
 #ifdef RETOPK_X86
-    amx_matmul(x.data_ptr<float>(), M, in, static_cast<const uint8_t*>(qs.data_ptr()), bits, out, bp, rp,
-               y.data_ptr<float>());
+    amx_matmul(x.data_ptr<float>(), M, in, units, bits, out, bp, rp, y.data_ptr<float>());
 #endif
     return;
   }

@@ -11,7 +11,8 @@ from retopk_server.runtime.method_spec import MethodSpec
 
 WEIGHTS = ("auto", "as-stored", "float32", "bfloat16", "float16", "int8", "int4")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
-ACTIVATIONS = ("float32", "int8", "bf16x2")  # retopk_core.cpu.decoder_ops.ACTIVATIONS, which the block products take
+# retopk_core.cpu.decoder_ops.ACTIVATIONS, which the block products take
+ACTIVATIONS = ("float32", "int8", "bf16x2", "int16")
 ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)  # "auto": resolved at load (Decoder.auto_activations)
 BACKENDS = ("auto", "torch", "triton", "cpu")
 FUSED_CPU = ("retopk", "full", "exact_topk")  # methods with a step in retopk_core/cpu
@@ -75,7 +76,9 @@ class RuntimeConfig:
                     the sums) or "int8" (x quantized per row and block of 32 to int8 with one float scale, as
                     llama.cpp does, then integer block dots: retopk_core/cpu/decoder_ops.cpp) or "bf16x2" (x as
                     two bf16 limbs, hi + lo, on AMX tiles: on CPUs with AMX-BF16 only, refused elsewhere;
-                    about 16 bits of x, where float32 keeps 24). Prefill GEMMs through the dequantized copy,
+                    about 16 bits of x, where float32 keeps 24) or "int16" (x quantized per row and block of 32
+                    to int16 with one float scale, 2^-16 of the block's largest |x|, then exact integer block dots:
+                    on every CPU, AVX-512 VNNI's dpwssd where there is one). Prefill GEMMs through the dequantized copy,
                     norms and the residual stream stay as they are. Refused for
                     a device other than the CPU and for a model without block weights. "auto" (the default):
                     bf16x2 where the decoder accepts it (a CPU device with AMX-BF16, block weights whose out

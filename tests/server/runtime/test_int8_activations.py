@@ -213,7 +213,7 @@ def test_int8_block_matmul_refuses_unknown_activations():
     with pytest.raises(ValueError, match="activations must be one of"):
         decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, 4, activations="int4")
     with pytest.raises(ValueError, match="activations must be 0"):
-        decoder_ops.extension().block_matmul(torch.randn(1, 64), lin.qs, lin.scales, 4, None, None, 0, 3)
+        decoder_ops.extension().block_matmul(torch.randn(1, 64), lin.qs, lin.scales, 4, None, None, 0, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         decoder_ops.quantize_activations(torch.randn(1, 48))
 
