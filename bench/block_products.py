@@ -16,12 +16,14 @@ one-thread call on it), which a loaded machine's other work does not inflate; wi
 as separate ways taking turns with the others, e.g. AVX2's int8 loop (which level avx512 runs) against AVX-512
 VNNI's: per shape the first level's time / each other's. ``--bf16x2`` adds bf16x2 activations (AMX tiles, every
 product on decoder_ops.pack_amx's units) as a way taking turns too, printed in the int8 columns' place after them
-(int8's time / bf16x2's) and in the step's lines.
+(int8's time / bf16x2's) and in the step's lines; ``--int16`` adds int16 activations (exact integer block dots on
+the same units: AVX-512 VNNI's dpwssd where the CPU has it) the same way.
 
     python -m bench.block_products --threads 1 2 --rows 1 8
     python -m bench.block_products --threads 1 --rows 8     # the step's ratio at 8 rows, one thread
     python -m bench.block_products --threads 1 --rows 1 8 --int8-isa avx512 avx512_vnni
     python -m bench.block_products --threads 1 2 --rows 1 8 --bf16x2
+    python -m bench.block_products --threads 1 2 --rows 1 8 --int16
 """
 
 from __future__ import annotations
@@ -61,15 +63,16 @@ def parse_args(argv=None):
     p.add_argument("--int8-isa", nargs="+", choices=decoder_ops.ISA_NAMES,
                    help="time the int8 way at each of these SIMD levels (default: the ops' own level)")
     p.add_argument("--bf16x2", action="store_true", help="time bf16x2 activations too (needs AMX-BF16)")
+    p.add_argument("--int16", action="store_true", help="time int16 activations too")
     return p.parse_args(argv)
 
 
-def ways(int8_isa: list[str] | None, bf16x2: bool = False) -> dict[str, tuple[str, int | None]]:
+def ways(int8_isa: list[str] | None, bf16x2: bool = False, int16: bool = False) -> dict[str, tuple[str, int | None]]:
     """The timed ways, name -> (activations, SIMD level or None for the ops' own): float32, then int8 once or at
-    each level of ``int8_isa`` (named "int8 LEVEL"), then bf16x2 with ``bf16x2``."""
+    each level of ``int8_isa`` (named "int8 LEVEL"), then bf16x2 with ``bf16x2``, then int16 with ``int16``."""
     if bf16x2 and not decoder_ops.amx_available():
         raise SystemExit("--bf16x2: this CPU has no AMX-BF16")
-    extra = {"bf16x2": ("bf16x2", None)} if bf16x2 else {}
+    extra = {a: (a, None) for a, on in (("bf16x2", bf16x2), ("int16", int16)) if on}
     if not int8_isa:
         return {"float32": ("float32", None), "int8": ("int8", None), **extra}
     best = decoder_ops.best_isa()
@@ -83,7 +86,7 @@ def ways(int8_isa: list[str] | None, bf16x2: bool = False) -> dict[str, tuple[st
 def per_call(lin, x: torch.Tensor, way: tuple[str, int | None], reps: int, clock) -> float:
     """Median seconds of one block_matmul call over ``reps`` calls, on ``clock``."""
     activations, level = way
-    qs = lin.units if activations == "bf16x2" else lin.qs  # pack_amx's, set in main
+    qs = lin.units if activations in decoder_ops.UNIT_ACTIVATIONS else lin.qs  # pack_amx's, set in main
     times = []
     for _ in range(reps):
         start = clock()
@@ -96,16 +99,17 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     torch.manual_seed(0)
     rows = []
-    named = ways(args.int8_isa, args.bf16x2)
+    named = ways(args.int8_isa, args.bf16x2, args.int16)
     int8 = [w for w in named if w != "float32"]
+    units = [w for w in named if w in decoder_ops.UNIT_ACTIVATIONS]  # the ways on pack_amx's units
     print(f"{'shape':>8} {'out x in':>11} {'M':>2} {'thr':>3} {'f32 us':>8} "
           + " ".join(f"{w + ' us':>{max(8, len(w) + 3)}}" for w in int8)
           + f" {'f32/int8':>8}" + "".join(f" {int8[0] + '/' + w:>{len(int8[0]) + len(w) + 1}}" for w in int8[1:])
-          + f" {'f32 M/(M x 1)':>13} {'int8 M/(M x 1)':>14}" + (f" {'bf16x2 M/(M x 1)':>16}" if args.bf16x2 else ""))
+          + f" {'f32 M/(M x 1)':>13} {'int8 M/(M x 1)':>14}" + "".join(f" {w + ' M/(M x 1)':>16}" for w in units))
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     lins = {name: from_float(torch.randn(out, n_in) * 0.05, None, fmt) for name, out, n_in, fmt in shapes}
     for lin in lins.values():
-        if args.bf16x2:
+        if units:
             lin.units = decoder_ops.pack_amx(lin.qs, lin.scales)
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -132,7 +136,7 @@ def main(argv=None) -> list[dict]:
                       + f" {r['float32_s'] / r['int8_s']:>8.2f}"
                       + "".join(f" {med[(int8[0], M)] / med[(w, M)]:>{len(int8[0]) + len(w) + 1}.2f}" for w in int8[1:])
                       + f" {r['batch_vs_rows_float32']:>13.2f} {r['batch_vs_rows_int8']:>14.2f}"
-                      + (f" {r['batch_vs_rows_bf16x2']:>16.2f}" if args.bf16x2 else ""))
+                      + "".join(f" {r[f'batch_vs_rows_{w}']:>16.2f}" for w in units))
         for M in (m for m in args.rows if m > 1):
             print_step([r for r in rows if r["threads"] == threads and r["M"] == M], shapes, named)
         print_step_totals([r for r in rows if r["threads"] == threads], shapes, named)

@@ -10,8 +10,8 @@ with d % 8 != 0 and d % 16 == 8, 1 to 7 query heads per KV head, shuffled blocks
 powers of two), lengths up to 4096. Beside them, ``decoder_ops.block_matmul`` with float32 activations at the
 embedded model's product shapes (bench.block_products.SHAPES), each in both block formats (Q4_1 and Q8_0), with a
 bias and a residual, for 1 to 9 rows of x (one and two passes of the loops' rows), at AVX2 and at the CPU's best
-level. The inputs depend on the seeds alone. The bits also depend on the clone the
-CPU picks (x86-64-v3 or the baseline): compare records made on the same machine.
+level, and the same with int16 activations (on pack_amx's units). The inputs depend on the seeds alone. The bits
+also depend on the clone the CPU picks (x86-64-v3 or the baseline): compare records made on the same machine.
 
     (in the baseline checkout) python -m bench.kernel_bits record /tmp/before.pt
     (in the changed checkout)  python -m bench.kernel_bits record /tmp/after.pt
@@ -68,9 +68,9 @@ def record(cases=CASES, dtypes=DTYPES) -> dict[str, torch.Tensor]:
 
 
 def record_products(shapes=None, rows=PRODUCT_ROWS) -> dict[str, torch.Tensor]:
-    """block_matmul's outputs y (M, out) = x W^T + b + residual by name, float32 activations, for every shape of
-    ``shapes`` (default bench.block_products.SHAPES) in both block formats, every M of ``rows``, at AVX2 and at the
-    CPU's best level (just the plain loops where the CPU has no AVX2)."""
+    """block_matmul's outputs y (M, out) = x W^T + b + residual by name, float32 and int16 activations, for every
+    shape of ``shapes`` (default bench.block_products.SHAPES) in both block formats, every M of ``rows``, at AVX2
+    and at the CPU's best level (just the plain loops where the CPU has no AVX2)."""
     from bench.block_products import SHAPES
     from retopk_core.cpu import decoder_ops
     from retopk_server.runtime.decoder.linear import from_float
@@ -84,11 +84,15 @@ def record_products(shapes=None, rows=PRODUCT_ROWS) -> dict[str, torch.Tensor]:
         x, res = torch.randn(max(rows), n_in, generator=g), torch.randn(max(rows), out, generator=g)
         for fmt in ("int4", "int8"):
             lin = from_float(w, b, fmt)
+            units = decoder_ops.pack_amx(lin.qs, lin.scales)
             for M in rows:
                 for level in levels:
+                    at = f"{name} {out}x{n_in} {fmt} M{M} {decoder_ops.ISA_NAMES[level]}"
                     y = decoder_ops.block_matmul(x[:M], lin.qs, lin.scales, lin.bits, lin.bias, res[:M].contiguous(),
                                                  level, "float32")
-                    outputs[f"block_matmul {name} {out}x{n_in} {fmt} M{M} {decoder_ops.ISA_NAMES[level]}"] = y
+                    outputs[f"block_matmul {at}"] = y
+                    outputs[f"block_matmul int16 {at}"] = decoder_ops.block_matmul(
+                        x[:M], units, lin.scales, lin.bits, lin.bias, res[:M].contiguous(), level, "int16")
     return outputs
 
 

@@ -113,8 +113,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("activations", str, "what the block weights' decode products multiply them with: auto (bf16x2 on a "
                                "CPU with AMX-BF16 serving int4 / int8 / as-stored GGUF weights, else float32), "
                                "float32 (x as it is), int8 (x quantized per block of 32 with one scale, llama.cpp's "
-                               "way, and integer block dots) or bf16x2 (x as two bf16 limbs, about 16 bits of x, on "
-                               "AMX tiles, CPUs with AMX-BF16 only); int8 and bf16x2: CPU and block weights only"),
+                               "way, and integer block dots), bf16x2 (x as two bf16 limbs, about 16 bits of x, on "
+                               "AMX tiles, CPUs with AMX-BF16 only) or int16 (x quantized per block of 32 to int16, "
+                               "2^-16 of the block's largest |x|, and exact integer block dots: AVX-512 VNNI's "
+                               "dpwssd where there is one); int8, bf16x2 and int16: CPU and block weights only"),
     Option("backend", str, "attention backend: auto (ReTopK's fused CPU kernel on a CPU where built, else torch), "
                            "torch (reference code), triton (GPU) or cpu"),
     Option("threads", parse_optional_int, "threads of the model's CPU work (none = the CPUs this process may use: "

@@ -118,3 +118,15 @@ def test_block_products_times_bf16x2_as_a_way(capsys):
     assert all(r["bf16x2_s"] > 0 and r["batch_vs_rows_bf16x2"] > 0 for r in rows)
     out = capsys.readouterr().out
     assert "bf16x2 M/(M x 1)" in out and "; bf16x2 " in out
+
+
+def test_block_products_times_int16_as_a_way(capsys):
+    """--int16: a way on pack_amx's units on any CPU (the int4 products and the LM head's int8), with its batch
+    column and its part of the step lines."""
+    from bench import block_products
+
+    rows = block_products.main(["--shapes", "o", "lm_head", "--threads", "1", "--rows", "1", "2", "--reps", "2",
+                                "--rounds", "1", "--int16"])
+    assert all(r["int16_s"] > 0 and r["batch_vs_rows_int16"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "int16 M/(M x 1)" in out and "; int16 " in out

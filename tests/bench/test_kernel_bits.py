@@ -56,17 +56,20 @@ def test_the_avx512_key_scoring_keeps_the_avx2_loops_bits(tmp_path):
 
 @pytest.mark.skipif(not decoder_ops.available(), reason="the decoder's ops are not built")
 def test_block_products_record_every_row_count_of_both_formats_as_each_row_alone():
-    """The block products' record at one model shape: the same bits twice, both formats at 1..9 rows at each level,
-    and every batch's first row bit for bit the one-row product of that row (a stream's tokens do not depend on
-    its batch, checked at the shapes a step runs)."""
+    """The block products' record at one model shape: the same bits twice, both formats at 1..9 rows at each level
+    with float32 and int16 activations, and every batch's first row bit for bit the one-row product of that row (a
+    stream's tokens do not depend on its batch, checked at the shapes a step runs); int16's the same at every
+    level."""
     shape = [("o", 576, 576, "int4")]
     a = kernel_bits.record_products(shape)
     levels = {n.rsplit(" ", 1)[1] for n in a}
-    assert len(a) == 2 * len(kernel_bits.PRODUCT_ROWS) * len(levels)
+    assert len(a) == 2 * 2 * len(kernel_bits.PRODUCT_ROWS) * len(levels)
     assert kernel_bits.differing(a, kernel_bits.record_products(shape)) == []
     for fmt in ("int4", "int8"):
-        for level in levels:
-            one = a[f"block_matmul o 576x576 {fmt} M1 {level}"]
-            for M in kernel_bits.PRODUCT_ROWS:
-                y = a[f"block_matmul o 576x576 {fmt} M{M} {level}"]
-                assert y.shape == (M, 576) and torch.equal(y[:1], one), (fmt, M, level)
+        for way in ("", "int16 "):
+            for level in levels:
+                one = a[f"block_matmul {way}o 576x576 {fmt} M1 {level}"]
+                for M in kernel_bits.PRODUCT_ROWS:
+                    y = a[f"block_matmul {way}o 576x576 {fmt} M{M} {level}"]
+                    assert y.shape == (M, 576) and torch.equal(y[:1], one), (way, fmt, M, level)
+                    assert not way or torch.equal(y, a[f"block_matmul int16 o 576x576 {fmt} M{M} {min(levels)}"])

@@ -49,13 +49,14 @@ def _spy(monkeypatch, module, name: str) -> list:
     return seen
 
 
-@pytest.mark.parametrize(("name", "activations"), [(name, "float32") for name in METHODS] + [("retopk", "int8")] + [
+@pytest.mark.parametrize(("name", "activations"), [(name, "float32") for name in METHODS] + [("retopk", "int8"),
+                                                                                             ("retopk", "int16")] + [
     pytest.param("retopk", "bf16x2", marks=pytest.mark.skipif(not decoder_ops.amx_available(),
                                                               reason="bf16x2 needs AMX-BF16"))])
 def test_one_call_equals_layer_by_layer(name, activations, monkeypatch):
     """Two pairs of sessions on the same prompts, decoded as batches of two: one pair in one call per step, the
     other layer by layer. Every step's logits and statistics, and in the end every KV row and state tensor,
-    are equal; the one-call path really ran (a spy counts its calls). With int8 and bf16x2 activations as well; with
+    are equal; the one-call path really ran (a spy counts its calls). With int8, int16 and bf16x2 activations too; with
     tau_guard, some head's tau rose above tau0 (the guard acted in both); with recall_successors, some reuse head
     scored more candidates than R*K + W (the successors were among them in both)."""
     runner = runner_for(tiny_model("llama", layers=3), METHODS[name], weights="int4", kv_dtype="bfloat16",

@@ -86,9 +86,10 @@ class Decoder:
 
     def check_activations(self, activations: str) -> None:
         """Raise ValueError saying why the block products cannot take ``activations`` ("float32", "int8": x
-        quantized per block of 32, decoder_ops.cpp; "bf16x2": x as two bf16 limbs on AMX tiles): int8 and bf16x2
-        need block weights (without them the products would not change), bf16x2 a CPU with AMX-BF16 and every
-        block weight's out features a multiple of 16 (Linear.check_activations)."""
+        quantized per block of 32, decoder_ops.cpp; "bf16x2": x as two bf16 limbs on AMX tiles; "int16": x quantized
+        per block of 32 to int16, exact integer block dots): int8, bf16x2 and int16 need block weights (without them
+        the products would not change), bf16x2 a CPU with AMX-BF16, bf16x2 and int16 every block weight's out
+        features a multiple of 16 (Linear.check_activations); int16 runs on every CPU."""
         decoder_ops.activation_code(activations)  # refuses an unknown name
         blocks = [lin for lin in self.linears() if is_blocks(lin)]
         if activations != "float32" and not blocks:
@@ -124,7 +125,7 @@ class Decoder:
         for lin in self.linears():
             if is_blocks(lin):
                 lin.set_activations(activations)
-        self.__dict__.pop("layer_arguments", None)  # the fused layers' weights: bf16x2's are other tensors
+        self.__dict__.pop("layer_arguments", None)  # the fused layers' weights: bf16x2's and int16's are units
         self.activations = activations
 
     def fused_rows(self, rows: int) -> bool:
