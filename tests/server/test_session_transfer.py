@@ -211,13 +211,14 @@ def test_a_mismatched_model_setup_is_refused_naming_what_differs(fake_server, pa
 BLOCKS = "int4, lm_head int8"  # a GGUF model's weight_format (ModelInfo) with float32 activations
 
 
-@pytest.mark.parametrize("activations", ["float32", "bf16x2", "int8"])
-def test_the_fingerprint_takes_bf16x2_activations_as_float32_and_int8_apart(activations):
+@pytest.mark.parametrize("activations", ["float32", "bf16x2", "int16", "int8"])
+def test_the_fingerprint_takes_bf16x2_and_int16_activations_as_float32_and_int8_apart(activations):
     """model_fingerprint / check_model on the weight formats the decoder shows (", activations NAME" after the
-    weights, nothing for float32): bf16x2's fingerprint is float32's, so a session moves between the two (either
-    way, and from an earlier server that wrote bf16x2's whole string); int8's is another; what users see
+    weights, nothing for float32): bf16x2's and int16's fingerprints are float32's, so a session moves between the
+    three (either way, and from an earlier server that wrote the whole string); int8's is another; what users see
     (ModelInfo.weight_format) keeps the activations."""
-    shown = {"float32": BLOCKS, "bf16x2": BLOCKS + ", activations bf16x2", "int8": BLOCKS + ", activations int8"}
+    shown = {"float32": BLOCKS, "bf16x2": BLOCKS + ", activations bf16x2", "int16": BLOCKS + ", activations int16",
+             "int8": BLOCKS + ", activations int8"}
     info = {a: dataclasses.replace(FakeRunner().info, weight_format=f) for a, f in shown.items()}
     here = info[activations]
     assert here.weight_format == shown[activations]
@@ -236,13 +237,14 @@ def test_the_fingerprint_takes_bf16x2_activations_as_float32_and_int8_apart(acti
                                 "artifact"), (activations, there)
 
 
-def test_a_session_moves_between_float32_and_bf16x2_servers_not_to_int8(fake_server, pair):
+@pytest.mark.parametrize("taker", ["bf16x2", "int16"])
+def test_a_session_moves_between_float32_and_bf16x2_or_int16_servers_not_to_int8(fake_server, pair, taker):
     """Over gRPC: alice's artifact from a float32 server (weight format ``BLOCKS``) imports into a server showing
-    bf16x2 activations, whose turn continues as the fake's reference does, and is refused by an int8 one naming
-    the weight format."""
+    bf16x2 (or int16) activations, whose turn continues as the fake's reference does, and is refused by an int8 one
+    naming the weight format."""
     _, _, _, path = pair
     servers = {}
-    for activations in ("float32", "bf16x2", "int8"):
+    for activations in ("float32", taker, "int8"):
         runner = FakeRunner()
         shown = BLOCKS + ("" if activations == "float32" else f", activations {activations}")
         runner.info = dataclasses.replace(runner.info, weight_format=shown)
@@ -254,7 +256,7 @@ def test_a_session_moves_between_float32_and_bf16x2_servers_not_to_int8(fake_ser
     code, details = import_status(servers["int8"], data)
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert f"(weight_format: '{BLOCKS}, activations int8' here, '{BLOCKS}' in the artifact)" in details, details
-    with Client(servers["bf16x2"].address, api_key=KEYS["alice"], timeout=30) as alice:
+    with Client(servers[taker].address, api_key=KEYS["alice"], timeout=30) as alice:
         assert alice.import_session(data).session_id == "s"
         [third] = greedy_turns(alice, "s", TURNS[2:])
     context = []

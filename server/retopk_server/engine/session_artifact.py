@@ -82,7 +82,7 @@ class SessionArtifact:
 
 def model_fingerprint(info) -> dict:
     """The runner's ModelInfo entries an imported session depends on (MODEL_FIELDS), weight_format as
-    ``compared_weight_format`` has it: float32 and bf16x2 activations are one fingerprint, int8's another.
+    ``compared_weight_format`` has it: float32, bf16x2 and int16 activations are one fingerprint, int8's another.
 
     Why a session moves between float32 and bf16x2 products: bf16x2 keeps each x to 2^-17 relative (two bf16
     limbs, |x - hi - lo| <= 2^-17 |x|), its products of bf16 are exact and its sums float32, so a product differs
@@ -92,9 +92,14 @@ def model_fingerprint(info) -> dict:
     (float32 block loops of 8 and 16 lanes, their sums in other orders) take each other's sessions, though
     bf16x2's differences are the larger (docs/bench/history.md, issue 28). A moved session is then no further
     from either server's own than one served on bf16x2 throughout, whose greedy tokens and perplexity were
-    float32's (BENCHMARKS.md). int8 activations round x to 2^-8 of its block's largest value and flip greedy
-    tokens, so they stay apart. Tests: tests/server/test_session_transfer.py (the fingerprints) and
-    tests/server/runtime/test_bf16x2_activations.py (a moved session continues as the one that never moved)."""
+    float32's (BENCHMARKS.md). int16 activations round x to half a step of 2^-15 of its block's largest value
+    (2^-16 of it at most) and multiply exactly in integers, so a product differs from float32's by at most about
+    sum_b 2^-16 max_j |x_bj| sum_j |W_bj|: the same league, also far below the bfloat16 KV cache's rounding, and its
+    greedy tokens and KJV perplexity were float32's too (docs/bench/history.md, 2026-12-07, helper h61); an AMD Zen 4
+    server (int16 by default) and an AVX2 or an AMX one take each other's sessions. int8 activations round x to
+    2^-8 of its block's largest value and flip greedy tokens, so they stay apart. Tests:
+    tests/server/test_session_transfer.py (the fingerprints), tests/server/runtime/test_bf16x2_activations.py and
+    test_int16_activations.py (a moved session continues as the one that never moved)."""
     fingerprint = {name: getattr(info, name) for name in MODEL_FIELDS}
     fingerprint["weight_format"] = compared_weight_format(fingerprint["weight_format"])
     return fingerprint
@@ -103,7 +108,7 @@ def model_fingerprint(info) -> dict:
 def check_model(artifact: SessionArtifact, info) -> str | None:
     """What differs between the artifact's model and ``info``'s (``"kv_dtype: bfloat16 here, float32 in the
     artifact; ..."``), or None when they match. The artifact's weight_format is compared as ``model_fingerprint``
-    has it (an earlier server wrote bf16x2's whole)."""
+    has it (an earlier server wrote bf16x2's or int16's whole)."""
     here, there = model_fingerprint(info), dict(artifact.model)
     if isinstance(there.get("weight_format"), str):
         there["weight_format"] = compared_weight_format(there["weight_format"])

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import first_step, greedy, prompt_ids, runner_for, tiny_model
+from runtime_helpers import first_step, greedy, prompt_ids, runner_for, three_turns, tiny_model
 
 from retopk_core.cpu import decoder_ops
-from retopk_server.runtime import ModelRunner, RuntimeConfig
+from retopk_server.engine import session_artifact
+from retopk_server.engine.session_artifact import SessionArtifact, check_model, model_fingerprint
+from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, from_float, is_blocks
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
@@ -267,6 +269,28 @@ def test_runtime_option_refuses_what_it_cannot_apply():
     assert all(lin.activations == "float32" for lin in runner.decoder.linears() if is_blocks(lin))
 
 
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("way", [("float32", "int16"), ("int16", "float32")])
+def test_a_session_moves_between_float32_and_int16_runners_and_continues_as_never_moved(way, weights):
+    """Three greedy turns of ReTopK on one runner, saved as a session artifact (its bytes and model fingerprint, as
+    a server saves or hands off), checked and loaded by a runner with the other activations (the fingerprints match:
+    int16 is among llama.SAME_AS_FLOAT32): its fourth turn's greedy tokens equal those of the same session
+    continued where it was made."""
+    model = tiny_model("llama", layers=2)
+    spec = MethodSpec.of("retopk", top_k=8, cache_size=4, window=2, recall=2, tau=0.5, refresh_every=5)
+    made, taken = (runner_for(model, spec, weights=weights, kv_dtype="bfloat16", activations=a) for a in way)
+    assert made.info.weight_format != taken.info.weight_format
+    session = made.open_session()
+    pending = three_turns(made, session)
+    saved = session_artifact.encode(SessionArtifact(state=made.export_session(session),
+                                                    model=model_fingerprint(made.info), owner="", session_id="s"))
+    loaded = session_artifact.decode(saved)
+    assert check_model(loaded, taken.info) is None
+    moved = taken.import_session(loaded.state)
+    fourth = [pending] + prompt_ids(11, seed=9)
+    assert greedy(taken, moved, fourth, 8) == greedy(made, session, fourth, 8)
+
+
 CHATS = ([{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": "Write two sentences about the sea."}],
          [{"role": "user", "content": "List three prime numbers and explain why they are prime."}])
@@ -287,3 +311,4 @@ def test_real_model_greedy_tokens_equal_float32_activations(embedded_model):
             tokens[a] = greedy(runner, session, runner.encode_chat(chat), 32)
             runner.close_session(session)
         assert tokens["int16"] == tokens["float32"], chat
+

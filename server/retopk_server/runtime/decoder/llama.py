@@ -166,7 +166,7 @@ def shown_activations(activations: str) -> str:
 
 # Activations whose products a session moves across as if they were float32's (engine/session_artifact.py's
 # model_fingerprint says why); int8's are not among them.
-SAME_AS_FLOAT32 = ("bf16x2",)
+SAME_AS_FLOAT32 = ("bf16x2", "int16")
 
 
 def compared_weight_format(weight_format: str) -> str:
