@@ -12,8 +12,8 @@ runtime/whole_step.py) and layer by layer in Python, and prints the ratio. ``--c
 the same with the block products' activations (RuntimeConfig.activations; float32 and int8 unless named, e.g.
 ``float32 bf16x2`` on a CPU with AMX; ``auto`` as the server resolves it), each against the first, on the step
 thread's CPU clock with ``--threads 1`` (wall time otherwise), and ``--activations`` picks them for a plain run:
-"auto" by default, what the server runs by default (bf16x2 where the decoder takes it, else float32:
-Decoder.auto_activations), and the header's weights show what it became.
+"auto" by default, what the server runs by default (bf16x2 with AMX, int16 with AVX-512 VNNI, where the decoder
+takes it, else float32: Decoder.auto_activations), and the header's weights show what it became.
 
 ``--step-turns`` opens one session per method and decodes them one after another within every step, the order
 rotating, so a loaded machine's drift hits each method alike: per method the median step, attention

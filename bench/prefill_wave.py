@@ -6,9 +6,9 @@ shared forward (``runner.prefill_together``), then the sessions closed. The prom
 of about 48 tokens (``PROMPTS``, cycled past eight). Each part is timed on the thread's CPU clock
 (``time.thread_time``, what a loaded machine's other work inflates least), on one torch thread, with the server's
 default method and weights. With several ``--activations`` each gets its own runner and they take turns, round by
-round; "auto" (the default) is what the server runs by default (bf16x2 where the decoder takes it, else float32:
-Decoder.auto_activations), its rows labelled with what it resolved to. Prints per activations the median ms of each
-part and of the whole wave over all timed waves.
+round; "auto" (the default) is what the server runs by default (bf16x2 with AMX, int16 with AVX-512 VNNI, where
+the decoder takes it, else float32: Decoder.auto_activations), its rows labelled with what it resolved to. Prints
+per activations the median ms of each part and of the whole wave over all timed waves.
 
     python -m bench.prefill_wave --prompts 8 --waves 4 --rounds 3 --activations float32 bf16x2
 

@@ -28,8 +28,9 @@ does wall time. Without it idle threads spin and "all" counts their spinning.
 
     python -m bench.step_parts --threads 2 --rows 8 --steps 30 --rounds 3 --activations float32 bf16x2
 
-``--activations`` is "auto" unless named: what the server runs by default (bf16x2 where the decoder takes it,
-else float32: Decoder.auto_activations), shown resolved in the header and the table's rows.
+``--activations`` is "auto" unless named: what the server runs by default (bf16x2 with AMX, int16 with AVX-512
+VNNI, where the decoder takes it, else float32: Decoder.auto_activations), shown resolved in the header and the
+table's rows.
 """
 
 from __future__ import annotations

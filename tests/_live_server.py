@@ -32,12 +32,11 @@ LISTENING = re.compile(r"listening on (\S+):(\d+)")
 def served_weight_format() -> str:
     """ModelInfo.weight_format of a launched server on the embedded model: its GGUF blocks as stored (int4, the
     LM head int8), with the block products' activations that the default "auto" resolves to on this machine
-    (under this process's RETOPK_CPU_ISA, which the server inherits): bf16x2 where the CPU has AMX-BF16, float32
-    (shown by nothing) elsewhere."""
-    from retopk_core.cpu import decoder_ops
-    from retopk_server.runtime.decoder.llama import shown_activations
+    (under this process's RETOPK_CPU_ISA, which the server inherits): bf16x2 where the CPU has AMX-BF16, int16 with
+    AVX-512 VNNI, float32 (shown by nothing) elsewhere (llama.cpu_activations)."""
+    from retopk_server.runtime.decoder.llama import cpu_activations, shown_activations
 
-    return "int4, lm_head int8" + shown_activations("bf16x2" if decoder_ops.amx_available() else "float32")
+    return "int4, lm_head int8" + shown_activations(cpu_activations()[0])
 
 
 def free_port() -> int:

@@ -111,7 +111,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_dtype", str, "KV cache dtype: auto (bfloat16), float32 (also float32 prefill matmuls: no 16-bit "
                             "rounding anywhere), bfloat16 or float16"),
     Option("activations", str, "what the block weights' decode products multiply them with: auto (bf16x2 on a "
-                               "CPU with AMX-BF16 serving int4 / int8 / as-stored GGUF weights, else float32), "
+                               "CPU with AMX-BF16 serving int4 / int8 / as-stored GGUF weights, int16 on one with "
+                               "AVX-512 VNNI but no AMX, else float32), "
                                "float32 (x as it is), int8 (x quantized per block of 32 with one scale, llama.cpp's "
                                "way, and integer block dots), bf16x2 (x as two bf16 limbs, about 16 bits of x, on "
                                "AMX tiles, CPUs with AMX-BF16 only) or int16 (x quantized per block of 32 to int16, "

@@ -63,14 +63,14 @@ def test_compare_activations_prints_both_ways(capsys):
 
 @pytest.mark.full
 def test_compare_activations_resolves_auto_as_the_server_does(capsys):
-    """--compare-activations auto times what the server's default resolves to (bf16x2 with AMX, else float32),
-    named so, once however often it is asked for."""
-    from retopk_core.cpu import decoder_ops
+    """--compare-activations auto times what the server's default resolves to (bf16x2 with AMX, int16 with AVX-512
+    VNNI, else float32), named so, once however often it is asked for."""
+    from retopk_server.runtime.decoder.llama import cpu_activations
 
     decode_step.main(["--length", "40", "--methods", "full", "--steps", "2", "--warmup", "1", "--rounds", "1",
                       "--threads", "1", "--compare-activations", "auto", "int8", "auto"])
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    resolved = "bf16x2" if decoder_ops.amx_available() else "float32"
+    resolved = cpu_activations()[0]
     assert "auto" not in line and line.count(f"{resolved} activations median") == 1
     assert f"{resolved} / int8" in line
 

@@ -6,10 +6,11 @@ from bench import prefill_wave
 
 
 def _served_activations() -> str:
-    """What the server's default activations (auto) are on the embedded model's int4 blocks: bf16x2 with AMX."""
-    from retopk_core.cpu import decoder_ops
+    """What the server's default activations (auto) are on the embedded model's int4 blocks: bf16x2 with AMX, int16
+    with AVX-512 VNNI."""
+    from retopk_server.runtime.decoder.llama import cpu_activations
 
-    return "bf16x2" if decoder_ops.amx_available() else "float32"
+    return cpu_activations()[0]
 
 
 @pytest.mark.full

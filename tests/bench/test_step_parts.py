@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench import step_parts
-from retopk_core.cpu import decoder_ops
+from retopk_server.runtime.decoder.llama import cpu_activations, shown_activations
 
 
 @pytest.mark.full
@@ -14,8 +14,9 @@ def test_step_parts_prints_every_part_at_one_row_and_at_the_batch(capsys):
     assert all(med[part][m] > 0 for part in ("step", "attn_in", "mlp_out", "lm_head") for m in (1, 2))
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[2:]] == list(step_parts.PARTS)
-    # by default the server's activations (auto): bf16x2 on the embedded model's int4 blocks with AMX
-    shown = ", activations bf16x2" if decoder_ops.amx_available() else ""
+    # by default the server's activations (auto): bf16x2 on the embedded model's int4 blocks with AMX, int16 with
+    # AVX-512 VNNI
+    shown = shown_activations(cpu_activations()[0])
     assert lines[0].endswith(f"weights int4, lm_head int8{shown}, one thread")
 
 

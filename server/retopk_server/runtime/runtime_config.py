@@ -82,8 +82,10 @@ class RuntimeConfig:
                     norms and the residual stream stay as they are. Refused for
                     a device other than the CPU and for a model without block weights. "auto" (the default):
                     bf16x2 where the decoder accepts it (a CPU device with AMX-BF16, block weights whose out
-                    features are multiples of 16: Decoder.auto_activations), else float32; resolved once at
-                    load, and what it resolved to is what ModelInfo's weight_format shows
+                    features are multiples of 16: Decoder.auto_activations), else int16 where it accepts that
+                    and the block products run at AVX-512 VNNI's level (AMD Zen 4, Intel without AMX), else
+                    float32; resolved once at load, and what it resolved to is what ModelInfo's weight_format
+                    shows
     backend         "torch" (the reference code, any device), "triton" (GPU kernels), "cpu" (ReTopK, Full and
                     Exact Top-K through the fused C++ kernel, retopk_core/cpu, the other methods' torch code) or
                     "auto": "cpu" on a CPU device where that kernel was built and loads, else "torch"; see

@@ -21,6 +21,7 @@ from retopk_server.engine.session_artifact import SessionArtifact, check_model, 
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 from retopk_server.runtime import runtime_config as rc
 from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, is_blocks
+from retopk_server.runtime.decoder.llama import cpu_activations
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 needs_amx = pytest.mark.skipif(not decoder_ops.amx_available(), reason="the CPU has no AMX-BF16 (bf16x2 is refused)")
@@ -257,22 +258,25 @@ def test_runtime_option_refuses_a_cpu_without_amx(monkeypatch):
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8", "float32"])
-def test_auto_picks_bf16x2_where_amx_and_the_weights_take_it_else_float32(weights, monkeypatch):
-    """activations=auto (the default) resolves at load to bf16x2 on block weights where the CPU has AMX (this
-    machine's decoder_ops.amx_available), to float32 without AMX (the check monkeypatched) or on float weights;
-    the runner shows what it resolved to, as the explicit option's runner does."""
+def test_auto_picks_bf16x2_with_amx_int16_with_vnni_else_float32(weights, monkeypatch):
+    """activations=auto (the default) resolves at load, on block weights, to bf16x2 where the CPU has AMX (this
+    machine's decoder_ops.amx_available), else to int16 where the block products run at AVX-512 VNNI's level (an
+    AMX CPU too, its check monkeypatched), else to float32; on float weights to float32; the runner shows what it
+    resolved to, as the explicit option's runner does."""
     model = tiny_model("llama", layers=1)
-    picks = "bf16x2" if weights != "float32" and decoder_ops.amx_available() else "float32"
+    blocks, vnni = weights != "float32", decoder_ops.isa() >= decoder_ops.ISA_NAMES.index("avx512_vnni")
+    picks = ("bf16x2" if decoder_ops.amx_available() else "int16" if vnni else "float32") if blocks else "float32"
     auto = runner_for(model, weights=weights)
     assert auto.config.activations == "auto" and auto.decoder.activations == picks
     assert auto.info.weight_format == runner_for(model, weights=weights, activations=picks).info.weight_format
     monkeypatch.setattr(decoder_ops, "amx_available", lambda: False)
-    assert runner_for(model, weights=weights).decoder.activations == "float32"
+    assert runner_for(model, weights=weights).decoder.activations == ("int16" if blocks and vnni else "float32")
 
 
 def test_auto_picks_float32_where_out_features_are_not_multiples_of_16():
-    """A model whose LM head bf16x2 refuses (a vocabulary of 264: out features not a multiple of 16): auto falls
-    back to float32, for the reason the explicit option is refused with (on a CPU without AMX, that one)."""
+    """A model whose LM head bf16x2 and int16 refuse (a vocabulary of 264: out features not a multiple of 16): auto
+    falls back to float32, for the reason the explicit option this CPU would pick is refused with (on a CPU with
+    neither AMX nor AVX-512 VNNI, that one)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -282,10 +286,14 @@ def test_auto_picks_float32_where_out_features_are_not_multiples_of_16():
     runner = runner_for(model, weights="int4")
     assert runner.decoder.activations == "float32" and runner.info.weight_format.startswith("int4")
     activations, why = runner.decoder.auto_activations()
-    with pytest.raises(ValueError) as refused:
-        runner.decoder.set_activations("bf16x2")
-    assert activations == "float32" and why == str(refused.value)
-    assert ("multiple of 16" if decoder_ops.amx_available() else "AMX") in why
+    picked, cpu_why = cpu_activations()
+    assert activations == "float32"
+    if picked == "float32":
+        assert why == cpu_why and "AMX" in why
+    else:
+        with pytest.raises(ValueError) as refused:
+            runner.decoder.set_activations(picked)
+        assert why == str(refused.value) and "multiple of 16" in why
 
 
 def test_resolve_activations_names_auto_as_it_resolves_each_once_in_order():
@@ -293,7 +301,7 @@ def test_resolve_activations_names_auto_as_it_resolves_each_once_in_order():
     is timed once, and the order of first mention is kept."""
     runner = runner_for(tiny_model("llama", layers=1), weights="int4")
     auto = runner.decoder.auto_activations()[0]
-    expected = ["int8", "bf16x2", "float32"] if auto == "bf16x2" else ["int8", "float32"]
+    expected = ["int8", auto, "float32"] if auto != "float32" else ["int8", "float32"]
     assert runner.decoder.resolve_activations(["int8", "auto", "float32", "auto", "int8"]) == expected
     assert runner.decoder.resolve_activations(["auto"]) == [auto]
     assert runner.decoder.resolve_activations(["float32", "int8"]) == ["float32", "int8"]

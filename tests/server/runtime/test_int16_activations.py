@@ -312,3 +312,22 @@ def test_real_model_greedy_tokens_equal_float32_activations(embedded_model):
             runner.close_session(session)
         assert tokens["int16"] == tokens["float32"], chat
 
+
+@pytest.mark.parametrize("level", ["avx512", "avx2"])
+def test_auto_picks_int16_only_at_the_avx512_vnni_level(level):
+    """RETOPK_CPU_ISA below avx512_vnni (this machine seen as an AVX-512 one without VNNI, or an AVX2 one): auto
+    serves int4 weights with float32 products (int16's loop there is AVX2's madd, not measured against float32's),
+    on a CPU without AMX; the reason names the level."""
+    lib = decoder_ops.extension()
+    before = lib.isa_level()
+    if decoder_ops.ISA_NAMES.index(level) > before:
+        pytest.skip(f"this CPU's level is below {level}")
+    lib.set_isa_level(decoder_ops.ISA_NAMES.index(level))
+    try:
+        runner = runner_for(tiny_model("llama", layers=1), weights="int4")
+        amx = decoder_ops.amx_available()
+        assert runner.decoder.activations == ("bf16x2" if amx else "float32")
+        if not amx:
+            assert level in runner.decoder.auto_activations()[1]
+    finally:
+        lib.set_isa_level(before)

@@ -104,13 +104,16 @@ class Decoder:
             lin.check_activations(activations)
 
     def auto_activations(self) -> tuple[str, str]:
-        """What RuntimeConfig's activations "auto" resolves to, and why: "bf16x2" where ``check_activations``
-        accepts it (its products within 2^-17 of x's, faster at several rows), else "float32" with the refusal."""
+        """What RuntimeConfig's activations "auto" resolves to, and why: ``cpu_activations()``'s pick where
+        ``check_activations`` accepts it, else "float32" with the refusal."""
+        activations, why = cpu_activations()
+        if activations == "float32":
+            return activations, why
         try:
-            self.check_activations("bf16x2")
+            self.check_activations(activations)
         except ValueError as e:
             return "float32", str(e)
-        return "bf16x2", "AMX-BF16 present and every block weight takes it"
+        return activations, f"{why} and every block weight takes it"
 
     def resolve_activations(self, names: list[str]) -> list[str]:
         """``names`` (RuntimeConfig activations choices) with "auto" as ``auto_activations`` resolves it, each once,
@@ -157,6 +160,21 @@ class Decoder:
         """``matmul_format`` and the block products' activations where they are not float32 ("int4, lm_head int8,
         activations int8")."""
         return self.matmul_format + shown_activations(self.activations)
+
+
+def cpu_activations() -> tuple[str, str]:
+    """What "auto" picks on this CPU for block weights that take every activations (out features multiples of 16,
+    as the embedded model's), and why: "bf16x2" with AMX-BF16 (amx_available), else "int16" where the block
+    products run at AVX-512 VNNI's level (dpwssd: faster than float32 at one row and at eight on Zen 4,
+    docs/bench/history.md, 2026-12-07, helper h61), else "float32" (int16's AVX2 loop, timed on that Zen 4 only,
+    was measured on no AVX2 machine). Each of the two keeps float32's greedy tokens."""
+    if decoder_ops.amx_available():
+        return "bf16x2", "AMX-BF16 present"
+    level = decoder_ops.isa() if decoder_ops.available() else 0
+    if level >= decoder_ops.ISA_NAMES.index("avx512_vnni"):
+        return "int16", "no AMX-BF16, AVX-512 VNNI present"
+    return "float32", (f"neither AMX-BF16 (bf16x2) nor AVX-512 VNNI (int16) at the block products' level "
+                       f"({decoder_ops.ISA_NAMES[level]}; or the fused CPU library is not built)")
 
 
 def shown_activations(activations: str) -> str:
