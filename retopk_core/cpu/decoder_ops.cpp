@@ -400,11 +400,9 @@ TARGET_AVX2 void q8_dot_avx2_wide(const uint8_t* qs, const uint16_t* sc, int64_t
   for (int r = 0; r < MR; ++r) acc[r] = hsum256(_mm256_add_ps(a0[r], a1[r]));
 }
 
-// quantize_block_scalar with AVX2: the same float operations (a max, one division, one reciprocal, products
-// rounded half to even), so the same bytes and scales.
-TARGET_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* ds) {
+// A block of 32 floats of x into v[0..3] -> max_j |x_j| (the quantizers' first step).
+TARGET_AVX2 inline float load_block_amax(const float* x, __m256* v) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4];
   __m256 mx = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) {
     v[k] = _mm256_loadu_ps(x + 8 * k);
@@ -413,22 +411,34 @@ TARGET_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* ds) {
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
+  return _mm_cvtss_f32(m4);
+}
+
+// The sum of a block's 32 int32 values i[0..3] (exact for the quantizers' values).
+TARGET_AVX2 inline int32_t sum_block_epi32(const __m256i* i) {
+  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// quantize_block_scalar with AVX2: the same float operations (a max, one division, one reciprocal, products
+// rounded half to even), so the same bytes and scales.
+TARGET_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* ds) {
+  __m256 v[4];
+  const float amax = load_block_amax(x, v);
   const float dx = amax >= kMinAmax ? amax / 127.f : 0.f, id = dx > 0.f ? 1.f / dx : 0.f;
   const __m256 vid = _mm256_set1_ps(id);
   __m256i i[4];
   for (int k = 0; k < 4; ++k)
     i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
   // packs work per 128-bit lane: the permute puts the four groups of 8 back in order
   const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   ds[0] = dx;
-  ds[1] = dx * static_cast<float>(_mm_cvtsi128_si32(s));
+  ds[1] = dx * static_cast<float>(sum_block_epi32(i));
 }
 
 // One Q4_1 block against MR rows of quantized x: the nibbles as 32 unsigned bytes (low nibbles are elements
@@ -958,31 +968,18 @@ void quantize_block16_scalar(const float* x, int16_t* q, float* ss) {
 // quantize_block16_scalar with AVX2: the same float operations (a max, two divisions, products rounded half to even
 // by cvtps under the default rounding mode), so the same values and scales.
 TARGET_AVX2 void quantize_block16_avx2(const float* x, int16_t* q, float* ss) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4];
-  __m256 mx = _mm256_setzero_ps();
-  for (int k = 0; k < 4; ++k) {
-    v[k] = _mm256_loadu_ps(x + 8 * k);
-    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
-  }
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
+  const float amax = load_block_amax(x, v);
   const bool zero = !(amax >= kMinAmax16);
   const __m256 inv = _mm256_set1_ps(zero ? 0.f : kMaxInt16 / amax);
   __m256i i[4];
   for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
-  const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
   // packs work per 128-bit lane: the permute puts the two groups of 8 of each half back in order
   for (int h = 0; h < 2; ++h)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * h),
                         _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2 * h], i[2 * h + 1]), _MM_SHUFFLE(3, 1, 2, 0)));
   ss[0] = zero ? 0.f : amax / kMaxInt16;
-  ss[1] = ss[0] * static_cast<float>(_mm_cvtsi128_si32(s));
+  ss[1] = ss[0] * static_cast<float>(sum_block_epi32(i));
 }
 #endif
 

@@ -71,6 +71,24 @@ def three_turns(runner: ModelRunner, session) -> int:
     return last
 
 
+def moved_and_kept(made: ModelRunner, taken: ModelRunner) -> tuple[list[int], list[int]]:
+    """Three greedy turns of ReTopK on ``made``, saved as a session artifact (its bytes and model fingerprint, as a
+    server saves or hands off), checked and loaded by ``taken`` -> the fourth turn's greedy tokens on ``taken`` (the
+    moved session) and on ``made`` (the same session continued where it was made)."""
+    from retopk_server.engine import session_artifact
+    from retopk_server.engine.session_artifact import SessionArtifact, check_model, model_fingerprint
+
+    session = made.open_session()
+    pending = three_turns(made, session)
+    saved = session_artifact.encode(SessionArtifact(state=made.export_session(session),
+                                                    model=model_fingerprint(made.info), owner="", session_id="s"))
+    loaded = session_artifact.decode(saved)
+    assert check_model(loaded, taken.info) is None
+    moved = taken.import_session(loaded.state)
+    fourth = [pending] + prompt_ids(11, seed=9)
+    return greedy(taken, moved, fourth, 8), greedy(made, session, fourth, 8)
+
+
 def first_step(runner: ModelRunner, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """A fresh session of the runner's default method: its KV pools' K rows after the prefill (one per layer),
     the prefill's logits and the logits of one decode step fed their argmax."""

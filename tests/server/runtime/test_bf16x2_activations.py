@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runtime_helpers import first_step, greedy, prompt_ids, runner_for, three_turns, tiny_model
+from runtime_helpers import first_step, greedy, moved_and_kept, prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.engine import session_artifact
@@ -332,15 +332,8 @@ def test_a_session_moves_between_float32_and_bf16x2_runners_and_continues_as_nev
     model = tiny_model("llama", layers=2)
     spec = MethodSpec.of("retopk", top_k=8, cache_size=4, window=2, recall=2, tau=0.5, refresh_every=5)
     made, taken = (runner_for(model, spec, weights=weights, kv_dtype="bfloat16", activations=a) for a in way)
-    session = made.open_session()
-    pending = three_turns(made, session)
-    saved = session_artifact.encode(SessionArtifact(state=made.export_session(session),
-                                                    model=model_fingerprint(made.info), owner="", session_id="s"))
-    loaded = session_artifact.decode(saved)
-    assert check_model(loaded, taken.info) is None
-    moved = taken.import_session(loaded.state)
-    fourth = [pending] + prompt_ids(11, seed=9)
-    assert greedy(taken, moved, fourth, 8) == greedy(made, session, fourth, 8)
+    moved, kept = moved_and_kept(made, taken)
+    assert moved == kept
 
 
 CHATS = ([{"role": "user", "content": "What is the capital of France?"}],
