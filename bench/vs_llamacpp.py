@@ -41,13 +41,13 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING
 
+from bench.provenance import checkout_commit, cpu_model
 from retopk_core.hugepages import enable_transparent_hugepages
 from retopk_core.models import DEFAULT_MODEL
 
@@ -414,24 +414,6 @@ def make_runner(args, spec, rope: float | None) -> ModelRunner:
                                      **args.runtime_options))
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=FsPath(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in FsPath("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.check:
@@ -463,12 +445,12 @@ def main(argv=None) -> list[dict]:
     if len(ids) < max(args.lengths):
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the longest length {max(args.lengths)}")
     meta = {"command": "python -m bench.vs_llamacpp " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "commit": _commit(), "model": args.model, "gguf": str(path), "gguf_tensor_bytes": gguf_bytes,
+            "commit": checkout_commit(), "model": args.model, "gguf": str(path), "gguf_tensor_bytes": gguf_bytes,
             "trained_positions": trained, "threads": args.threads, "rounds": args.rounds,
             "new_tokens": args.new_tokens, "methods": {t: s.describe() for t, s in methods},
             "runtime": args.runtime_options, "llama_cpp": llama_cpp.__version__,
             "llama_cpp_system": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-            "torch": torch.__version__, "cpu": _cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node(),
+            "torch": torch.__version__, "cpu": cpu_model(), "l3_bytes": l3_bytes(), "host": platform.node(),
             "load_average_before": load_before, "cores": os.cpu_count(), "openmp": openmp_runtimes(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "retopk_weights": runner.info.weight_format, "retopk_kv_dtype": runner.info.kv_dtype,
