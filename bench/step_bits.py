@@ -7,10 +7,12 @@ anything else in a decode step is checked here on the model itself: the embedded
 server serves them) greedy-decodes --steps tokens after the first --length tokens of the KJV, once per method of
 --methods ("default" is the server's default method) at each torch thread count of --threads, each in a fresh
 session. Record with the library before the change and with the library after it, each from its own checkout and
-build, then compare: ``torch.equal``'s strictness and more, every tensor's bits (NaN, -0.0 included).
+build, then compare: ``torch.equal``'s strictness and more, every tensor's bits (NaN, -0.0 included). Each record
+must run its own checkout's packages, and an editable install puts one checkout's server/ on every checkout's path:
+hence PYTHONPATH (``record`` warns when a package comes from elsewhere).
 
-    (in the baseline checkout) python -m bench.step_bits record /tmp/before.pt
-    (in the changed checkout)  python -m bench.step_bits record /tmp/after.pt
+    (in the baseline checkout) PYTHONPATH=.:server:client python -m bench.step_bits record /tmp/before.pt
+    (in the changed checkout)  PYTHONPATH=.:server:client python -m bench.step_bits record /tmp/after.pt
     python -m bench.step_bits compare /tmp/before.pt /tmp/after.pt   # exit status 1 when any bit differs
 
 The record (torch.save) holds ``meta`` and ``runs``. ``runs["<method> <T>t"]`` per method and thread count:
@@ -27,9 +29,9 @@ The record (torch.save) holds ``meta`` and ``runs``. ``runs["<method> <T>t"]`` p
 ``meta["settings"]`` (model, corpus, length, steps, methods as resolved, threads, weights, kv_dtype, activations as
 the runner resolved them, the library's SIMD level) must be equal for two records to be compared: ``compare``
 refuses (exit status 2) naming the first that differs. ``meta["source"]`` (the command, the checkout's commit, the
-library's path, torch's version, the CPU) is printed, not compared. The bits also depend on the CPU: compare records
-made on the same machine. The defaults (Full and the default method, 1K, 256 steps, 1 and 2 threads) record in a few
-minutes and write a few hundred MB.
+library's path, torch's version, the CPU, the packages imported from another checkout) is printed, not compared.
+The bits also depend on the CPU: compare records made on the same machine. The defaults (the default method and
+Full, 1K tokens, 256 steps, 1 and 2 threads) record in a few minutes and write a few hundred MB.
 """
 
 from __future__ import annotations
@@ -127,6 +129,17 @@ def record(runner: ModelRunner, ids: list[int], methods: list[str], threads: lis
     return runs
 
 
+def foreign_packages() -> list[str]:
+    """The packages a record runs that are imported from outside this checkout (an editable install of another
+    one puts its server/ on the path): "name from path" each."""
+    import retopk_core
+    import retopk_server
+
+    root = FsPath(__file__).resolve().parents[1]
+    found = ((m.__name__, FsPath(m.__file__).resolve().parent) for m in (retopk_core, retopk_server))
+    return [f"{name} from {where}" for name, where in found if not where.is_relative_to(root)]
+
+
 def meta(args: argparse.Namespace, runner: ModelRunner, argv: list[str]) -> dict[str, dict]:
     """settings: what the bits depend on besides the build (compared); source: where they came from (shown)."""
     from retopk_core.cpu import build, decoder_ops
@@ -137,7 +150,7 @@ def meta(args: argparse.Namespace, runner: ModelRunner, argv: list[str]) -> dict
                 "activations": runner.decoder.activations, "isa": decoder_ops.ISA_NAMES[decoder_ops.isa()]}
     source = {"command": "python -m bench.step_bits " + shlex.join(argv), "commit": checkout_commit(),
               "library": str(build.LIBRARY), "torch": str(torch.__version__), "cpu": cpu_model(),
-              "host": platform.node()}
+              "host": platform.node(), "foreign": ", ".join(foreign_packages()) or None}
     return {"settings": settings, "source": source}
 
 
@@ -215,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if not launch.available():
         print("step_bits: the fused CPU library is not built (python -m retopk_core.cpu.build): nothing to check")
         return 2
+    for where in foreign_packages():
+        print(f"step_bits: warning: {where}, not this checkout (run with PYTHONPATH=.:server:client)")
     runner = make_runner(args)
     ids = prompt(runner, args.corpus, args.length)
     runs = record(runner, ids, args.methods, args.threads, args.steps)

@@ -123,3 +123,9 @@ def test_a_run_one_record_lacks_is_named(records, capsys):
     path = changed(records, lambda rec: rec["runs"].pop("full 1t"))
     assert step_bits.main(["compare", path, str(records / "a.pt")]) == 1
     assert "  full 1t: differ: the run (in one record only)" in capsys.readouterr().out
+
+
+def test_packages_imported_from_another_checkout_are_named(monkeypatch):
+    assert not any(f.startswith("retopk_core ") for f in step_bits.foreign_packages())  # this checkout's (the cwd)
+    monkeypatch.setattr(step_bits, "__file__", "/elsewhere/bench/step_bits.py")
+    assert [f.split(" from ")[0] for f in step_bits.foreign_packages()] == ["retopk_core", "retopk_server"]
