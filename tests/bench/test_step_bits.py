@@ -8,7 +8,7 @@ import torch
 
 from bench import step_bits
 from bench.eval.common import load_corpus
-from retopk_core.cpu import decoder_ops, launch
+from retopk_core.cpu import launch
 from retopk_core.methods.base import Path
 
 pytestmark = [pytest.mark.skipif(not launch.available(),
@@ -23,13 +23,24 @@ ARGS = ["--length", str(LENGTH), "--steps", str(STEPS), "--methods", SPARSE, "fu
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory, embedded_model):
-    """Two records of ARGS, each by its own runner (on the session's already loaded model), and their folder."""
+def runners() -> list:
+    """The runners ``records`` made, in order."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory, embedded_model, runners):
+    """The folder of two records of ARGS, each by its own runner (on the session's already loaded model)."""
     model, tokenizer = embedded_model
     make_runner = step_bits.make_runner
+
+    def kept(args):
+        runners.append(make_runner(args, model, tokenizer))
+        return runners[-1]
+
     root = tmp_path_factory.mktemp("step_bits")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step_bits, "make_runner", lambda args: make_runner(args, model, tokenizer))
+        mp.setattr(step_bits, "make_runner", kept)
         for name in ("a.pt", "b.pt"):
             assert step_bits.main(["record", str(root / name), *ARGS]) == 0
     return root
@@ -51,12 +62,12 @@ def flip_last_bit(t: torch.Tensor, *indices: tuple) -> None:
         bits[index] ^= 1
 
 
-def test_a_record_holds_each_runs_greedy_steps_and_the_sessions_state(records):
+def test_a_record_holds_each_runs_greedy_steps_and_the_sessions_state(records, runners):
     rec = torch.load(records / "a.pt")
     assert list(rec["runs"]) == [f"{SPARSE} 1t", f"{SPARSE} 2t", "full 1t", "full 2t"]
     settings = rec["meta"]["settings"]
     assert settings["length"] == LENGTH and settings["weights"].startswith("int4")
-    assert settings["activations"] == ("bf16x2" if decoder_ops.amx_available() else "float32")  # "auto" resolved
+    assert settings["activations"] == runners[0].decoder.auto_activations()[0]  # "auto" as the runner resolved it
     for label, run in rec["runs"].items():
         assert run["logits"].shape == (STEPS, run["prefill_logits"].numel())
         # each step's input is the argmax of the logits before it, after the prompt's first LENGTH tokens
