@@ -101,3 +101,27 @@ def first_step(runner: ModelRunner, prompt: list[int]) -> tuple[list[torch.Tenso
 def prompt_ids(length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (length,), generator=g).tolist()
+
+
+def check_units_mode(runners: dict[str, ModelRunner], weights: str, activations: str) -> None:
+    """A units mode (decoder_ops.UNIT_ACTIVATIONS) against float32 activations, ``runners`` of each on one tiny model
+    with int4 or int8 weights (``weights``): the weight format says so, every block linear, the LM head included,
+    carries units (20 bytes a block of 32 for int4's 16, 34 for int8's 32), the prefill's KV rows are float32's
+    (the wide copy), the first decode logits differ from float32's by a little, and back on float32 the same runner
+    multiplies qs again (through the fused layers' new arguments) and gives float32's logits."""
+    from retopk_server.runtime.decoder.linear import is_blocks
+
+    unit = runners[activations]
+    assert unit.info.weight_format == runners["float32"].info.weight_format + f", activations {activations}"
+    blocks = [lin for lin in unit.decoder.linears() if is_blocks(lin)]
+    unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
+    assert {lin.format for lin in blocks} == {weights} and unit.decoder.lm_head in blocks
+    assert all(lin.activations == activations and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
+    prompt = prompt_ids(20, 1)
+    out = {a: first_step(runner, prompt) for a, runner in runners.items()}
+    assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out[activations][0], strict=True))
+    diff = (out["float32"][2] - out[activations][2]).abs().max()
+    assert 0 < diff < 1e-3 * out["float32"][2].abs().max()
+    unit.decoder.set_activations("float32")
+    assert all(lin.blocks.qs is lin.qs for lin in blocks)
+    assert torch.equal(first_step(unit, prompt)[2], out["float32"][2])

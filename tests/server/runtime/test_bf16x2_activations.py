@@ -13,14 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from runtime_helpers import first_step, greedy, moved_and_kept, prompt_ids, runner_for, tiny_model
+from runtime_helpers import check_units_mode, greedy, moved_and_kept, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.engine import session_artifact
 from retopk_server.engine.session_artifact import SessionArtifact, check_model, model_fingerprint
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 from retopk_server.runtime import runtime_config as rc
-from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, is_blocks
+from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear
 from retopk_server.runtime.decoder.llama import cpu_activations
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
@@ -232,23 +232,9 @@ def test_runtime_option_reaches_every_block_product_and_is_shown(weights):
     by a little."""
     model = tiny_model("llama", layers=2)
     runners = {a: runner_for(model, weights=weights, activations=a) for a in ("float32", "bf16x2")}
-    assert runners["bf16x2"].info.weight_format == runners["float32"].info.weight_format + ", activations bf16x2"
     for here, there in (("float32", "bf16x2"), ("bf16x2", "float32")):
         assert check_model(SimpleNamespace(model=model_fingerprint(runners[there].info)), runners[here].info) is None
-    blocks = [lin for lin in runners["bf16x2"].decoder.linears() if is_blocks(lin)]
-    unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
-    assert {lin.format for lin in blocks} == {weights} and runners["bf16x2"].decoder.lm_head in blocks
-    assert all(lin.activations == "bf16x2" and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
-    prompt = prompt_ids(20, 1)
-    out = {a: first_step(runner, prompt) for a, runner in runners.items()}
-    assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out["bf16x2"][0], strict=True))
-    diff = (out["float32"][2] - out["bf16x2"][2]).abs().max()
-    assert 0 < diff < 1e-3 * out["float32"][2].abs().max()
-    # and back on the same runner: float32 products again, on qs, through the fused layers' new arguments
-    runner = runners["bf16x2"]
-    runner.decoder.set_activations("float32")
-    assert all(lin.blocks.qs is lin.qs for lin in blocks)
-    assert torch.equal(first_step(runner, prompt)[2], out["float32"][2])
+    check_units_mode(runners, weights, "bf16x2")
 
 
 def test_runtime_option_refuses_a_cpu_without_amx(monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import first_step, greedy, moved_and_kept, prompt_ids, runner_for, tiny_model
+from runtime_helpers import check_units_mode, greedy, moved_and_kept, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
@@ -232,20 +232,7 @@ def test_runtime_option_reaches_every_block_product_and_is_shown(weights):
     runner, its logits again."""
     model = tiny_model("llama", layers=2)
     runners = {a: runner_for(model, weights=weights, activations=a) for a in ("float32", "int16")}
-    assert runners["int16"].info.weight_format == runners["float32"].info.weight_format + ", activations int16"
-    blocks = [lin for lin in runners["int16"].decoder.linears() if is_blocks(lin)]
-    unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
-    assert {lin.format for lin in blocks} == {weights} and runners["int16"].decoder.lm_head in blocks
-    assert all(lin.activations == "int16" and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
-    prompt = prompt_ids(20, 1)
-    out = {a: first_step(runner, prompt) for a, runner in runners.items()}
-    assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out["int16"][0], strict=True))
-    diff = (out["float32"][2] - out["int16"][2]).abs().max()
-    assert 0 < diff < 1e-3 * out["float32"][2].abs().max()
-    runner = runners["int16"]
-    runner.decoder.set_activations("float32")
-    assert all(lin.blocks.qs is lin.qs for lin in blocks)
-    assert torch.equal(first_step(runner, prompt)[2], out["float32"][2])
+    check_units_mode(runners, weights, "int16")
 
 
 def test_runtime_option_refuses_what_it_cannot_apply():
