@@ -3,13 +3,21 @@ criterion: equal tokens, or where rounding flips a near-tie, the chosen token's 
 of the other's).
 
 The reference is transformers' own ``generate`` on the float32 model (the GGUF dequantized by transformers'
-loader), greedy, ``--new-tokens`` per chat prompt. The runtime (method ``full``, so that only the formats
-differ) is teacher-forced through the same tokens: it prefills the prompt, then decodes the reference's
-tokens one by one. At every position where its argmax a differs from the reference's token r, the gap
-log p(a) - log p(r) under the runtime's own distribution is recorded: a flip with gap <= 1e-3 is a near-tie.
+loader), greedy, ``--new-tokens`` per prompt. The prompts are short chat prompts, or with ``--prefix-tokens L``
+long ones: ``--docs`` documents of L tokens of ``--corpus`` (``bench.eval.common.split_documents``, as
+perplexity takes them: document 0 starts at the corpus's first line break), where small differences have L
+positions to accumulate. RoPE is the model's own; L + ``--new-tokens`` must fit its positions. The cost is
+transformers' float32 forward over L tokens per document, and the runtime's prefill of L per format.
+
+The runtime (method ``full``, so that only the formats differ) is teacher-forced through the same tokens: it
+prefills the prompt, then decodes the reference's tokens one by one. At every position where its argmax a
+differs from the reference's token r, the gap log p(a) - log p(r) under the runtime's own distribution is
+recorded: a flip with gap <= 1e-3 is a near-tie.
 
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:bfloat16 float32:bfloat16
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int8   # int8 activations
+    python -m bench.eval.token_agreement --prefix-tokens 4096 8000 --new-tokens 64 \
+        --formats as-stored:float32 as-stored:float32:int16                            # long KJV prompts
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import json
 
 import torch
 
+from bench.eval.common import KJV, corpus_documents
 from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
@@ -40,6 +49,13 @@ def parse_args(argv=None):
     p.add_argument("--formats", nargs="+", default=["as-stored:float32", "as-stored:bfloat16"],
                    help="WEIGHTS:KV_DTYPE[:ACTIVATIONS] of the runtime to compare (activations float32 unless given)")
     p.add_argument("--prompts", type=int, default=20, help=f"chat prompts (at most {len(PROMPTS)})")
+    p.add_argument("--prefix-tokens", type=int, nargs="+", default=None, metavar="L",
+                   help="instead of the chat prompts: --docs documents of exactly L tokens of --corpus per L "
+                        "(costs transformers' float32 forward over L tokens per document; L + --new-tokens must "
+                        "fit the model's positions)")
+    p.add_argument("--docs", type=int, default=1, help="documents per --prefix-tokens L (default 1)")
+    p.add_argument("--corpus", default=KJV, help="the --prefix-tokens documents' corpus: a bench.eval.corpora "
+                   "name or a UTF-8 text file (default: kjv)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="write the results here too")
@@ -56,11 +72,27 @@ def reference(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
+def prompt_sets(args, runner: ModelRunner) -> dict[str, list[list[int]]]:
+    """{label: prompts}: "chat" -> the first --prompts chat prompts; or, with --prefix-tokens, "L=<L>" -> --docs
+    corpus documents of L tokens each. SystemExit when L + --new-tokens exceeds the model's positions."""
+    if not args.prefix_tokens:
+        return {"chat": [runner.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]}
+    limit = runner.info.max_context
+    for L in args.prefix_tokens:
+        if L < 1 or L + args.new_tokens > limit:
+            raise SystemExit(f"--prefix-tokens {L}: L must be at least 1 and L + --new-tokens ({args.new_tokens}) at "
+                             f"most {limit}, the model's positions (RoPE as its config has it)")
+    docs = corpus_documents(args, runner, args.docs, sorted(set(args.prefix_tokens)))
+    return {f"L={L}": docs[L] for L in args.prefix_tokens}
+
+
 def agreement(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
-    """Teacher-forced flips of the runtime against the reference's tokens -> counts and the largest gap."""
+    """Teacher-forced flips of the runtime against the reference's tokens -> counts, the largest gap, and each
+    flip as {"prompt": index, "step": position in the continuation, "top", "ref": token ids, "gap"}."""
     tokens = flips = 0
     gaps: list[float] = []
-    for ids, cont in zip(prompts, continuations, strict=True):
+    where: list[dict] = []
+    for p, (ids, cont) in enumerate(zip(prompts, continuations, strict=True)):
         session = runner.open_session(MethodSpec("full"))
         try:
             logits = runner.prefill(session, ids)
@@ -71,12 +103,13 @@ def agreement(runner: ModelRunner, prompts: list[list[int]], continuations: list
                 if top != ref:
                     flips += 1
                     gaps.append(float(logp[top] - logp[ref]))
+                    where.append({"prompt": p, "step": i, "top": top, "ref": ref, "gap": gaps[-1]})
                 if i + 1 < len(cont):
                     logits = runner.decode([session], [ref])[0][0]
         finally:
             runner.close_session(session)
     worst = max(gaps, default=0.0)
-    return {"tokens": tokens, "flips": flips, "max_gap": worst, "met": worst <= TOLERANCE}
+    return {"tokens": tokens, "flips": flips, "max_gap": worst, "met": worst <= TOLERANCE, "flips_at": where}
 
 
 def main(argv=None) -> list[dict]:
@@ -86,22 +119,24 @@ def main(argv=None) -> list[dict]:
 
     model, _ = load_model(args.model)
     base = ModelRunner(RuntimeConfig(model=args.model, weights="float32", kv_dtype="float32"))
-    prompts = [base.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
+    sets = prompt_sets(args, base)
     with torch.inference_mode():
-        continuations = reference(model, prompts, args.new_tokens)
-    del base
+        continuations = {label: reference(model, prompts, args.new_tokens) for label, prompts in sets.items()}
+    del base, model
     rows = []
-    print(f"{'weights':>10} {'kv':>9} {'x':>7} {'tokens':>6} {'flips':>5} {'max gap':>9}  "
+    print(f"{'prompts':>8} {'weights':>10} {'kv':>9} {'x':>7} {'tokens':>6} {'flips':>5} {'max gap':>9}  "
           f"criterion (gap <= {TOLERANCE})")
     for spec in args.formats:
         weights, kv, activations = (spec.split(":") + ["float32"])[:3]
         runner = ModelRunner(RuntimeConfig(model=args.model, weights=weights, kv_dtype=kv, activations=activations))
-        with torch.inference_mode():
-            r = {"weights": weights, "kv_dtype": kv, "activations": activations,
-                 "weight_format": runner.info.weight_format, **agreement(runner, prompts, continuations)}
-        rows.append(r)
-        print(f"{weights:>10} {kv:>9} {activations:>7} {r['tokens']:>6} {r['flips']:>5} {r['max_gap']:>9.2e}  "
-              f"{'met' if r['met'] else 'NOT met'}")
+        for label, prompts in sets.items():
+            with torch.inference_mode():
+                r = {"prompts": label, "weights": weights, "kv_dtype": kv, "activations": activations,
+                     "weight_format": runner.info.weight_format, **agreement(runner, prompts, continuations[label])}
+            rows.append(r)
+            print(f"{label:>8} {weights:>10} {kv:>9} {activations:>7} {r['tokens']:>6} {r['flips']:>5} "
+                  f"{r['max_gap']:>9.2e}  {'met' if r['met'] else 'NOT met'}", flush=True)
+        del runner
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -534,3 +534,60 @@ def test_policies_rows_carry_the_paired_change_against_the_server_default(tmp_pa
     assert rows[default]["vs_7"] == 0.0
     # against Exact Top-K, unchanged beside it
     assert rows[other]["dppl_7"] == pytest.approx(math.exp(0.05) - 1.0)
+
+
+
+# ---- token agreement after a long prompt ----------------------------------------------------------
+def test_token_agreement_after_corpus_prefixes_counts_rounding_flips(tiny, tmp_path, monkeypatch):
+    """--prefix-tokens: the reference continues --docs corpus documents of L tokens; the float32 runtime keeps its
+    tokens, int4 weights flip some, and each flip's gap is the one a plain prefill up to that token gives."""
+    from bench.eval import common, token_agreement
+    from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+
+    seen = []  # (prompts, continuations) of each reference call
+    real = token_agreement.reference
+    monkeypatch.setattr(token_agreement, "reference",
+                        lambda model, prompts, n: seen.append((prompts, real(model, prompts, n))) or seen[-1][1])
+    out = tmp_path / "agree.json"
+    rows = token_agreement.main(common_args(tiny) + ["--prefix-tokens", "150", "300", "--docs", "2", "--new-tokens",
+                                                     "6", "--formats", "float32:float32", "int4:float32",
+                                                     "--json", str(out)])
+    assert json.loads(out.read_text()) == rows
+    runner = ModelRunner(RuntimeConfig(model=tiny[0], weights="float32", kv_dtype="float32"))
+    text = common.load_corpus(tiny[1])
+    for (prompts, _), L in zip(seen, (150, 300), strict=True):
+        assert prompts == common.split_documents(text, lambda s: runner.encode(s, add_special_tokens=False), 2, L)
+    conts = {f"L={L}": c for (_, c), L in zip(seen, (150, 300), strict=True)}
+    by = {(r["prompts"], r["weights"]): r for r in rows}
+    assert set(by) == {(f"L={L}", w) for L in (150, 300) for w in ("float32", "int4")}
+    for label, cont in conts.items():
+        assert by[label, "float32"]["tokens"] == sum(map(len, cont)) == by[label, "int4"]["tokens"]
+        assert by[label, "float32"]["flips"] == 0 and by[label, "float32"]["met"]
+    flips = [(label, f) for label in conts for f in by[label, "int4"]["flips_at"]]
+    assert flips and all(by[label, "int4"]["flips"] == len(by[label, "int4"]["flips_at"]) for label in conts)
+    int4 = ModelRunner(RuntimeConfig(model=tiny[0], weights="int4", kv_dtype="float32"))
+    for label, f in flips:  # independently: int4's distribution after a plain prefill through the flipped token
+        prompts = dict(zip(conts, (p for p, _ in seen), strict=True))[label]
+        session = int4.open_session(MethodSpec("full"))
+        with torch.inference_mode():
+            logp = torch.log_softmax(int4.prefill(session, prompts[f["prompt"]] + conts[label][f["prompt"]][:f["step"]])
+                                     .double(), dim=-1)
+        int4.close_session(session)
+        assert f["ref"] == conts[label][f["prompt"]][f["step"]] and int(logp.argmax()) == f["top"]
+        # prefill's and decode's int4 products round differently (~1e-4 nats here): agree within the criterion's 1e-3
+        assert f["gap"] == pytest.approx(float(logp[f["top"]] - logp[f["ref"]]), abs=token_agreement.TOLERANCE)
+    assert by["L=300", "int4"]["max_gap"] == max(f["gap"] for label, f in flips if label == "L=300")
+
+
+def test_token_agreement_refuses_a_prefix_past_the_models_positions(tiny):
+    from bench.eval import token_agreement
+    from retopk_server.runtime import ModelRunner, RuntimeConfig
+
+    runner = ModelRunner(RuntimeConfig(model=tiny[0], weights="float32", kv_dtype="float32"))
+    assert runner.info.max_context == 1024  # the tiny model's max_position_embeddings
+    fits = token_agreement.parse_args(common_args(tiny) + ["--prefix-tokens", "1016", "--new-tokens", "8"])
+    assert [len(d) for d in token_agreement.prompt_sets(fits, runner)["L=1016"]] == [1016]
+    for L in ("1017", "0"):
+        args = token_agreement.parse_args(common_args(tiny) + ["--prefix-tokens", "8", L, "--new-tokens", "8"])
+        with pytest.raises(SystemExit, match=f"--prefix-tokens {L}: .* at most 1024"):
+            token_agreement.prompt_sets(args, runner)
