@@ -16,8 +16,7 @@ recorded: a flip with gap <= 1e-3 is a near-tie.
 
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:bfloat16 float32:bfloat16
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int8   # int8 activations
-    python -m bench.eval.token_agreement --prefix-tokens 4096 8000 --new-tokens 64 \
-        --formats as-stored:float32 as-stored:float32:int16                            # long KJV prompts
+    python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int16 --prefix-tokens 8000
 """
 
 from __future__ import annotations
