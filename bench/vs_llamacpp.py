@@ -478,7 +478,8 @@ def main(argv=None) -> list[dict]:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
 
-    bar = progress_bar(len(args.lengths) * args.rounds * (2 + len(methods)), "vs_llamacpp")
+    settings = {"both": (False, True), "off": (False,), "on": (True,)}[args.flash_attn]  # llama.cpp's flash_attn
+    bar = progress_bar(len(args.lengths) * args.rounds * (len(settings) + len(methods)), "vs_llamacpp")
     with bar:
         for L in args.lengths:
             rope = ropes[L]
@@ -487,7 +488,6 @@ def main(argv=None) -> list[dict]:
                 gc.collect()
                 runner, runner_rope = make_runner(args, methods[0][1], rope), rope
             n_ctx = L + args.new_tokens + 16
-            settings = {"both": (False, True), "off": (False,), "on": (True,)}[args.flash_attn]
             engines = [LlamaCppEngine(llama_cpp, path, args.threads, n_ctx, fa, rope) for fa in settings]
             engines += [RetopkEngine(runner, spec, f"retopk {text}") for text, spec in methods]
             try:
