@@ -15,7 +15,7 @@ one-thread call on it), which a loaded machine's other work does not inflate; wi
 ``--int8-isa`` times the int8 way at each of the named SIMD levels (decoder_ops.ISA_NAMES, up to the CPU's best)
 as separate ways taking turns with the others, e.g. AVX2's int8 loop (which level avx512 runs) against AVX-512
 VNNI's: per shape the first level's time / each other's. ``--bf16x2`` adds bf16x2 activations (AMX tiles, every
-product on decoder_ops.pack_amx's units) as a way taking turns too, printed in the int8 columns' place after them
+product on decoder_ops.pack_units's units) as a way taking turns too, printed in the int8 columns' place after them
 (int8's time / bf16x2's) and in the step's lines; ``--int16`` adds int16 activations (exact integer block dots on
 the same units: AVX-512 VNNI's dpwssd where the CPU has it) the same way.
 
@@ -86,7 +86,7 @@ def ways(int8_isa: list[str] | None, bf16x2: bool = False, int16: bool = False) 
 def per_call(lin, x: torch.Tensor, way: tuple[str, int | None], reps: int, clock) -> float:
     """Median seconds of one block_matmul call over ``reps`` calls, on ``clock``."""
     activations, level = way
-    qs = lin.units if activations in decoder_ops.UNIT_ACTIVATIONS else lin.qs  # pack_amx's, set in main
+    qs = lin.units if activations in decoder_ops.UNIT_ACTIVATIONS else lin.qs  # pack_units's, set in main
     times = []
     for _ in range(reps):
         start = clock()
@@ -101,7 +101,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     named = ways(args.int8_isa, args.bf16x2, args.int16)
     int8 = [w for w in named if w != "float32"]
-    units = [w for w in named if w in decoder_ops.UNIT_ACTIVATIONS]  # the ways on pack_amx's units
+    units = [w for w in named if w in decoder_ops.UNIT_ACTIVATIONS]  # the ways on pack_units's units
     print(f"{'shape':>8} {'out x in':>11} {'M':>2} {'thr':>3} {'f32 us':>8} "
           + " ".join(f"{w + ' us':>{max(8, len(w) + 3)}}" for w in int8)
           + f" {'f32/int8':>8}" + "".join(f" {int8[0] + '/' + w:>{len(int8[0]) + len(w) + 1}}" for w in int8[1:])
@@ -110,7 +110,7 @@ def main(argv=None) -> list[dict]:
     lins = {name: from_float(torch.randn(out, n_in) * 0.05, None, fmt) for name, out, n_in, fmt in shapes}
     for lin in lins.values():
         if units:
-            lin.units = decoder_ops.pack_amx(lin.qs, lin.scales)
+            lin.units = decoder_ops.pack_units(lin.qs, lin.scales)
     for threads in args.threads:
         torch.set_num_threads(threads)
         clock = time.thread_time if threads == 1 else time.perf_counter

@@ -10,7 +10,7 @@ with d % 8 != 0 and d % 16 == 8, 1 to 7 query heads per KV head, shuffled blocks
 powers of two), lengths up to 4096. Beside them, ``decoder_ops.block_matmul`` with float32 activations at the
 embedded model's product shapes (bench.block_products.SHAPES), each in both block formats (Q4_1 and Q8_0), with a
 bias and a residual, for 1 to 9 rows of x (one and two passes of the loops' rows), at AVX2 and at the CPU's best
-level, and the same with int16 activations (on pack_amx's units). The inputs depend on the seeds alone. The bits
+level, and the same with int16 activations (on pack_units's units). The inputs depend on the seeds alone. The bits
 also depend on the clone the CPU picks (x86-64-v3 or the baseline): compare records made on the same machine.
 
     (in the baseline checkout) python -m bench.kernel_bits record /tmp/before.pt
@@ -84,7 +84,7 @@ def record_products(shapes=None, rows=PRODUCT_ROWS) -> dict[str, torch.Tensor]:
         x, res = torch.randn(max(rows), n_in, generator=g), torch.randn(max(rows), out, generator=g)
         for fmt in ("int4", "int8"):
             lin = from_float(w, b, fmt)
-            units = decoder_ops.pack_amx(lin.qs, lin.scales)
+            units = decoder_ops.pack_units(lin.qs, lin.scales)
             for M in rows:
                 for level in levels:
                     at = f"{name} {out}x{n_in} {fmt} M{M} {decoder_ops.ISA_NAMES[level]}"

@@ -17,7 +17,7 @@
 // weight tensors attn_norm, qkv (qs, scales, bias), o (qs, scales, bias), mlp_norm, gate_up (qs, scales, bias),
 // down (qs, scales, bias) (a bias is an empty tensor when there is none), the four products' ``bits`` (4 or 8),
 // the k/v pools, the attention's kind, state and constants; ``activations`` (float32, int8, bf16x2 or int16,
-// decoder_ops.cpp) applies to every product; with bf16x2 and int16 every product's qs is pack_amx's units. A step
+// decoder_ops.cpp) applies to every product; with bf16x2 and int16 every product's qs is pack_units's units. A step
 // (``run``) passes only its own tensors: x, RoPE's cos / sin, the pool rows of its tokens, the block table, the
 // lengths and the state slots (layers, B). ReTopK's state is 8 tensors per layer (queries, support, fill, ptr,
 // step, tau, period, phase).

@@ -29,9 +29,9 @@
 //   product runs on AMX tiles (products of bf16 exact: q in 0..15 or -127..127 is exact in bf16; sums in float32):
 //     Q4_1: y[o] = sum_b d_b (sum_j q_bj hi_bj + sum_j q_bj lo_bj) + m_b sx_b,   sx_b = sum_j x_bj in float32
 //     Q8_0: y[o] = sum_b d_b (sum_j q_bj hi_bj + sum_j q_bj lo_bj)
-//   so |y - y_exact| <= about 2^-17 sum_j |W_oj x_j| plus float32's rounding of the sums. qs is then pack_amx's
-//   units (scales are not read), out must be a multiple of 16, and a row's outputs are the same bit for bit alone
-//   or in any batch.
+//   so |y - y_exact| <= about 2^-17 sum_j |W_oj x_j| plus float32's rounding of the sums. qs is then
+//   pack_units's units (scales are not read), out must be a multiple of 16, and a row's outputs are the same bit
+//   for bit alone or in any batch.
 //
 //   With ``activations`` kInt16 (every CPU), x is quantized per row r and block b of 32 (quantize_block16):
 //     a = max_j |x_j|; where a < 32767 FLT_MIN (s would not be a normal float) q = 0, s = 0; else
@@ -44,8 +44,9 @@
 //   with d, m the unit's float16 scales widened. The block dots being exact integers, every level (plain C++,
 //   AVX2's madd, AVX-512 VNNI's dpwssd) computes exactly these float operations: the bits do not depend on the SIMD
 //   level, the pass width, the batch or the threads. Each x is kept to half a step, 2^-16 a per element
-//   (|y - y_float32| <= about sum_b (s_b / 2) sum_j |W_oj|); qs is pack_amx's units, out a multiple of 16 (as bf16x2).
-//   pack_amx(qs, scales) -> units of the weight's format (qs's dtype says which), viewed (out, ...) so that their
+//   (|y - y_float32| <= about sum_b (s_b / 2) sum_j |W_oj|); qs is pack_units's units, out a multiple of 16
+//   (as bf16x2).
+//   pack_units(qs, scales) -> units of the weight's format (qs's dtype says which), viewed (out, ...) so that their
 //   first dim counts outputs as qs's does, with the same bytes per weight as qs and scales. Unit (g, b) holds
 //   outputs 16 g..16 g + 15 and block b, laid out as one tdpbf16ps reads B: pair row k (k < 16) holds, for each
 //   of the 16 outputs n, (q[n][2 k], q[n][2 k + 1]) as bf16 (q[n][k]: the q of W[16 g + n, 32 b + k]); the same
@@ -126,8 +127,8 @@ constexpr int64_t kWideRows = 8;
 constexpr int64_t kAhead = 16;  // weight rows prefetched ahead of the one being multiplied
 constexpr int64_t kTile = 16;   // weight rows whose products with one pass's rows of x run together (block_matmul_to)
 constexpr int64_t kPassBytes = 24 << 10;  // float32 x a pass may read per weight row: most of a 32 KiB L1
-constexpr int64_t kUnit4 = 320;  // bytes of a Q4_1 pack_amx unit: 256 of nibbles, then 16 d and 16 m as float16
-constexpr int64_t kUnit8 = 544;  // bytes of a Q8_0 pack_amx unit: 512 of int8 q, then 16 d as float16
+constexpr int64_t kUnit4 = 320;  // bytes of a Q4_1 unit (pack_units): 256 of nibbles, then 16 d and 16 m as float16
+constexpr int64_t kUnit8 = 544;  // bytes of a Q8_0 unit (pack_units): 512 of int8 q, then 16 d as float16
 
 // acc[r] = W[o] · x[r] for r < MR, with W[o] given by its blocks (nb blocks of 32).
 using DotFn = void (*)(const uint8_t* qs, const uint16_t* sc, int64_t nb, const float* x, int64_t ldx, float* acc);
@@ -746,8 +747,8 @@ TARGET_AVX512_VNNI void q8_q8_dot_avx512(const uint8_t* qs, const uint16_t* sc, 
     acc[r] = hsum256(_mm256_add_ps(_mm512_castps512_ps256(a[r]), _mm512_extractf32x8_ps(a[r], 1)));
 }
 
-// ---- bf16x2 activations on AMX (activations kBf16x2): the header's pack_amx units ----
-// Each unit holds one block (32 inputs) of 16 outputs in the order one tdpbf16ps reads them (pack_amx). A pass
+// ---- bf16x2 activations on AMX (activations kBf16x2): the header's units (pack_units) ----
+// Each unit holds one block (32 inputs) of 16 outputs in the order one tdpbf16ps reads them (pack_units). A pass
 // takes up to kAmxRows rows of x, each as its two limbs: A (2 mr, 32 bf16) has row r = hi(x_r) and row mr + r =
 // lo(x_r) over the block's 32 inputs; B (16 pair rows, 16 outputs x 2 bf16) is widened from the unit's q on
 // every use (the q are exact in bf16); C (2 mr, 16) = A . B in float32; then per row, in AVX-512,
@@ -910,7 +911,7 @@ AmxFn amx_fn(int64_t mr) {
   }
 }
 
-// y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_amx's units, rows in passes of kAmxRows. x's limbs
+// y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_units's units, rows in passes of kAmxRows. x's limbs
 // are split once for every task; one task per range of groups of 16 outputs, which loads the tile
 // configuration for each pass and releases the tiles at its end (the configuration is per thread). A pass over
 // more than kAmxRows rows reads the task's units again (from L2 for a decode step's shapes).
@@ -935,7 +936,7 @@ void amx_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int
 }
 #endif
 
-// ---- int16 activations (activations kInt16): exact integer block dots over the header's pack_amx units ----
+// ---- int16 activations (activations kInt16): exact integer block dots over the header's units (pack_units) ----
 // x per row and block of 32 as int16 with one scale (quantize_block16), then each unit's 16 outputs' integer
 // dots with the weight's q (Q4_1 nibbles, Q8_0 int8) in int32, exact, and one float combine per (row, unit):
 //   acc = fma(float(isum), d s, acc);  acc = fma(m, sq, acc) for Q4_1
@@ -1191,7 +1192,7 @@ Int16Fn int16_fn(int64_t isa, int64_t mr) {
   return nullptr;  // the plain loop takes any mr (int16_matmul)
 }
 
-// y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_amx's units with int16 activations: x quantized once
+// y (M, out) = x (M, in) W^T (+ bias) (+ residual) from pack_units's units with int16 activations: x quantized once
 // for every task; one task per range of groups of 16 outputs, each group's rows in passes (kInt16Rows with VNNI,
 // kInt16Avx2Rows with AVX2) one after another while its units stay in L1.
 void int16_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, int64_t bits, int64_t out,
@@ -1426,7 +1427,7 @@ void fill_units_q4(const uint8_t* q, const uint16_t* sc, int64_t out, int64_t in
 }
 }  // namespace
 
-at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales) {
+at::Tensor pack_units(const at::Tensor& qs, const at::Tensor& scales) {
   CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
                   (qs.scalar_type() == at::kByte || qs.scalar_type() == at::kChar),
               "qs must be a contiguous (out, in / 2) uint8 (Q4_1) or (out, in) int8 (Q8_0) CPU tensor, got ",
@@ -1467,7 +1468,7 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
   check_f32_matrix(y, "y", M, out);
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  if (activations == kBf16x2 || activations == kInt16) {  // qs holds pack_amx's units; scales are not read
+  if (activations == kBf16x2 || activations == kInt16) {  // qs holds pack_units's units; scales are not read
     const char* name = activations == kBf16x2 ? "bf16x2" : "int16";
     if (activations == kBf16x2)
       CHECK_VALUE(amx_available(), "activations bf16x2 needs AMX-BF16 (with Linux's permission for the tiles), "
@@ -1476,7 +1477,7 @@ void block_matmul_to(at::Tensor& y, const at::Tensor& x, const at::Tensor& qs, c
     CHECK_VALUE(qs.device().is_cpu() && qs.is_contiguous() && qs.dim() == 2 &&
                     qs.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && out % 16 == 0 &&
                     qs.size(1) == unit_cols,
-                "with activations ", name, ", qs must be pack_amx's units: a contiguous (out, ", unit_cols, ") ",
+                "with activations ", name, ", qs must be pack_units's units: a contiguous (out, ", unit_cols, ") ",
                 bits == 4 ? "uint8" : "int8", " CPU tensor with out a multiple of 16, got ", qs.sizes(), " ",
                 qs.scalar_type());
     const uint8_t* units = static_cast<const uint8_t*>(qs.data_ptr());

@@ -2,7 +2,7 @@
 
     block_matmul(x, qs, scales, bits, bias, residual) -> x W^T (+ bias) (+ residual), W in GGUF blocks of 32
     quantize_activations(x) -> (qx, xs): x per row and block of 32 as int8 values and (dx, sx) per block
-    pack_amx(qs, scales) -> a Q4_1 or Q8_0 weight's units of 16 outputs for bf16x2 and int16 products (in place of qs)
+    pack_units(qs, scales) -> a Q4_1 or Q8_0 weight's units of 16 outputs for bf16x2 and int16 products (in place of qs)
     rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
     store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
@@ -24,7 +24,7 @@ shapes and dtypes (ValueError naming the argument). The block products take ``ac
 activations, and integer block dots), "bf16x2" (x as two bf16 limbs on AMX tiles; where ``amx_available()``)
 or "int16" (x quantized per row and block of 32 to int16 with one scale, then exact integer block dots: the same
 bits at every SIMD level, AVX-512 VNNI's dpwssd the fast one); with bf16x2 and int16 (UNIT_ACTIVATIONS) every
-product's qs is ``pack_amx``'s units. ``available()`` says whether the library loads;
+product's qs is ``pack_units``'s units. ``available()`` says whether the library loads;
 callers fall back to torch when it does not.
 
 The SIMD level the block products run at is the library's (``isa()``: cpu/launch.py sets it at load, the CPU's
@@ -42,16 +42,16 @@ from retopk_core.cpu.launch import ISA_NAMES, PATH_CODES, LayerAttention, availa
 
 # what the block products multiply the weights with (the source's codes 0, 1, 2, 3)
 ACTIVATIONS = ("float32", "int8", "bf16x2", "int16")
-UNIT_ACTIVATIONS = ("bf16x2", "int16")  # those whose products take pack_amx's units in place of qs
+UNIT_ACTIVATIONS = ("bf16x2", "int16")  # those whose products take pack_units's units in place of qs
 
 __all__ = ["ACTIVATIONS", "ISA_NAMES", "UNIT_ACTIVATIONS", "Blocks", "LayerPlan", "activation_code", "amx_available",
            "attn_in", "available", "best_isa", "block_matmul", "causal_attention_segments_", "isa", "layer_arguments",
-           "mlp_out", "pack_amx", "packed_linear_rows", "quantize_activations", "rms_norm", "rope_", "store_kv",
+           "mlp_out", "pack_units", "packed_linear_rows", "quantize_activations", "rms_norm", "rope_", "store_kv",
            "swiglu"]
 
 
 class Blocks(NamedTuple):
-    """A block-quantized weight as ``block_matmul`` takes it: qs (for UNIT_ACTIVATIONS, ``pack_amx``'s units), scales
+    """A block-quantized weight as ``block_matmul`` takes it: qs (for UNIT_ACTIVATIONS, ``pack_units``'s units), scales
     for ``bits`` 4 or 8, and a float32 bias."""
 
     qs: torch.Tensor
@@ -77,12 +77,12 @@ def amx_available() -> bool:
     return available() and isa() >= ISA_NAMES.index("avx512") and bool(extension().amx_available())
 
 
-def pack_amx(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def pack_units(qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A block weight -> its units of 16 outputs, which bf16x2 and int16 products take (decoder_ops.cpp's header
     states their order: AMX's B tiles, and AVX-512 VNNI's dpwssd pairs as they are); out a multiple of 16. Q4_1:
     qs (out, in / 2) uint8, scales (out, in / 32, 2) float16 -> (out, in / 32 * 20) uint8; Q8_0: qs
     (out, in) int8, scales (out, in / 32) float16 -> (out, in / 32 * 34) int8."""
-    return extension().pack_amx(qs.contiguous(), scales.contiguous())
+    return extension().pack_units(qs.contiguous(), scales.contiguous())
 
 
 def activation_code(activations: str) -> int:

@@ -29,7 +29,7 @@ int64_t best_isa();
 int64_t isa_level();
 void set_isa_level(int64_t level);
 bool amx_available();
-at::Tensor pack_amx(const at::Tensor& qs, const at::Tensor& scales);
+at::Tensor pack_units(const at::Tensor& qs, const at::Tensor& scales);
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, int64_t bits,
                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, int64_t isa,
                         int64_t activations);

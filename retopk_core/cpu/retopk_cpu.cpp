@@ -1590,7 +1590,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa_level", &set_isa_level, "Set the process's SIMD level (0 .. best_isa(); launch.extension() does, once)");
   m.def("wide_key_scoring", &wide_key_scoring, "Whether the attention's key scoring takes its AVX-512 loops");
   m.def("amx_available", &amx_available, "Whether bf16x2 activations can run: AMX-BF16 and the tile state granted");
-  m.def("pack_amx", &pack_amx, "Q4_1 or Q8_0 blocks (qs, scales) -> the units bf16x2 block products take in place of qs");
+  m.def("pack_units", &pack_units, "Q4_1 or Q8_0 blocks (qs, scales) -> the units bf16x2 and int16 block products take in place of qs");
   m.def("block_matmul", &block_matmul, "x W^T (+ bias) (+ residual) with W in GGUF blocks of 32 (Q4_1 or Q8_0)");
   m.def("quantize_activations", &quantize_activations, "x per row and block of 32 -> int8 values and (dx, sx) per block");
   m.def("rms_norm", &rms_norm, "x / sqrt(mean(x^2) + eps) * w over the rows of x");

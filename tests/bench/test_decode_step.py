@@ -106,7 +106,7 @@ def test_block_products_times_the_int8_way_at_each_named_level(capsys):
 
 
 def test_block_products_times_bf16x2_as_a_way(capsys):
-    """--bf16x2: a third way on pack_amx's units (the int4 products and the LM head's int8), with its batch
+    """--bf16x2: a third way on pack_units's units (the int4 products and the LM head's int8), with its batch
     column and its part of the step lines."""
     from bench import block_products
     from retopk_core.cpu import decoder_ops
@@ -121,7 +121,7 @@ def test_block_products_times_bf16x2_as_a_way(capsys):
 
 
 def test_block_products_times_int16_as_a_way(capsys):
-    """--int16: a way on pack_amx's units on any CPU (the int4 products and the LM head's int8), with its batch
+    """--int16: a way on pack_units's units on any CPU (the int4 products and the LM head's int8), with its batch
     column and its part of the step lines."""
     from bench import block_products
 

@@ -1,5 +1,5 @@
 """Block products with bf16x2 activations (decoder_ops.cpp's ``activations`` bf16x2: x as two bf16 limbs on AMX
-tiles, Q4_1 and Q8_0 weights repacked by pack_amx): the units' layout against a plain-Python packing of the order
+tiles, Q4_1 and Q8_0 weights repacked by pack_units): the units' layout against a plain-Python packing of the order
 the header documents, the products against the float64 product of the dequantized weights within the limbs' bound
 (|x - hi - lo| <= 2^-17 |x|) and against the float32 loops, each row bit for bit the same alone or in a batch; then
 the runtime option (RuntimeConfig.activations) on int4 and int8 weights, what it refuses (a CPU without AMX: the
@@ -137,17 +137,17 @@ def test_the_option_names_are_one_list():
 
 
 @pytest.mark.parametrize("fmt", LINEARS)
-def test_pack_amx_lays_the_units_out_as_documented(fmt):
+def test_pack_units_lays_the_units_out_as_documented(fmt):
     lin = LINEARS[fmt](32, 96, seed=0)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     assert units.dtype == lin.qs.dtype and torch.equal(units, pack_reference(lin))
 
 
 @pytest.mark.parametrize("fmt", LINEARS)
-def test_pack_amx_refuses_out_features_not_a_multiple_of_16(fmt):
+def test_pack_units_refuses_out_features_not_a_multiple_of_16(fmt):
     lin = LINEARS[fmt](24, 64, seed=0)
     with pytest.raises(ValueError, match="multiple of 16"):
-        decoder_ops.pack_amx(lin.qs, lin.scales)
+        decoder_ops.pack_units(lin.qs, lin.scales)
     with pytest.raises(ValueError, match="multiple of 16"):
         lin.set_activations("bf16x2")
     assert lin.activations == "float32"
@@ -164,7 +164,7 @@ def test_bf16x2_equals_the_float64_product_within_the_limbs_bound(rows, shape, f
     n_out, n_in = shape
     lin = LINEARS[fmt](n_out, n_in, seed=n_in + rows)
     x, res = activations(rows, n_in, seed=rows), torch.randn(rows, n_out)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     y = decoder_ops.block_matmul(x, units, lin.scales, lin.bits, lin.bias, res, activations="bf16x2")
     assert y.dtype == torch.float32 and y.shape == (rows, n_out)
     w, w_abs = weights64(lin)
@@ -186,7 +186,7 @@ def test_bf16x2_rows_do_not_depend_on_their_batch(fmt):
     """Each row of batches of 17 and 5 is bit for bit the row alone (its own tile rows and sums, whatever the
     pass it falls in)."""
     lin = LINEARS[fmt](48, 576, seed=5)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     x = activations(17, 576, seed=6)
     batch = decoder_ops.block_matmul(x, units, lin.scales, lin.bits, lin.bias, None, activations="bf16x2")
     five = decoder_ops.block_matmul(x[6:11], units, lin.scales, lin.bits, lin.bias, None, activations="bf16x2")
@@ -202,7 +202,7 @@ def test_bf16x2_rows_do_not_depend_on_their_batch(fmt):
 @pytest.mark.parametrize("fmt", LINEARS)
 def test_bf16x2_takes_the_units_only(fmt):
     lin = LINEARS[fmt](32, 64, seed=1)
-    with pytest.raises(ValueError, match="pack_amx's units"):
+    with pytest.raises(ValueError, match="pack_units's units"):
         decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, lin.bits, activations="bf16x2")
 
 

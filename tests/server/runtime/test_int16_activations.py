@@ -1,5 +1,5 @@
 """Block products with int16 activations (decoder_ops.cpp's ``activations`` int16: x quantized per row and block of 32
-to int16 with one scale, exact integer block dots over pack_amx's units): against an independent torch reference of
+to int16 with one scale, exact integer block dots over pack_units's units): against an independent torch reference of
 the header's math, bit for bit (the rounding rule in float32 torch ops, the block dots in int64 from the weight's own
 qs and scales, never the units, and each fused multiply-add emulated exactly in float64), at every SIMD level, for
 Q4_1, Q4_0 and Q8_0 weights, one to nine rows (a pass of eight and a tail), with a bias and a residual, on shapes of
@@ -126,7 +126,7 @@ def test_int16_equals_the_reference_bit_for_bit_at_every_level(fmt, shape):
     bias and a residual. Blocks: 18, 48, 3, 7 and 1."""
     n_out, n_in = shape
     lin = block_linear(fmt, n_out, n_in, seed=n_in + n_out)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     for rows in range(1, 10):
         x, res = activations(rows, n_in, seed=rows), torch.randn(rows, n_out)
         want = reference(x, lin, res)
@@ -153,7 +153,7 @@ def test_the_reference_rounds_half_to_even_and_zeroes_blocks_too_small_to_scale(
 def test_int16_rows_do_not_depend_on_their_batch_nor_threads(fmt, threads):
     """Each row of batches of 17 and 5 is bit for bit the row alone, at every level and at one and two threads."""
     lin = block_linear(fmt, 48, 576, seed=5)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     x = activations(17, 576, seed=6)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -176,7 +176,7 @@ def test_int16_is_within_half_a_step_of_float32_activations(fmt):
     32767, 2^-16 of the block's max) plus float32 roundings of the summed terms; the float32 loops' product within
     the same. Rounding x to 8 bits fewer (int8's grid) would be far outside: the bound discriminates."""
     lin = block_linear(fmt, 64, 1536, seed=7)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     x, res = activations(8, 1536, seed=8), torch.randn(8, 64)
     qw, d, m = weight_ints(lin)
     w = qw.double() * d.double().unsqueeze(-1) + (0 if m is None else m.double().unsqueeze(-1))  # (out, nb, 32)
@@ -196,19 +196,19 @@ def test_int16_is_within_half_a_step_of_float32_activations(fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_int16_refuses_what_it_cannot_take(fmt):
-    """qs that are not pack_amx's units (the stored blocks, or units of another width) and out features not a
+    """qs that are not pack_units's units (the stored blocks, or units of another width) and out features not a
     multiple of 16: ValueError naming the argument; an unknown activations code too."""
     lin = block_linear(fmt, 32, 64, seed=1)
-    with pytest.raises(ValueError, match="qs must be pack_amx's units"):
+    with pytest.raises(ValueError, match="qs must be pack_units's units"):
         decoder_ops.block_matmul(torch.randn(1, 64), lin.qs, lin.scales, lin.bits, activations="int16")
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
-    with pytest.raises(ValueError, match="qs must be pack_amx's units"):
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
+    with pytest.raises(ValueError, match="qs must be pack_units's units"):
         decoder_ops.block_matmul(torch.randn(1, 96), units, lin.scales, lin.bits, activations="int16")
     with pytest.raises(ValueError, match="multiple of 16"):
         decoder_ops.block_matmul(torch.randn(1, 64), units[:24].contiguous(), lin.scales, lin.bits,
                                  activations="int16")
     with pytest.raises(ValueError, match="multiple of 16"):
-        decoder_ops.pack_amx(lin.qs[:24].contiguous(), lin.scales[:24].contiguous())
+        decoder_ops.pack_units(lin.qs[:24].contiguous(), lin.scales[:24].contiguous())
     with pytest.raises(ValueError, match="activations must be 0"):
         decoder_ops.extension().block_matmul(torch.randn(1, 64), units, lin.scales, lin.bits, None, None, 0, 4)
 
@@ -217,7 +217,7 @@ def test_int16_product_past_the_kept_scratch_gives_each_row_its_one_row_result()
     """More rows than the kept quantization buffer holds (M in > 2^18 values: a prefill's size, its own buffer)
     give each row what it gets alone."""
     lin = block_linear("q4_1", 32, 1024, seed=4)
-    units = decoder_ops.pack_amx(lin.qs, lin.scales)
+    units = decoder_ops.pack_units(lin.qs, lin.scales)
     x = activations(300, 1024, seed=4)
     batch = int16_product(x, lin, units)
     for i in (0, 7, 8, 64, 299):

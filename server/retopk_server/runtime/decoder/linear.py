@@ -12,7 +12,7 @@ each weight widened exactly to float32, x float32, so a step equals the dequanti
 order of the sums; or, with ``activations`` "int8", x quantized per block of 32 and integer block dots; or, with
 "bf16x2" (CPUs with AMX), x as two bf16 limbs on AMX tiles; or, with "int16", x quantized per block of 32 to int16
 and exact integer block dots (AVX-512 VNNI's dpwssd); bf16x2 and int16 take the weight repacked into units of 16
-outputs (``decoder_ops.pack_amx``, held beside qs and scales while one of them is set).
+outputs (``decoder_ops.pack_units``, held beside qs and scales while one of them is set).
 Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``WIDE_ROWS[dtype]``
 rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load (``wide``: bfloat16
 where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also
@@ -164,10 +164,10 @@ class _BlockLinear:
 
     def set_activations(self, activations: str) -> None:
         """The block products' activations (Decoder.set_activations); ``blocks`` carries what they take: with
-        "bf16x2" or "int16", the units in place of qs (decoder_ops.pack_amx)."""
+        "bf16x2" or "int16", the units in place of qs (decoder_ops.pack_units)."""
         self.check_activations(activations)
         self.activations = activations
-        qs = decoder_ops.pack_amx(self.qs, self.scales) if activations in decoder_ops.UNIT_ACTIVATIONS else self.qs
+        qs = decoder_ops.pack_units(self.qs, self.scales) if activations in decoder_ops.UNIT_ACTIVATIONS else self.qs
         self.blocks = decoder_ops.Blocks(qs, self.scales, self.bits, self.bias)
 
     def set_wide_dtype(self, dtype: torch.dtype) -> None:
