@@ -1203,14 +1203,18 @@ void int16_matmul(const float* x, int64_t M, int64_t in, const uint8_t* units, i
   int16_t* q = limb_scratch(M * in, q_own);
   float* ss = limb_scratch(2 * M * nb, ss_own);
   quantize_rows16(x, M, in, q, ss, isa);
-  const int64_t rows = isa >= kAvx512Vnni ? kInt16Rows : isa >= kAvx2 ? kInt16Avx2Rows : M;
+  // the plain loop's one pass takes every row (at least one, so that M % rows is defined when M is 0)
+  const int64_t rows = isa >= kAvx512Vnni ? kInt16Rows : isa >= kAvx2 ? kInt16Avx2Rows : std::max<int64_t>(M, 1);
+  // the loops of a full pass (min(rows, M) rows) and of a shorter last one (M % rows, where not 0), picked once
+  auto pick = [&](int64_t mr) { return bits == 4 ? int16_fn<4>(isa, mr) : int16_fn<8>(isa, mr); };
+  const Int16Fn full = pick(std::min(rows, M)), tail = M % rows ? pick(M % rows) : full;
   at::parallel_for(0, out / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t r0 = 0; r0 < M; r0 += rows) {
         const int64_t mr = std::min(rows, M - r0);
         const Int16Args a{units, nb, in, q + r0 * in, ss + 2 * r0 * nb, bias,
                           residual ? residual + r0 * out : nullptr, y + r0 * out, out};
-        const Int16Fn fn = bits == 4 ? int16_fn<4>(isa, mr) : int16_fn<8>(isa, mr);
+        const Int16Fn fn = mr == rows ? full : tail;
         if (fn)
           fn(a, g);
         else if (bits == 4)
