@@ -550,8 +550,8 @@ void keep_topk(const float* score, const int64_t* pos, int64_t n, int64_t k, std
     s.cut_keys.resize(n);
     s.up.resize(n);
     s.down.resize(n);
-    const uint64_t* keys = s.cut_keys.data();
-    if (retopk_select::top_keys_by_score(score, pos, n, k, s.cut_keys.data(), s.up.data(), s.down.data())) {
+    uint64_t* keys = s.cut_keys.data();
+    if (retopk_select::top_keys_by_score(score, pos, n, k, keys, s.up.data(), s.down.data())) {
       for (int64_t i = 0; i < k; ++i) top.push_back(scored(keys[i]));
       return;
     }
