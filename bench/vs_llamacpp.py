@@ -414,6 +414,14 @@ def make_runner(args, spec, rope: float | None) -> ModelRunner:
                                      **args.runtime_options))
 
 
+def runtime_line(options: dict, runner: ModelRunner) -> str:
+    """The header's line on retopk's runner: --runtime's options, then the weights' formats, the KV cache, the block
+    products' activations and the backend, each named once (the weights by matmul_format: weight_format, the JSON's
+    retopk_weights, ends with the activations where they are not float32)."""
+    return (f"#   retopk runtime {options or 'defaults'}: weights {runner.decoder.matmul_format}, KV cache "
+            f"{runner.info.kv_dtype}, activations {runner.decoder.activations}, backend {runner.info.backend}")
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.check:
@@ -457,9 +465,7 @@ def main(argv=None) -> list[dict]:
             "retopk_activations": runner.decoder.activations, "retopk_backend": runner.info.backend}
     print(f"# vs_llamacpp: {path.name} ({gguf_bytes / 1e6:.1f} MB of tensors, {trained} trained positions), "
           f"{args.threads} threads, {args.rounds} rounds of {args.new_tokens} tokens", flush=True)
-    print(f"#   retopk runtime {args.runtime_options or 'defaults'}: weights {meta['retopk_weights']}, KV cache "
-          f"{meta['retopk_kv_dtype']}, activations {meta['retopk_activations']}, backend {meta['retopk_backend']}",
-          flush=True)
+    print(runtime_line(args.runtime_options, runner), flush=True)
     print(f"#   llama.cpp {llama_cpp.__version__} ({meta['llama_cpp_system']})", flush=True)
     for text, spec in methods:
         print(f"#   retopk {text} = {spec.describe()}", flush=True)

@@ -13,6 +13,7 @@ import torch
 
 from bench import vs_llamacpp as vs
 from bench.e2e_cpu import parse_method
+from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import ModelRunner, RuntimeConfig
 
 
@@ -247,6 +248,18 @@ def test_main_with_a_stand_in_llama_cpp(monkeypatch, tmp_path, capsys):
 def test_weight_bytes_is_the_runners_own_figure():
     runner = ModelRunner(RuntimeConfig(model="tiny", default_method=parse_method("full")), model=_tiny_model())
     assert vs.weight_bytes(runner) == runner.info.weight_bytes > 0
+
+
+@pytest.mark.skipif(not decoder_ops.available(), reason="int16 activations need the fused CPU library")
+def test_runtime_line_names_the_activations_once():
+    """The header's runtime line with int16 activations (which weight_format, the JSON's retopk_weights, ends with):
+    the weights' formats, then the activations, once."""
+    runner = ModelRunner(RuntimeConfig(model="tiny", default_method=parse_method("full"), weights="int4",
+                                       kv_dtype="bfloat16", activations="int16"), model=_tiny_model())
+    assert runner.info.weight_format.endswith(", activations int16")
+    line = vs.runtime_line({"activations": "int16"}, runner)
+    assert line == (f"#   retopk runtime {{'activations': 'int16'}}: weights int4, lm_head int4, KV cache bfloat16, "
+                    f"activations int16, backend {runner.info.backend}")
 
 
 @pytest.mark.slow
