@@ -287,6 +287,15 @@ class KVPool:
         g = torch.arange(self.num_kv_heads, device=start.device).view(1, -1, 1)  # (1, H_kv, 1)
         return (block.unsqueeze(1) * self.num_kv_heads + g) * self.block_size + (pos % self.block_size).unsqueeze(1)
 
+    def step_rows(self, block_lists: list[list[int]], positions: list[int], device: torch.device | str) -> torch.Tensor:
+        """``rows`` of one new position per row, positions[b] in the blocks block_lists[b]: (B, H_kv, 1) int64,
+        computed on Python ints and made in one tensor (a decode step's, where ``rows``' few tensor ops on the
+        block table each cost more than the arithmetic)."""
+        P, G = self.block_size, self.num_kv_heads
+        flat = [(blocks[p // P] * G + g) * P + p % P
+                for blocks, p in zip(block_lists, positions, strict=True) for g in range(G)]
+        return torch.tensor(flat, dtype=torch.long, device=device).view(len(positions), G, 1)
+
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys/values k, v: (B, H_kv, T, d) at ``rows`` (B, H_kv, T) from ``rows()``."""
         # a decode step's rows (T = 1): the library's store, one call for both. A prefill chunk's many positions:

@@ -593,20 +593,24 @@ class ModelRunner:
             self._ensure_slots(s)
             self.reserve(s, s.length + 1)
         dev = self.device
-        start = torch.tensor([s.length for s in sessions], dtype=torch.long, device=dev)  # (B,)
+        positions = [s.length for s in sessions]
+        start = torch.tensor(positions, dtype=torch.long, device=dev)  # (B,)
         by_spec: dict[MethodSpec, list[int]] = {}
         for row, s in enumerate(sessions):
             by_spec.setdefault(s.method, []).append(row)
         groups = []
         for spec, rows in by_spec.items():
-            per_layer = zip(*(sessions[r].slots for r in rows), strict=True)  # layer l: each session's slot in it
-            slots = torch.tensor(list(per_layer), dtype=torch.long, device=dev)  # (layers, n)
+            # layer l's row: each session's slot in it, flat (one list of ints makes a tensor faster than tuples)
+            per_layer = [slot for layer in zip(*(sessions[r].slots for r in rows), strict=True) for slot in layer]
+            slots = torch.tensor(per_layer, dtype=torch.long, device=dev).view(-1, len(rows))  # (layers, n)
             row_t = None if len(by_spec) == 1 else torch.tensor(rows, dtype=torch.long, device=dev)
             groups.append(DecodeGroup(self._groups[spec], row_t, slots))
-        kv = StepKV(self.pool, self.pool.block_table([s.blocks for s in sessions], dev), start, start + 1)
+        blocks = [s.blocks for s in sessions]
+        kv = StepKV(self.pool, self.pool.block_table(blocks, dev), start, start + 1,
+                    self.pool.step_rows(blocks, positions, dev))
         ctx = DecodeContext(kv, groups, with_stats)
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
-        layers = whole_step(self.decoder, ctx, [s.length + 1 for s in sessions]) if self.layers_in_one_call else None
+        layers = whole_step(self.decoder, ctx, [p + 1 for p in positions]) if self.layers_in_one_call else None
         logits = self.forward(ctx, ids, start.view(-1, 1), layers)
         for s, t in zip(sessions, token_ids, strict=True):
             s.token_ids.append(int(t))

@@ -43,6 +43,20 @@ def test_pool_write_and_history_round_trip_across_growth():
     torch.testing.assert_close(dense_k[0], got_k, rtol=0, atol=0)
 
 
+def test_step_rows_are_the_rows_of_one_new_position_a_row():
+    """A decode step's rows from Python ints (``step_rows``) equal ``rows``' tensor arithmetic for T = 1 on a ragged
+    batch of scattered blocks, positions at block starts, ends and in between, and one row by hand."""
+    pool = KVPool(num_layers=1, num_kv_heads=3, head_dim=2, block_size=4, dtype=torch.float32, device="cpu",
+                  initial_blocks=16)
+    block_lists = [[5], [2, 9, 0], [7, 1], [3, 4, 6, 8]]
+    positions = [0, 11, 4, 13]
+    got = pool.step_rows(block_lists, positions, "cpu")  # (B, H_kv, 1)
+    want = pool.rows(pool.block_table(block_lists, "cpu"), torch.tensor(positions), 1)
+    assert got.dtype == torch.long and got.shape == (4, 3, 1)
+    assert torch.equal(got, want)
+    assert got[3, 2, 0] == (8 * 3 + 2) * 4 + 1  # position 13: the row's block 3 (id 8), head 2, offset 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_as_stored_is_what_history_reads_back(dtype):
     """A prefill chunk that starts a session attends over ``as_stored`` of its own keys and values instead of
