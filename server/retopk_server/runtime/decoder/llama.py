@@ -68,6 +68,13 @@ class Decoder:
         return Decoder(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.embed.to(device), move,
                        self.norm.to(device), self.lm_head.to(device), self.rotary.to(device))
 
+    def rope_table(self) -> RopeTable:
+        """The RopeTable of ``rotary``, kept (made again when ``rotary`` was replaced)."""
+        table = self.__dict__.get("_rope_table")
+        if table is None or table.rotary is not self.rotary:
+            table = self.__dict__["_rope_table"] = RopeTable(self.rotary)
+        return table
+
     def linears(self) -> list[Linear]:
         """Every matmul of the model, the LM head last."""
         body = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -210,6 +217,33 @@ def rope_tables(rotary: torch.nn.Module, x: torch.Tensor, positions: torch.Tenso
     return cos.reshape(-1, cos.shape[-1]).float().contiguous(), sin.reshape(-1, sin.shape[-1]).float().contiguous()
 
 
+class RopeTable:
+    """``rope_tables`` of positions 0 .. n - 1 in one call of transformers' rotary embedding, grown by doubling as
+    positions past n are asked for: a decode step indexes its rows (``rows``) instead of calling the embedding
+    (a dozen tensor ops and the module's call for one position a row). The embedding is elementwise in the
+    position (position x inverse frequency, then cos and sin), so a row equals ``rope_tables`` of that position
+    alone bit for bit. Only for a RoPE type whose frequencies stay fixed (``fixed_rope``)."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        self.rotary = rotary
+        self.cos = self.sin = None  # (n, d) float32 each
+
+    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N,) int64 -> cos, sin (N, d) float32; x: the forward's residual stream (its device, dtype)."""
+        top = int(positions.max())
+        if self.cos is None or top >= self.cos.shape[0]:
+            n = max(256, top + 1, 2 * (0 if self.cos is None else self.cos.shape[0]))
+            self.cos, self.sin = rope_tables(self.rotary, x, torch.arange(n, device=x.device).view(1, n))
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
+def fixed_rope(rotary: torch.nn.Module) -> bool:
+    """Whether ``rotary``'s frequencies are fixed: transformers recomputes "dynamic" and "longrope" ones from the
+    longest position it is given, so a table made ahead would differ."""
+    kind = getattr(rotary, "rope_type", None)
+    return isinstance(kind, str) and "dynamic" not in kind and kind != "longrope"
+
+
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x (N, heads, d) rotated in place: x cos + rotate_half(x) sin with rotate_half(x) = (-x2, x1), transformers'
     RoPE, in one loop of the fused CPU library on a CPU."""
@@ -254,14 +288,17 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     prompts that end in it; None when the list is empty: the LM head is skipped)."""
     B, T = ids.shape
     x = dec.embed(ids.reshape(-1))  # (B*T, D) float32, a new tensor: the layers may update it in place
-    cos, sin = rope_tables(dec.rotary, x, positions)
+    if T == 1 and fixed_rope(dec.rotary):  # a decode step: its rows of the kept table
+        cos, sin = dec.rope_table().rows(x, positions.view(-1))
+    else:
+        cos, sin = rope_tables(dec.rotary, x, positions)
     if layers is not None:
         x = layers(x, cos, sin)
     else:
         for index, layer in enumerate(dec.layers):
             x = layer_step(layer, dec, index, x, (B, T), cos, sin, attend)
-    if logits_at is None:
-        last = x.view(B, T, -1)[:, -1].contiguous()  # (B, D)
+    if logits_at is None:  # (B, D); a decode step's x is that already (and contiguous): no view, no copy
+        last = x if T == 1 else x.view(B, T, -1)[:, -1].contiguous()
     elif not logits_at:
         return None
     else:
