@@ -33,11 +33,14 @@ class BlockEmbedding:
     """Rows of a block-quantized table (Q8_0: w = d * q per block of 32), dequantized exactly on lookup."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
-        self.q, self.d = q, d  # (V, D) int8, (V, D / 32) float16
+        # (V, D) int8, (V, D / 32) float32 (float16 widened once, exactly: a lookup then converts only q)
+        self.q, self.d = q, d.float()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.q[ids].float().unflatten(-1, (-1, 32))  # (N, D/32, 32)
-        return (q * self.d[ids].float().unsqueeze(-1)).flatten(-2)  # (N, D)
+        """ids (N,) -> (N, D) float32: each q widened to float32 and times its block's d (one rounding)."""
+        N = ids.shape[0]
+        q = self.q.index_select(0, ids).view(N, -1, 32)  # (N, D/32, 32) int8, widened to float32 by the product
+        return (q * self.d.index_select(0, ids).unsqueeze(-1)).view(N, -1)  # (N, D)
 
     def to(self, device: torch.device) -> BlockEmbedding:
         return BlockEmbedding(self.q.to(device), self.d.to(device))
