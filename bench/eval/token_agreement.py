@@ -17,6 +17,11 @@ recorded: a flip with gap <= 1e-3 is a near-tie.
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:bfloat16 float32:bfloat16
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int8   # int8 activations
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int16 --prefix-tokens 8000
+    python -m bench.eval.token_agreement --prefix-tokens 8000 --docs 8 --only-docs 2 3   # documents 2, 3 of 8
+    python -m bench.eval.token_agreement --formats as-stored:bfloat16:float32:float32  # float32 prefill GEMMs
+
+With --prefix-tokens each row's ``documents`` names its documents' indices among the --docs (a flip's ``prompt``
+indexes that list).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
 TOLERANCE = 1e-3  # nats: a flip within this is a near-tie the criterion allows
+PREFILL_DTYPES = ("float32", "bfloat16")  # a format's optional PREFILL: Decoder.set_prefill_dtype's dtype
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
     "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
@@ -46,19 +52,36 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--formats", nargs="+", default=["as-stored:float32", "as-stored:bfloat16"],
-                   help="WEIGHTS:KV_DTYPE[:ACTIVATIONS] of the runtime to compare (activations float32 unless given)")
+                   help="WEIGHTS:KV_DTYPE[:ACTIVATIONS[:PREFILL]] of the runtime to compare (activations float32 "
+                        "unless given; PREFILL float32 or bfloat16: the dtype of the quantized weights' prefill "
+                        "GEMM copies, else the runner's: bfloat16 with a 16-bit KV cache on a CPU with AVX-512 BF16)")
     p.add_argument("--prompts", type=int, default=20, help=f"chat prompts (at most {len(PROMPTS)})")
     p.add_argument("--prefix-tokens", type=int, nargs="+", default=None, metavar="L",
                    help="instead of the chat prompts: --docs documents of exactly L tokens of --corpus per L "
                         "(costs transformers' float32 forward over L tokens per document; L + --new-tokens must "
                         "fit the model's positions)")
     p.add_argument("--docs", type=int, default=1, help="documents per --prefix-tokens L (default 1)")
+    p.add_argument("--only-docs", type=int, nargs="+", default=None, metavar="I",
+                   help="run only these of the --docs documents (indices from 0, in this order; default all), "
+                        "so that one split can be spread over several processes")
     p.add_argument("--corpus", default=KJV, help="the --prefix-tokens documents' corpus: a bench.eval.corpora "
                    "name or a UTF-8 text file (default: kjv)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="write the results here too")
     return p.parse_args(argv)
+
+
+def parse_format(spec: str) -> tuple[str, str, str, str | None]:
+    """"WEIGHTS:KV[:ACTIVATIONS[:PREFILL]]" -> (weights, kv, activations (float32 if absent), prefill (None if
+    absent: the runner's choice)). PREFILL separates the prefill GEMMs' rounding from the KV cache's: the runner
+    couples them (a 16-bit KV cache brings bfloat16 copies of the quantized weights for the prefill)."""
+    parts = spec.split(":")
+    if not 2 <= len(parts) <= 4 or (len(parts) == 4 and parts[3] not in PREFILL_DTYPES):
+        raise SystemExit(f"--formats {spec!r}: WEIGHTS:KV_DTYPE[:ACTIVATIONS[:PREFILL]], PREFILL one of "
+                         f"{', '.join(PREFILL_DTYPES)}")
+    weights, kv, activations, prefill = (parts + ["float32", None])[:4]
+    return weights, kv, activations, prefill
 
 
 def reference(model, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -71,9 +94,23 @@ def reference(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
+def document_indices(args) -> list[int] | None:
+    """The --docs documents to run: --only-docs (each checked to lie in [0, --docs)), else all; None for the chat
+    prompts."""
+    if not args.prefix_tokens:
+        return None
+    if args.only_docs is None:
+        return list(range(args.docs))
+    bad = [i for i in args.only_docs if not 0 <= i < args.docs]
+    if bad or len(set(args.only_docs)) != len(args.only_docs):
+        raise SystemExit(f"--only-docs {args.only_docs}: each index once, in [0, {args.docs}) (--docs {args.docs})")
+    return list(args.only_docs)
+
+
 def prompt_sets(args, runner: ModelRunner) -> dict[str, list[list[int]]]:
     """{label: prompts}: "chat" -> the first --prompts chat prompts; or, with --prefix-tokens, "L=<L>" -> --docs
-    corpus documents of L tokens each. SystemExit when L + --new-tokens exceeds the model's positions."""
+    corpus documents of L tokens each (those ``document_indices`` names). SystemExit when L + --new-tokens exceeds
+    the model's positions."""
     if not args.prefix_tokens:
         return {"chat": [runner.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]}
     limit = runner.info.max_context
@@ -81,23 +118,31 @@ def prompt_sets(args, runner: ModelRunner) -> dict[str, list[list[int]]]:
         if L < 1 or L + args.new_tokens > limit:
             raise SystemExit(f"--prefix-tokens {L}: L must be at least 1 and L + --new-tokens ({args.new_tokens}) at "
                              f"most {limit}, the model's positions (RoPE as its config has it)")
+    pick = document_indices(args)
     docs = corpus_documents(args, runner, args.docs, sorted(set(args.prefix_tokens)))
-    return {f"L={L}": docs[L] for L in args.prefix_tokens}
+    return {f"L={L}": [docs[L][i] for i in pick] for L in args.prefix_tokens}
 
 
 def agreement(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> dict:
-    """Teacher-forced flips of the runtime against the reference's tokens -> counts, the largest gap, and each
-    flip as {"prompt": index, "step": position in the continuation, "top", "ref": token ids, "gap"}."""
+    """Teacher-forced flips of the runtime against the reference's tokens -> counts, the largest gap, each flip as
+    {"prompt": index, "step": position in the continuation, "top", "ref": token ids, "gap"}, and per prompt and step
+    ("steps") log p(ref) and the margin log p(top) - log p(runner-up) under the runtime's distribution: how near a
+    tie each position is, which says more about how often rounding can flip one than the few flips themselves."""
     tokens = flips = 0
     gaps: list[float] = []
     where: list[dict] = []
+    steps: list[dict] = []
     for p, (ids, cont) in enumerate(zip(prompts, continuations, strict=True)):
         session = runner.open_session(MethodSpec("full"))
+        trace = {"logp_ref": [], "margin": []}
         try:
             logits = runner.prefill(session, ids)
             for i, ref in enumerate(cont):
                 logp = torch.log_softmax(logits.double(), dim=-1)
+                best = logp.topk(2).values
                 top = int(logp.argmax())
+                trace["logp_ref"].append(float(logp[ref]))
+                trace["margin"].append(float(best[0] - best[1]))
                 tokens += 1
                 if top != ref:
                     flips += 1
@@ -107,12 +152,15 @@ def agreement(runner: ModelRunner, prompts: list[list[int]], continuations: list
                     logits = runner.decode([session], [ref])[0][0]
         finally:
             runner.close_session(session)
+        steps.append(trace)
     worst = max(gaps, default=0.0)
-    return {"tokens": tokens, "flips": flips, "max_gap": worst, "met": worst <= TOLERANCE, "flips_at": where}
+    return {"tokens": tokens, "flips": flips, "max_gap": worst, "met": worst <= TOLERANCE, "flips_at": where,
+            "steps": steps}
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    formats = [parse_format(spec) for spec in args.formats]  # refused before the reference's cost
     torch.set_num_threads(args.threads)
     from retopk_core.models import load_model
 
@@ -122,19 +170,22 @@ def main(argv=None) -> list[dict]:
     with torch.inference_mode():
         continuations = {label: reference(model, prompts, args.new_tokens) for label, prompts in sets.items()}
     del base, model
+    documents = document_indices(args)
     rows = []
-    print(f"{'prompts':>8} {'weights':>10} {'kv':>9} {'x':>7} {'tokens':>6} {'flips':>5} {'max gap':>9}  "
-          f"criterion (gap <= {TOLERANCE})")
-    for spec in args.formats:
-        weights, kv, activations = (spec.split(":") + ["float32"])[:3]
+    print(f"{'prompts':>8} {'weights':>10} {'kv':>9} {'x':>7} {'prefill':>8} {'tokens':>6} {'flips':>5} "
+          f"{'max gap':>9}  criterion (gap <= {TOLERANCE})")
+    for weights, kv, activations, prefill in formats:
         runner = ModelRunner(RuntimeConfig(model=args.model, weights=weights, kv_dtype=kv, activations=activations))
+        if prefill is not None:
+            runner.decoder.set_prefill_dtype(getattr(torch, prefill))
         for label, prompts in sets.items():
             with torch.inference_mode():
                 r = {"prompts": label, "weights": weights, "kv_dtype": kv, "activations": activations,
-                     "weight_format": runner.info.weight_format, **agreement(runner, prompts, continuations[label])}
+                     "prefill": prefill or "auto", "weight_format": runner.info.weight_format, "documents": documents,
+                     **agreement(runner, prompts, continuations[label])}
             rows.append(r)
-            print(f"{label:>8} {weights:>10} {kv:>9} {activations:>7} {r['tokens']:>6} {r['flips']:>5} "
-                  f"{r['max_gap']:>9.2e}  {'met' if r['met'] else 'NOT met'}", flush=True)
+            print(f"{label:>8} {weights:>10} {kv:>9} {activations:>7} {r['prefill']:>8} {r['tokens']:>6} "
+                  f"{r['flips']:>5} {r['max_gap']:>9.2e}  {'met' if r['met'] else 'NOT met'}", flush=True)
         del runner
     if args.json:
         with open(args.json, "w") as f:

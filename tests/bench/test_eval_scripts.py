@@ -576,7 +576,46 @@ def test_token_agreement_after_corpus_prefixes_counts_rounding_flips(tiny, tmp_p
         assert f["ref"] == conts[label][f["prompt"]][f["step"]] and int(logp.argmax()) == f["top"]
         # prefill's and decode's int4 products round differently (~1e-4 nats here): agree within the criterion's 1e-3
         assert f["gap"] == pytest.approx(float(logp[f["top"]] - logp[f["ref"]]), abs=token_agreement.TOLERANCE)
+        logp_ref = by[label, "int4"]["steps"][f["prompt"]]["logp_ref"][f["step"]]
+        assert logp_ref == pytest.approx(float(logp[f["ref"]]), abs=token_agreement.TOLERANCE)
     assert by["L=300", "int4"]["max_gap"] == max(f["gap"] for label, f in flips if label == "L=300")
+    for label, f in flips:  # the step's trace: log p(ref) of the flip, and a runner-up no more likely than the top
+        trace = by[label, "int4"]["steps"][f["prompt"]]
+        margin, logp_ref = trace["margin"][f["step"]], trace["logp_ref"][f["step"]]
+        assert 0 <= margin <= f["gap"] and logp_ref + f["gap"] <= 0  # log p(top) = log p(ref) + gap
+    for r in rows:  # a trace per document and step; at every step the reference token's log-probability is <= 0
+        assert r["documents"] == [0, 1]
+        assert [len(t["margin"]) for t in r["steps"]] == [len(c) for c in conts[r["prompts"]]]
+        assert all(v <= 0 for t in r["steps"] for v in t["logp_ref"])
+
+
+def test_token_agreement_runs_the_chosen_documents_of_a_split(tiny, monkeypatch):
+    """--only-docs I...: the reference continues documents I of the --docs split (split_documents), in that order,
+    and the rows name them; an index outside the split is refused."""
+    from bench.eval import common, token_agreement
+    from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+
+    seen = []
+    real = token_agreement.reference
+    monkeypatch.setattr(token_agreement, "reference",
+                        lambda model, prompts, n: seen.append(prompts) or real(model, prompts, n))
+    rows = token_agreement.main(common_args(tiny) + ["--prefix-tokens", "120", "--docs", "4", "--only-docs", "3",
+                                                     "1", "--new-tokens", "3", "--formats", "float32:float32"])
+    runner = ModelRunner(RuntimeConfig(model=tiny[0], weights="float32", kv_dtype="float32"))
+    split = common.split_documents(common.load_corpus(tiny[1]), lambda s: runner.encode(s, add_special_tokens=False),
+                                   4, 120)
+    assert seen == [[split[3], split[1]]] and rows[0]["documents"] == [3, 1]
+    session = runner.open_session(MethodSpec("full"))  # step 0's trace is a plain prefill of document 3
+    with torch.inference_mode():
+        logp = torch.log_softmax(runner.prefill(session, split[3]).double(), dim=-1)
+    top2 = logp.topk(2).values
+    assert rows[0]["steps"][0]["margin"][0] == pytest.approx(float(top2[0] - top2[1]), abs=1e-6)
+    assert rows[0]["steps"][0]["logp_ref"][0] == pytest.approx(float(logp.max()), abs=1e-6)  # the float32 runtime
+    for bad in (["4"], ["1", "1"], ["-1"]):
+        args = token_agreement.parse_args(common_args(tiny) + ["--prefix-tokens", "120", "--docs", "4",
+                                                               "--only-docs", *bad])
+        with pytest.raises(SystemExit, match="--only-docs"):
+            token_agreement.prompt_sets(args, runner)
 
 
 def test_token_agreement_refuses_a_prefix_past_the_models_positions(tiny):
@@ -591,3 +630,31 @@ def test_token_agreement_refuses_a_prefix_past_the_models_positions(tiny):
         args = token_agreement.parse_args(common_args(tiny) + ["--prefix-tokens", "8", L, "--new-tokens", "8"])
         with pytest.raises(SystemExit, match=f"--prefix-tokens {L}: .* at most 1024"):
             token_agreement.prompt_sets(args, runner)
+
+
+def test_token_agreement_prefill_field_sets_the_prefill_gemms_dtype(tiny):
+    """WEIGHTS:KV:ACTIVATIONS:PREFILL: the quantized weights' prefill copies in PREFILL whatever the KV cache, so step
+    0 (the prefill's logits) is a runner's whose decoder was set so by hand; without it, the runner's own choice
+    (bfloat16 copies with a bfloat16 KV cache where the CPU has AVX-512 BF16) rounds differently. A bad PREFILL is
+    refused."""
+    from bench.eval import common, token_agreement
+    from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+    from retopk_server.runtime.decoder.linear import wide_dtype
+
+    rows = token_agreement.main(common_args(tiny) + ["--prefix-tokens", "120", "--new-tokens", "2", "--formats",
+                                                     "int4:bfloat16:float32:float32", "int4:bfloat16"])
+    assert [r["prefill"] for r in rows] == ["float32", "auto"]
+    runner = ModelRunner(RuntimeConfig(model=tiny[0], weights="int4", kv_dtype="bfloat16", activations="float32"))
+    runner.decoder.set_prefill_dtype(torch.float32)
+    doc = common.split_documents(common.load_corpus(tiny[1]), lambda s: runner.encode(s, add_special_tokens=False),
+                                 1, 120)[0]
+    session = runner.open_session(MethodSpec("full"))
+    with torch.inference_mode():
+        logp = torch.log_softmax(runner.prefill(session, doc).double(), dim=-1)
+    top2 = logp.topk(2).values
+    assert rows[0]["steps"][0]["margin"][0] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+    if wide_dtype() == torch.bfloat16:  # the auto row's prefill ran through bfloat16 copies: other roundings
+        assert rows[1]["steps"][0]["margin"][0] != pytest.approx(rows[0]["steps"][0]["margin"][0], abs=1e-9)
+    for bad in ("int4:bfloat16:float32:float16", "int4", "int4:float32:float32:float32:x"):
+        with pytest.raises(SystemExit, match="--formats"):
+            token_agreement.parse_format(bad)
