@@ -80,7 +80,7 @@ def parse_format(spec: str) -> tuple[str, str, str, str | None]:
     if not 2 <= len(parts) <= 4 or (len(parts) == 4 and parts[3] not in PREFILL_DTYPES):
         raise SystemExit(f"--formats {spec!r}: WEIGHTS:KV_DTYPE[:ACTIVATIONS[:PREFILL]], PREFILL one of "
                          f"{', '.join(PREFILL_DTYPES)}")
-    weights, kv, activations, prefill = (parts + ["float32", None])[:4]
+    weights, kv, activations, prefill = parts + ["float32", None][len(parts) - 2:]
     return weights, kv, activations, prefill
 
 

@@ -655,6 +655,10 @@ def test_token_agreement_prefill_field_sets_the_prefill_gemms_dtype(tiny):
     assert rows[0]["steps"][0]["margin"][0] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
     if wide_dtype() == torch.bfloat16:  # the auto row's prefill ran through bfloat16 copies: other roundings
         assert rows[1]["steps"][0]["margin"][0] != pytest.approx(rows[0]["steps"][0]["margin"][0], abs=1e-9)
+    given = ("int4:bfloat16", "int4:bfloat16:int16", "int4:float16:int16:bfloat16")
+    assert [token_agreement.parse_format(f) for f in given] == [  # PREFILL only where given: else the runner's
+        ("int4", "bfloat16", "float32", None), ("int4", "bfloat16", "int16", None),
+        ("int4", "float16", "int16", "bfloat16")]
     for bad in ("int4:bfloat16:float32:float16", "int4", "int4:float32:float32:float32:x"):
         with pytest.raises(SystemExit, match="--formats"):
             token_agreement.parse_format(bad)
