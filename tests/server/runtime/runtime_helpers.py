@@ -106,10 +106,11 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 def check_units_mode(runners: dict[str, ModelRunner], weights: str, activations: str) -> None:
     """A units mode (decoder_ops.UNIT_ACTIVATIONS) against float32 activations, ``runners`` of each on one tiny model
     with int4 or int8 weights (``weights``): the weight format says so, every block linear, the LM head included,
-    carries units (20 bytes a block of 32 for int4's 16, 34 for int8's 32), the prefill's KV rows are float32's
-    (the wide copy), the first decode logits differ from float32's by a little, and back on float32 the same runner
-    multiplies qs again (through the fused layers' new arguments) and gives float32's logits."""
-    from retopk_server.runtime.decoder.linear import is_blocks
+    carries units (20 bytes a block of 32 for int4's 16, 34 for int8's 32), the KV rows of a prefill long enough for
+    the wide copy with either activations (linear.wide_rows) are float32's, the first decode logits differ from
+    float32's by a little, and back on float32 the same runner multiplies qs again (through the fused layers' new
+    arguments) and gives float32's logits."""
+    from retopk_server.runtime.decoder.linear import is_blocks, wide_rows
 
     unit = runners[activations]
     assert unit.info.weight_format == runners["float32"].info.weight_format + f", activations {activations}"
@@ -117,7 +118,8 @@ def check_units_mode(runners: dict[str, ModelRunner], weights: str, activations:
     unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
     assert {lin.format for lin in blocks} == {weights} and unit.decoder.lm_head in blocks
     assert all(lin.activations == activations and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
-    prompt = prompt_ids(20, 1)
+    wide = unit.decoder.layers[0].qkv.wide.dtype
+    prompt = prompt_ids(max(wide_rows(wide, a) for a in runners), 1)
     out = {a: first_step(runner, prompt) for a, runner in runners.items()}
     assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out[activations][0], strict=True))
     diff = (out["float32"][2] - out[activations][2]).abs().max()

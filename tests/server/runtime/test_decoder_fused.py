@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime.decoder import llama
-from retopk_server.runtime.decoder.linear import WIDE_ROWS, from_float, wide_dtype
+from retopk_server.runtime.decoder.linear import from_float, wide_dtype, wide_rows
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -32,6 +32,12 @@ def _rope(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return angle.cos().contiguous(), angle.sin().contiguous()
 
 
+def _most_block_rows(activations: str) -> int:
+    """The most rows of x whose products run on the blocks with ``activations`` (the ops called one by one, the
+    reference, take the wide copy from one more)."""
+    return wide_rows(wide_dtype(), activations) - 1
+
+
 def _set_activations(layer: llama.LayerWeights, activations: str) -> None:
     if activations == "bf16x2" and not decoder_ops.amx_available():
         pytest.skip("bf16x2 needs AMX-BF16, which this CPU has not")
@@ -41,10 +47,11 @@ def _set_activations(layer: llama.LayerWeights, activations: str) -> None:
 
 @pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS[wide_dtype()] - 1])
+@pytest.mark.parametrize("rows", [1, 5, None])
 def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows, activations):
     """attn_in = rms_norm, the QKV product (with its bias) and RoPE on the q and k heads, exactly as called one by one;
-    the value heads are not rotated."""
+    the value heads are not rotated. rows None: the most that the products take on the blocks (linear.py's rule)."""
+    rows = rows or _most_block_rows(activations)
     layer = _layer(fmt, qkv_bias=True)
     _set_activations(layer, activations)
     x = torch.randn(rows, D) * 2
@@ -59,9 +66,11 @@ def test_attn_in_is_norm_qkv_and_rope_bit_for_bit(fmt, rows, activations):
 
 @pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 5, WIDE_ROWS[wide_dtype()] - 1])
+@pytest.mark.parametrize("rows", [1, 5, None])
 def test_mlp_out_is_o_residual_norm_and_swiglu_mlp_bit_for_bit(fmt, rows, activations):
-    """mlp_out = x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T with x1 = x + a W_o^T, the same ops one by one."""
+    """mlp_out = x1 + swiglu(rms_norm(x1) W_gu^T) W_down^T with x1 = x + a W_o^T, the same ops one by one (rows None:
+    as in test_attn_in_is_norm_qkv_and_rope_bit_for_bit)."""
+    rows = rows or _most_block_rows(activations)
     layer = _layer(fmt, qkv_bias=False)
     _set_activations(layer, activations)
     x, a = torch.randn(rows, D) * 2, torch.randn(rows, H * D_HEAD)

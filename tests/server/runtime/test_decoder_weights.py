@@ -11,13 +11,13 @@ import torch
 from retopk_core.cpu import decoder_ops
 from retopk_core.models import DEFAULT_MODEL, resolve_model
 from retopk_server.runtime.decoder.linear import (
-    WIDE_ROWS,
     Int4Linear,
     Int8Linear,
     float_matmul,
     from_float,
     packed,
     wide_dtype,
+    wide_rows,
 )
 from retopk_server.runtime.decoder.load import GGUFTensors, _q4_blocks, _q8_blocks, from_gguf
 
@@ -108,7 +108,7 @@ def test_quantization_rounds_to_the_nearest_stored_step(cls):
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, WIDE_ROWS[wide_dtype()] - 1])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, wide_rows(wide_dtype(), "float32") - 1])
 def test_block_matmul_equals_the_float64_product_at_every_simd_level(cls, rows):
     """y = x W^T + b + residual through the block kernel equals a float64 product with the dequantized
     weights within float32 rounding of its sums, on every SIMD level this CPU has (plain, AVX2, AVX-512, whose
@@ -141,7 +141,7 @@ def test_block_matmul_rows_do_not_depend_on_their_batch(cls):
         pytest.skip("the fused CPU library is not built")
     torch.manual_seed(3)
     lin = from_float(torch.randn(48, 160), torch.randn(48), cls)
-    x = torch.randn(WIDE_ROWS[wide_dtype()] - 1, 160)
+    x = torch.randn(wide_rows(wide_dtype(), "float32") - 1, 160)
     for level in levels:
         batch = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, None, level)
         for i in range(x.shape[0]):
@@ -180,12 +180,12 @@ def test_every_batch_size_gives_each_row_its_one_row_result(cls, activations, n_
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
 def test_prefill_rows_multiply_through_the_wide_copy_in_its_dtype(cls):
-    """From WIDE_ROWS[dtype] rows on, the product runs through the dequantized copy: within bfloat16 rounding of x
-    and y in bfloat16, within float32 rounding once the copy is float32 (the float32 KV configuration)."""
+    """From wide_rows(dtype, activations) rows on, the product runs through the dequantized copy: within bfloat16
+    rounding of x and y in bfloat16, within float32 rounding once the copy is float32 (the float32 KV configuration)."""
     torch.manual_seed(1)
     w, b = torch.randn(64, 96), torch.randn(64)
     lin = from_float(w, b, cls)
-    x = torch.randn(max(WIDE_ROWS.values()) + 3, 96)
+    x = torch.randn(max(wide_rows(dtype, lin.activations) for dtype in (torch.bfloat16, torch.float32)) + 3, 96)
     ref_w = lin.dequantized().double()
     ref = x.double() @ ref_w.T + b.double()
     scale = x.abs().double() @ ref_w.abs().T + b.abs().double()
@@ -231,21 +231,25 @@ def test_packed_bfloat16_copy_multiplies_as_torch_linear_bit_for_bit(rows, with_
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_below_the_wide_rule_take_the_blocks_and_from_it_the_copy(cls, dtype):
-    """The rule per wide dtype: up to WIDE_ROWS[dtype] - 1 rows the product is the block kernel's bit for bit,
-    from WIDE_ROWS[dtype] on the wide copy's GEMM bit for bit (each a different sum, so neither equals the other
-    by chance)."""
+@pytest.mark.parametrize("activations", ["float32", "int16"])
+def test_rows_below_the_wide_rule_take_the_blocks_and_from_it_the_copy(cls, dtype, activations):
+    """The rule per (wide dtype, activations): up to wide_rows(dtype, activations) - 1 rows the product is the block
+    kernel's with those activations bit for bit, from wide_rows(dtype, activations) on the wide copy's GEMM bit for
+    bit (each a different sum, so neither equals the other by chance)."""
     if not decoder_ops.available():
         pytest.skip("the fused CPU library is not built")
     torch.manual_seed(5)
-    lin = from_float(torch.randn(40, 128), torch.randn(40), cls)
+    lin = from_float(torch.randn(48, 128), torch.randn(48), cls)  # 48 outputs: int16's units of 16
     lin.set_wide_dtype(dtype)
-    for rows in (WIDE_ROWS[dtype] - 1, WIDE_ROWS[dtype]):
-        x, res = torch.randn(rows, 128), torch.randn(rows, 40)
-        blocks = decoder_ops.block_matmul(x, lin.qs, lin.scales, lin.bits, lin.bias, res)
+    lin.set_activations(activations)
+    n = wide_rows(dtype, activations)
+    for rows in (n - 1, n):
+        x, res = torch.randn(rows, 128), torch.randn(rows, 48)
+        b = lin.blocks
+        blocks = decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias, res, activations=activations)
         wide = float_matmul(x, lin.wide, lin.bias, res)
         assert not torch.equal(blocks, wide)
-        assert torch.equal(lin(x, residual=res), blocks if rows < WIDE_ROWS[dtype] else wide), rows
+        assert torch.equal(lin(x, residual=res), blocks if rows < n else wide), rows
 
 
 def test_block_matmul_refuses_what_it_cannot_read():

@@ -18,7 +18,7 @@ from runtime_helpers import first_step, prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import RuntimeConfig
-from retopk_server.runtime.decoder.linear import WIDE_ROWS, Int4Linear, Int8Linear, from_float, wide_dtype
+from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, from_float, wide_dtype, wide_rows
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -98,7 +98,7 @@ def test_quantizer_rounds_half_to_even_per_block_at_every_level():
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0"])
 @pytest.mark.parametrize("shape", [(1, 96, 40), (2, 160, 72), (3, 576, 64), (4, 224, 33), (5, 96, 80), (8, 288, 48),
-                                   (3, 32 * 131, 17), (WIDE_ROWS[wide_dtype()] - 1, 352, 24)])
+                                   (3, 32 * 131, 17), (wide_rows(wide_dtype(), "int8") - 1, 352, 24)])
 def test_int8_block_matmul_equals_the_float64_formula(fmt, shape):
     """y = quantized(x) W^T + b + residual through the block kernel at every SIMD level equals the float64 product
     of x quantized by the rule and dequantized with the float64 weights, within float32 rounding of its sum over

@@ -10,8 +10,9 @@ from runtime_helpers import prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_core.methods import Path
+from retopk_server.engine.requests import EngineConfig
 from retopk_server.runtime import MethodSpec, whole_step
-from retopk_server.runtime.decoder.linear import WIDE_ROWS
+from retopk_server.runtime.decoder.linear import wide_rows
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -237,11 +238,12 @@ def test_other_threads_run_during_a_whole_step(monkeypatch):
 
 
 def test_one_call_up_to_the_wide_rule_and_rows_as_alone(monkeypatch):
-    """A batch of WIDE_ROWS[dtype] - 1 rows (dtype: the layers' wide copies) runs in one call and each row's logits
-    equal the same row decoded alone bit for bit; a batch of WIDE_ROWS[dtype] rows goes layer by layer through
-    the wide copies (decoder/linear.py's rule), and still decodes."""
+    """A batch of wide_rows(dtype, activations) - 1 rows (dtype: the layers' wide copies; the runner's activations)
+    runs in one call and each row's logits equal the same row decoded alone bit for bit; a batch of
+    wide_rows(dtype, activations) rows goes layer by layer through the wide copies (decoder/linear.py's rule), and
+    still decodes."""
     runner = runner_for(tiny_model("llama", layers=2), METHODS["full"], weights="int4", kv_dtype="bfloat16")
-    n = WIDE_ROWS[runner.decoder.layers[0].qkv.wide.dtype]
+    n = wide_rows(runner.decoder.layers[0].qkv.wide.dtype, runner.decoder.activations)
     prompts = [prompt_ids(6 + i, i) for i in range(n)]
 
     def opened(count):
@@ -257,6 +259,33 @@ def test_one_call_up_to_the_wide_rule_and_rows_as_alone(monkeypatch):
     wide, wide_tokens = opened(n)
     logits, _ = runner.decode(wide, wide_tokens)
     assert len(calls) == 1 + (n - 1) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("name", ["full", "retopk"])
+def test_int16_full_batch_takes_one_call_and_rows_as_alone(name, monkeypatch):
+    """With int16 activations a batch of the engine's max_running streams runs its decode step's layers in one call
+    (whole_step gives the layers, not None: linear.py's rule keeps int16's products on the blocks there) and each
+    session's logits equal its logits decoded alone, bit for bit: int16's block products, attention, the norms
+    and the LM head do not depend on the batch. Prompts of 36 to 51 tokens: ReTopK's steps are past dense_below."""
+    from retopk_server.runtime import runner as runner_module
+
+    B = EngineConfig().max_running
+    runner = runner_for(tiny_model("llama", layers=2), METHODS[name], weights="int4", kv_dtype="bfloat16",
+                        activations="int16")
+    prompts = [prompt_ids(36 + i, i) for i in range(B)]
+
+    def opened(count):
+        sessions = [runner.open_session(METHODS[name]) for _ in range(count)]
+        return sessions, [int(runner.prefill(s, p).argmax()) for s, p in zip(sessions, prompts[:count], strict=True)]
+
+    layers = _spy(monkeypatch, runner_module, "whole_step")
+    (batch, tokens), (alone, alone_tokens) = opened(B), opened(B)
+    for _ in range(3):
+        logits, _ = runner.decode(batch, tokens)
+        assert layers[-1] is not None
+        for i, (s, t) in enumerate(zip(alone, alone_tokens, strict=True)):
+            assert torch.equal(runner.decode([s], [t])[0][0], logits[i]), i
+        tokens[:] = alone_tokens[:] = logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("reserved", [True, False], ids=["pool-in-place", "pool-copied"])

@@ -13,12 +13,12 @@ order of the sums; or, with ``activations`` "int8", x quantized per block of 32 
 "bf16x2" (CPUs with AMX), x as two bf16 limbs on AMX tiles; or, with "int16", x quantized per block of 32 to int16
 and exact integer block dots (AVX-512 VNNI's dpwssd); bf16x2 and int16 take the weight repacked into units of 16
 outputs (``decoder_ops.pack_units``, held beside qs and scales while one of them is set).
-Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``WIDE_ROWS[dtype]``
-rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load (``wide``: bfloat16
-where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also
-the path when the library is not built. A bfloat16 copy is held reordered into oneDNN's blocked layout once
-(``packed``), so that its GEMMs skip repacking the weight on every call: the same products up to the order
-oneDNN sums in (``packed``).
+Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``wide_rows(dtype,
+activations)`` rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load
+(``wide``: bfloat16 where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster,
+and it is also the path when the library is not built. A bfloat16 copy is held reordered into oneDNN's blocked
+layout once (``packed``), so that its GEMMs skip repacking the weight on every call: the same products up to the
+order oneDNN sums in (``packed``).
 Norms, biases and the residual stream stay float32 in every format. ``nbytes`` is what one matmul reads,
 the decode step's weight traffic.
 """
@@ -30,12 +30,24 @@ import torch
 from retopk_core.cpu import decoder_ops
 
 BLOCK = 32  # weights per quantized block along the input
-# Rows of x from which a quantized linear multiplies through its dequantized copy, per the copy's dtype: the
-# first M at which that GEMM is no slower than the block kernels (float32 activations) over the served model's
-# layers, set by bench/wide_rows.py (figures in docs/bench/history.md). float32 was measured on AVX2 (Zen 3);
-# bfloat16 copies exist only on CPUs with AVX-512 BF16, where the rule measured earlier on the Intel machine
-# stands.
-WIDE_ROWS = {torch.float32: 20, torch.bfloat16: 16, torch.float16: 16}
+# Rows of x from which a quantized linear multiplies through its dequantized copy, per (the copy's dtype, the block
+# products' activations): the first M at which that GEMM is no slower than the block kernels over the served
+# model's layers, set by bench/wide_rows.py (figures in docs/bench/history.md). With float32 activations: the
+# float32 copy measured on AVX2 (Zen 3), the bfloat16 one on the Intel machine (AVX-512 BF16). With int16
+# activations, measured on Zen 4 (AVX-512 VNNI and BF16, no AMX): the bfloat16 copy ties the blocks at 96 rows,
+# so a full decode batch (max_running) stays on the blocks, whose int16 products are also the more exact ones. A
+# pair not listed keeps its copy's float32-activations rule: int8 and bf16x2, not measured with their own
+# activations; and int16 against the float32 copy, which, though slower than int16's blocks at every row count
+# measured (up to 512), is the exact product that the float32 KV configuration holds it for (int16 prefills
+# flipped greedy tokens there that the float32 copy does not).
+WIDE_ROWS = {(torch.float32, "float32"): 20, (torch.bfloat16, "float32"): 16, (torch.float16, "float32"): 16,
+             (torch.bfloat16, "int16"): 96}
+
+
+def wide_rows(wide: torch.dtype, activations: str) -> int:
+    """The rows of x from which a product multiplies through a wide copy in ``wide`` rather than on the blocks
+    with ``activations`` (``WIDE_ROWS``)."""
+    return WIDE_ROWS.get((wide, activations), WIDE_ROWS[wide, "float32"])
 
 
 def wide_dtype() -> torch.dtype:
@@ -43,9 +55,10 @@ def wide_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
-def blocks_path(rows: int, wide: torch.dtype) -> bool:
-    """Whether a product over ``rows`` rows of x runs on the blocks rather than on a wide copy in ``wide``."""
-    return rows < WIDE_ROWS[wide] and decoder_ops.available()
+def blocks_path(rows: int, wide: torch.dtype, activations: str) -> bool:
+    """Whether a product over ``rows`` rows of x runs on the blocks (with ``activations``) rather than on a wide
+    copy in ``wide``."""
+    return rows < wide_rows(wide, activations) and decoder_ops.available()
 
 
 def is_blocks(lin) -> bool:
@@ -187,7 +200,7 @@ class _BlockLinear:
                  into: bool = False) -> torch.Tensor:
         """x (M, in) float32 -> (M, out) float32 (+ residual); from the wide copy, ``widen=False``: y in its dtype,
         ``into``: the sum written into ``residual`` (float_matmul); the block kernels return a new tensor."""
-        if not blocks_path(x.shape[0], self.wide.dtype):
+        if not blocks_path(x.shape[0], self.wide.dtype, self.activations):
             return float_matmul(x, self.wide, self.bias, residual, widen, into)
         b = self.blocks
         return decoder_ops.block_matmul(x.float(), b.qs, b.scales, b.bits, b.bias, residual,

@@ -140,8 +140,8 @@ class Decoder:
 
     def fused_rows(self, rows: int) -> bool:
         """Whether a forward over ``rows`` rows of x runs its layers as the fused calls on the blocks (linear.py's
-        rule for the layers' wide copies, which share one dtype)."""
-        return self.fused and blocks_path(rows, self.layers[0].qkv.wide.dtype)
+        rule for the layers' wide copies, which share one dtype, and the block products' activations)."""
+        return self.fused and blocks_path(rows, self.layers[0].qkv.wide.dtype, self.activations)
 
     def set_prefill_dtype(self, dtype: torch.dtype) -> None:
         """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
