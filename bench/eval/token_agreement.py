@@ -21,7 +21,10 @@ recorded: a flip with gap <= 1e-3 is a near-tie.
     python -m bench.eval.token_agreement --formats as-stored:bfloat16:float32:float32  # float32 prefill GEMMs
 
 With --prefix-tokens each row's ``documents`` names its documents' indices among the --docs (a flip's ``prompt``
-indexes that list).
+indexes that list). ``--summarize FILES`` runs nothing: it merges the rows of --json files (a split run as several
+processes) per format into documents, positions, flips over and within the 1e-3 bar, and the smallest margins.
+
+    python -m bench.eval.token_agreement --summarize docs/bench/token_agreement_*_kjv8000_doc*of8*.json
 """
 
 from __future__ import annotations
@@ -69,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--summarize", nargs="+", default=None, metavar="FILE",
+                   help="run nothing: merge these --json files' rows per format (summarize) and print them")
+    p.add_argument("--smallest", type=int, default=3, help="with --summarize: the smallest margins to list")
     return p.parse_args(argv)
 
 
@@ -158,8 +164,66 @@ def agreement(runner: ModelRunner, prompts: list[list[int]], continuations: list
             "steps": steps}
 
 
+def format_key(row: dict) -> tuple[str, str, str, str, str]:
+    """(prompts, weights, kv_dtype, activations, prefill) of a --json row. A prefill "auto" with a float32 KV cache is
+    "float32", the runner's choice for it (a 16-bit cache's "auto" is the CPU's: left as "auto")."""
+    prefill = "float32" if row["prefill"] == "auto" and row["kv_dtype"] == "float32" else row["prefill"]
+    return row["prompts"], row["weights"], row["kv_dtype"], row["activations"], prefill
+
+
+def summarize(rows: list[dict], smallest: int = 3) -> list[dict]:
+    """Rows of --json files (with per-step traces) merged per ``format_key`` -> per format: its documents (or
+    prompts), positions, flips, those over the bar (gap > TOLERANCE) and the near-ties (gap <= TOLERANCE), the
+    largest gap, each flip as {"document", "step", "gap"} in document order, and the ``smallest`` smallest margins
+    log p(top) - log p(runner-up) as {"document", "step", "margin"}. SystemExit where a format has a document twice
+    (counted once only) or a row has no traces."""
+    merged: dict[tuple, dict] = {}
+    for r in rows:
+        if "steps" not in r:
+            raise SystemExit(f"--summarize: a row of {format_key(r)} has no per-step traces (an older --json)")
+        docs = r["documents"] if r["documents"] is not None else list(range(len(r["steps"])))
+        m = merged.setdefault(format_key(r), {"documents": [], "tokens": 0, "flips_at": [], "margins": []})
+        if set(docs) & set(m["documents"]):
+            raise SystemExit(f"--summarize: {format_key(r)} has document(s) {sorted(set(docs) & set(m['documents']))}"
+                             f" twice")
+        m["documents"] += docs
+        m["tokens"] += r["tokens"]
+        m["flips_at"] += [{"document": docs[f["prompt"]], "step": f["step"], "gap": f["gap"]} for f in r["flips_at"]]
+        m["margins"] += [{"document": d, "step": i, "margin": v}
+                         for d, trace in zip(docs, r["steps"], strict=True) for i, v in enumerate(trace["margin"])]
+    out = []
+    for key, m in merged.items():
+        gaps = [f["gap"] for f in m["flips_at"]]
+        out.append({**dict(zip(("prompts", "weights", "kv_dtype", "activations", "prefill"), key, strict=True)),
+                    "documents": sorted(m["documents"]), "tokens": m["tokens"], "flips": len(gaps),
+                    "over_bar": sum(g > TOLERANCE for g in gaps), "near_ties": sum(g <= TOLERANCE for g in gaps),
+                    "max_gap": max(gaps, default=0.0),
+                    "flips_at": sorted(m["flips_at"], key=lambda f: (f["document"], f["step"])),
+                    "smallest_margins": sorted(m["margins"], key=lambda x: x["margin"])[:smallest]})
+    return out
+
+
+def print_summary(summary: list[dict]) -> None:
+    print(f"{'prompts':>8} {'weights':>10} {'kv':>9} {'x':>7} {'prefill':>8} {'docs':>12} {'tokens':>6} {'flips':>5} "
+          f"{'over':>4} {'near':>4} {'max gap':>9}  flips (doc:step gap); smallest margins (doc:step margin)")
+    for s in summary:
+        flips = " ".join(f"{f['document']}:{f['step']} {f['gap']:.4f}" for f in s["flips_at"]) or "-"
+        margins = " ".join(f"{m['document']}:{m['step']} {m['margin']:.4f}" for m in s["smallest_margins"])
+        print(f"{s['prompts']:>8} {s['weights']:>10} {s['kv_dtype']:>9} {s['activations']:>7} {s['prefill']:>8} "
+              f"{','.join(map(str, s['documents'])):>12} {s['tokens']:>6} {s['flips']:>5} {s['over_bar']:>4} "
+              f"{s['near_ties']:>4} {s['max_gap']:>9.2e}  {flips}; {margins}")
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.summarize:
+        rows = []
+        for path in args.summarize:
+            with open(path) as f:
+                rows += json.load(f)
+        summary = summarize(rows, args.smallest)
+        print_summary(summary)
+        return summary
     formats = [parse_format(spec) for spec in args.formats]  # refused before the reference's cost
     torch.set_num_threads(args.threads)
     from retopk_core.models import load_model

@@ -662,3 +662,33 @@ def test_token_agreement_prefill_field_sets_the_prefill_gemms_dtype(tiny):
     for bad in ("int4:bfloat16:float32:float16", "int4", "int4:float32:float32:float32:x"):
         with pytest.raises(SystemExit, match="--formats"):
             token_agreement.parse_format(bad)
+
+
+def test_token_agreement_summarize_merges_a_split_as_one_run_counts_it(tiny, tmp_path):
+    """--summarize: documents 1 and 0 of a split run as two processes' --json files merge per format into what one
+    run over both documents reports (positions, flips and their gaps, over the bar and near-ties, the smallest
+    margins); a float32 KV cache's "auto" prefill is its "float32"; a document given twice is refused."""
+    from bench.eval import token_agreement
+
+    base = common_args(tiny) + ["--prefix-tokens", "150", "--docs", "2", "--new-tokens", "6"]
+    whole = token_agreement.main(base + ["--formats", "float32:float32", "int4:bfloat16"])
+    parts = [tmp_path / "doc1.json", tmp_path / "doc0.json"]
+    token_agreement.main(base + ["--only-docs", "1", "--formats", "float32:float32", "int4:bfloat16",
+                                 "--json", str(parts[0])])
+    token_agreement.main(base + ["--only-docs", "0", "--formats", "float32:float32:float32:float32", "int4:bfloat16",
+                                 "--json", str(parts[1])])
+    summary = token_agreement.main(["--summarize", *map(str, parts), "--smallest", "4"])
+    assert [(s["weights"], s["prefill"]) for s in summary] == [("float32", "float32"), ("int4", "auto")]
+    assert whole[1]["flips"] > 0  # int4 weights flip some: the flips' merge is tested
+    for s, r in zip(summary, whole, strict=True):
+        assert s["documents"] == r["documents"] == [0, 1]
+        assert (s["tokens"], s["flips"]) == (r["tokens"], r["flips"])
+        assert s["flips_at"] == [{"document": r["documents"][f["prompt"]], "step": f["step"], "gap": f["gap"]}
+                                 for f in r["flips_at"]]
+        assert s["over_bar"] == sum(f["gap"] > token_agreement.TOLERANCE for f in r["flips_at"])
+        assert s["over_bar"] + s["near_ties"] == r["flips"] and s["max_gap"] == r["max_gap"]
+        margins = sorted((v, d, i) for d, t in zip(r["documents"], r["steps"], strict=True)
+                         for i, v in enumerate(t["margin"]))
+        assert [(m["margin"], m["document"], m["step"]) for m in s["smallest_margins"]] == margins[:4]
+    with pytest.raises(SystemExit, match="twice"):
+        token_agreement.main(["--summarize", str(parts[0]), str(parts[0])])
