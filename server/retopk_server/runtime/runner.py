@@ -463,12 +463,12 @@ class ModelRunner:
 
     def forward(self, ctx: PrefillContext | DecodeContext, input_ids: torch.Tensor,
                 position_ids: torch.Tensor, layers: Layers | None = None,
-                logits_at: list[int] | None = None) -> torch.Tensor | None:
+                logits_at: list[int] | None = None, top_position: int | None = None) -> torch.Tensor | None:
         """One forward of the decoder whose attention runs from ``ctx`` (prefill chunks or a decode step):
         input_ids, position_ids (B, T) -> float32 logits (B, V) after each row's last token, or at the tokens
         ``logits_at`` (decoder.llama.forward). ``layers``: the step's layers in one call (whole_step.py), else
-        layer by layer."""
-        return forward(self.decoder, input_ids, position_ids, ctx.attend, layers, logits_at)
+        layer by layer. ``top_position``: a decode step's max(position_ids), from the sessions' lengths."""
+        return forward(self.decoder, input_ids, position_ids, ctx.attend, layers, logits_at, top_position)
 
     def start_prefill(self, session: Session, token_ids: list[int], prefix_key: bytes | None = None) -> PrefillJob:
         """Check token_ids and reserve the session's blocks for them -> a PrefillJob to run (prefill.py).
@@ -611,7 +611,7 @@ class ModelRunner:
         ctx = DecodeContext(kv, groups, with_stats)
         ids = torch.tensor(token_ids, dtype=torch.long, device=dev).view(-1, 1)  # (B, 1)
         layers = whole_step(self.decoder, ctx, [p + 1 for p in positions]) if self.layers_in_one_call else None
-        logits = self.forward(ctx, ids, start.view(-1, 1), layers)
+        logits = self.forward(ctx, ids, start.view(-1, 1), layers, top_position=max(positions))
         for s, t in zip(sessions, token_ids, strict=True):
             s.token_ids.append(int(t))
         return logits, (self._collect_stats(ctx, by_spec, len(sessions)) if with_stats else None)

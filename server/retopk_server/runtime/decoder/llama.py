@@ -228,9 +228,9 @@ class RopeTable:
         self.rotary = rotary
         self.cos = self.sin = None  # (n, d) float32 each
 
-    def rows(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (N,) int64 -> cos, sin (N, d) float32; x: the forward's residual stream (its device, dtype)."""
-        top = int(positions.max())
+    def rows(self, x: torch.Tensor, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N,) int64 -> cos, sin (N, d) float32; x: the forward's residual stream (its device, dtype);
+        top: max(positions), from the caller's host-side lengths (reading it from the device would sync a GPU)."""
         if self.cos is None or top >= self.cos.shape[0]:
             n = max(256, top + 1, 2 * (0 if self.cos is None else self.cos.shape[0]))
             self.cos, self.sin = rope_tables(self.rotary, x, torch.arange(n, device=x.device).view(1, n))
@@ -281,15 +281,17 @@ def layer_step(layer: LayerWeights, dec: Decoder, index: int, x: torch.Tensor, s
 
 
 def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
-            layers: Layers | None = None, logits_at: list[int] | None = None) -> torch.Tensor | None:
+            layers: Layers | None = None, logits_at: list[int] | None = None,
+            top_position: int | None = None) -> torch.Tensor | None:
     """ids, positions (B, T) int64 -> float32 logits (B, V) after each row's last token. ``layers``: the
     layers in one call (a decode step's whole-step kernel), else one ``layer_step`` each with ``attend``.
     ``logits_at``: instead, the logits (len, V) at these indices of the B*T tokens (a ragged prefill's
-    prompts that end in it; None when the list is empty: the LM head is skipped)."""
+    prompts that end in it; None when the list is empty: the LM head is skipped). ``top_position``: a decode
+    step's largest position, known on the host: its RoPE rows then come from the decoder's kept table."""
     B, T = ids.shape
     x = dec.embed(ids.reshape(-1))  # (B*T, D) float32, a new tensor: the layers may update it in place
-    if T == 1 and fixed_rope(dec.rotary):  # a decode step: its rows of the kept table
-        cos, sin = dec.rope_table().rows(x, positions.view(-1))
+    if T == 1 and top_position is not None and fixed_rope(dec.rotary):  # a decode step: its rows of the kept table
+        cos, sin = dec.rope_table().rows(x, positions.view(-1), top_position)
     else:
         cos, sin = rope_tables(dec.rotary, x, positions)
     if layers is not None:
