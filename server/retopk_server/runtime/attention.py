@@ -230,11 +230,16 @@ class StepKV:
     lengths: torch.Tensor
     rows: torch.Tensor | None = None  # (B, H_kv, T) pool rows of the new tokens (KVPool.rows), made on first use
 
+    def new_rows(self, T: int) -> torch.Tensor:
+        """``rows`` of the T new tokens a row, made from the table on first use (a decode step passes them made)
+        and shared by every layer."""
+        if self.rows is None:
+            self.rows = self.pool.rows(self.table, self.start, T)
+        return self.rows
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, H_kv, T, d) -> written at each row's positions start .. start + T - 1."""
-        if self.rows is None:
-            self.rows = self.pool.rows(self.table, self.start, k.shape[2])  # shared by every layer
-        self.pool.write(layer, self.rows, k, v)
+        self.pool.write(layer, self.new_rows(k.shape[2]), k, v)
 
 
 @dataclass

@@ -57,9 +57,7 @@ def whole_step(dec: Decoder, ctx: DecodeContext, lengths: list[int]) -> Layers |
     plan = prepared(dec, kv.pool, dg.group, kind)
 
     def layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if kv.rows is None:
-            kv.rows = kv.pool.rows(kv.table, kv.start, 1)  # (B, H_kv, 1)
-        x, seconds, stats = plan(x, cos, sin, kv.rows, kv.table, kv.lengths, dg.slots, ctx.with_stats)
+        x, seconds, stats = plan(x, cos, sin, kv.new_rows(1), kv.table, kv.lengths, dg.slots, ctx.with_stats)
         if ctx.with_stats:
             if not stats:  # a dense kind: every head of every layer took its path over all of its keys
                 dense = uniform_output(x.new_empty(B, dec.num_heads, 0), plan.path, kv.lengths)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,8 @@ class Decoder:
     lm_head: Linear  # (V, D)
     rotary: torch.nn.Module  # transformers' rotary embedding: (x, positions (B, T)) -> cos, sin (B, T, d)
     activations: str = "float32"  # what the block products multiply with: decoder_ops.ACTIVATIONS, set_activations
+    # (rotary, its RopeTable or None where its frequencies are not fixed): rope_table()'s, made on first use
+    _rope: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def to(self, device: torch.device) -> Decoder:
         """This decoder with every tensor on ``device`` (itself on the CPU)."""
@@ -68,12 +70,12 @@ class Decoder:
         return Decoder(self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.embed.to(device), move,
                        self.norm.to(device), self.lm_head.to(device), self.rotary.to(device))
 
-    def rope_table(self) -> RopeTable:
-        """The RopeTable of ``rotary``, kept (made again when ``rotary`` was replaced)."""
-        table = self.__dict__.get("_rope_table")
-        if table is None or table.rotary is not self.rotary:
-            table = self.__dict__["_rope_table"] = RopeTable(self.rotary)
-        return table
+    def rope_table(self) -> RopeTable | None:
+        """The kept RopeTable of ``rotary`` (made again when ``rotary`` was replaced, as loading.py does), None
+        where its frequencies are not fixed (``fixed_rope``)."""
+        if self._rope is None or self._rope[0] is not self.rotary:
+            self._rope = (self.rotary, RopeTable(self.rotary) if fixed_rope(self.rotary) else None)
+        return self._rope[1]
 
     def linears(self) -> list[Linear]:
         """Every matmul of the model, the LM head last."""
@@ -290,8 +292,9 @@ def forward(dec: Decoder, ids: torch.Tensor, positions: torch.Tensor, attend: At
     step's largest position, known on the host: its RoPE rows then come from the decoder's kept table."""
     B, T = ids.shape
     x = dec.embed(ids.reshape(-1))  # (B*T, D) float32, a new tensor: the layers may update it in place
-    if T == 1 and top_position is not None and fixed_rope(dec.rotary):  # a decode step: its rows of the kept table
-        cos, sin = dec.rope_table().rows(x, positions.view(-1), top_position)
+    table = dec.rope_table() if T == 1 and top_position is not None else None  # a decode step: the kept table's rows
+    if table is not None:
+        cos, sin = table.rows(x, positions.view(-1), top_position)
     else:
         cos, sin = rope_tables(dec.rotary, x, positions)
     if layers is not None:
