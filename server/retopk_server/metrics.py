@@ -56,11 +56,14 @@ replicas by; docs/deploy.md names the picker's flags)
   cache budget held by sessions, KV blocks and method state; near 1 means the next admission evicts idle
   sessions or is refused)
 
-Cost on the engine thread: a step's (batch, layers, heads) path tensor becomes per-(layer, head, path)
-counts with one ``np.bincount`` added to a numpy array, and its (batch, layers, H_kv) group reads become
-per-layer counts with one sum; the two distributions are bucketed the same way (``np.searchsorted`` +
-``np.bincount``). Custom collectors expose those arrays at scrape time, so no per-head Python loop runs per
-step.
+Cost on the engine thread: a step's per-head statistics (runtime/stats.py's StepStatsBatch, stacked only when
+read) wait in a list, and every FOLD_STEPS steps, and whenever the registry is collected (a scrape), the steps
+waiting are folded in at once: their (rows, layers, heads) path tensors become per-(layer, head, path) counts
+with one ``np.bincount`` added to a numpy array, their (rows, layers, H_kv) group reads per-layer counts with
+one sum; the two distributions are bucketed the same way (``np.searchsorted`` + ``np.bincount``). A step's own
+Python then costs a list append: one step's few hundred values take a numpy call each as long as many steps'
+do, and the interpreter's cache-cold start after a step's layers would pay it per step. A scrape reads every
+step so far. Custom collectors expose those arrays at scrape time, so no per-head Python loop runs per step.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from retopk_core.methods.base import FULL_READ_PATHS, PATH_NAMES, Path
 from retopk_server.engine.observer import EngineObserver
 from retopk_server.engine.requests import ErrorCode, FinishReason
+from retopk_server.runtime.stats import StepStatsBatch
 
 log = logging.getLogger("retopk_server.metrics")
 
@@ -250,12 +254,30 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
+class BeforeCollect:
+    """A collector of no metrics that runs ``hooks`` whenever its registry is collected; registered first, so that
+    what they record is in the same scrape (MetricsObserver's fold of the steps waiting)."""
+
+    def __init__(self) -> None:
+        self.hooks: list = []
+
+    def describe(self) -> Iterable:
+        return ()
+
+    def collect(self) -> Iterable:
+        for hook in self.hooks:
+            hook()
+        return ()
+
+
 class Metrics:
     """Every metric of the server, on its own CollectorRegistry (no global state)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model"]
+        self.before_collect = BeforeCollect()
+        r.register(self.before_collect)
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends (nothing where /proc is absent)
 
         def hist(name, doc, buckets, labels=()):
@@ -343,6 +365,8 @@ class Metrics:
 
 # Distinct API key names the per-key prefix cache counters label; later names are counted under "other".
 MAX_KEY_LABELS = 32
+# Decode steps whose per-head statistics wait to be folded into the metrics together (a scrape folds them sooner).
+FOLD_STEPS = 16
 
 _MODEL_ONLY = ("exact_share", "running", "waiting", "kv_utilization", "cache_budget", "evictions", "prompt_tokens",
                "prefix_lookup", "prefix_hits", "prefix_blocks", "generation_tokens", "ttft", "tpot", "e2e",
@@ -370,6 +394,9 @@ class MetricsObserver(EngineObserver):
         self._busy = False  # the engine had work at its last on_load (it calls on_load again after its step)
         self._memory_stale = False  # a session opened or closed since the sizes were last read
         self._offsets: dict[tuple[int, int], np.ndarray] = {}
+        self._waiting: list[tuple[list[list[int]], object]] = []  # steps to fold: (rows per method group, stats)
+        self._fold_lock = threading.Lock()  # the engine thread appends and folds; a scrape folds too
+        self.metrics.before_collect.hooks.append(self.fold)
         self._last_token: dict[int, float] = {}  # id(request) -> monotonic time of its latest token
         self._open = {"named": 0, "ephemeral": 0}
         self._keys: set[str] = set()  # ``key`` label values in use (_key_label)
@@ -437,38 +464,65 @@ class MetricsObserver(EngineObserver):
         self._one["generation_tokens"].inc()
 
     def on_step(self, requests: list, seconds: float, stats: list | None) -> None:
-        m, model = self.metrics, self.model
         self._one["step"].observe(seconds)
         self._one["batch"].observe(len(requests))
         if not stats or not self.wants_step_stats:  # off: a client's own step-stats request must not half-fill them
             return
-        path = stats.path.numpy().astype(np.int64)  # (B, layers, heads)
-        _, layers, heads = path.shape
+        groups: dict[object, list[int]] = {}  # rows of a method group share one attention time
+        for i, r in enumerate(requests):
+            groups.setdefault(r.method, []).append(i)
+        with self._fold_lock:
+            self._waiting.append((list(groups.values()), stats))
+            if len(self._waiting) < FOLD_STEPS:
+                return
+        self.fold()
+
+    def fold(self) -> None:
+        """Fold the steps waiting into the per-head metrics (any thread; the module docstring says when)."""
+        with self._fold_lock:
+            waiting, self._waiting = self._waiting, []
+            start = 0
+            for end in range(1, len(waiting) + 1):  # runs of steps of one (layers, heads) shape
+                if end == len(waiting) or waiting[end][1].shape[1:] != waiting[start][1].shape[1:]:
+                    self._fold_steps(waiting[start:end])
+                    start = end
+
+    def _fold_steps(self, steps: list) -> None:
+        """Steps of one (layers, heads) shape: their rows' statistics as one batch, counted and bucketed at once."""
+        m, model = self.metrics, self.model
+        stats = StepStatsBatch.concat([s for _, s in steps])
+        path = stats.path.numpy().astype(np.int64)  # (rows, layers, heads)
+        rows, layers, heads = path.shape
         np.clip(path, 0, NUM_PATHS - 1, out=path)
         offsets = self._offsets.get((layers, heads))
         if offsets is None:
             offsets = self._offsets[layers, heads] = np.arange(layers * heads).reshape(1, layers, heads) * NUM_PATHS
-        flat = offsets + path  # (B, layers, heads): index of (layer, head, path)
+        flat = offsets + path  # (rows, layers, heads): index of (layer, head, path)
         counts = np.bincount(flat.reshape(-1), minlength=layers * heads * NUM_PATHS).reshape(layers, heads, NUM_PATHS)
         m.decisions.add(model, counts)
-        group_read = stats.group_read.numpy()  # (B, layers, H_kv) bool
-        batch, _, kv_heads = group_read.shape
+        group_read = stats.group_read.numpy()  # (rows, layers, H_kv) bool
+        kv_heads = group_read.shape[-1]
         m.group_reads.add(model, group_read.sum(axis=(0, 2), dtype=np.int64))  # (layers,)
-        m.group_steps.add(model, np.full(layers, batch * kv_heads, np.int64))
-        per_path = counts.sum(axis=(0, 1))  # (paths,)
+        m.group_steps.add(model, np.full(layers, rows * kv_heads, np.int64))
+        if counts[..., Path.REUSE].any():
+            m.candidate_size.observe_many(model, stats.n_scored.numpy()[path == Path.REUSE])
+        m.max_similarity.observe_many(model, stats.max_sim.numpy())
+        # Per step: each method group's attention time by its path mix (bincount of a (step, group) id per row);
+        # the exact-path share of the latest step.
+        first, ids, seconds = 0, np.empty(rows, np.int64), []
+        for groups, step in steps:
+            for g in groups:
+                ids[[first + i for i in g]] = len(seconds)
+                seconds.append(step.attention_s[g[0]])
+            first += len(step)
+        mix = np.bincount((ids[:, None] * NUM_PATHS + path.reshape(rows, -1)).reshape(-1),
+                          minlength=len(seconds) * NUM_PATHS).reshape(len(seconds), NUM_PATHS)
+        for per_path, s in zip(mix, seconds, strict=True):
+            m.attention.labels(model, step_path_label(per_path)).observe(s)
+        per_path = np.bincount(path[rows - len(steps[-1][1]):].reshape(-1), minlength=NUM_PATHS)  # latest step's
         total = int(per_path.sum())
         if total:
             self._one["exact_share"].set(float(per_path[list(EXACT_PATHS)].sum()) / total)
-        if per_path[Path.REUSE]:
-            m.candidate_size.observe_many(model, stats.n_scored.numpy()[path == Path.REUSE])
-        m.max_similarity.observe_many(model, stats.max_sim.numpy())
-        # One attention time per method group: rows of a group share it (their requests share a MethodSpec).
-        groups: dict[object, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(r.method, []).append(i)
-        for rows in groups.values():
-            mix = per_path if len(groups) == 1 else np.bincount(path[rows].reshape(-1), minlength=NUM_PATHS)
-            m.attention.labels(model, step_path_label(mix)).observe(stats.attention_s[rows[0]])
 
     def on_finish(self, request, reason: str, usage, timings) -> None:
         self._last_token.pop(id(request), None)

@@ -14,7 +14,7 @@ import torch
 from prometheus_client import generate_latest
 
 from retopk_core.methods.base import Path
-from retopk_server.metrics import EXACT_PATHS, NUM_PATHS, MetricsObserver, step_path_label
+from retopk_server.metrics import EXACT_PATHS, FOLD_STEPS, NUM_PATHS, MetricsObserver, step_path_label
 from retopk_server.runtime.method_spec import MethodSpec
 from retopk_server.runtime.stats import StepStats, StepStatsBatch
 
@@ -74,14 +74,26 @@ class PerRowObserver(MetricsObserver):
             m.attention.labels(model, step_path_label(mix)).observe(stats[rows[0]].attention_s)
 
 
-def random_groups(gen: torch.Generator, group_rows: list[list[int]], dense: set[int] = frozenset()):
+def started_pair(default_method: MethodSpec) -> tuple[MetricsObserver, PerRowObserver]:
+    """A batched observer and the per-row reference, both started on one small model's info."""
+    info = SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, architecture="A",
+                           head_dim=8, device="cpu", backend="torch", default_method=default_method,
+                           weight_format="f32", kv_dtype="float32")
+    batched, reference = MetricsObserver("m"), PerRowObserver("m")
+    for observer in (batched, reference):
+        observer.on_start(info, None)
+    return batched, reference
+
+
+def random_groups(gen: torch.Generator, group_rows: list[list[int]], dense: set[int] = frozenset(),
+                  layers: int = LAYERS):
     """Per group (rows, per layer (path int8, max_sim float32, n_scored int32) each (n, H), seconds), as a
     step's DecodeContext holds them: any path code, NaN similarities here and there; a group in ``dense`` has
     the shared-constant shape of a dense step (every head one path, NaN, n_scored expanded from (n, 1))."""
     groups = []
     for g, rows in enumerate(group_rows):
         n, per_layer = len(rows), []
-        for _ in range(LAYERS):
+        for _ in range(layers):
             if g in dense:
                 lengths = torch.randint(1, 900, (n,), generator=gen)
                 per_layer.append((torch.full((n, HEADS), int(Path.DENSE), dtype=torch.int8),
@@ -117,12 +129,7 @@ def test_a_batched_step_scrapes_as_the_per_row_code_did(group_rows, dense):
     for spec, rows in zip(specs, group_rows, strict=True):
         for row in rows:
             requests[row] = SimpleNamespace(method=spec)
-    info = SimpleNamespace(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, architecture="A",
-                           head_dim=8, device="cpu", backend="torch", default_method=specs[0],
-                           weight_format="f32", kv_dtype="float32")
-    batched, reference = MetricsObserver("m"), PerRowObserver("m")
-    for observer in (batched, reference):
-        observer.on_start(info, None)
+    batched, reference = started_pair(specs[0])
     for step in range(4):
         groups = random_groups(gen, group_rows, dense)
         rows = per_row_collect(groups, batch)
@@ -138,6 +145,72 @@ def test_a_batched_step_scrapes_as_the_per_row_code_did(group_rows, dense):
     text = scrape_text(batched)
     assert text == scrape_text(reference)
     assert 'retopk_candidate_set_size_count{model="m"}' in text and "retopk_kv_group_reads_total" in text
+
+
+@pytest.mark.parametrize("layouts", [
+    [([[0]], set()), ([[0, 1, 2]], set()), ([[0, 2], [1]], set()), ([[1], [0, 2, 3]], {0})],  # varying steps
+    [([[0, 1, 2]], set())],  # the server's steady load: one method group in row order, the same batch every step
+])
+def test_steps_folded_together_scrape_as_each_step_alone(layouts):
+    """More steps than FOLD_STEPS, of varying or equal batches and method groups and (once) another layer count,
+    scraped midway and at the end: the folds of the steps waiting read as the per-row code's step-at-a-time
+    records."""
+    gen = torch.Generator().manual_seed(7)
+    specs = [MethodSpec.of("retopk", tau=0.1 * (g + 1)) for g in range(3)]
+    batched, reference = started_pair(specs[0])
+    for step in range(2 * FOLD_STEPS + 5):
+        group_rows, dense = layouts[step % len(layouts)]
+        batch = sum(len(rows) for rows in group_rows)
+        requests = [None] * batch
+        for spec, rows in zip(specs, group_rows, strict=False):
+            for row in rows:
+                requests[row] = SimpleNamespace(method=spec)
+        layers = LAYERS + 1 if step == FOLD_STEPS + 2 else LAYERS  # one step of another shape restarts the counts
+        groups = random_groups(gen, group_rows, dense, layers)
+        batched.on_step(requests, 0.01, StepStatsBatch.of_groups(batch, groups, KV_HEADS))
+        reference.on_step(requests, 0.01, per_row_collect(groups, batch))
+        if step in (5, FOLD_STEPS + 4):  # a scrape between folds reads every step so far
+            assert scrape_text(batched) == scrape_text(reference), step
+    text = scrape_text(batched)
+    assert text == scrape_text(reference)
+    assert 'path="refresh"' in text  # the attention time's labels are the steps' own mixes
+
+
+def test_the_steps_waiting_fold_every_fold_steps_without_a_scrape():
+    """The counters' own totals (no collect) take each FOLD_STEPS steps at once: memory held stays bounded and a
+    scrape finds at most FOLD_STEPS - 1 steps to fold."""
+    gen = torch.Generator().manual_seed(3)
+    observer = MetricsObserver("m")
+    requests = [SimpleNamespace(method=None)] * 2
+    for step in range(1, 2 * FOLD_STEPS + 1):
+        observer.on_step(requests, 0.01, StepStatsBatch.of_groups(2, random_groups(gen, [[0, 1]]), KV_HEADS))
+        totals = observer.metrics.decisions.totals("m")
+        folded = 0 if totals is None else int(totals.sum())
+        assert folded == (step // FOLD_STEPS) * FOLD_STEPS * 2 * LAYERS * HEADS, step
+
+
+@pytest.mark.parametrize("group_rows, stacked", [
+    ([[[0, 1, 2]]] * 4, ()),  # one group in row order, equal batches: stacked together
+    ([[[0, 1, 2]], [[0]], [[0, 1]]], ()),  # one group in row order, unequal batches
+    ([[[0, 1, 2]], [[0]], [[1], [0]]], ()),  # interleaved groups
+    ([[[0, 1]]] * 3, (1,)),  # a batch already stacked (read by a request that asked for its statistics)
+])
+def test_concat_is_the_steps_rows_one_after_another(group_rows, stacked):
+    gen = torch.Generator().manual_seed(5)
+    steps = [random_groups(gen, rows) for rows in group_rows]
+    batches = [StepStatsBatch.of_groups(sum(map(len, rows)), groups, KV_HEADS)
+               for rows, groups in zip(group_rows, steps, strict=True)]
+    for i in stacked:
+        assert batches[i].path.shape[0] == len(batches[i])
+    got = StepStatsBatch.concat(batches)
+    want = [row for rows, groups in zip(group_rows, steps, strict=True)
+            for row in per_row_collect(groups, sum(map(len, rows)))]
+    assert len(got) == len(want) and got.shape == (len(want), LAYERS, HEADS)
+    for name in ("path", "max_sim", "n_scored", "group_read"):
+        expected = torch.stack([getattr(row, name) for row in want])
+        assert getattr(got, name).dtype == expected.dtype
+        assert torch.equal(getattr(got, name).nan_to_num(-9), expected.nan_to_num(-9)), name
+    assert got.attention_s == [row.attention_s for row in want]
 
 
 def test_of_rows_stacks_hand_made_rows_and_rejects_mismatched_shapes():

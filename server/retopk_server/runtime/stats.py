@@ -56,34 +56,52 @@ class StepStatsBatch(Sequence):
     num_kv_heads  H_kv
 
     ``batch[i]`` is row i's ``StepStats`` (views of these tensors, made when asked: only a request that asked for
-    its step statistics needs one).
+    its step statistics needs one). A batch made by ``of_groups`` stacks its tensors when one is first read: the
+    engine thread hands the step on at once, and the metrics read many steps' together (metrics.py's fold).
     """
 
     def __init__(self, path: torch.Tensor, max_sim: torch.Tensor, n_scored: torch.Tensor,
                  attention_s: Sequence[float], num_kv_heads: int) -> None:
-        if not (path.shape == max_sim.shape == n_scored.shape and path.dim() == 3 and len(attention_s) == len(path)):
-            raise ValueError(f"path {tuple(path.shape)}, max_sim {tuple(max_sim.shape)}, n_scored "
-                             f"{tuple(n_scored.shape)} must be one (B, layers, heads) shape with B = "
-                             f"len(attention_s) = {len(attention_s)}")
-        self.path, self.max_sim, self.n_scored = path, max_sim, n_scored
         self.attention_s = [float(s) for s in attention_s]
         self.num_kv_heads = num_kv_heads
-        self.group_read = group_reads(path, num_kv_heads)  # (B, layers, H_kv) bool
+        self._groups = None  # of_groups' (batch, groups) until stacked
+        self._stacked = self._checked(path, max_sim, n_scored)
+
+    def _checked(self, path: torch.Tensor, max_sim: torch.Tensor, n_scored: torch.Tensor) -> tuple:
+        """(path, max_sim, n_scored, group_read) once their shapes agree with one another and ``attention_s``."""
+        if not (path.shape == max_sim.shape == n_scored.shape and path.dim() == 3
+                and len(self.attention_s) == len(path)):
+            raise ValueError(f"path {tuple(path.shape)}, max_sim {tuple(max_sim.shape)}, n_scored "
+                             f"{tuple(n_scored.shape)} must be one (B, layers, heads) shape with B = "
+                             f"len(attention_s) = {len(self.attention_s)}")
+        return path, max_sim, n_scored, group_reads(path, self.num_kv_heads)  # group_read (B, layers, H_kv) bool
 
     @classmethod
     def of_groups(cls, batch: int, groups: Sequence[tuple[Sequence[int], list, float]],
                   num_kv_heads: int) -> StepStatsBatch:
         """The batch from its method groups' per-layer statistics: ``groups`` holds, per group, (its rows of the
-        batch, per layer (path, max_sim, n_scored) each (n, H), its attention seconds); every row in one group."""
+        batch, per layer (path, max_sim, n_scored) each (n, H), its attention seconds); every row in one group.
+        Its tensors are stacked when first read (``_stack``)."""
         attention_s = [0.0] * batch
+        for rows, _, seconds in groups:
+            for row in rows:
+                attention_s[row] = seconds
+        self = cls.__new__(cls)
+        self.attention_s, self.num_kv_heads = attention_s, num_kv_heads
+        self._groups, self._stacked = (batch, groups), None
+        return self
+
+    def _stack(self) -> tuple:
+        """(path, max_sim, n_scored, group_read), stacked from ``of_groups``' per-layer tensors on first use."""
+        if self._stacked is not None:
+            return self._stacked
+        batch, groups = self._groups
         parts = []
-        for rows, per_layer, seconds in groups:
+        for rows, per_layer, _ in groups:
             path = torch.stack([p for p, _, _ in per_layer], dim=1).to(torch.int8).cpu()  # (n, layers, H)
             max_sim = torch.stack([m for _, m, _ in per_layer], dim=1).float().cpu()
             n_scored = torch.stack([n for _, _, n in per_layer], dim=1).to(torch.int32).cpu()
             parts.append((rows, path, max_sim, n_scored))
-            for row in rows:
-                attention_s[row] = seconds
         if len(parts) == 1 and list(parts[0][0]) == list(range(batch)):  # one group in row order: as it is
             _, path, max_sim, n_scored = parts[0]
         else:
@@ -94,7 +112,55 @@ class StepStatsBatch(Sequence):
             for rows, p, m, n in parts:
                 index = torch.tensor(list(rows), dtype=torch.long)
                 path[index], max_sim[index], n_scored[index] = p, m, n
-        return cls(path, max_sim, n_scored, attention_s, num_kv_heads)
+        self._stacked, self._groups = self._checked(path, max_sim, n_scored), None
+        return self._stacked
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, layers, heads), without stacking."""
+        if self._stacked is not None:
+            return tuple(self._stacked[0].shape)
+        batch, groups = self._groups
+        per_layer = groups[0][1]
+        return batch, len(per_layer), per_layer[0][0].shape[-1]
+
+    @classmethod
+    def concat(cls, batches: Sequence[StepStatsBatch]) -> StepStatsBatch:
+        """The rows of ``batches`` (steps of one (layers, heads) shape) one after another, as one batch. Steps of one
+        method group in row order not yet stacked are stacked together, a tensor of every step's layers at once
+        (what a batch alone stacks per step); others are concatenated as they stack."""
+        attention_s = [s for b in batches for s in b.attention_s]
+        num_kv_heads = batches[0].num_kv_heads
+        lazy = [b._groups for b in batches if b._stacked is None]
+        one_group = len(lazy) == len(batches) and all(
+            len(groups) == 1 and list(groups[0][0]) == list(range(batch)) for batch, groups in lazy)
+        if not one_group or len({batch for batch, _ in lazy}) != 1:
+            return cls(*(torch.cat([b._stack()[i] for b in batches]) for i in range(3)), attention_s, num_kv_heads)
+        per_layer = [t for _, groups in lazy for t in groups[0][1]]  # steps x layers of (path, max_sim, n_scored)
+        n, layers = lazy[0][0], len(lazy[0][1][0][1])
+
+        def rows(tensors: list[torch.Tensor]) -> torch.Tensor:  # (steps * layers) x (n, H) -> (steps * n, layers, H)
+            t = torch.stack(tensors).cpu()  # (steps * layers, n, H)
+            return t.view(len(lazy), layers, n, -1).transpose(1, 2).reshape(len(lazy) * n, layers, -1)
+
+        return cls(rows([p for p, _, _ in per_layer]).to(torch.int8), rows([m for _, m, _ in per_layer]).float(),
+                   rows([c for _, _, c in per_layer]).to(torch.int32), attention_s, num_kv_heads)
+
+    @property
+    def path(self) -> torch.Tensor:
+        return self._stack()[0]
+
+    @property
+    def max_sim(self) -> torch.Tensor:
+        return self._stack()[1]
+
+    @property
+    def n_scored(self) -> torch.Tensor:
+        return self._stack()[2]
+
+    @property
+    def group_read(self) -> torch.Tensor:
+        return self._stack()[3]
 
     @classmethod
     def of_rows(cls, rows: Sequence[StepStats]) -> StepStatsBatch:
