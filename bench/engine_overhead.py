@@ -14,7 +14,9 @@ that thread's CPU clock (``time.thread_time``, what a loaded machine's other wor
   outside   step less forward: the engine thread's per-step work that is not the model
 
 Only steps over exactly M rows of waves after the first count (the first wave grows the method-state pools).
-Printed: the median ms per step of each part, and one JSON line (``--json``). Run it from two checkouts taking
+Printed: the median and the mean ms per step of each part (work done every few steps, such as the metrics' fold
+of the per-head statistics, shows in the mean), and one JSON line (``--json``: the medians, and the means
+under "mean"). Run it from two checkouts taking
 turns (the script imports whichever ``retopk_server`` is on the path) to compare two versions of the engine:
 
     OMP_NUM_THREADS=1 python bench/engine_overhead.py --rows 8 --max-new-tokens 48 --waves 4
@@ -66,6 +68,10 @@ class Clock:
                 self.current[part] += time.thread_time() - t0
         return timed
 
+    def begin(self) -> None:
+        """A decode step starts: what the parts took since the last one (a prefill's forward) is not its."""
+        self.current = dict.fromkeys(PARTS, 0.0)
+
     def end(self, batch: int) -> None:
         c, self.current = self.current, dict.fromkeys(PARTS, 0.0)
         if self.counting and batch == self.rows:
@@ -85,6 +91,7 @@ def instrument(engine: Engine, observer: MetricsObserver, clock: Clock) -> None:
     decode = engine_loop.EngineLoop.decode
 
     def step(self, batch):
+        clock.begin()
         t0 = time.thread_time()
         decode(self, batch)
         clock.current["step"] += time.thread_time() - t0
@@ -125,11 +132,13 @@ def main(argv=None) -> dict:
     finally:
         engine.stop()
     med = {part: 1e3 * statistics.median(s[part] for s in clock.steps) for part in PARTS}
+    mean = {part: 1e3 * statistics.mean(s[part] for s in clock.steps) for part in PARTS}
     print(f"# engine_overhead {args.label}: {len(clock.steps)} steps of {args.rows} rows, {args.threads} thread(s), "
-          "median engine-thread CPU ms per step")
-    print(" ".join(f"{part} {med[part]:.3f}" for part in PARTS))
+          "engine-thread CPU ms per step")
+    print("median " + " ".join(f"{part} {med[part]:.3f}" for part in PARTS))
+    print("mean   " + " ".join(f"{part} {mean[part]:.3f}" for part in PARTS))
     if args.json:
-        print(json.dumps({"label": args.label, "rows": args.rows, "steps": len(clock.steps), **med}))
+        print(json.dumps({"label": args.label, "rows": args.rows, "steps": len(clock.steps), **med, "mean": mean}))
     return med
 
 
