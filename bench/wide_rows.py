@@ -66,7 +66,7 @@ def main(argv=None) -> list[dict]:
         decoder.set_activations(act)
         blocks_of[act] = [lin.blocks for lin in lins]
     dtypes = [torch.float32] + ([torch.bfloat16] if wide_dtype() == torch.bfloat16 else [])
-    wides = {dt: [lin.wide if lin.wide.dtype == dt else lin.dequantized().to(dt) for lin in lins]
+    wides = {dt: [lin.wide if lin.wide_dtype == dt else lin.dequantized().to(dt) for lin in lins]
              for dt in dtypes}  # (out, in) each
     rows = []
     for M in args.rows:

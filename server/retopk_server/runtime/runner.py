@@ -103,6 +103,7 @@ class ModelRunner:
         self.decoder.set_activations(activations)
         if config.kv_torch_dtype == torch.float32:  # the exact configuration: no 16-bit product anywhere
             self.decoder.set_prefill_dtype(torch.float32)
+        self.decoder.hold_wide()  # only the prefill copies the rule multiplies through (decoder/linear.py)
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         trained = int(cfg.max_position_embeddings)

@@ -78,8 +78,10 @@ class RuntimeConfig:
                     two bf16 limbs, hi + lo, on AMX tiles: on CPUs with AMX-BF16 only, refused elsewhere;
                     about 16 bits of x, where float32 keeps 24) or "int16" (x quantized per row and block of 32
                     to int16 with one float scale, 2^-16 of the block's largest |x|, then exact integer block dots:
-                    on every CPU, AVX-512 VNNI's dpwssd where there is one). Prefill GEMMs through the dequantized copy,
-                    norms and the residual stream stay as they are. Refused for
+                    on every CPU, AVX-512 VNNI's dpwssd where there is one). Prefill GEMMs through the dequantized copy
+                    (decoder/linear.py's rule; int16 against a 16-bit copy, as with a 16-bit KV cache on a CPU with
+                    AVX-512 BF16, multiplies every prefill row on the blocks and holds no copy), norms and the
+                    residual stream stay as they are. Refused for
                     a device other than the CPU and for a model without block weights. "auto" (the default):
                     bf16x2 where the decoder accepts it (a CPU device with AMX-BF16, block weights whose out
                     features are multiples of 16: Decoder.auto_activations), else int16 where it accepts that

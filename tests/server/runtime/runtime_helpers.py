@@ -118,7 +118,7 @@ def check_units_mode(runners: dict[str, ModelRunner], weights: str, activations:
     unit_cols = {4: lambda lin: lin.qs.shape[1] * 20 // 16, 8: lambda lin: lin.qs.shape[1] * 34 // 32}
     assert {lin.format for lin in blocks} == {weights} and unit.decoder.lm_head in blocks
     assert all(lin.activations == activations and lin.blocks.qs.shape[1] == unit_cols[lin.bits](lin) for lin in blocks)
-    wide = unit.decoder.layers[0].qkv.wide.dtype
+    wide = unit.decoder.layers[0].qkv.wide_dtype
     prompt = prompt_ids(max(wide_rows(wide, a) for a in runners), 1)
     out = {a: first_step(runner, prompt) for a, runner in runners.items()}
     assert all(torch.equal(a, b) for a, b in zip(out["float32"][0], out[activations][0], strict=True))

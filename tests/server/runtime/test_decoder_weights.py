@@ -11,6 +11,7 @@ import torch
 from retopk_core.cpu import decoder_ops
 from retopk_core.models import DEFAULT_MODEL, resolve_model
 from retopk_server.runtime.decoder.linear import (
+    NEVER,
     Int4Linear,
     Int8Linear,
     float_matmul,
@@ -230,12 +231,12 @@ def test_packed_bfloat16_copy_multiplies_as_torch_linear_bit_for_bit(rows, with_
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activations", ["float32", "int16"])
+@pytest.mark.parametrize(("dtype", "activations"), [(torch.float32, "float32"), (torch.bfloat16, "float32"),
+                                                    (torch.float16, "float32"), (torch.float32, "int16")])
 def test_rows_below_the_wide_rule_take_the_blocks_and_from_it_the_copy(cls, dtype, activations):
-    """The rule per (wide dtype, activations): up to wide_rows(dtype, activations) - 1 rows the product is the block
-    kernel's with those activations bit for bit, from wide_rows(dtype, activations) on the wide copy's GEMM bit for
-    bit (each a different sum, so neither equals the other by chance)."""
+    """The rule per (wide dtype, activations) where it ends: up to wide_rows(dtype, activations) - 1 rows the product
+    is the block kernel's with those activations bit for bit, from wide_rows(dtype, activations) on the wide copy's
+    GEMM bit for bit (each a different sum, so neither equals the other by chance)."""
     if not decoder_ops.available():
         pytest.skip("the fused CPU library is not built")
     torch.manual_seed(5)
@@ -243,6 +244,7 @@ def test_rows_below_the_wide_rule_take_the_blocks_and_from_it_the_copy(cls, dtyp
     lin.set_wide_dtype(dtype)
     lin.set_activations(activations)
     n = wide_rows(dtype, activations)
+    assert n < NEVER
     for rows in (n - 1, n):
         x, res = torch.randn(rows, 128), torch.randn(rows, 48)
         b = lin.blocks
@@ -250,6 +252,59 @@ def test_rows_below_the_wide_rule_take_the_blocks_and_from_it_the_copy(cls, dtyp
         wide = float_matmul(x, lin.wide, lin.bias, res)
         assert not torch.equal(blocks, wide)
         assert torch.equal(lin(x, residual=res), blocks if rows < n else wide), rows
+
+
+@pytest.mark.parametrize("cls", ["int4", "int8"])
+@pytest.mark.parametrize(("dtype", "activations"), [(torch.bfloat16, "int16"), (torch.float16, "int16"),
+                                                    (None, "int16"), (None, "float32")])
+def test_int16_against_a_16_bit_copy_and_no_copy_take_the_blocks_at_every_row_count(cls, dtype, activations):
+    """int16 activations against a bfloat16 or float16 copy (a 16-bit KV cache's prefill), and any activations with no
+    copy (dtype None, "the blocks"): from 1 row to a prefill chunk's and a wave's the product is the block kernel's
+    with those activations bit for bit (the copy's GEMM sums otherwise: checked against it at each row count), and
+    the copy is never made, not by a product nor by hold_wide."""
+    if not decoder_ops.available():
+        pytest.skip("the fused CPU library is not built")
+    torch.manual_seed(6)
+    lin = from_float(torch.randn(48, 128), torch.randn(48), cls)  # 48 outputs: int16's units of 16
+    lin.set_wide_dtype(dtype)
+    lin.set_activations(activations)
+    lin.hold_wide()
+    assert wide_rows(dtype, activations) == NEVER and lin.wide_nbytes == 0
+    other = (dtype or torch.bfloat16) if activations == "int16" else torch.float32  # a copy it might have taken
+    gemm = packed(lin.dequantized().to(other))
+    for rows in (1, 17, 96, 97, 512, 1030):
+        x, res = torch.randn(rows, 128), torch.randn(rows, 48)
+        b = lin.blocks
+        blocks = decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias, res, activations=activations)
+        assert not torch.equal(blocks, float_matmul(x, gemm, lin.bias, res))
+        assert torch.equal(lin(x, residual=res), blocks), rows
+        assert torch.equal(lin(x), decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias,
+                                                            activations=activations)), rows
+    assert lin.wide_nbytes == 0
+
+
+def test_a_copy_is_made_on_first_use_or_by_hold_wide_and_let_go_with_its_dtype():
+    """The wide copy is made by the first product that takes it, or ahead by hold_wide where the rule will use it
+    (in the held dtype, its bytes counted by wide_nbytes); set_wide_dtype lets it go (the next one made in the new
+    dtype), hold_wide lets go of one the rule will not use; None without the fused CPU library is refused."""
+    lin = from_float(torch.randn(48, 128), None, "int4")
+    assert lin.wide_nbytes == 0 and lin.wide_dtype == wide_dtype()
+    lin(torch.randn(wide_rows(wide_dtype(), "float32"), 128))
+    assert lin.wide_nbytes == 48 * 128 * torch.finfo(wide_dtype()).bits // 8
+    lin.set_wide_dtype(torch.float32)
+    assert lin.wide_nbytes == 0
+    lin.hold_wide()
+    assert lin.wide_nbytes == 48 * 128 * 4 and lin.wide.dtype == torch.float32
+    assert torch.equal(lin.wide, lin.dequantized())
+    if decoder_ops.available():
+        lin.set_wide_dtype(torch.bfloat16)
+        assert lin.wide.dtype == torch.bfloat16 and lin.wide_nbytes > 0  # made on first use
+        lin.set_activations("int16")
+        lin.hold_wide()
+        assert lin.wide_nbytes == 0
+    else:
+        with pytest.raises(ValueError, match="not built"):
+            lin.set_wide_dtype(None)
 
 
 def test_block_matmul_refuses_what_it_cannot_read():

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_helpers import check_units_mode, greedy, moved_and_kept, runner_for, tiny_model
+from runtime_helpers import check_units_mode, greedy, moved_and_kept, prompt_ids, runner_for, tiny_model
 
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
-from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, from_float, is_blocks
+from retopk_server.runtime.decoder.linear import Int4Linear, Int8Linear, from_float, is_blocks, wide_dtype
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -222,6 +222,62 @@ def test_int16_product_past_the_kept_scratch_gives_each_row_its_one_row_result()
     batch = int16_product(x, lin, units)
     for i in (0, 7, 8, 64, 299):
         assert torch.equal(batch[i:i + 1], int16_product(x[i:i + 1], lin, units)), i
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("copy", [torch.bfloat16, torch.float16])
+def test_a_linear_with_a_16_bit_copy_multiplies_a_prefills_rows_as_the_reference(fmt, copy):
+    """The runtime's linear with int16 activations and a bfloat16 or float16 copy (a 16-bit KV cache's prefill) at a
+    prefill chunk's rows and past them (200, 600): equal to the torch reference of int16's math bit for bit, the
+    copy never made (decoder/linear.py's rule: such a pair never leaves the blocks)."""
+    lin = block_linear(fmt, 48, 224, seed=9)
+    lin.set_wide_dtype(copy)
+    lin.set_activations("int16")
+    for rows in (200, 600):
+        x, res = activations(rows, 224, seed=rows), torch.randn(rows, 48)
+        assert torch.equal(lin(x, residual=res), reference(x, lin, res)), rows
+    assert lin.wide_nbytes == 0
+
+
+def layer0_kv(runner, session) -> tuple[torch.Tensor, torch.Tensor]:
+    """The session's layer-0 keys and values as its pool stores them, (H_kv, length, d) each."""
+    return runner.pool.history(0, torch.tensor(session.blocks), session.length)
+
+
+def test_a_16_bit_kv_cache_prefills_every_row_on_int16_blocks_and_holds_no_copy():
+    """With int16 activations and a bfloat16 KV cache (bfloat16 prefill copies before: the CPU's wide_dtype, set here
+    where it is not) the runner holds no dequantized copy, and a prompt of 300 tokens in one chunk, or three
+    sessions' prompts in one forward (prefill_together, 470 rows), write layer 0's keys and values as the same prompts
+    fed 8 rows a forward do, bit for bit: layer 0's K and V are each row's own QKV product, which int16's blocks give
+    alike at any row count while the copy's GEMM rounds otherwise. With a float32 KV cache the runner holds float32
+    copies from load, as before."""
+    model = tiny_model("llama", layers=2)
+    prompts = [prompt_ids(n, seed=n) for n in (300, 150, 200, 120)]
+
+    def runner(chunk, kv="bfloat16"):
+        r = runner_for(model, weights="int4", kv_dtype=kv, activations="int16", prefill_chunk=chunk)
+        if kv != "float32" and wide_dtype() != torch.bfloat16:
+            r.decoder.set_prefill_dtype(torch.bfloat16)
+            r.decoder.hold_wide()
+        return r
+
+    exact = runner(512, "float32")
+    assert exact.decoder.wide_bytes == sum(lin.dequantized().numel() * 4 for lin in exact.decoder.linears())
+    one, wave, small = runner(512), runner(512), runner(8)
+    assert one.decoder.wide_bytes == wave.decoder.wide_bytes == 0
+    alone = []
+    for p in prompts:
+        s = small.open_session()
+        small.prefill(s, p)
+        alone.append(layer0_kv(small, s))
+    s = one.open_session()
+    one.prefill(s, prompts[0])
+    sessions = [wave.open_session() for _ in prompts[1:]]
+    jobs = [wave.start_prefill(s, p) for s, p in zip(sessions, prompts[1:], strict=True)]
+    assert all(isinstance(y, torch.Tensor) for y in wave.prefill_together([(j, j.remaining) for j in jobs]))
+    for got, want in zip([layer0_kv(one, s)] + [layer0_kv(wave, s) for s in sessions], alone, strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert one.decoder.wide_bytes == wave.decoder.wide_bytes == 0
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])

@@ -28,8 +28,9 @@ def dequantized_twin(model, runner):
 
 
 # A bfloat16 rounding moves an O(1) logit by up to eps / 2; a few of them through the layers move a gap
-# between two log-probabilities by a few eps. Quantized weights with a bfloat16 KV cache also run their
-# prefill GEMMs through bfloat16 copies of the weights (decoder/linear.py), a rounding of every weight too.
+# between two log-probabilities by a few eps. Quantized weights with a bfloat16 KV cache may also run their
+# prefill GEMMs through bfloat16 copies of the weights (decoder/linear.py's rule: not with int16 activations), a
+# rounding of every weight too.
 BF16 = torch.finfo(torch.bfloat16).eps
 NEAR_TIE = {"16-bit": 4 * BF16, "16-bit prefill weights": 16 * BF16}
 

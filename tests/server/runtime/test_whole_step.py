@@ -238,12 +238,13 @@ def test_other_threads_run_during_a_whole_step(monkeypatch):
 
 
 def test_one_call_up_to_the_wide_rule_and_rows_as_alone(monkeypatch):
-    """A batch of wide_rows(dtype, activations) - 1 rows (dtype: the layers' wide copies; the runner's activations)
-    runs in one call and each row's logits equal the same row decoded alone bit for bit; a batch of
-    wide_rows(dtype, activations) rows goes layer by layer through the wide copies (decoder/linear.py's rule), and
-    still decodes."""
-    runner = runner_for(tiny_model("llama", layers=2), METHODS["full"], weights="int4", kv_dtype="bfloat16")
-    n = wide_rows(runner.decoder.layers[0].qkv.wide.dtype, runner.decoder.activations)
+    """A batch of wide_rows(dtype, activations) - 1 rows (dtype: the layers' wide copies; float32 activations, whose
+    rule ends on every CPU) runs in one call and each row's logits equal the same row decoded alone bit for bit; a
+    batch of wide_rows(dtype, activations) rows goes layer by layer through the wide copies (decoder/linear.py's
+    rule), and still decodes."""
+    runner = runner_for(tiny_model("llama", layers=2), METHODS["full"], weights="int4", kv_dtype="bfloat16",
+                        activations="float32")
+    n = wide_rows(runner.decoder.layers[0].qkv.wide_dtype, runner.decoder.activations)
     prompts = [prompt_ids(6 + i, i) for i in range(n)]
 
     def opened(count):

@@ -14,39 +14,51 @@ order of the sums; or, with ``activations`` "int8", x quantized per block of 32 
 and exact integer block dots (AVX-512 VNNI's dpwssd); bf16x2 and int16 take the weight repacked into units of 16
 outputs (``decoder_ops.pack_units``, held beside qs and scales while one of them is set).
 Its cost grows with the rows of x (it widens each block again for every 4 rows); from ``wide_rows(dtype,
-activations)`` rows on (prefill chunks, large decode batches) a GEMM through a copy dequantized at load
-(``wide``: bfloat16 where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster,
-and it is also the path when the library is not built. A bfloat16 copy is held reordered into oneDNN's blocked
-layout once (``packed``), so that its GEMMs skip repacking the weight on every call: the same products up to the
-order oneDNN sums in (``packed``).
+activations)`` rows on (prefill chunks, large decode batches) a GEMM through a dequantized copy (``wide``: bfloat16
+where the CPU has bf16 dot products, else float32; ``set_wide_dtype`` changes it) is faster, and it is also the path
+when the library is not built. The copy is made on first use (``hold_wide`` makes it ahead, at load), so a pair whose
+rule is ``NEVER`` holds none: int16 activations against a 16-bit copy multiply every row count on the blocks (exact
+integer products in place of the copy's bfloat16 weights: ``WIDE_ROWS`` says why), and so does
+``set_wide_dtype(None)`` ("the blocks", for any activations). A bfloat16 copy is held reordered into oneDNN's blocked
+layout (``packed``), so that its GEMMs skip repacking the weight on every call: the same products up to the order
+oneDNN sums in (``packed``).
 Norms, biases and the residual stream stay float32 in every format. ``nbytes`` is what one matmul reads,
 the decode step's weight traffic.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from retopk_core.cpu import decoder_ops
 
 BLOCK = 32  # weights per quantized block along the input
+# A wide_rows value that no row count reaches: every product on the blocks, and no copy made.
+NEVER = math.inf
 # Rows of x from which a quantized linear multiplies through its dequantized copy, per (the copy's dtype, the block
 # products' activations): the first M at which that GEMM is no slower than the block kernels over the served
 # model's layers, set by bench/wide_rows.py (figures in docs/bench/history.md). With float32 activations: the
 # float32 copy measured on AVX2 (Zen 3), the bfloat16 one on the Intel machine (AVX-512 BF16). With int16
-# activations, measured on Zen 4 (AVX-512 VNNI and BF16, no AMX): the bfloat16 copy ties the blocks at 96 rows,
-# so a full decode batch (max_running) stays on the blocks, whose int16 products are also the more exact ones. A
-# pair not listed keeps its copy's float32-activations rule: int8 and bf16x2, not measured with their own
-# activations; and int16 against the float32 copy, which, though slower than int16's blocks at every row count
-# measured (up to 512), is the exact product that the float32 KV configuration holds it for (int16 prefills
-# flipped greedy tokens there that the float32 copy does not).
+# activations against a 16-bit copy: never. On Zen 4 (AVX-512 VNNI and BF16, no AMX) the bfloat16 copy ties the
+# blocks at 96 rows and a whole prefill on the blocks runs at about the copy's speed, while the copy's bfloat16
+# weights are one of the roundings that flipped the float32 model's greedy tokens at 8000 positions (issue 28): the
+# blocks' exact integer products take every row, and the copy (270 MB for the embedded model) is not held. A pair
+# not listed keeps its copy's float32-activations rule: int8 and bf16x2, not measured with their own activations;
+# and int16 against the float32 copy, which, though slower than int16's blocks at every row count measured (up to
+# 512), is the exact product that the float32 KV configuration holds it for (int16 prefills flipped greedy tokens
+# there that the float32 copy does not).
 WIDE_ROWS = {(torch.float32, "float32"): 20, (torch.bfloat16, "float32"): 16, (torch.float16, "float32"): 16,
-             (torch.bfloat16, "int16"): 96}
+             (torch.bfloat16, "int16"): NEVER, (torch.float16, "int16"): NEVER}
 
 
-def wide_rows(wide: torch.dtype, activations: str) -> int:
+def wide_rows(wide: torch.dtype | None, activations: str) -> float:
     """The rows of x from which a product multiplies through a wide copy in ``wide`` rather than on the blocks
-    with ``activations`` (``WIDE_ROWS``)."""
+    with ``activations`` (``WIDE_ROWS``); ``NEVER`` for a pair that multiplies on the blocks at every row count, and
+    for ``wide`` None (no copy: the blocks)."""
+    if wide is None:
+        return NEVER
     return WIDE_ROWS.get((wide, activations), WIDE_ROWS[wide, "float32"])
 
 
@@ -55,10 +67,16 @@ def wide_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
-def blocks_path(rows: int, wide: torch.dtype, activations: str) -> bool:
+def blocks_path(rows: int, wide: torch.dtype | None, activations: str) -> bool:
     """Whether a product over ``rows`` rows of x runs on the blocks (with ``activations``) rather than on a wide
     copy in ``wide``."""
     return rows < wide_rows(wide, activations) and decoder_ops.available()
+
+
+def uses_wide(wide: torch.dtype | None, activations: str) -> bool:
+    """Whether some row count's product runs through a copy in ``wide`` (``blocks_path`` is False for it): a rule
+    short of ``NEVER``, or no fused CPU library to run the blocks."""
+    return wide_rows(wide, activations) < NEVER or not decoder_ops.available()
 
 
 def is_blocks(lin) -> bool:
@@ -166,7 +184,8 @@ class _BlockLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.blocks = decoder_ops.Blocks(self.qs, self.scales, self.bits, self.bias)  # what the fused layer ops take
         self.activations = "float32"  # what the block products multiply with (set_activations)
-        self.wide = packed(self.dequantized().to(wide_dtype()))  # (out, in): the prefill GEMM's copy
+        self.wide_dtype: torch.dtype | None = wide_dtype()  # the prefill GEMM copy's dtype; None: no copy
+        self._wide: torch.Tensor | None = None  # (out, in): that copy once made (``wide``)
 
     def check_activations(self, activations: str) -> None:
         """Raise ValueError if this weight cannot multiply with ``activations`` (decoder_ops.ACTIVATIONS)."""
@@ -183,10 +202,33 @@ class _BlockLinear:
         qs = decoder_ops.pack_units(self.qs, self.scales) if activations in decoder_ops.UNIT_ACTIVATIONS else self.qs
         self.blocks = decoder_ops.Blocks(qs, self.scales, self.bits, self.bias)
 
-    def set_wide_dtype(self, dtype: torch.dtype) -> None:
-        """Hold the prefill GEMM's copy in ``dtype`` (float32: exact products, twice the memory of bfloat16)."""
-        if self.wide.dtype != dtype:
-            self.wide = packed(self.dequantized().to(dtype))
+    def set_wide_dtype(self, dtype: torch.dtype | None) -> None:
+        """Multiply from ``wide_rows(dtype, activations)`` rows on through a copy in ``dtype`` (float32: exact
+        products, twice the memory of bfloat16), or with None on the blocks at every row count; a copy in another
+        dtype is let go, the new one made on first use. None needs the fused CPU library (ValueError)."""
+        if dtype is None and not decoder_ops.available():
+            raise ValueError(f"{self.format} weights multiply on the blocks only through the fused CPU library, "
+                             f"which is not built: give the prefill copy a dtype")
+        if dtype != self.wide_dtype:
+            self.wide_dtype, self._wide = dtype, None
+
+    @property
+    def wide(self) -> torch.Tensor:
+        """(out, in) in ``wide_dtype``: the dequantized copy that products from ``wide_rows`` rows on multiply
+        through, made (and ``packed``) on first use."""
+        if self._wide is None:
+            self._wide = packed(self.dequantized().to(self.wide_dtype))
+        return self._wide
+
+    def hold_wide(self) -> None:
+        """Make the copy now where some row count will use it (``uses_wide``), so that the first prefill does not
+        pay for it; let a copy go where none will."""
+        self._wide = self.wide if uses_wide(self.wide_dtype, self.activations) else None
+
+    @property
+    def wide_nbytes(self) -> int:
+        """Bytes the copy holds now: 0 until it is made."""
+        return 0 if self._wide is None else self._wide.numel() * self._wide.element_size()
 
     @property
     def out_features(self) -> int:
@@ -200,7 +242,7 @@ class _BlockLinear:
                  into: bool = False) -> torch.Tensor:
         """x (M, in) float32 -> (M, out) float32 (+ residual); from the wide copy, ``widen=False``: y in its dtype,
         ``into``: the sum written into ``residual`` (float_matmul); the block kernels return a new tensor."""
-        if not blocks_path(x.shape[0], self.wide.dtype, self.activations):
+        if not blocks_path(x.shape[0], self.wide_dtype, self.activations):
             return float_matmul(x, self.wide, self.bias, residual, widen, into)
         b = self.blocks
         return decoder_ops.block_matmul(x.float(), b.qs, b.scales, b.bits, b.bias, residual,

@@ -143,13 +143,26 @@ class Decoder:
     def fused_rows(self, rows: int) -> bool:
         """Whether a forward over ``rows`` rows of x runs its layers as the fused calls on the blocks (linear.py's
         rule for the layers' wide copies, which share one dtype, and the block products' activations)."""
-        return self.fused and blocks_path(rows, self.layers[0].qkv.wide.dtype, self.activations)
+        return self.fused and blocks_path(rows, self.layers[0].qkv.wide_dtype, self.activations)
 
-    def set_prefill_dtype(self, dtype: torch.dtype) -> None:
-        """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies)."""
+    def set_prefill_dtype(self, dtype: torch.dtype | None) -> None:
+        """The dtype in which the quantized formats run their prefill GEMMs (linear.py's ``wide`` copies, made on
+        first use or by ``hold_wide``), or None: on the blocks at every row count, no copy."""
         for lin in self.linears():
-            if hasattr(lin, "set_wide_dtype"):
+            if is_blocks(lin):
                 lin.set_wide_dtype(dtype)
+
+    def hold_wide(self) -> None:
+        """Every block weight's copy made now where linear.py's rule will multiply through it, none held where it
+        never will (the load's work, not the first prefill's)."""
+        for lin in self.linears():
+            if is_blocks(lin):
+                lin.hold_wide()
+
+    @property
+    def wide_bytes(self) -> int:
+        """Bytes the block weights' dequantized copies hold (beside ``weight_bytes``, which a decode step reads)."""
+        return sum(lin.wide_nbytes for lin in self.linears() if is_blocks(lin))
 
     @property
     def weight_bytes(self) -> int:
