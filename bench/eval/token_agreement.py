@@ -19,6 +19,7 @@ recorded: a flip with gap <= 1e-3 is a near-tie.
     python -m bench.eval.token_agreement --formats as-stored:float32 as-stored:float32:int16 --prefix-tokens 8000
     python -m bench.eval.token_agreement --prefix-tokens 8000 --docs 8 --only-docs 2 3   # documents 2, 3 of 8
     python -m bench.eval.token_agreement --formats as-stored:bfloat16:float32:float32  # float32 prefill GEMMs
+    python -m bench.eval.token_agreement --formats as-stored:bfloat16:int16:blocks  # every prefill row on the blocks
 
 With --prefix-tokens each row's ``documents`` names its documents' indices among the --docs (a flip's ``prompt``
 indexes that list). ``--summarize FILES`` runs nothing: it merges the rows of --json files (a split run as several
@@ -37,9 +38,11 @@ import torch
 from bench.eval.common import KJV, corpus_documents
 from retopk_core.models import DEFAULT_MODEL
 from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
+from retopk_server.runtime.decoder.linear import NEVER, wide_rows
 
 TOLERANCE = 1e-3  # nats: a flip within this is a near-tie the criterion allows
-PREFILL_DTYPES = ("float32", "bfloat16")  # a format's optional PREFILL: Decoder.set_prefill_dtype's dtype
+# a format's optional PREFILL: Decoder.set_prefill_dtype's dtype, "blocks" its None (every row on the block products)
+PREFILLS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "blocks": None}
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",
     "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good morning' into Spanish.",
@@ -57,7 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--formats", nargs="+", default=["as-stored:float32", "as-stored:bfloat16"],
                    help="WEIGHTS:KV_DTYPE[:ACTIVATIONS[:PREFILL]] of the runtime to compare (activations float32 "
                         "unless given; PREFILL float32 or bfloat16: the dtype of the quantized weights' prefill "
-                        "GEMM copies, else the runner's: bfloat16 with a 16-bit KV cache on a CPU with AVX-512 BF16)")
+                        "GEMM copies, or blocks: no copy, every prefill row on the block products; else the "
+                        "runner's: with a 16-bit KV cache on a CPU with AVX-512 BF16, bfloat16 copies, or the "
+                        "blocks with int16 activations)")
     p.add_argument("--prompts", type=int, default=20, help=f"chat prompts (at most {len(PROMPTS)})")
     p.add_argument("--prefix-tokens", type=int, nargs="+", default=None, metavar="L",
                    help="instead of the chat prompts: --docs documents of exactly L tokens of --corpus per L "
@@ -81,12 +86,17 @@ def parse_args(argv=None):
 def parse_format(spec: str) -> tuple[str, str, str, str | None]:
     """"WEIGHTS:KV[:ACTIVATIONS[:PREFILL]]" -> (weights, kv, activations (float32 if absent), prefill (None if
     absent: the runner's choice)). PREFILL separates the prefill GEMMs' rounding from the KV cache's: the runner
-    couples them (a 16-bit KV cache brings bfloat16 copies of the quantized weights for the prefill)."""
+    couples them (a 16-bit KV cache brings bfloat16 copies of the quantized weights for the prefill, or with int16
+    activations the blocks). A copy that the activations never multiply through (decoder/linear.py's rule: int16
+    against bfloat16) is refused, not run on the blocks under the copy's name."""
     parts = spec.split(":")
-    if not 2 <= len(parts) <= 4 or (len(parts) == 4 and parts[3] not in PREFILL_DTYPES):
+    if not 2 <= len(parts) <= 4 or (len(parts) == 4 and parts[3] not in PREFILLS):
         raise SystemExit(f"--formats {spec!r}: WEIGHTS:KV_DTYPE[:ACTIVATIONS[:PREFILL]], PREFILL one of "
-                         f"{', '.join(PREFILL_DTYPES)}")
+                         f"{', '.join(PREFILLS)}")
     weights, kv, activations, prefill = parts + ["float32", None][len(parts) - 2:]
+    if prefill is not None and PREFILLS[prefill] is not None and wide_rows(PREFILLS[prefill], activations) == NEVER:
+        raise SystemExit(f"--formats {spec!r}: with {activations} activations the prefill never multiplies through "
+                         f"a {prefill} copy (decoder/linear.py's WIDE_ROWS): PREFILL blocks is what runs")
     return weights, kv, activations, prefill
 
 
@@ -241,7 +251,7 @@ def main(argv=None) -> list[dict]:
     for weights, kv, activations, prefill in formats:
         runner = ModelRunner(RuntimeConfig(model=args.model, weights=weights, kv_dtype=kv, activations=activations))
         if prefill is not None:
-            runner.decoder.set_prefill_dtype(getattr(torch, prefill))
+            runner.decoder.set_prefill_dtype(PREFILLS[prefill])
         for label, prompts in sets.items():
             with torch.inference_mode():
                 r = {"prompts": label, "weights": weights, "kv_dtype": kv, "activations": activations,

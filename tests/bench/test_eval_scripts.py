@@ -635,9 +635,11 @@ def test_token_agreement_refuses_a_prefix_past_the_models_positions(tiny):
 def test_token_agreement_prefill_field_sets_the_prefill_gemms_dtype(tiny):
     """WEIGHTS:KV:ACTIVATIONS:PREFILL: the quantized weights' prefill copies in PREFILL whatever the KV cache, so step
     0 (the prefill's logits) is a runner's whose decoder was set so by hand; without it, the runner's own choice
-    (bfloat16 copies with a bfloat16 KV cache where the CPU has AVX-512 BF16) rounds differently. A bad PREFILL is
-    refused."""
+    (bfloat16 copies with a bfloat16 KV cache where the CPU has AVX-512 BF16) rounds differently; PREFILL blocks is
+    the decoder's None (no copy), with int16 activations what the runner's own choice runs. A bad PREFILL is refused,
+    and so is a copy that the activations never multiply through (int16 against bfloat16)."""
     from bench.eval import common, token_agreement
+    from retopk_core.cpu import decoder_ops
     from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
     from retopk_server.runtime.decoder.linear import wide_dtype
 
@@ -655,13 +657,30 @@ def test_token_agreement_prefill_field_sets_the_prefill_gemms_dtype(tiny):
     assert rows[0]["steps"][0]["margin"][0] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
     if wide_dtype() == torch.bfloat16:  # the auto row's prefill ran through bfloat16 copies: other roundings
         assert rows[1]["steps"][0]["margin"][0] != pytest.approx(rows[0]["steps"][0]["margin"][0], abs=1e-9)
-    given = ("int4:bfloat16", "int4:bfloat16:int16", "int4:float16:int16:bfloat16")
+    given = ("int4:bfloat16", "int4:bfloat16:int16", "int4:float16:int16:blocks", "int4:float16:int16:float32")
     assert [token_agreement.parse_format(f) for f in given] == [  # PREFILL only where given: else the runner's
         ("int4", "bfloat16", "float32", None), ("int4", "bfloat16", "int16", None),
-        ("int4", "float16", "int16", "bfloat16")]
+        ("int4", "float16", "int16", "blocks"), ("int4", "float16", "int16", "float32")]
     for bad in ("int4:bfloat16:float32:float16", "int4", "int4:float32:float32:float32:x"):
         with pytest.raises(SystemExit, match="--formats"):
             token_agreement.parse_format(bad)
+    with pytest.raises(SystemExit, match="never multiplies through a bfloat16 copy"):
+        token_agreement.parse_format("int4:float16:int16:bfloat16")
+    if not decoder_ops.available():
+        return  # the blocks (and int16) need the fused CPU library
+    blocks = token_agreement.main(common_args(tiny) + ["--prefix-tokens", "120", "--new-tokens", "2", "--formats",
+                                                       "int4:bfloat16:float32:blocks", "int4:bfloat16:int16:blocks",
+                                                       "int4:bfloat16:int16"])
+    assert [r["prefill"] for r in blocks] == ["blocks", "blocks", "auto"]
+    runner.decoder.set_prefill_dtype(None)
+    session = runner.open_session(MethodSpec("full"))
+    with torch.inference_mode():
+        logp = torch.log_softmax(runner.prefill(session, doc).double(), dim=-1)
+    top2 = logp.topk(2).values
+    assert blocks[0]["steps"][0]["margin"][0] == pytest.approx(float(top2[0] - top2[1]), abs=1e-9)
+    assert blocks[0]["steps"][0]["margin"][0] != pytest.approx(rows[0]["steps"][0]["margin"][0], abs=1e-9)
+    if wide_dtype() == torch.bfloat16:  # the runner's own choice with int16 activations: the blocks too
+        assert blocks[2]["steps"] == blocks[1]["steps"]
 
 
 def test_token_agreement_summarize_merges_a_split_as_one_run_counts_it(tiny, tmp_path):
