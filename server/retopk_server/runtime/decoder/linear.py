@@ -42,9 +42,10 @@ NEVER = math.inf
 # model's layers, set by bench/wide_rows.py (figures in docs/bench/history.md). With float32 activations: the
 # float32 copy measured on AVX2 (Zen 3), the bfloat16 one on the Intel machine (AVX-512 BF16). With int16
 # activations against a 16-bit copy: never. On Zen 4 (AVX-512 VNNI and BF16, no AMX) the bfloat16 copy ties the
-# blocks at 96 rows and a whole prefill on the blocks runs at about the copy's speed, while the copy's bfloat16
-# weights are one of the roundings that flipped the float32 model's greedy tokens at 8000 positions (issue 28): the
-# blocks' exact integer products take every row, and the copy (270 MB for the embedded model) is not held. A pair
+# blocks at 96 rows and a whole prefill on the blocks costs a few percent more than on the copy (at 1K more, at two
+# threads), while the copy's bfloat16 weights are one of the roundings that flipped the float32 model's greedy tokens
+# at 8000 positions (issue 28): the blocks' exact integer products take every row, and the copy (257 MiB for the
+# embedded model) is not held. A pair
 # not listed keeps its copy's float32-activations rule: int8 and bf16x2, not measured with their own activations;
 # and int16 against the float32 copy, which, though slower than int16's blocks at every row count measured (up to
 # 512), is the exact product that the float32 KV configuration holds it for (int16 prefills flipped greedy tokens
