@@ -47,6 +47,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,6 +88,29 @@ RETOPK_INLINE float to_float(c10::BFloat16 x) {
   return f;
 }
 RETOPK_INLINE float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// IEEE half -> float32, exact, for a half's bits h (uint16_t or a vector of them, widened to U: uint32_t or a vector
+// of as many): c10's conversion without F16C (fp16_ieee_to_fp32_value, so static_cast<float>'s bits), written with
+// no branch or call so that the vector loads and the loops that take it (widen) vectorize it. With w = h << 16 and
+// 2w (the sign shifted out): a normal, infinite or NaN half is ((2w >> 4) + (0xE0 << 23)) · 2^-112 (its exponent
+// rebiased by 0xE0 so that 0x1F lands on 0xFF, then scaled down by the 112 too many); a zero or subnormal
+// (2w < 2^27), mantissa m, is m · 2^-24 = float((2w >> 17) | (126 << 23)) - 0.5, i.e. (0.5 + m · 2^-24) - 0.5.
+template <typename U, typename F>
+RETOPK_INLINE F half_bits_to_float(U h) {
+  const U w = h << 16, two_w = w + w;
+  const U normal = std::bit_cast<U>(std::bit_cast<F>((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f);
+  const U small = std::bit_cast<U>(std::bit_cast<F>((two_w >> 17) | (126u << 23)) - 0.5f);
+  const U is_small = U{} - (((two_w >> 27) - 1u) >> 31);  // all ones where 2w < 2^27 (no branch: see above)
+  return std::bit_cast<F>((w & 0x80000000u) | (small & is_small) | (normal & ~is_small));
+}
+// to_float for loops with no reduction (weighted_sum), where vectorizing keeps every bit: a float16 value through
+// half_bits_to_float, which `omp simd` vectorizes. The dot products' reductions keep to_float: vectorized, a float16
+// row's sum would take another order than before (its scores, other bits).
+template <typename T>
+RETOPK_INLINE float widen(T x) {
+  return to_float(x);
+}
+RETOPK_INLINE float widen(c10::Half x) { return half_bits_to_float<uint32_t, float>(x.x); }
 
 // Gathered rows sit at random positions, so no hardware prefetcher sees them coming and each row's
 // cache lines wait out a full memory latency; asking for the rows a few iterations ahead keeps several
@@ -207,9 +231,9 @@ RETOPK_INLINE v8f load8(const c10::BFloat16* p) {  // bf16 -> float32 is a 16-bi
   return v;
 }
 RETOPK_INLINE v8f load8(const c10::Half* p) {
-  v8f v;
-  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
-  return v;
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  return half_bits_to_float<v8u, v8f>(__builtin_convertvector(h, v8u));
 }
 
 typedef float v4f __attribute__((vector_size(16)));
@@ -302,7 +326,9 @@ RETOPK_INLINE v16f load16(const c10::BFloat16* p) {
   return v;
 }
 RETOPK_INLINE v16f load16(const c10::Half* p) {
-  return __builtin_shufflevector(load8(p), load8(p + 8), 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  return half_bits_to_float<v16u, v16f>(__builtin_convertvector(h, v16u));
 }
 
 template <typename T, int NH, int R>
@@ -425,7 +451,7 @@ RETOPK_CLONES void weighted_sum(const float* w, const T* pool, const int64_t* of
     const T* r = pool + off[j];
     const float wj = w[j];
 #pragma omp simd
-    for (int64_t i = 0; i < dv; ++i) acc[i] += wj * to_float(r[i]);
+    for (int64_t i = 0; i < dv; ++i) acc[i] += wj * widen(r[i]);
   }
 }
 
