@@ -39,7 +39,7 @@ from bench.e2e_cpu import parse_method  # noqa: E402 - after the huge pages
 from bench.eval.common import load_corpus  # noqa: E402 - after the huge pages
 from retopk_core.methods import Path  # noqa: E402 - after the huge pages
 from retopk_server.runtime import ModelRunner, RuntimeConfig  # noqa: E402 - after the huge pages
-from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES  # noqa: E402 - after the huge pages
+from retopk_server.runtime.runtime_config import ACTIVATION_CHOICES, KV_DTYPES  # noqa: E402 - after the huge pages
 
 
 def parse_args(argv=None):
@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--activations", default="auto", choices=ACTIVATION_CHOICES,
                    help="the block products' activations (RuntimeConfig.activations) of a plain run; auto (the "
                         "default): as the server's default resolves it")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="the KV cache's dtype (RuntimeConfig.kv_dtype); auto (the default): as the server resolves it")
     p.add_argument("--rounds", type=int, default=3, help="turns of each way with --compare-layer-loop / -activations")
     p.add_argument("--step-turns", action="store_true",
                    help="one session per method, decoded one after another within every step (ratios to the first)")
@@ -130,13 +132,18 @@ def step_turns(runner: ModelRunner, texts: list[str], ids: list[int], warmup: in
               f"{100 * statistics.mean(reads[m]):.1f}%")
 
 
+def runtime_config(args) -> RuntimeConfig:
+    """The runner's configuration from the command line: its activations and KV cache dtype."""
+    return RuntimeConfig(activations=args.activations, kv_dtype=args.kv_dtype)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(RuntimeConfig(activations=args.activations))
+    runner = ModelRunner(runtime_config(args))
     ids = runner.encode(load_corpus(args.corpus))[:args.length]
     print(f"# decode_step: L = {len(ids)}, {args.threads} threads, {args.steps} steps, weights "
-          f"{runner.info.weight_format}")
+          f"{runner.info.weight_format}, KV {runner.config.kv_torch_dtype}")
     with torch.inference_mode():
         if args.step_turns:
             step_turns(runner, args.methods, ids, args.warmup, args.steps)
