@@ -230,6 +230,12 @@ def test_packed_bfloat16_copy_multiplies_as_torch_linear_bit_for_bit(rows, with_
     assert narrow.dtype == (torch.float32 if with_bias else torch.bfloat16) and torch.equal(narrow.float(), y)
 
 
+def _on_blocks(lin, x: torch.Tensor, residual: torch.Tensor | None, activations: str) -> torch.Tensor:
+    """The block kernel's own product of ``lin`` with ``activations`` (what its rule's block side must equal)."""
+    b = lin.blocks
+    return decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias, residual, activations=activations)
+
+
 @pytest.mark.parametrize("cls", ["int4", "int8"])
 @pytest.mark.parametrize(("dtype", "activations"), [(torch.float32, "float32"), (torch.bfloat16, "float32"),
                                                     (torch.float16, "float32"), (torch.float32, "int16")])
@@ -247,8 +253,7 @@ def test_rows_below_the_wide_rule_take_the_blocks_and_from_it_the_copy(cls, dtyp
     assert n < NEVER
     for rows in (n - 1, n):
         x, res = torch.randn(rows, 128), torch.randn(rows, 48)
-        b = lin.blocks
-        blocks = decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias, res, activations=activations)
+        blocks = _on_blocks(lin, x, res, activations)
         wide = float_matmul(x, lin.wide, lin.bias, res)
         assert not torch.equal(blocks, wide)
         assert torch.equal(lin(x, residual=res), blocks if rows < n else wide), rows
@@ -274,12 +279,10 @@ def test_int16_against_a_16_bit_copy_and_no_copy_take_the_blocks_at_every_row_co
     gemm = packed(lin.dequantized().to(other))
     for rows in (1, 17, 96, 97, 512, 1030):
         x, res = torch.randn(rows, 128), torch.randn(rows, 48)
-        b = lin.blocks
-        blocks = decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias, res, activations=activations)
+        blocks = _on_blocks(lin, x, res, activations)
         assert not torch.equal(blocks, float_matmul(x, gemm, lin.bias, res))
         assert torch.equal(lin(x, residual=res), blocks), rows
-        assert torch.equal(lin(x), decoder_ops.block_matmul(x, b.qs, b.scales, b.bits, b.bias,
-                                                            activations=activations)), rows
+        assert torch.equal(lin(x), _on_blocks(lin, x, None, activations)), rows
     assert lin.wide_nbytes == 0
 
 
