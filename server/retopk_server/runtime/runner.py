@@ -104,6 +104,7 @@ class ModelRunner:
         if config.kv_torch_dtype == torch.float32:  # the exact configuration: no 16-bit product anywhere
             self.decoder.set_prefill_dtype(torch.float32)
         self.decoder.hold_wide()  # only the prefill copies the rule multiplies through (decoder/linear.py)
+        log.info("prefill copies of the block weights: %.1f MB held", self.decoder.wide_bytes / 1e6)
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         trained = int(cfg.max_position_embeddings)

@@ -10,6 +10,8 @@ refuses, the weight format it shows, and the real model's greedy tokens against 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from runtime_helpers import check_units_mode, greedy, moved_and_kept, prompt_ids, runner_for, tiny_model
@@ -244,7 +246,7 @@ def layer0_kv(runner, session) -> tuple[torch.Tensor, torch.Tensor]:
     return runner.pool.history(0, torch.tensor(session.blocks), session.length)
 
 
-def test_a_16_bit_kv_cache_prefills_every_row_on_int16_blocks_and_holds_no_copy():
+def test_a_16_bit_kv_cache_prefills_every_row_on_int16_blocks_and_holds_no_copy(caplog):
     """With int16 activations and a bfloat16 KV cache (bfloat16 prefill copies before: the CPU's wide_dtype, set here
     where it is not) the runner holds no dequantized copy, and a prompt of 300 tokens in one chunk, or three
     sessions' prompts in one forward (prefill_together, 470 rows), write layer 0's keys and values as the same prompts
@@ -261,8 +263,10 @@ def test_a_16_bit_kv_cache_prefills_every_row_on_int16_blocks_and_holds_no_copy(
             r.decoder.hold_wide()
         return r
 
-    exact = runner(512, "float32")
+    with caplog.at_level(logging.INFO, logger="retopk_server.runtime"):
+        exact = runner(512, "float32")
     assert exact.decoder.wide_bytes == sum(lin.dequantized().numel() * 4 for lin in exact.decoder.linears())
+    assert f"prefill copies of the block weights: {exact.decoder.wide_bytes / 1e6:.1f} MB held" in caplog.text
     one, wave, small = runner(512), runner(512), runner(8)
     assert one.decoder.wide_bytes == wave.decoder.wide_bytes == 0
     alone = []
