@@ -6,7 +6,9 @@ length, and prints tokens/s, the ratio to one stream, TTFT and inter-token laten
 Sampling is greedy (temperature 0, --temperature to change it) so that runs compare with one another
 and with the recorded results, whatever the server's default sampling.
 
-With a server it starts, it also prints the server process's CPU time (all its threads, from Linux's /proc)
+It prints this client process's CPU time per generated token (all its threads: the SDK, gRPC, the load
+generator), what the client takes from the cores the server shares on one machine. With a server it starts, it
+also prints the server process's CPU time (all its threads, from Linux's /proc)
 per generated token at each level and the ratio of tokens per CPU-second to the first level's: what a
 loaded machine's other work inflates less than tokens/s, which is wall time. With one thread for the
 model (``--server-args "--threads 1"``) that ratio is what the streams gain on one core.
@@ -91,20 +93,26 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 def run(address: str, args, pid: int | None = None) -> list[dict]:
-    """One load per concurrency level -> its report's dict; with the server's ``pid``, also its CPU seconds over
-    the level (``server_cpu_s``) and per generated token (``server_cpu_ms_per_token``)."""
+    """One load per concurrency level -> its report's dict, with this client process's CPU seconds over the level
+    (``client_cpu_s``, all its threads) and per generated token (``client_cpu_ms_per_token``); with the server's
+    ``pid``, also the server's (``server_cpu_s``, ``server_cpu_ms_per_token``)."""
     rows = []
     for n in args.concurrency:
         cpu = process_cpu_seconds(pid) if pid is not None else None
+        client_cpu = time.process_time()
         report = run_bench(BenchConfig(address=address, concurrency=n, requests=n * args.requests_per_stream,
                                        prompt=args.prompt, max_new_tokens=args.max_new_tokens,
                                        generate_kwargs={"temperature": args.temperature}))
+        client_cpu = time.process_time() - client_cpu
         row = report.to_dict()
+        row["client_cpu_s"] = client_cpu
+        row["client_cpu_ms_per_token"] = 1e3 * client_cpu / max(1, row["generated_tokens"])
         if cpu is not None:
             row["server_cpu_s"] = process_cpu_seconds(pid) - cpu
             row["server_cpu_ms_per_token"] = 1e3 * row["server_cpu_s"] / max(1, row["generated_tokens"])
         rows.append(row)
-        used = f", server CPU {row['server_cpu_ms_per_token']:.1f} ms a token" if cpu is not None else ""
+        used = f", server CPU {row['server_cpu_ms_per_token']:.2f} ms a token" if cpu is not None else ""
+        used += f", client CPU {row['client_cpu_ms_per_token']:.2f} ms a token"
         print(f"concurrency {n}: {row['tokens_per_second']:.1f} tokens/s{used}", flush=True)
     base = rows[0]["tokens_per_second"]
     for r in rows:

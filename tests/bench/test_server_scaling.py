@@ -33,3 +33,16 @@ def test_process_cpu_seconds_equal_this_process_cpu_clock():
         pytest.skip("no /proc on this system")
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert before - 2 * tick <= proc <= after
+
+
+def test_client_cpu_is_this_process_cpu_over_the_level(live_server):
+    """A level's client CPU is this process's CPU clock over it (bounded by the clock over run(), which a wall
+    clock, waiting for the server in its own process, would exceed), per generated token as well."""
+    args = server_scaling.parse_args(["--address", live_server, "--concurrency", "1", "--requests-per-stream", "2",
+                                      "--max-new-tokens", "8"])
+    cpu = time.process_time()
+    row, = server_scaling.run(live_server, args)
+    cpu = time.process_time() - cpu
+    assert 0 < row["client_cpu_s"] <= cpu
+    assert row["generated_tokens"] == 16
+    assert row["client_cpu_ms_per_token"] == pytest.approx(1e3 * row["client_cpu_s"] / 16)
