@@ -103,9 +103,9 @@ RETOPK_INLINE F half_bits_to_float(U h) {
   const U is_small = U{} - (((two_w >> 27) - 1u) >> 31);  // all ones where 2w < 2^27 (no branch: see above)
   return std::bit_cast<F>((w & 0x80000000u) | (small & is_small) | (normal & ~is_small));
 }
-// to_float for loops with no reduction (weighted_sum), where vectorizing keeps every bit: a float16 value through
-// half_bits_to_float, which `omp simd` vectorizes. The dot products' reductions keep to_float: vectorized, a float16
-// row's sum would take another order than before (its scores, other bits).
+// to_float for the loops that `omp simd` vectorizes (weighted_sum, the dot products' reductions): a float16 value
+// through half_bits_to_float, which vectorizes where c10's conversion stays scalar, so a float16 row's dot product
+// takes the lane-wise partial sums of a bfloat16 one (the same element size, so the same vectorization factor).
 template <typename T>
 RETOPK_INLINE float widen(T x) {
   return to_float(x);
@@ -160,10 +160,10 @@ RETOPK_CLONES void dot_gather(const float* q, const T* pool, const int64_t* off,
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
     for (int64_t i = 0; i < d; ++i) {
-      a0 += q[i] * to_float(r0[i]);
-      a1 += q[i] * to_float(r1[i]);
-      a2 += q[i] * to_float(r2[i]);
-      a3 += q[i] * to_float(r3[i]);
+      a0 += q[i] * widen(r0[i]);
+      a1 += q[i] * widen(r1[i]);
+      a2 += q[i] * widen(r2[i]);
+      a3 += q[i] * widen(r3[i]);
     }
     out[j] = a0;
     out[j + 1] = a1;
@@ -174,7 +174,7 @@ RETOPK_CLONES void dot_gather(const float* q, const T* pool, const int64_t* off,
     const T* r = pool + off[j];
     float a = 0.f;
 #pragma omp simd reduction(+ : a)
-    for (int64_t i = 0; i < d; ++i) a += q[i] * to_float(r[i]);
+    for (int64_t i = 0; i < d; ++i) a += q[i] * widen(r[i]);
     out[j] = a;
   }
 }
@@ -192,10 +192,10 @@ RETOPK_CLONES void dot_block(const float* q, const T* rows, int64_t n, int64_t d
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
     for (int64_t i = 0; i < d; ++i) {
-      a0 += q[i] * to_float(r0[i]);
-      a1 += q[i] * to_float(r0[d + i]);
-      a2 += q[i] * to_float(r0[2 * d + i]);
-      a3 += q[i] * to_float(r0[3 * d + i]);
+      a0 += q[i] * widen(r0[i]);
+      a1 += q[i] * widen(r0[d + i]);
+      a2 += q[i] * widen(r0[2 * d + i]);
+      a3 += q[i] * widen(r0[3 * d + i]);
     }
     out[j] = a0;
     out[j + 1] = a1;
@@ -206,7 +206,7 @@ RETOPK_CLONES void dot_block(const float* q, const T* rows, int64_t n, int64_t d
     const T* r = rows + j * d;
     float a = 0.f;
 #pragma omp simd reduction(+ : a)
-    for (int64_t i = 0; i < d; ++i) a += q[i] * to_float(r[i]);
+    for (int64_t i = 0; i < d; ++i) a += q[i] * widen(r[i]);
     out[j] = a;
   }
 }
