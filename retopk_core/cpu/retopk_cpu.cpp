@@ -61,6 +61,9 @@
 #ifdef __SSE__
 #include <xmmintrin.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -147,36 +150,41 @@ RETOPK_INLINE void prefetch_stream(const void* run, int64_t bytes, const void* n
   }
 }
 
+// out[0..4) = q · r0 .. q · r3 (d elements each), four independent accumulators, each summed lane-wise (`omp simd`).
+template <typename T>
+RETOPK_INLINE void dot4(const float* q, const T* r0, const T* r1, const T* r2, const T* r3, int64_t d, float* out) {
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+  for (int64_t i = 0; i < d; ++i) {
+    a0 += q[i] * widen(r0[i]);
+    a1 += q[i] * widen(r1[i]);
+    a2 += q[i] * widen(r2[i]);
+    a3 += q[i] * widen(r3[i]);
+  }
+  out[0] = a0;
+  out[1] = a1;
+  out[2] = a2;
+  out[3] = a3;
+}
+
+// q · r (d elements), summed lane-wise.
+template <typename T>
+RETOPK_INLINE float dot1(const float* q, const T* r, int64_t d) {
+  float a = 0.f;
+#pragma omp simd reduction(+ : a)
+  for (int64_t i = 0; i < d; ++i) a += q[i] * widen(r[i]);
+  return a;
+}
+
 // out[j] = q · rows[off[j] .. off[j] + d), four rows at a time for independent accumulators.
 template <typename T>
 RETOPK_CLONES void dot_gather(const float* q, const T* pool, const int64_t* off, int64_t n, int64_t d, float* out) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     for (int64_t a = j + kDotAhead; a < std::min(j + kDotAhead + 4, n); ++a) prefetch_row(pool + off[a], d);
-    const T* r0 = pool + off[j];
-    const T* r1 = pool + off[j + 1];
-    const T* r2 = pool + off[j + 2];
-    const T* r3 = pool + off[j + 3];
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t i = 0; i < d; ++i) {
-      a0 += q[i] * widen(r0[i]);
-      a1 += q[i] * widen(r1[i]);
-      a2 += q[i] * widen(r2[i]);
-      a3 += q[i] * widen(r3[i]);
-    }
-    out[j] = a0;
-    out[j + 1] = a1;
-    out[j + 2] = a2;
-    out[j + 3] = a3;
+    dot4(q, pool + off[j], pool + off[j + 1], pool + off[j + 2], pool + off[j + 3], d, out + j);
   }
-  for (; j < n; ++j) {
-    const T* r = pool + off[j];
-    float a = 0.f;
-#pragma omp simd reduction(+ : a)
-    for (int64_t i = 0; i < d; ++i) a += q[i] * widen(r[i]);
-    out[j] = a;
-  }
+  for (; j < n; ++j) out[j] = dot1(q, pool + off[j], d);
 }
 
 // out[j] = q · rows[j] for n consecutive rows of d elements; ahead > 0: each step asks for the bytes `ahead` in
@@ -189,26 +197,110 @@ RETOPK_CLONES void dot_block(const float* q, const T* rows, int64_t n, int64_t d
   for (; j + 4 <= n; j += 4) {
     if (ahead > 0) prefetch_stream(rows, bytes, nullptr, j * rb + ahead, (j + 4) * rb + ahead);
     const T* r0 = rows + j * d;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-    for (int64_t i = 0; i < d; ++i) {
-      a0 += q[i] * widen(r0[i]);
-      a1 += q[i] * widen(r0[d + i]);
-      a2 += q[i] * widen(r0[2 * d + i]);
-      a3 += q[i] * widen(r0[3 * d + i]);
-    }
-    out[j] = a0;
-    out[j + 1] = a1;
-    out[j + 2] = a2;
-    out[j + 3] = a3;
+    dot4(q, r0, r0 + d, r0 + 2 * d, r0 + 3 * d, d, out + j);
+  }
+  for (; j < n; ++j) out[j] = dot1(q, rows + j * d, d);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RETOPK_F16C 1
+// dot_gather, dot_block and weighted_sum over float16 rows with F16C's vcvtph2ps (one instruction per 8 values,
+// exact: half_bits_to_float's values), for the CPUs whose RETOPK_CLONES run their x86-64-v3 clone (AVX2, FMA and
+// F16C): compiled for that target, not cloned, and called only there (f16c_gathers), so the baseline clone needs no
+// F16C. GCC does not vectorize a scalar float16 conversion, so the dot products widen 4 rows at a time into float32
+// ones and sum those in dot4 / dot1's loops: a float32 row's lanes (8 in the x86-64-v3 clone; a 16-bit row's loop
+// takes 16, its element size setting the vectorization factor), so on these CPUs a float16 pool's scores are those
+// of a float32 pool of the same values, bit for bit, and the baseline clone's those of a bfloat16 pool.
+// weighted_sum_f16c's acc[i] + w x (one FMA per element) is weighted_sum's in any vector width.
+constexpr int64_t kWidenMax = 256;  // head dims up to which the dot products widen into a stack buffer (4 KiB)
+
+__attribute__((target("arch=x86-64-v3"))) inline void widen_f16c(const c10::Half* r, int64_t d, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+  for (; i < d; ++i) out[i] = _cvtsh_ss(r[i].x);
+}
+
+// dot_gather over float16 rows, d <= kWidenMax.
+__attribute__((target("arch=x86-64-v3"))) void dot_gather_f16c(const float* q, const c10::Half* pool,
+                                                              const int64_t* off, int64_t n, int64_t d, float* out) {
+  float wide[4 * kWidenMax];  // (4, d)
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    for (int64_t a = j + kDotAhead; a < std::min(j + kDotAhead + 4, n); ++a) prefetch_row(pool + off[a], d);
+    for (int k = 0; k < 4; ++k) widen_f16c(pool + off[j + k], d, wide + k * d);
+    dot4(q, wide, wide + d, wide + 2 * d, wide + 3 * d, d, out + j);
   }
   for (; j < n; ++j) {
-    const T* r = rows + j * d;
-    float a = 0.f;
-#pragma omp simd reduction(+ : a)
-    for (int64_t i = 0; i < d; ++i) a += q[i] * widen(r[i]);
-    out[j] = a;
+    widen_f16c(pool + off[j], d, wide);
+    out[j] = dot1(q, wide, d);
   }
+}
+
+// dot_block over float16 rows, d <= kWidenMax.
+__attribute__((target("arch=x86-64-v3"))) void dot_block_f16c(const float* q, const c10::Half* rows, int64_t n,
+                                                             int64_t d, float* out, int64_t ahead) {
+  float wide[4 * kWidenMax];  // (4, d)
+  const int64_t rb = d * static_cast<int64_t>(sizeof(c10::Half)), bytes = n * rb;
+  if (ahead > 0) prefetch_stream(rows, bytes, nullptr, 0, ahead);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    if (ahead > 0) prefetch_stream(rows, bytes, nullptr, j * rb + ahead, (j + 4) * rb + ahead);
+    widen_f16c(rows + j * d, 4 * d, wide);
+    dot4(q, wide, wide + d, wide + 2 * d, wide + 3 * d, d, out + j);
+  }
+  for (; j < n; ++j) {
+    widen_f16c(rows + j * d, d, wide);
+    out[j] = dot1(q, wide, d);
+  }
+}
+
+// weighted_sum over float16 rows.
+__attribute__((target("arch=x86-64-v3"))) void weighted_sum_f16c(const float* w, const c10::Half* pool,
+                                                                const int64_t* off, int64_t n, int64_t dv, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kGatherAhead < n) prefetch_row(pool + off[j + kGatherAhead], dv);
+    const c10::Half* r = pool + off[j];
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    int64_t i = 0;
+    for (; i + 8 <= dv; i += 8) {
+      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
+      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wj, x, _mm256_loadu_ps(acc + i)));
+    }
+    for (; i < dv; ++i) acc[i] = std::fma(w[j], _cvtsh_ss(r[i].x), acc[i]);
+  }
+}
+#endif
+
+// Whether the float16 gathers take their F16C versions: the CPU has x86-64-v3, as RETOPK_CLONES' resolver asks.
+bool f16c_gathers() {
+#ifdef RETOPK_F16C
+  static const bool v3 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v3") != 0;
+  }();
+  return v3;
+#else
+  return false;
+#endif
+}
+
+// dot_gather / dot_block on this CPU's loops (f16c_gathers for float16 rows).
+template <typename T>
+void gather_scores(const float* q, const T* pool, const int64_t* off, int64_t n, int64_t d, float* out) {
+#ifdef RETOPK_F16C
+  if constexpr (std::is_same_v<T, c10::Half>)
+    if (d <= kWidenMax && f16c_gathers()) return dot_gather_f16c(q, pool, off, n, d, out);
+#endif
+  dot_gather(q, pool, off, n, d, out);
+}
+template <typename T>
+void block_scores(const float* q, const T* rows, int64_t n, int64_t d, float* out, int64_t ahead = 0) {
+#ifdef RETOPK_F16C
+  if constexpr (std::is_same_v<T, c10::Half>)
+    if (d <= kWidenMax && f16c_gathers()) return dot_block_f16c(q, rows, n, d, out, ahead);
+#endif
+  dot_block(q, rows, n, d, out, ahead);
 }
 
 // GCC vector extensions: 8 floats, lowered to AVX2 in the x86-64-v3 clones and to SSE pairs otherwise.
@@ -325,10 +417,9 @@ RETOPK_INLINE v16f load16(const c10::BFloat16* p) {
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
-RETOPK_INLINE v16f load16(const c10::Half* p) {
-  v16h h;
-  std::memcpy(&h, p, sizeof h);
-  return half_bits_to_float<v16u, v16f>(__builtin_convertvector(h, v16u));
+// F16C's vcvtph2ps (exact, one instruction), which x86-64-v4 has: the target of every loop that takes load16.
+__attribute__((target("arch=x86-64-v4"))) inline v16f load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <typename T, int NH, int R>
@@ -384,7 +475,7 @@ RETOPK_INLINE void dot_heads_passes(const float* q, int64_t nq, const T* rows, i
   for (int64_t e = 0; e < nq;) {
     const int64_t n = std::min<int64_t>(3, nq - e), ahead = e == 0 ? kStreamAhead : 0;
     if (d % 8 != 0) {
-      dot_block(q + e * d, rows, m, d, out + e * ostride);
+      block_scores(q + e * d, rows, m, d, out + e * ostride);
       e += 1;
       continue;
     }
@@ -453,6 +544,16 @@ RETOPK_CLONES void weighted_sum(const float* w, const T* pool, const int64_t* of
 #pragma omp simd
     for (int64_t i = 0; i < dv; ++i) acc[i] += wj * widen(r[i]);
   }
+}
+
+// weighted_sum on this CPU's loops (f16c_gathers for float16 rows).
+template <typename T>
+void gather_values(const float* w, const T* pool, const int64_t* off, int64_t n, int64_t dv, float* acc) {
+#ifdef RETOPK_F16C
+  if constexpr (std::is_same_v<T, c10::Half>)
+    if (f16c_gathers()) return weighted_sum_f16c(w, pool, off, n, dv, acc);
+#endif
+  weighted_sum(w, pool, off, n, dv, acc);
 }
 
 void read_row(const at::Tensor& t, const void* p, int64_t stride, int64_t d, float* out) {
@@ -945,7 +1046,7 @@ struct Task {
     s.off.resize(M);
     s.scores.resize(M);
     for (int64_t j = 0; j < M; ++j) s.off[j] = key_off(cand[j]);
-    dot_gather<KV>(qs, k_pool, s.off.data(), M, p.d, s.scores.data());
+    gather_scores<KV>(qs, k_pool, s.off.data(), M, p.d, s.scores.data());
     keep_topk(s.scores.data(), cand.data(), M, p.K, top);
     return M;
   }
@@ -1027,7 +1128,7 @@ struct Task {
       s.w[j] /= sum;
       s.off[j] = val_off(top[j].second);
     }
-    weighted_sum<KV>(s.w.data(), v_pool, s.off.data(), n, p.dv, acc);
+    gather_values<KV>(s.w.data(), v_pool, s.off.data(), n, p.dv, acc);
   }
 
   // Full attention of the group's G heads (queries qs, scale applied) over all L positions -> acc
@@ -1615,6 +1716,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa_level", &isa_level, "The SIMD level this process runs at: best_isa() unless set_isa_level lowered it");
   m.def("set_isa_level", &set_isa_level, "Set the process's SIMD level (0 .. best_isa(); launch.extension() does, once)");
   m.def("wide_key_scoring", &wide_key_scoring, "Whether the attention's key scoring takes its AVX-512 loops");
+  m.def("f16c_gathers", &f16c_gathers, "Whether the float16 KV rows are widened by F16C (x86-64-v3), summed as float32 rows");
   m.def("amx_available", &amx_available, "Whether bf16x2 activations can run: AMX-BF16 and the tile state granted");
   m.def("pack_units", &pack_units, "Q4_1 or Q8_0 blocks (qs, scales) -> the units bf16x2 and int16 block products take in place of qs");
   m.def("block_matmul", &block_matmul, "x W^T (+ bias) (+ residual) with W in GGUF blocks of 32 (Q4_1 or Q8_0)");

@@ -239,22 +239,25 @@ def exact_in_16_bits(x: torch.Tensor) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("d", [12, 32, 60, 64])
-def test_float16_pool_gives_the_bits_of_a_bfloat16_pool_of_the_same_values(d):
-    """The kernel widens either 16-bit format exactly and sums the widened values in the same lanes (a float16
-    value through half_bits_to_float inside the same vectorized loops as a bfloat16 one's shift), so two pools
-    holding the same values, exact in both formats, give the same bits: every step's outputs and state, over
-    reuse, fallback and refresh steps, d % 8 == 0 and d % 8 != 0 (the vector loops' tails, the scalar ones)."""
+def test_float16_pool_gives_the_bits_of_a_wider_pool_of_the_same_values(d):
+    """The kernel widens either 16-bit format exactly and sums the widened values in the lanes of one other pool's
+    loops: where its float16 dot products widen by F16C (``f16c_gathers``: an x86-64-v3 CPU), a float32 pool's
+    (F16C into float32 rows, then float32's loops), else a bfloat16 pool's (half_bits_to_float inside the same
+    vectorized loops as a bfloat16 value's shift). So a float16 pool and that pool holding the same values (exact in
+    all three formats) give the same bits: every step's outputs and state, over reuse, fallback and refresh steps,
+    d % 8 == 0 and d % 8 != 0 (the vector loops' tails, the scalar ones)."""
+    twin = torch.float32 if launch.extension().f16c_gathers() else torch.bfloat16
     cfg = dict(top_k=16, cache_size=4, window=4, recall=2, tau=0.85, refresh_every=5, gqa_policy="promote")
     trace = make_trace(B=3, H=6, H_kv=2, d=d, prompt_lens=(40, 20, 9), steps=12, T=6)
     keys, values = exact_in_16_bits(trace.keys), exact_in_16_bits(trace.values)
     method = make_method("retopk", backend="cpu", **cfg)
     state = method.init_state(6, 2, d, capacity=3)
     slots = torch.tensor([state.alloc() for _ in range(3)])
-    dtypes = (torch.float16, torch.bfloat16)
+    dtypes = (torch.float16, twin)
     states = {dt: copy.deepcopy(state) for dt in dtypes}
     paths = set()
     for t in range(trace.queries.shape[0]):
-        kv = paged(keys, values, trace.lengths_at(t), block=8, seed=t)  # float32 pools of the 16-bit values
+        kv = paged(keys, values, trace.lengths_at(t), block=8, seed=t)  # float32 pools of values exact in 16 bits
         a, b = (method.decode(trace.queries[t], PagedKV(kv.k_pool.to(dt), kv.v_pool.to(dt), kv.block_table,
                                                         kv.lengths), states[dt], slots) for dt in dtypes)
         for name in ("out", "max_sim", "path", "n_scored"):
