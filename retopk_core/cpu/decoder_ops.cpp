@@ -63,7 +63,8 @@
 //   rope_(x (N, heads, d) strided, cos, sin (N, d)): in place, x <- x cos + rotate_half(x) sin with
 //     rotate_half(x) = (-x[d/2:], x[:d/2]) (transformers' convention).
 //   store_rows(pool (R, d), rows (B, H_kv, T), src (B, H_kv, T, d) strided): pool[rows[b, g, t]] <- src[b, g, t]
-//     in the pool's dtype (round to nearest even for bfloat16 / float16, as torch's casts).
+//     in the pool's dtype (round to nearest even for bfloat16 / float16, as torch's casts; float16 saturates at
+//     ±65504 where the cast gives ±inf).
 //   store_kv(k_pool, v_pool, rows, k, v): store_rows of a step's keys and of its values, in one parallel loop.
 //
 // The two halves of a decode layer around its attention, one call each (the decoder's fused path; the
@@ -1676,12 +1677,25 @@ struct RowStore {
   int64_t stride[4];  // src's
 };
 
+// x in a pool's T, rounded to nearest even as torch's cast; a float16 pool saturates: beyond its largest finite value
+// (65504) the cast would store ±inf, and a key or value of ±inf makes the attention's scores and outputs inf or NaN.
+// NaN stays NaN. The same as the torch path's store (runtime/kv_pool.py, to_pool_dtype).
+constexpr float kHalfMax = 65504.f;
+template <typename T>
+inline T to_pool(float x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::Half to_pool(float x) {
+  return c10::Half(std::clamp(x, -kHalfMax, kHalfMax));
+}
+
 template <typename T>
 void store_row(const RowStore& s, int64_t row, int64_t b, int64_t g, int64_t t) {
   const int64_t d = s.d;
   T* dst = static_cast<T*>(s.pool) + row * d;
   const float* from = s.src + b * s.stride[0] + g * s.stride[1] + t * s.stride[2];
-  for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(from[j * s.stride[3]]);
+  for (int64_t j = 0; j < d; ++j) dst[j] = to_pool<T>(from[j * s.stride[3]]);
 }
 
 // The header's checks of store_rows' arguments -> its RowStore.

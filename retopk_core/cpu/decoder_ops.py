@@ -5,7 +5,7 @@
     pack_units(qs, scales) -> a Q4_1 or Q8_0 weight's units of 16 outputs for bf16x2 and int16 products (in place of qs)
     rms_norm(x, w, eps) -> x / sqrt(mean(x^2) + eps) * w
     rope_(x, cos, sin): x <- x cos + rotate_half(x) sin, in place
-    store_kv(k_pool, v_pool, rows, k, v): k_pool[rows] <- k and v_pool[rows] <- v, in the pools' dtype
+    store_kv(k_pool, v_pool, rows, k, v): pools[rows] <- k, v in the pools' dtype (float16 saturated at ±65504)
     swiglu(gu) -> silu(g) * u for gu = [g, u]
     packed_linear_rows(x, w) -> x W^T for W in oneDNN's packed layout: one oneDNN call per thread on its share of rows
     causal_attention_segments_(out, q, k, v, offsets, lengths, scale): out <- each segment's causal SDPA, a thread each

@@ -40,6 +40,20 @@ def allocation_failed(what: str, need: int, budget: CacheBudget | None, error: B
     return failed
 
 
+FLOAT16_MAX = torch.finfo(torch.float16).max  # 65504
+
+
+def to_pool_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a pool's dtype, its rows laid out contiguously, rounded to nearest even as torch's cast; into float16,
+    whose finite range ends at 65504, a value beyond it saturates to ±65504 where the cast gives ±inf (a key or value
+    of ±inf makes the attention's scores and outputs inf or NaN); NaN stays NaN. The CPU library's store saturates
+    alike (decoder_ops.cpp, to_pool), so both writers store the same bytes."""
+    y = x.to(dtype, memory_format=torch.contiguous_format)
+    if dtype == torch.float16 and x.dtype != torch.float16:  # y is a new tensor: clamp in place
+        y.clamp_(-FLOAT16_MAX, FLOAT16_MAX)
+    return y
+
+
 # What torch raises when memory runs out: CUDA's OutOfMemoryError, the CPU allocator's RuntimeError.
 OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", RuntimeError), MemoryError, RuntimeError)
 
@@ -305,22 +319,22 @@ class KVPool:
             return
         flat = rows.view(-1)
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
-            x = x.to(pool.dtype, memory_format=torch.contiguous_format)  # cast and lay out rows in one copy
+            x = to_pool_dtype(x, pool.dtype)  # cast and lay out rows in one copy
             pool.view(-1, pool.shape[-1]).index_copy_(0, flat, x.reshape(-1, x.shape[-1]))
 
     def paged(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> PagedKV:
         return PagedKV(self.k[layer], self.v[layer], table, lengths)
 
     def as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        """x rounded as ``write`` stores it (to the pool's dtype, nearest even, as torch's cast and the CPU library's
-        store both round) and back in x's dtype: what ``history`` returns for keys or values just written, without
+        """x rounded as ``write`` stores it (to_pool_dtype, as the CPU library's store rounds and saturates too) and
+        back in x's dtype: what ``history`` returns for keys or values just written, without
         gathering them back from the blocks."""
         return self.stored(x).to(x.dtype)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, H_kv, T, d) in the pool's dtype, its rows laid out contiguously: the values ``write`` stores, which
         it then takes without another copy (a prefill's attention widens them back: ``as_stored`` in one cast)."""
-        return x.to(self.k[0].dtype, memory_format=torch.contiguous_format)
+        return to_pool_dtype(x, self.k[0].dtype)
 
     def history(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one session's first ``length`` positions: (H_kv, length, d) each (a copy)."""

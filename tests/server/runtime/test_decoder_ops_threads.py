@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from retopk_core.cpu import decoder_ops
 from retopk_server.runtime.decoder import llama
 from retopk_server.runtime.decoder.linear import SPLIT_ROWS, float_matmul, from_float, packed
+from retopk_server.runtime.kv_pool import to_pool_dtype
 
 pytestmark = pytest.mark.skipif(not decoder_ops.available(), reason="the fused CPU library is not built")
 
@@ -48,11 +49,13 @@ def test_swiglu_rows_on_two_threads_are_their_one_thread_rows(two_threads, rows,
 @pytest.mark.parametrize("B, T", [(8, 1), (2, 7)])
 def test_store_kv_on_two_threads_writes_what_torch_casts_and_copies(two_threads, dtype, B, T):
     """A step's keys and values as the whole step passes them (strided views of the QKV rows) into pools of every
-    dtype at scattered rows: each pool equals torch's ``index_copy_`` of ``src.to(dtype)`` (round to nearest even),
-    every other row untouched."""
+    dtype at scattered rows: each pool equals torch's ``index_copy_`` of the torch path's cast (``to_pool_dtype``:
+    round to nearest even, float16 saturated at ±65504; values beyond it and a NaN among them), every other row
+    untouched."""
     H, H_kv, d, P = 9, 3, 64, 16
     torch.manual_seed(B * T)
     qkv = torch.randn(B, T, H + 2 * H_kv, d).transpose(1, 2)  # (B, heads, T, d), strided as decode_layers' views
+    qkv[0, H:, 0, :5] = torch.tensor([7e4, -65520.0, 65519.0, float("inf"), float("nan")])  # a key's and a value's
     k, v = qkv[:, H:H + H_kv], qkv[:, H + H_kv:]
     blocks = B * T  # room for every (b, t) in its own place
     k_pool, v_pool = (torch.randn(blocks, H_kv, P, d).to(dtype) for _ in range(2))
@@ -60,10 +63,11 @@ def test_store_kv_on_two_threads_writes_what_torch_casts_and_copies(two_threads,
     want = []
     for pool, src in ((k_pool, k), (v_pool, v)):
         ref = pool.clone()
-        ref.view(-1, d).index_copy_(0, rows.reshape(-1), src.to(dtype).reshape(-1, d))
+        ref.view(-1, d).index_copy_(0, rows.reshape(-1), to_pool_dtype(src, dtype).reshape(-1, d))
         want.append(ref)
     decoder_ops.store_kv(k_pool, v_pool, rows, k, v)
-    assert torch.equal(k_pool, want[0]) and torch.equal(v_pool, want[1])
+    for got, ref in zip((k_pool, v_pool), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("activations", decoder_ops.ACTIVATIONS)

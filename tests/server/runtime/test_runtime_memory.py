@@ -78,6 +78,39 @@ def test_as_stored_is_what_history_reads_back(dtype):
     assert torch.equal(pool.history(0, torch.tensor(blocks), 11)[0], pool.as_stored(k * 2)[0].to(dtype))
 
 
+def test_a_float16_pool_saturates_keys_and_values_beyond_its_range():
+    """float16's finite range ends at 65504: torch's cast makes a larger float32 ±inf, and attention over a key or
+    value of ±inf is NaN. Both writers (a prefill chunk's torch cast, a decode step's CPU library store, one
+    position at a time) store a value beyond the range as ±65504 and every other value rounded as the cast
+    rounds it (NaN stays NaN), and attention over the stored positions stays finite."""
+    big = torch.tensor([7e4, -1e5, 65520.0, -65519.0, 3e38, float("inf")])  # 65520 rounds to inf; 65519 to 65504
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(1, 1, 6, 16, generator=g), torch.randn(1, 1, 6, 16, generator=g)  # (1, H_kv, T, d)
+    k[0, 0, :, 3], v[0, 0, :, 5] = big, -big
+    saturated = torch.where(big.abs() > 65504, big.sign() * 65504, big)  # then exact in float16
+    for chunked in (True, False):
+        pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=16, block_size=8, dtype=torch.float16, device="cpu")
+        blocks = pool.alloc(1)
+        table = pool.block_table([blocks], "cpu")
+        if chunked:
+            pool.write(0, pool.rows(table, torch.tensor([0]), 6), k, v)
+        else:
+            for t in range(6):
+                pool.write(0, pool.rows(table, torch.tensor([t]), 1), k[:, :, t:t + 1], v[:, :, t:t + 1])
+        got_k, got_v = pool.history(0, torch.tensor(blocks), 6)  # (H_kv, 6, d) float16
+        assert torch.equal(got_k[0, :, 3].float(), saturated) and torch.equal(got_v[0, :, 5].float(), -saturated)
+        rest = torch.ones(16, dtype=torch.bool)
+        rest[3] = rest[5] = False
+        assert torch.equal(got_k[0][:, rest], k[0, 0][:, rest].half())
+        assert torch.equal(got_v[0][:, rest], v[0, 0][:, rest].half())
+        assert torch.equal(pool.as_stored(k)[0].half(), got_k)
+        q = torch.randn(2, 16, generator=g).unsqueeze(0)  # (1, H, d): two query heads of the one KV head
+        pool_kv = pool.paged(0, table, torch.tensor([6]))
+        out = torch.softmax(q[0] @ pool_kv.keys(0, 0).float().T * 0.25, -1) @ pool_kv.values(0, 0).float()  # (H, d)
+        assert torch.isfinite(out).all()
+    assert kv_pool.to_pool_dtype(torch.tensor([float("nan")]), torch.float16).isnan().all()
+
+
 def test_pool_reuses_released_blocks():
     pool = KVPool(1, 1, 2, 4, torch.float32, "cpu", initial_blocks=4)
     a = pool.alloc(3)
