@@ -911,8 +911,8 @@ RETOPK_INLINE void weighted_rows_v(const float* w, int64_t wstride, const T* row
 // each value row is loaded (and widened) once per three heads; the first pass prefetches as it goes
 // (prefetch_stream; `next`: the run read after this one). acc is in column order before and after.
 template <typename T>
-RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
-                                 float* acc, const T* next) {
+RETOPK_INLINE void weighted_rows_heads(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m,
+                                       int64_t dv, float* acc, const T* next) {
   if (split_order<T>) reorder_columns(acc, nh, dv, true);
   for (int64_t e = 0; e < nh;) {
     const int64_t n = std::min<int64_t>(3, nh - e), ahead = e == 0 ? kStreamAhead : 0;
@@ -922,6 +922,43 @@ RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, co
     e += n;
   }
   if (split_order<T>) reorder_columns(acc, nh, dv, false);
+}
+template <typename T>
+RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv,
+                                 float* acc, const T* next) {
+  weighted_rows_heads(w, wstride, nh, rows, m, dv, acc, next);
+}
+
+#ifdef RETOPK_F16C
+// A float16 value read by F16C: c10::Half's bits in a type of its own, so that the value pass's loops load it with
+// vcvtph2ps in weighted_rows_f16c (an x86-64-v3 function, as the gathers' F16C versions) and with
+// half_bits_to_float in the clones; the same values, the same sums.
+struct HalfF16C {
+  uint16_t x;
+};
+static_assert(sizeof(HalfF16C) == sizeof(c10::Half));
+RETOPK_INLINE float to_float(HalfF16C h) { return half_bits_to_float<uint32_t, float>(h.x); }
+__attribute__((target("arch=x86-64-v3"))) inline v8f load8(const HalfF16C* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+__attribute__((target("arch=x86-64-v3"))) void weighted_rows_f16c(const float* w, int64_t wstride, int64_t nh,
+                                                                 const c10::Half* rows, int64_t m, int64_t dv,
+                                                                 float* acc, const c10::Half* next) {
+  weighted_rows_heads(w, wstride, nh, reinterpret_cast<const HalfF16C*>(rows), m, dv, acc,
+                      reinterpret_cast<const HalfF16C*>(next));
+}
+#endif
+
+// weighted_rows on this CPU's loops (f16c_gathers for float16 rows).
+template <typename T>
+void value_rows(const float* w, int64_t wstride, int64_t nh, const T* rows, int64_t m, int64_t dv, float* acc,
+                const T* next) {
+#ifdef RETOPK_F16C
+  if constexpr (std::is_same_v<T, c10::Half>)
+    if (f16c_gathers()) return weighted_rows_f16c(w, wstride, nh, rows, m, dv, acc, next);
+#endif
+  weighted_rows(w, wstride, nh, rows, m, dv, acc, next);
 }
 
 template <typename KV>
@@ -1181,7 +1218,7 @@ struct Task {
     for (int64_t first = lo; first < hi;) {
       const int64_t rows = std::min(hi - first, p.P - first % p.P);
       const KV* next = first + rows < hi ? v_pool + val_off(first + rows) : nullptr;
-      weighted_rows<KV>(w + (first - lo), hi - lo, p.G, v_pool + val_off(first), rows, p.dv, acc, next);
+      value_rows<KV>(w + (first - lo), hi - lo, p.G, v_pool + val_off(first), rows, p.dv, acc, next);
       first += rows;
     }
   }
