@@ -77,7 +77,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="matmul weight format (RuntimeConfig.weights; float32 = the dequantized reference model; "
                         "the server's auto is as-stored on a CPU)")
     g.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
-                   help="KV cache dtype (RuntimeConfig.kv_dtype; the server's auto is bfloat16)")
+                   help="KV cache dtype (RuntimeConfig.kv_dtype; the server's auto: float16 on a CPU, bfloat16 on "
+                        "CUDA)")
     g.add_argument("--activations", default="float32", choices=ACTIVATION_CHOICES,
                    help="the block products' activations (RuntimeConfig.activations; the server's --activations, "
                         "whose default is auto). float32 by default, unlike the server and the timing benches: an "

@@ -108,8 +108,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("weights", str, "matmul weight format: auto (as-stored on a CPU, bfloat16 on CUDA), as-stored (a GGUF "
                            "file's Q4_0/Q4_1 as int4, Q8_0 as int8; a checkpoint's own dtype), float32, bfloat16, "
                            "float16, int8 or int4 (weight-only, blocks of 32)"),
-    Option("kv_dtype", str, "KV cache dtype: auto (bfloat16), float32 (also float32 prefill matmuls: no 16-bit "
-                            "rounding anywhere), bfloat16 or float16"),
+    Option("kv_dtype", str, "KV cache dtype: auto (float16 on a CPU, bfloat16 on CUDA), float32 (also float32 "
+                            "prefill matmuls: no 16-bit rounding anywhere), bfloat16 or float16 (beyond ±65504 "
+                            "saturated)"),
     Option("activations", str, "what the block weights' decode products multiply them with: auto (bf16x2 on a "
                                "CPU with AMX-BF16 serving int4 / int8 / as-stored GGUF weights, int16 on one with "
                                "AVX-512 VNNI but no AMX, else float32), "

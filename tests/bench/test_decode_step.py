@@ -43,10 +43,10 @@ def test_step_turns_prints_each_method_against_the_first_and_closes_the_sessions
     assert runner.memory().kv_used == 0
 
 
-@pytest.mark.parametrize(("argv", "dtype"), [([], torch.bfloat16), (["--kv-dtype", "float16"], torch.float16),
+@pytest.mark.parametrize(("argv", "dtype"), [([], torch.float16), (["--kv-dtype", "bfloat16"], torch.bfloat16),
                                              (["--kv-dtype", "float32"], torch.float32)])
 def test_kv_dtype_reaches_the_runners_config(argv, dtype):
-    """--kv-dtype: the KV cache's dtype of the runner timed (auto: the server's default, bfloat16)."""
+    """--kv-dtype: the KV cache's dtype of the runner timed (auto: the server's default on a CPU, float16)."""
     config = decode_step.runtime_config(decode_step.parse_args(argv))
     assert config.kv_torch_dtype == dtype and config.activations == "auto"
 

@@ -82,7 +82,7 @@ def test_info_and_health(run_cli):
     assert data["num_layers"] == 30 and data["num_kv_heads"] == 3 and "retopk" in data["methods"]
     text = run_cli("info")
     assert "LlamaForCausalLM" in text.stdout and "default method" in text.stdout
-    assert f"weights         {served_weight_format()} (" in text.stdout and "KV cache bfloat16" in text.stdout
+    assert f"weights         {served_weight_format()} (" in text.stdout and "KV cache float16" in text.stdout
     health = run_cli("health")
     assert health.returncode == 0 and health.stdout.strip() == "SERVING"
     status = run_cli("status", "--json")

@@ -113,8 +113,8 @@ def test_model_info_health_status_and_tokenizer(client):
     info = client.model_info()
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim) == (30, 9, 3, 64)
     assert info.architecture == "LlamaForCausalLM" and info.max_context == 8192
-    # the server's defaults on a CPU: the GGUF's Q4_1 matmuls as int4, its Q8_0 LM head as int8, a bf16 KV cache
-    assert (info.weight_format, info.kv_dtype, info.dtype) == (served_weight_format(), "bfloat16", "float32")
+    # the server's defaults on a CPU: the GGUF's Q4_1 matmuls as int4, its Q8_0 LM head as int8, a float16 KV cache
+    assert (info.weight_format, info.kv_dtype, info.dtype) == (served_weight_format(), "float16", "float32")
     assert 90e6 < info.weight_bytes < 100e6  # ~98 MB of Q4_1 file, not the 538 MB of float32 matmuls
     assert {"full", "exact_topk", "retopk"} <= set(info.methods) and info.default_method.name in info.methods
     assert info.limits.max_new_tokens >= info.limits.default_max_new_tokens > 0

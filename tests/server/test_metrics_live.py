@@ -206,7 +206,7 @@ def test_path_counts_per_layer_and_head_add_up_and_histograms_moved(driven):
     assert total(after, "retopk_kv_cache_bytes", kind="reserved") > 0
     assert total(after, "retopk_query_cache_bytes", kind="reserved") > 0
     assert total(after, "retopk_model_info", layers=str(layers), heads=str(heads)) == 1
-    assert total(after, "retopk_model_info", weight_format=served_weight_format(), kv_dtype="bfloat16") == 1
+    assert total(after, "retopk_model_info", weight_format=served_weight_format(), kv_dtype="float16") == 1
 
 
 def test_kv_group_read_counters_add_up_and_match_the_streams(driven):

@@ -87,14 +87,15 @@ def model_fingerprint(info) -> dict:
     Why a session moves between float32 and bf16x2 products: bf16x2 keeps each x to 2^-17 relative (two bf16
     limbs, |x - hi - lo| <= 2^-17 |x|), its products of bf16 are exact and its sums float32, so a product differs
     from float32's by at most about 2^-17 of sum_j |W_j x_j|. That is far below the rounding the session's keys and
-    values take in the default bfloat16 KV cache (2^-9 relative), and of the kind the same float32 products
-    already differ by between servers: the fingerprint names no SIMD level, so an AVX2 server and an AVX-512 one
-    (float32 block loops of 8 and 16 lanes, their sums in other orders) take each other's sessions, though
+    values take in a 16-bit KV cache (2^-11 relative in float16, the CPU's default; 2^-9 in bfloat16), and of the
+    kind the same float32 products already differ by between servers: the fingerprint names no SIMD level, so an
+    AVX2 server and an AVX-512 one (float32 block loops of 8 and 16 lanes, their sums in other orders) take each
+    other's sessions, though
     bf16x2's differences are the larger (docs/bench/history.md, issue 28). A moved session is then no further
     from either server's own than one served on bf16x2 throughout, whose greedy tokens and perplexity were
     float32's (BENCHMARKS.md). int16 activations round x to half a step of 2^-15 of its block's largest value
     (2^-16 of it at most) and multiply exactly in integers, so a product differs from float32's by at most about
-    sum_b 2^-16 max_j |x_bj| sum_j |W_bj|: the same league, also far below the bfloat16 KV cache's rounding, and its
+    sum_b 2^-16 max_j |x_bj| sum_j |W_bj|: the same league, also far below the 16-bit KV cache's rounding, and its
     greedy tokens and KJV perplexity were float32's too (docs/bench/history.md, 2026-12-07, helper h61); an AMD Zen 4
     server (int16 by default) and an AVX2 or an AMX one take each other's sessions. int8 activations round x to
     2^-8 of its block's largest value and flip greedy tokens, so they stay apart. Tests:

@@ -67,8 +67,9 @@ class RuntimeConfig:
                     tensors without widening them: Q4_0 / Q4_1 as int4 and Q8_0 as int8, in blocks of 32; a
                     checkpoint's own float dtype), "float32", "bfloat16", "float16", "int8", "int4" (weight-only,
                     blocks of 32), or "auto": as-stored on a CPU, bfloat16 on CUDA (the block kernels are CPU ones)
-    kv_dtype        the KV cache's dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 (half the bytes
-                    every exact pass and dense step reads; attention accumulates in float32 either way). With
+    kv_dtype        the KV cache's dtype: "float32", "bfloat16", "float16", or "auto" (kv_torch_dtype): float16
+                    on a CPU, bfloat16 on CUDA (16 bits: half the bytes every exact pass and dense step reads;
+                    attention accumulates in float32 either way; float16 writes saturate at ±65504). With
                     float32 the quantized formats' prefill GEMMs run in float32 too (decoder/linear.py), so that
                     the whole model equals the dequantized float32 one up to the order of its sums
     activations     what the block formats' decode products (int4 / int8 weights, on a CPU) multiply their
@@ -186,7 +187,11 @@ class RuntimeConfig:
 
     @property
     def kv_torch_dtype(self):
+        """``kv_dtype`` as a torch dtype, "auto" resolved for the device: float16 on a CPU, where its 10-bit mantissa
+        keeps the float32 model's greedy tokens that bfloat16's 7 bits flip and the fused kernel reads it as fast
+        (F16C; issue 28's measurements in docs/bench/history.md), bfloat16 on CUDA (float32's range)."""
         import torch
 
-        return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16}[self.kv_dtype]
+        if self.kv_dtype == "auto":
+            return torch.float16 if torch.device(self.device).type == "cpu" else torch.bfloat16
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.kv_dtype]

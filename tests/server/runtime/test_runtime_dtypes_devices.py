@@ -9,7 +9,7 @@ import pytest
 import torch
 from runtime_helpers import greedy, prompt_ids, reference_greedy, runner_for, tiny_model
 
-from retopk_server.runtime import MethodSpec
+from retopk_server.runtime import MethodSpec, RuntimeConfig
 
 
 def dequantized_twin(model, runner):
@@ -25,6 +25,17 @@ def dequantized_twin(model, runner):
                 mod.weight.data.copy_(w)
     twin.lm_head.weight.data.copy_(runner.decoder.lm_head.dequantized())
     return twin
+
+
+def test_kv_dtype_auto_is_float16_on_a_cpu_and_bfloat16_on_cuda():
+    """The KV cache's default, kv_dtype "auto", resolved for the device (a CPU's fused kernel reads float16 as fast
+    as bfloat16 and keeps more of each value); a named dtype is that dtype on either device."""
+    assert RuntimeConfig().kv_dtype == "auto" and RuntimeConfig().kv_torch_dtype == torch.float16
+    for cuda in ("cuda", "cuda:1"):
+        assert RuntimeConfig(device=cuda).kv_torch_dtype == torch.bfloat16
+    for name in ("float32", "bfloat16", "float16"):
+        for device in ("cpu", "cuda"):
+            assert RuntimeConfig(device=device, kv_dtype=name).kv_torch_dtype == getattr(torch, name)
 
 
 # A bfloat16 rounding moves an O(1) logit by up to eps / 2; a few of them through the layers move a gap
