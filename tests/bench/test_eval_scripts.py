@@ -189,12 +189,13 @@ def test_path_mix_counts_promoted_and_group_reads():
 NEAR_TIE_STEP = 2e-3  # the most a near-tie's other key or page may move a decode step's logits (see below)
 
 
-def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
+@pytest.mark.parametrize("kv_dtype", ["float32", "auto"])
+def test_shared_prefill_equals_plain_prefill_for_every_method(tiny, kv_dtype):
     from bench.eval.common import held_prefix, method_defaults, prefill_all
     from retopk_core.methods import method_names
     from retopk_server.runtime import MethodSpec, ModelRunner, RuntimeConfig
 
-    runner = ModelRunner(RuntimeConfig(model=tiny[0]))
+    runner = ModelRunner(RuntimeConfig(model=tiny[0], kv_dtype=kv_dtype))
     ids = runner.encode(open(tiny[1]).read()[:3000], add_special_tokens=False)[:300]
     names = [n for n in method_names() if n != "fidelity_probe"]
     specs = [MethodSpec.of(n, **{**method_defaults(n, 16, 16), **({"cache_size": 8} if n == "retopk" else {})})
@@ -215,9 +216,12 @@ def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
         torch.testing.assert_close(got_held, ref, atol=1e-4, rtol=1e-4)
         # The shared prefill is two forwards (prefix, tail) where the plain one is one: their sums round apart
         # (~1e-6 here), and a method that selects keys or pages by score may pick another at a near-tie, which
-        # moves that step's logits by a few 1e-4 on this model (Quest at one of the ten steps on a Zen 4 CPU).
-        # So each method's steps equal the plain ones' within 1e-4 but for at most one near-tie step, and every
-        # step within NEAR_TIE_STEP of them: a tail shorter than a method's prefill queries moves them by about 0.1.
+        # moves that step's logits by a few 1e-4 on this model. So each method's steps equal the plain ones' within
+        # 1e-4 but for at most one near-tie step, and every step within NEAR_TIE_STEP of them: a tail shorter than a
+        # method's prefill queries moves them by about 0.1. A 16-bit KV cache (the default, "auto") adds its own
+        # rounding: where a key or value of the tail lies at a rounding boundary the two sums store it one unit in
+        # the last place apart (float16: 2^-11 relative), which moves any step by up to NEAR_TIE_STEP, so there the
+        # count is not a claim (Full itself moved by more than 1e-4 at two steps on a Zen 4 CPU) and only the bound is.
         far = {name: 0 for name in names}
         for t in ids[250:260]:
             a, _ = runner.decode(plain, [t] * len(plain))
@@ -225,7 +229,8 @@ def test_shared_prefill_equals_plain_prefill_for_every_method(tiny):
                 torch.testing.assert_close(got_step, a, atol=NEAR_TIE_STEP, rtol=0, msg=lambda m: f"{names}: {m}")
                 for name, x, y in zip(names, got_step, a, strict=True):
                     far[name] += not torch.allclose(x, y, atol=1e-4, rtol=1e-4)
-        assert all(n <= 2 for n in far.values()), far  # a near-tie step each for the shared and the held prefix
+        if kv_dtype == "float32":
+            assert all(n <= 2 for n in far.values()), far  # a near-tie step each for the shared and the held prefix
 
 
 # ---- fidelity -------------------------------------------------------------------------------------
