@@ -270,6 +270,15 @@ __attribute__((target("arch=x86-64-v3"))) void weighted_sum_f16c(const float* w,
     for (; i < dv; ++i) acc[i] = std::fma(w[j], _cvtsh_ss(r[i].x), acc[i]);
   }
 }
+
+// A float16 value read by F16C: c10::Half's bits in a type of its own, so that the key and value passes' loops
+// load it with vcvtph2ps (load8) in dot_heads_narrow_f16c and weighted_rows_f16c (x86-64-v3 functions, as the
+// gathers' F16C versions) and with half_bits_to_float in the clones; the same values, the same sums.
+struct HalfF16C {
+  uint16_t x;
+};
+static_assert(sizeof(HalfF16C) == sizeof(c10::Half));
+RETOPK_INLINE float to_float(HalfF16C h) { return half_bits_to_float<uint32_t, float>(h.x); }
 #endif
 
 // Whether the float16 gathers take their F16C versions: the CPU has x86-64-v3, as RETOPK_CLONES' resolver asks.
@@ -302,6 +311,12 @@ void block_scores(const float* q, const T* rows, int64_t n, int64_t d, float* ou
 #endif
   dot_block(q, rows, n, d, out, ahead);
 }
+#ifdef RETOPK_F16C
+// block_scores over HalfF16C rows (dot_heads_passes' d % 8 != 0 rows): c10::Half's, the same bits.
+inline void block_scores(const float* q, const HalfF16C* rows, int64_t n, int64_t d, float* out, int64_t ahead = 0) {
+  block_scores(q, reinterpret_cast<const c10::Half*>(rows), n, d, out, ahead);
+}
+#endif
 
 // GCC vector extensions: 8 floats, lowered to AVX2 in the x86-64-v3 clones and to SSE pairs otherwise.
 typedef float v8f __attribute__((vector_size(32)));
@@ -327,6 +342,11 @@ RETOPK_INLINE v8f load8(const c10::Half* p) {
   std::memcpy(&h, p, sizeof h);
   return half_bits_to_float<v8u, v8f>(__builtin_convertvector(h, v8u));
 }
+#ifdef RETOPK_F16C
+__attribute__((target("arch=x86-64-v3"))) inline v8f load8(const HalfF16C* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 
 typedef float v4f __attribute__((vector_size(16)));
 
@@ -509,6 +529,18 @@ __attribute__((target("arch=x86-64-v4"))) void dot_heads_wide(const float* q, in
 }
 #endif
 
+#ifdef RETOPK_F16C
+// dot_heads_narrow over float16 rows read by F16C (HalfF16C's load8), for x86-64-v3 CPUs below
+// wide_key_scoring's level: the x86-64-v3 clone's values in its lanes and order, so its bits.
+__attribute__((target("arch=x86-64-v3"))) void dot_heads_narrow_f16c(const float* q, int64_t nq,
+                                                                    const c10::Half* rows, int64_t m, int64_t d,
+                                                                    float* out, int64_t ostride,
+                                                                    const c10::Half* next) {
+  dot_heads_passes<HalfF16C, false>(q, nq, reinterpret_cast<const HalfF16C*>(rows), m, d, out, ostride,
+                                    reinterpret_cast<const HalfF16C*>(next));
+}
+#endif
+
 // Whether dot_heads takes its AVX-512 loops: the CPU has x86-64-v4 and the library's level (isa_level(), which
 // RETOPK_CPU_ISA lowers: launch.py) is AVX-512 or above. Else the x86-64-v3 or baseline clone (one more level
 // than RETOPK_CLONES, for these loops alone: the same bits either way; how a test compares the two).
@@ -524,12 +556,16 @@ bool wide_key_scoring() {
 #endif
 }
 
-// dot_heads_passes on this CPU's loops (wide_key_scoring).
+// dot_heads_passes on this CPU's loops (wide_key_scoring, then f16c_gathers for float16 rows).
 template <typename T>
 void dot_heads(const float* q, int64_t nq, const T* rows, int64_t m, int64_t d, float* out, int64_t ostride,
                const T* next) {
 #ifdef RETOPK_WIDE
   if (wide_key_scoring()) return dot_heads_wide(q, nq, rows, m, d, out, ostride, next);
+#endif
+#ifdef RETOPK_F16C
+  if constexpr (std::is_same_v<T, c10::Half>)
+    if (f16c_gathers()) return dot_heads_narrow_f16c(q, nq, rows, m, d, out, ostride, next);
 #endif
   dot_heads_narrow(q, nq, rows, m, d, out, ostride, next);
 }
@@ -930,18 +966,6 @@ RETOPK_CLONES void weighted_rows(const float* w, int64_t wstride, int64_t nh, co
 }
 
 #ifdef RETOPK_F16C
-// A float16 value read by F16C: c10::Half's bits in a type of its own, so that the value pass's loops load it with
-// vcvtph2ps in weighted_rows_f16c (an x86-64-v3 function, as the gathers' F16C versions) and with
-// half_bits_to_float in the clones; the same values, the same sums.
-struct HalfF16C {
-  uint16_t x;
-};
-static_assert(sizeof(HalfF16C) == sizeof(c10::Half));
-RETOPK_INLINE float to_float(HalfF16C h) { return half_bits_to_float<uint32_t, float>(h.x); }
-__attribute__((target("arch=x86-64-v3"))) inline v8f load8(const HalfF16C* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 __attribute__((target("arch=x86-64-v3"))) void weighted_rows_f16c(const float* w, int64_t wstride, int64_t nh,
                                                                  const c10::Half* rows, int64_t m, int64_t dv,
                                                                  float* acc, const c10::Half* next) {
